@@ -1,0 +1,10 @@
+"""What the compiler sees: the ``tscompile::`` op schemas, their fake kernels and real kernels.
+
+Importing this package registers every op. Kernels are chosen per call by the ``impl`` string the
+attention backend passes; the torch implementation is the oracle every other one is tested against.
+"""
+
+from tscompile.custom_ops import attention, metadata, narrow, sampling  # noqa: F401
+from tscompile.custom_ops.attention import attention_impls, register_attention_impl
+
+__all__ = ["attention_impls", "register_attention_impl"]

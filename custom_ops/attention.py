@@ -1,0 +1,141 @@
+"""``tscompile::attention``: write this forward's K/V into the paged cache, then attend.
+
+One schema serves decode, extend (with a cached prefix) and mixed batches. Every tensor is an
+explicit argument, so fake kernels, export and graph capture all see them.
+
+Layout (one layer, one cache group):
+    q:          [T, Hq, D]            the new query rows, request-major
+    k, v:       [T, Hkv, D]           the new key/value rows
+    k_cache:    [num_pages, P, Hkv, D] mutated: rows written at ``write_loc``
+    v_cache:    [num_pages, P, Hkv, D] mutated
+    out:        [T, Hq, D]            mutated: attention output (caller-provided)
+    page_table: [B, max_pages] int32  kernel pages, batch-ordered, padded with the null page 0
+    seq_lens:   [B] int32             KV length of each request after this forward's writes
+    qo_indptr:  [B + 1] int32         query rows of request b are qo_indptr[b]:qo_indptr[b + 1]
+    write_loc:  [T] int64             cache slot (page * P + offset) of each new row
+    decode:     every request has exactly one query row (qo_indptr == arange); kernels may take a
+                graph-safe path that never reads the host
+    impl:       which registered kernel runs ("torch", "triton", ...)
+
+Query row ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and attends causally
+to positions ``[0, that position]``. A request with ``seq_lens == 0`` (a padded decode row) gets zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+AttentionImpl = Callable[..., None]
+_IMPLS: dict[str, AttentionImpl] = {}
+
+
+def register_attention_impl(name: str, fn: AttentionImpl) -> None:
+    """Make ``fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
+    scale, decode)`` reachable as ``impl=name``."""
+    _IMPLS[name] = fn
+
+
+def attention_impls() -> list[str]:
+    return sorted(_IMPLS)
+
+
+@torch.library.custom_op("tscompile::attention", mutates_args=("k_cache", "v_cache", "out"))
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    write_loc: torch.Tensor,
+    scale: float,
+    decode: bool,
+    impl: str,
+) -> None:
+    fn = _IMPLS.get(impl)
+    if fn is None:
+        raise ValueError(f"tscompile: unknown attention impl {impl!r}; known: {attention_impls()}")
+    fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode)
+
+
+@attention.register_fake
+def _(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode, impl):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch implementation: pure PyTorch over the paged cache, any device. It is the oracle, so it
+# computes in float32 (float64 when given float64) and favours plainness over speed. Its decode
+# path never syncs with the host, so it can run inside a captured graph.
+
+
+def write_kv(k, v, k_cache, v_cache, write_loc) -> None:
+    """Scatter the new rows into the cache: flat slot ``s`` is ``cache.view(-1, Hkv, D)[s]``."""
+    hkv, d = k_cache.shape[-2:]
+    k_cache.view(-1, hkv, d).index_copy_(0, write_loc, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, write_loc, v.to(v_cache.dtype))
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _torch_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
+    bs, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    acc = _acc_dtype(q)
+    slots = (page_table.long()[:, :, None] * page_size + torch.arange(page_size, device=q.device))
+    slots = slots.reshape(bs, -1)  # [B, S]
+    keys = k_cache.view(-1, hkv, d)[slots].to(acc)  # [B, S, Hkv, D]
+    vals = v_cache.view(-1, hkv, d)[slots].to(acc)
+    qg = q.to(acc).view(bs, hkv, hq // hkv, d)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys) * scale
+    live = torch.arange(slots.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # seq_len 0 rows: all -inf -> zeros
+    o = torch.einsum("bhgs,bshd->bhgd", probs, vals)
+    out.copy_(o.reshape(bs, hq, d).to(out.dtype))
+
+
+def _torch_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale) -> None:
+    hq, d = q.shape[1:]
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    acc = _acc_dtype(q)
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    indptr, lens = qo_indptr.tolist(), seq_lens.tolist()
+    for b, kv_len in enumerate(lens):
+        start, end = indptr[b], indptr[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        if kv_len == 0:
+            out[start:end] = 0
+            continue
+        n_pages = -(-kv_len // page_size)
+        pages = page_table[b, :n_pages].long()
+        slots = (pages[:, None] * page_size + torch.arange(page_size, device=q.device)).reshape(-1)
+        keys = flat_k[slots[:kv_len]].to(acc).repeat_interleave(hq // hkv, dim=1)  # [S, Hq, D]
+        vals = flat_v[slots[:kv_len]].to(acc).repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[start:end].to(acc), keys) * scale
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        causal = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~causal[None], float("-inf"))
+        o = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), vals)
+        out[start:end] = o.to(out.dtype)
+
+
+def torch_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
+                    scale, decode) -> None:
+    write_kv(k, v, k_cache, v_cache, write_loc)
+    if decode:
+        _torch_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+    else:
+        _torch_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
+
+
+register_attention_impl("torch", torch_attention)

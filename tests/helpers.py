@@ -1,0 +1,82 @@
+"""Shared test fixtures: random paged batches and a dense (unpaged) attention reference."""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_paged_batch(q_lens, kv_lens, *, page_size, num_kv_heads=2, group=2, head_dim=16,
+                       dtype=torch.float32, device="cpu", seed=0, pad_rows=0):
+    """A ragged batch where every request owns distinct pages (no shared slots).
+
+    Returns a dict with q, k, v (the new rows), k_cache/v_cache (random, prefix already in place),
+    page_table, seq_lens, qo_indptr, write_loc, and the dense per-request K/V for a reference.
+    ``pad_rows`` appends padded requests (seq_len 0, null page table, write slot 0)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(q_lens)
+    max_pages = max(-(-max(kv_lens) // page_size), 1) + 1
+    pages_needed = sum(-(-kv // page_size) for kv in kv_lens)
+    num_pages = pages_needed + 3
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # never page 0
+    hq = num_kv_heads * group
+    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    page_table = torch.zeros(B + pad_rows, max_pages, dtype=torch.int32)
+    for b, kv in enumerate(kv_lens):
+        n = -(-kv // page_size)
+        page_table[b, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    T = sum(q_lens)
+    q = torch.randn(T + pad_rows, hq, head_dim, generator=g).to(dtype)
+    k = torch.randn(T + pad_rows, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(T + pad_rows, num_kv_heads, head_dim, generator=g).to(dtype)
+    write_loc, dense_k, dense_v = [], [], []
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    row = 0
+    for b, (ql, kv) in enumerate(zip(q_lens, kv_lens)):
+        slots = [int(page_table[b, p // page_size]) * page_size + p % page_size for p in range(kv)]
+        write_loc += slots[kv - ql:]
+        dk, dv = flat_k[slots].clone(), flat_v[slots].clone()
+        dk[kv - ql:] = k[row:row + ql]
+        dv[kv - ql:] = v[row:row + ql]
+        dense_k.append(dk)
+        dense_v.append(dv)
+        row += ql
+    write_loc += [0] * pad_rows
+    seq_lens = torch.tensor(list(kv_lens) + [0] * pad_rows, dtype=torch.int32)
+    qo = torch.tensor([0] + list(q_lens) + [1] * pad_rows).cumsum(0).to(torch.int32)
+    to = dict(device=device)
+    return dict(
+        q=q.to(**to), k=k.to(**to), v=v.to(**to), k_cache=k_cache.to(**to), v_cache=v_cache.to(**to),
+        page_table=page_table.to(**to), seq_lens=seq_lens.to(**to), qo_indptr=qo.to(**to),
+        write_loc=torch.tensor(write_loc, dtype=torch.int64, device=device),
+        dense_k=dense_k, dense_v=dense_v, q_lens=list(q_lens), kv_lens=list(kv_lens),
+    )
+
+
+def dense_reference(batch, scale):
+    """float64 causal attention on the unpaged K/V; returns [T, Hq, D] (padded rows: zeros)."""
+    q = batch["q"].double().cpu()
+    outs = []
+    row = 0
+    for ql, kv, dk, dv in zip(batch["q_lens"], batch["kv_lens"], batch["dense_k"], batch["dense_v"]):
+        hq, hkv = q.shape[1], dk.shape[1]
+        keys = dk.double().repeat_interleave(hq // hkv, dim=1)
+        vals = dv.double().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("thd,shd->hts", q[row:row + ql], keys) * scale
+        qpos = torch.arange(kv - ql, kv)
+        s = s.masked_fill(torch.arange(kv)[None, :] > qpos[:, None], float("-inf"))
+        outs.append(torch.einsum("hts,shd->thd", torch.softmax(s, -1), vals))
+        row += ql
+    pad = q.shape[0] - row
+    outs.append(torch.zeros(pad, *q.shape[1:], dtype=torch.float64))
+    return torch.cat(outs)
+
+
+def run_attention(batch, impl, *, decode, scale=0.25, poison=float("nan")):
+    out = torch.full_like(batch["q"], poison)
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    torch.ops.tscompile.attention(
+        batch["q"], batch["k"], batch["v"], k_cache, v_cache, out, batch["page_table"], batch["seq_lens"],
+        batch["qo_indptr"], batch["write_loc"], scale, decode, impl,
+    )
+    return out, k_cache, v_cache

@@ -1,0 +1,8 @@
+"""tscompile: an LLM execution backend that lives inside torch.compile."""
+
+from tscompile import custom_ops  # noqa: F401  (registers the tscompile:: ops)
+from tscompile.runtime.engine import LLM
+from tscompile.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]

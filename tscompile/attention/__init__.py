@@ -1,0 +1,53 @@
+"""Attention backends: a registry with lazy imports, so a missing optional kernel package only
+matters when its backend is asked for."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tscompile.attention.base import AttentionBackend, AttentionMetadata, ForwardMode, PagedAttentionBackend
+from tscompile.attention.router import CacheGroupRouter
+from tscompile.attention.support import CudaGraphSupport, resolve_cuda_graph_support
+from tscompile.kv_cache.spec import CacheGroupSpec
+
+# name -> (module, class) of the kernel-facing paged leaf
+BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("tscompile.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("tscompile.attention.triton_backend", "TritonAttentionBackend"),
+}
+
+
+def leaf_class(name: str) -> type[PagedAttentionBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"tscompile: unknown attention backend {name!r}; known: {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def default_backend_name(device: torch.device | str) -> str:
+    """``auto``: Triton kernels on CUDA when triton imports, the torch oracle elsewhere."""
+    if torch.device(device).type == "cuda":
+        try:
+            leaf_class("triton")
+            return "triton"
+        except ImportError:
+            pass
+    return "torch"
+
+
+def create_attention_backend(name: str, specs: list[CacheGroupSpec], *, max_model_len: int, page_size: int,
+                             device: torch.device | str) -> CacheGroupRouter:
+    if name == "auto":
+        name = default_backend_name(device)
+    cls = leaf_class(name)
+    max_pages = -(-max_model_len // page_size)
+    leaves = [cls(gid, max_pages=max_pages, device=torch.device(device)) for gid in range(len(specs))]
+    return CacheGroupRouter(specs, leaves, max_model_len=max_model_len, device=device)
+
+
+__all__ = [
+    "AttentionBackend", "AttentionMetadata", "BACKENDS", "CacheGroupRouter", "CudaGraphSupport", "ForwardMode",
+    "PagedAttentionBackend", "create_attention_backend", "leaf_class", "resolve_cuda_graph_support",
+]

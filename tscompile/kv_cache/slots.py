@@ -1,0 +1,34 @@
+"""Write-location math as pure functions: the one place ``slot = table[req, pos // P] * P + pos % P``
+is written down. Everything else (the refresh op, the extend planner, tests) calls these.
+
+A *block table* is the scheduler's: ``[num_reqs, max_blocks]`` block ids of ``block_size`` tokens.
+A *page table* is the kernels': ``[num_reqs, max_pages]`` page ids of ``page_size`` tokens. One block
+is ``pages_per_block`` consecutive pages: block ``b`` holds pages ``b * r .. b * r + r - 1``. Block 0
+and page 0 are the reserved null entries, so an empty table entry maps to page 0, never to a live one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_block_table(block_table: torch.Tensor, pages_per_block: int, max_pages: int) -> torch.Tensor:
+    """``[n, max_blocks]`` block ids -> ``[n, max_pages]`` page ids (int32); null block -> page 0."""
+    cols = torch.arange(max_pages, device=block_table.device)
+    block_col = torch.clamp(cols // pages_per_block, max=block_table.shape[1] - 1)
+    blocks = block_table.long().index_select(1, block_col)
+    pages = blocks * pages_per_block + (cols % pages_per_block)
+    in_range = (cols // pages_per_block) < block_table.shape[1]
+    return torch.where((blocks > 0) & in_range, pages, 0).to(torch.int32)
+
+
+def slot_from_page_table(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slot of token ``positions[i]`` of request ``i``: ``page_table[i, pos // P] * P + pos % P``."""
+    page = page_table.long().gather(1, (positions.long() // page_size)[:, None])[:, 0]
+    return page * page_size + positions.long() % page_size
+
+
+def slot_from_block_table(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The same slot computed straight from the scheduler's table (used to check the router)."""
+    block = block_table.long().gather(1, (positions.long() // block_size)[:, None])[:, 0]
+    return block * block_size + positions.long() % block_size

@@ -1,0 +1,49 @@
+"""What a model declares about its KV cache: one spec per cache group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    """One cache group: the layers that share a page-id space and a per-request sequence.
+
+    ``window`` is None for a group that keeps every position; for the narrowing model's tail group
+    it is the number of rows a prompt-completing chunk keeps (see ``kept_rows``).
+    """
+
+    name: str
+    layer_ids: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+    @property
+    def narrowed(self) -> bool:
+        return self.window is not None
+
+
+def kept_rows(q_len: int, completes_prompt: bool, window: int | None) -> int:
+    """Rows of a chunk a group keeps (host-side twin of ``tscompile::narrow_rows``'s device rule)."""
+    if window is None:
+        return q_len
+    return min(window, q_len) if completes_prompt else min(1, q_len)
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The storage geometry of one group in a pool; a rebind may change ``num_pages`` only."""
+
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_block: int
+    dtype: torch.dtype
+    layer_ids: tuple[int, ...]
+
+    @property
+    def block_size(self) -> int:
+        return self.page_size * self.pages_per_block

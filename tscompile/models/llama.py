@@ -1,0 +1,236 @@
+"""A Llama-family decoder written against the tscompile ops, one readable file (gpt-fast style).
+
+Inputs are flat rows: ``input_ids: [T] int64``, ``positions: [T] int64`` (request-major, the row
+plan lives in the forward context). The KV cache is per-layer module buffers bound from a pool:
+``k_cache, v_cache: [num_pages, page_size, n_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tscompile.kv_cache.pool import KVCachePool
+from tscompile.kv_cache.spec import CacheGroupSpec
+from tscompile.runtime.forward_context import get_forward_context
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    dim: int = 256
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    intermediate_size: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_position: int = 4096
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    # llama3 scaling: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position"}
+    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    # CED-style narrowing (None: a plain decoder): layers [narrow_layer, n_layers) run on kept rows
+    narrow_layer: int | None = None
+    narrow_window: int = 4
+    head_dim: int = field(init=False)
+
+    def __post_init__(self):
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"tscompile: dim {self.dim}, heads {self.n_heads}, kv heads {self.n_kv_heads} do not divide")
+        object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.narrow_layer is not None and not 0 < self.narrow_layer < self.n_layers:
+            raise ValueError(f"tscompile: narrow_layer {self.narrow_layer} must be inside (0, {self.n_layers})")
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "head_dim"}
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = {k: v for k, v in d.items() if k != "head_dim"}
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = tuple(sorted(d["rope_scaling"].items()))
+        return cls(**d)
+
+
+_LLAMA3_SCALING = (("factor", 32.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                   ("original_max_position", 8192.0))
+
+PRESETS: dict[str, ModelConfig] = {
+    "llama-tiny": ModelConfig(),
+    "llama-1b": ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                            intermediate_size=8192, rope_theta=500000.0, max_position=131072,
+                            tie_embeddings=True, rope_scaling=_LLAMA3_SCALING),
+    "llama-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            intermediate_size=14336, rope_theta=500000.0, max_position=8192),
+    "narrow-tiny": ModelConfig(n_layers=4, narrow_layer=2, narrow_window=4),
+}
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float64, with llama3 wavelength-band scaling."""
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    if cfg.rope_scaling is None:
+        return inv
+    s = dict(cfg.rope_scaling)
+    factor, low, high, orig = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position"]
+    wavelen = 2 * math.pi / inv
+    smooth = ((orig / wavelen) - low) / (high - low)
+    scaled = torch.where(wavelen > orig / low, inv / factor, inv)
+    mid = (wavelen <= orig / low) & (wavelen >= orig / high)
+    return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] (halves rotated, HF layout); cos, sin: [T, D // 2] float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+        # bound by Transformer.bind_kv_cache: [num_pages, page_size, n_kv_heads, head_dim]
+        self.register_buffer("k_cache", torch.empty(0), persistent=False)
+        self.register_buffer("v_cache", torch.empty(0), persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        rows = x.shape[0]
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(rows, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(rows, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.view(rows, self.n_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        ctx.backend.forward(self.layer_id, ctx.mode, q, k, v, self.k_cache, self.v_cache, out, self.scale)
+        return self.wo(out.view(rows, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """``forward`` = encoder_forward -> narrowing_forward -> decoder_forward -> finish_forward.
+
+    For a plain decoder the narrowing is the identity and every layer is an encoder layer; the
+    narrowing model (``models/narrow.py``) overrides the middle."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_frequencies(cfg).float(), persistent=False)
+
+    # -- structure the runtime reads ---------------------------------------------------------------
+    @property
+    def num_encoder_layers(self) -> int:
+        return self.config.n_layers
+
+    def cache_groups(self) -> list[CacheGroupSpec]:
+        cfg = self.config
+        return [CacheGroupSpec("full", tuple(range(cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim)]
+
+    def bind_kv_cache(self, pool: KVCachePool) -> None:
+        for layer in self.layers:
+            attn = layer.attention
+            attn.k_cache, attn.v_cache = pool.layer_cache(attn.layer_id)
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "Transformer":
+        gen = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
+        return self
+
+    # -- the forward, as four stages --------------------------------------------------------------
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return torch.cos(freqs), torch.sin(freqs)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        cos, sin = self.rope(positions)
+        for layer in self.layers[start:stop]:
+            h = layer(h, cos, sin)
+        return h
+
+    def encoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.run_layers(self.tok_embeddings(input_ids), positions, 0, self.num_encoder_layers)
+
+    def narrowing_forward(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h, positions
+
+    def decoder_forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.run_layers(h, positions, self.num_encoder_layers, self.config.n_layers)
+        return self.norm(h)
+
+    def finish_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of each request's last row: ``[B, vocab]`` float32."""
+        ctx = get_forward_context()
+        last_layer = self.config.n_layers - 1
+        rows = ctx.backend.metadata(last_layer, ctx.mode).qo_indptr[1:].long() - 1
+        return self.output(h.index_select(0, rows)).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.encoder_forward(input_ids, positions)
+        h, positions = self.narrowing_forward(h, positions)
+        h = self.decoder_forward(h, positions)
+        return self.finish_forward(h)
+
+
+def build_config(preset: str, **overrides) -> ModelConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"tscompile: unknown model preset {preset!r}; known: {sorted(PRESETS)}")
+    return replace(PRESETS[preset], **overrides)

@@ -1,0 +1,131 @@
+"""``tscompile.LLM``: a model, its paged KV cache, a scheduler and a runner behind ``generate``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from typing import Sequence
+
+import torch
+
+from tscompile.attention import create_attention_backend, resolve_cuda_graph_support
+from tscompile.kv_cache.pool import KVCachePool
+from tscompile.models import ModelConfig, Transformer, build_model
+from tscompile.runtime.model_runner import ModelRunner
+from tscompile.runtime.scheduler import Request, Scheduler
+from tscompile.sampling import SamplingParams
+
+logger = logging.getLogger("tscompile")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"tscompile: unknown dtype {dtype!r}; known: {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """Generate with a reference model (a preset name, a ``ModelConfig`` or a built ``Transformer``).
+
+    ``max_num_seqs`` bounds concurrent requests (and the decode buffers); ``max_model_len`` bounds
+    prompt plus new tokens; ``num_pages`` (per cache group) defaults to enough for ``max_num_seqs``
+    requests of ``max_model_len``; ``max_num_batched_tokens`` is the per-step token budget that
+    chunks long prompts."""
+
+    def __init__(
+        self,
+        model: str | ModelConfig | Transformer = "llama-tiny",
+        *,
+        attention_backend: str = "auto",
+        max_num_seqs: int = 8,
+        max_model_len: int = 512,
+        page_size: int = 16,
+        pages_per_block: int = 1,
+        num_pages: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        enforce_eager: bool = True,
+        seed: int = 0,
+    ):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        if isinstance(model, Transformer):
+            self.model = model
+        else:
+            self.model = build_model(model, dtype=self.dtype, device=self.device, seed=seed)
+        self.config = self.model.config
+        if max_model_len > self.config.max_position:
+            raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position "
+                             f"{self.config.max_position}")
+        specs = self.model.cache_groups()
+        block_size = page_size * pages_per_block
+        blocks_per_seq = -(-max_model_len // block_size)
+        if num_pages is None:
+            num_pages = (max_num_seqs * blocks_per_seq + 1) * pages_per_block
+        self.backend = create_attention_backend(attention_backend, specs, max_model_len=max_model_len,
+                                                page_size=page_size, device=self.device)
+        self.graph_support = resolve_cuda_graph_support(self.backend)
+        self.pool = KVCachePool.allocate(specs, [num_pages] * len(specs), page_size=page_size,
+                                         pages_per_block=pages_per_block, dtype=self.dtype, device=self.device)
+        self.backend.set_cache_pool(self.pool)
+        self.model.bind_kv_cache(self.pool)
+        self.scheduler = Scheduler(
+            specs, [self.pool.num_blocks(g) for g in range(len(specs))], block_size=block_size,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, vocab_size=self.config.vocab_size,
+        )
+        self.runner = ModelRunner(self.model, self.backend, max_num_seqs=max_num_seqs, device=self.device)
+        self.enforce_eager = enforce_eager
+        self._ids = itertools.count()
+        self._rng = random.Random(seed)
+
+    # -- request level ---------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> Request:
+        """Queue one request; a refused request raises ``ValueError`` and changes nothing."""
+        prompt = [int(t) for t in prompt_token_ids]
+        seed = sampling_params.seed if sampling_params.seed is not None else self._rng.getrandbits(63)
+        req = Request(next(self._ids), prompt, sampling_params, seed)
+        self.scheduler.add(req)
+        return req
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        with torch.inference_mode():
+            tokens = self.runner.execute(self.scheduler, batch)
+        return self.scheduler.update(batch, tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def generate(self, prompt_token_ids: list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Generate for every prompt; returns the new token ids of each, in prompt order.
+
+        Every prompt is validated before any is queued, so a refused call changes nothing."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_token_ids)
+        if len(params) != len(prompt_token_ids):
+            raise ValueError(f"tscompile: {len(params)} sampling params for {len(prompt_token_ids)} prompts")
+        for prompt, p in zip(prompt_token_ids, params):
+            self.scheduler.validate([int(t) for t in prompt], p)
+        reqs = [self.add_request(prompt, p) for prompt, p in zip(prompt_token_ids, params)]
+        pending = set(r.rid for r in reqs)
+        while pending:
+            if not self.has_unfinished():
+                raise RuntimeError("scheduler drained with requests pending")
+            for r in self.step():
+                pending.discard(r.rid)
+        return [list(r.output) for r in reqs]

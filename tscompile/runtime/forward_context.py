@@ -1,0 +1,47 @@
+"""The live forward context: what a model forward reads besides its tensor inputs.
+
+The runner sets it around every forward; layers read the mode and the top-level attention backend
+(metadata and write locations) from it at call time, so a captured graph never freezes a value the
+next step changes. Under torch.compile, Dynamo lifts the tensors it reaches here as graph inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from tscompile.attention.base import ForwardMode
+
+if TYPE_CHECKING:
+    from tscompile.attention.router import CacheGroupRouter
+
+
+@dataclass
+class ForwardContext:
+    mode: ForwardMode
+    backend: "CacheGroupRouter"
+    # [B] bool on the device: request b's chunk completes its prompt (extend/mixed only; the
+    # narrowing model keeps a window of rows for those). None on decode.
+    completes: torch.Tensor | None = None
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("tscompile: model forward called outside a forward context (use the engine or runner)")
+    return _current
