@@ -6,5 +6,6 @@ attention backend passes; the torch implementation is the oracle every other one
 
 from tscompile.custom_ops import attention, metadata, narrow, sampling  # noqa: F401
 from tscompile.custom_ops.attention import attention_impls, register_attention_impl
+from tscompile.custom_ops.metadata import register_refresh_impl
 
-__all__ = ["attention_impls", "register_attention_impl"]
+__all__ = ["attention_impls", "register_attention_impl", "register_refresh_impl"]

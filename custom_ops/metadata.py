@@ -8,13 +8,24 @@ before a graph replay, inside a captured graph or inside an exported program.
     page_table_out: [bs, max_pages] int32   mutated; rows >= n become the null page 0
     seq_lens_out:   [bs] int32              mutated; rows >= n become 0
     write_loc_out:  [bs] int64              mutated; slot of position seq_len - 1; padding -> slot 0
+    impl:           which registered kernel runs ("torch", "triton", ...)
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tscompile.kv_cache.slots import expand_block_table, slot_from_page_table
+
+_IMPLS: dict[str, Callable[..., None]] = {}
+
+
+def register_refresh_impl(name: str, fn: Callable[..., None]) -> None:
+    """Make ``fn(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block,
+    page_size)`` reachable as ``impl=name``."""
+    _IMPLS[name] = fn
 
 
 @torch.library.custom_op(
@@ -28,7 +39,21 @@ def refresh_decode_metadata(
     write_loc_out: torch.Tensor,
     pages_per_block: int,
     page_size: int,
+    impl: str,
 ) -> None:
+    fn = _IMPLS.get(impl)
+    if fn is None:
+        raise ValueError(f"tscompile: unknown refresh impl {impl!r}; known: {sorted(_IMPLS)}")
+    fn(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block, page_size)
+
+
+@refresh_decode_metadata.register_fake
+def _(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block, page_size, impl):
+    return None
+
+
+def torch_refresh(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block, page_size):
+    """Pure-torch refresh: a handful of small launches, no host reads."""
     n = seq_lens.shape[0]
     max_pages = page_table_out.shape[1]
     pages = expand_block_table(block_tables[:n], pages_per_block, max_pages)
@@ -41,6 +66,4 @@ def refresh_decode_metadata(
     write_loc_out[n:].zero_()
 
 
-@refresh_decode_metadata.register_fake
-def _(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block, page_size):
-    return None
+register_refresh_impl("torch", torch_refresh)

@@ -1,7 +1,12 @@
 import os
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter; it must be chosen before triton imports.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 import tscompile  # noqa: F401  (registers the ops)
 

@@ -156,7 +156,8 @@ class PagedAttentionBackend(AttentionBackend):
     geometry in ``validate_cache_pool``.
     """
 
-    impl: ClassVar[str] = ""
+    impl: ClassVar[str] = ""  # tscompile::attention kernel
+    refresh_impl: ClassVar[str] = "torch"  # tscompile::refresh_decode_metadata kernel
 
     def __init__(self, group_id: int, *, max_pages: int, device: torch.device):
         self.group_id = group_id
@@ -217,7 +218,7 @@ class PagedAttentionBackend(AttentionBackend):
         table = block_tables[self.group_id][num_extends : num_extends + actual_bs]
         torch.ops.tscompile.refresh_decode_metadata(
             table, seq_lens[:actual_bs], views.page_table, views.seq_lens, write_loc_out,
-            self.pages_per_block, self.page_size,
+            self.pages_per_block, self.page_size, self.refresh_impl,
         )
         self.forward_decode_metadata = views
 

@@ -13,4 +13,5 @@ from tscompile.attention.support import CudaGraphSupport
 
 class TorchAttentionBackend(PagedAttentionBackend):
     impl = "torch"
+    refresh_impl = "torch"
     cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True)
