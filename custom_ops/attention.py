@@ -98,6 +98,8 @@ def _torch_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None
     live = torch.arange(slots.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
     scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # seq_len 0 rows: all -inf -> zeros
+    # slots past seq_len hold whatever the pool held (maybe NaN): 0 * NaN would leak, so zero them
+    vals = vals.masked_fill(~live[:, :, None, None], 0.0)
     o = torch.einsum("bhgs,bshd->bhgd", probs, vals)
     out.copy_(o.reshape(bs, hq, d).to(out.dtype))
 

@@ -24,6 +24,22 @@ def test_torch_decode_matches_dense_and_pads_to_zero(page_size):
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_unwritten_slots_never_leak_into_the_output(decode):
+    """Slots past seq_len (and the null page) may hold NaN/inf garbage: outputs must ignore them."""
+    q_lens = [1, 1, 1] if decode else [2, 1, 4]
+    batch = random_paged_batch(q_lens, [3, 18, 7], page_size=16, seed=9, pad_rows=1 if decode else 0)
+    live = torch.zeros(batch["k_cache"].shape[0] * 16, dtype=torch.bool)
+    for b, kv in enumerate(batch["kv_lens"]):
+        for p in range(kv):
+            live[int(batch["page_table"][b, p // 16]) * 16 + p % 16] = True
+    for name, poison in (("k_cache", float("nan")), ("v_cache", float("inf"))):
+        flat = batch[name].view(-1, *batch[name].shape[2:])
+        flat[~live] = poison
+    out, _, _ = run_attention(batch, "torch", decode=decode)
+    torch.testing.assert_close(out.double(), dense_reference(batch, 0.25), rtol=1e-5, atol=1e-5)
+
+
 def test_decode_path_equals_extend_path_on_single_rows():
     batch = random_paged_batch([1] * 4, [7, 1, 64, 30], page_size=16, seed=5)
     dec, kd, vd = run_attention(batch, "torch", decode=True)

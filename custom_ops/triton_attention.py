@@ -1,0 +1,394 @@
+"""The ``triton`` implementation of ``tscompile::attention``: paged KV write, split-KV decode, extend.
+
+Three kernels (plus a split combiner), all launched with grids that depend only on static shapes,
+and none of them reads a tensor value on the host. That makes every path CUDA-graph safe: the
+same launches replay correctly whatever ``seq_lens`` / ``qo_indptr`` / ``page_table`` hold.
+
+Layout (the op contract, see ``custom_ops/attention.py``):
+    q:          [T, Hq, D]             float32 / bfloat16 / float16, any strides
+    k, v:       [T, Hkv, D]            same dtypes, any strides (v is usually a view of a fused qkv)
+    k_cache:    [num_pages, P, Hkv, D] same dtypes; flat slot s = page * P + offset
+    v_cache:    [num_pages, P, Hkv, D]
+    out:        [T, Hq, D]
+    page_table: [B, max_pages] int32   (null page 0 for unused entries)
+    seq_lens:   [B] int32              KV length of each request after this forward's writes
+    qo_indptr:  [B + 1] int32
+    write_loc:  [T] int64
+
+GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``. Every attention program handles *all*
+query heads of one KV head, so a KV tile is loaded once per group instead of once per query head.
+
+Accumulation is float32 throughout (scores, softmax statistics, the output accumulator). Matrix
+products run with ``tl.dot``; for float32 inputs it is asked for IEEE precision so an fp32 run is
+not silently done in TF32 on GPUs.
+
+Supported: head_dim a power of two in [16, 256]; dtypes float32, bfloat16, float16. Anything else
+raises ``ValueError('tscompile: ...')`` before a kernel is launched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tscompile.custom_ops.attention import register_attention_impl
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+# Decode split-KV tuning. The number of splits is a function of static shapes only (the table's
+# KV capacity ``max_pages * P``, the batch and the KV head count), never of ``seq_lens`` values.
+# Module-level so tests can shrink DECODE_MIN_SPLIT_TOKENS to exercise many splits on tiny shapes.
+DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to combine than it saves
+DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
+DECODE_MAX_SPLITS = 32
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def check_supported(head_dim: int, dtype: torch.dtype, what: str = "triton attention") -> None:
+    """Raise ``ValueError('tscompile: ...')`` if the kernels cannot run this geometry."""
+    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0):
+        raise ValueError(
+            f"tscompile: {what} does not support head_dim {head_dim}; supported: powers of two in "
+            f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (e.g. 64, 128)"
+        )
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"tscompile: {what} does not support dtype {dtype}; supported: {names}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_inputs(q, k, v, k_cache, v_cache, out) -> None:
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    check_supported(d, k_cache.dtype)
+    for name, t in (("q", q), ("k", k), ("v", v), ("v_cache", v_cache), ("out", out)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            check_supported(d, t.dtype, f"triton attention ({name})")
+    if hq % hkv:
+        raise ValueError(f"tscompile: triton attention needs Hq % Hkv == 0, got Hq={hq}, Hkv={hkv}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"tscompile: triton attention needs CUDA tensors (got device {q.device.type}); on CPU set "
+            "TRITON_INTERPRET=1 before triton is imported"
+        )
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: IEEE products (the default would be TF32 on tensor cores). 16-bit: ignored.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------
+# a. KV write
+
+
+@triton.jit
+def _kv_write_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcp, stride_kco, stride_kch, stride_kcd,
+    stride_vcp, stride_vco, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """One program per new row t: copy k[t], v[t] ([Hkv, D]) to slot write_loc[t] of both caches."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < NUM_KV_HEADS)[:, None]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
+    kc = k_cache_ptr + page * stride_kcp + off * stride_kco + h[:, None] * stride_kch + d[None, :] * stride_kcd
+    vc = v_cache_ptr + page * stride_vcp + off * stride_vco + h[:, None] * stride_vch + d[None, :] * stride_vcd
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k, v, k_cache, v_cache, write_loc) -> None:
+    """Scatter ``k, v [T, Hkv, D]`` into ``k_cache, v_cache [num_pages, P, Hkv, D]`` at flat slots
+    ``write_loc [T] int64``, cast to the cache dtype. Duplicate slots (padded rows all write the null
+    slot 0) are fine: whichever row lands last wins, and nobody reads the null page."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    _kv_write_kernel[(t,)](
+        k, v, k_cache, v_cache, write_loc,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), PAGE_SIZE=k_cache.shape[1],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# b. decode: split-KV partials, then a log-sum-exp combine
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kcp, stride_kco, stride_kch, stride_kcd,
+    stride_vcp, stride_vco, stride_vch, stride_vcd,
+    stride_ptb, stride_ptp,
+    max_kv,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
+    of request b over KV positions [s * SPLIT_LEN, (s + 1) * SPLIT_LEN) clipped to seq_lens[b].
+
+    Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
+    part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split).
+    Query rows are padded to GROUP_PAD (>= 16, what tl.dot needs); the pad rows are masked out.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)  # never read past the page table row
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, kv_len)  # hi <= lo: empty split, the loop below does not run
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    g_live = g < GROUP
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=g_live[:, None], other=0.0)
+
+    # Running max starts finite so a fully masked tile gives alpha = 1, p = 0 (no inf - inf NaNs).
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        live = pos < hi
+        # Per-token page lookup: works for every page size, including P = 1 and P > BLOCK_N.
+        page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=live, other=0).to(tl.int64)
+        off = pos % PAGE_SIZE
+        k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
+                    + d[None, :] * stride_kcd, mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
+                    + d[None, :] * stride_vcd, mask=live[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    row = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS] contiguous
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=g_live[:, None])
+    tl.store(part_lse_ptr + row, lse, mask=g_live)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ot, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Grid (B, Hq): out[b, h] = sum_s w_s * part_out[b, h, s] / sum_s w_s, w_s = 2^(lse_s - max lse).
+
+    A request with no KV at all (seq_len 0, a padded row) has every lse = -inf: it gets exact zeros."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s_live = s < NUM_SPLITS
+    row = (b * NUM_HEADS + h).to(tl.int64) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=s_live, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all empty: every weight below is 2^-inf = 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_live[:, None], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d * stride_od,
+             o.to(out_ptr.dtype.element_ty))
+
+
+def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int) -> int:
+    """Static split count: enough splits to fill the GPU, none shorter than the minimum length."""
+    by_length = -(-max_kv // DECODE_MIN_SPLIT_TOKENS)
+    by_occupancy = -(-DECODE_TARGET_PROGRAMS // max(batch * num_kv_heads, 1))
+    return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
+
+
+def _decode_blocks(head_dim: int) -> int:
+    return 32 if head_dim >= 256 else 64  # BLOCK_N; wide heads get a shorter tile to bound registers
+
+
+def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
+    """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B]."""
+    bs, hq, d = q.shape
+    if bs == 0:
+        return
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    max_kv = page_table.shape[1] * page_size
+    block_n = _decode_blocks(d)
+    num_splits = decode_num_splits(max_kv, bs, hkv)
+    split_len = -(-(-(-max_kv // num_splits)) // block_n) * block_n  # ceil to a whole tile
+    num_splits = -(-max_kv // split_len)  # rounding may leave trailing splits with no positions
+    part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bs, hkv, num_splits)](
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse,
+        scale * 1.4426950408889634,  # scores in log2 units so the kernel can use exp2
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
+        max_kv,
+        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
+        NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLIT_LEN=split_len, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    _decode_combine_kernel[(bs, hq)](
+        part_out, part_lse, out, *out.stride(),
+        NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# c. extend / prefill: causal attention of ragged query blocks over the paged cache
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, seq_lens_ptr, qo_indptr_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kcp, stride_kco, stride_kch, stride_kcd,
+    stride_vcp, stride_vco, stride_vch, stride_vcd,
+    stride_ptb, stride_ptp,
+    max_kv,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid (B, cdiv(T, BLOCK_M), Hkv). Program (b, mb, kvh) takes query rows
+    [mb * BLOCK_M, (mb + 1) * BLOCK_M) of request b (clipped to its q_len) for all GROUP query heads
+    of KV head kvh, flattened into ROWS = BLOCK_M * GROUP_PAD tile rows (row r: query i = r // GROUP_PAD,
+    head g = r % GROUP_PAD). Query i sits at position kv_len - q_len + i and attends causally to
+    KV positions [0, that position], all read from the paged cache (the new rows were written first).
+
+    Blocks past a request's q_len have an empty KV loop and store nothing (no early return needed).
+    """
+    b = tl.program_id(0)
+    mb = tl.program_id(1)
+    kvh = tl.program_id(2)
+
+    q_start = tl.load(qo_indptr_ptr + b)
+    q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)
+    prefix = kv_len - q_len  # positions already cached before this forward
+
+    r = tl.arange(0, ROWS)
+    qi = mb * BLOCK_M + r // GROUP_PAD  # query index inside the request
+    g = r % GROUP_PAD
+    row_live = (qi < q_len) & (g < GROUP)
+    heads = kvh * GROUP + g
+    tok = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_live[:, None], other=0.0)
+    q_pos = prefix + qi  # [ROWS]
+
+    # KV positions this block needs: up to its last live query's position (causal), inclusive.
+    last_q = tl.minimum(mb * BLOCK_M + BLOCK_M, q_len)
+    hi = tl.where(mb * BLOCK_M < q_len, prefix + last_q, 0)
+    hi = tl.maximum(tl.minimum(hi, kv_len), 0)
+
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
+    for start in range(0, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        live = pos < hi
+        page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=live, other=0).to(tl.int64)
+        off = pos % PAGE_SIZE
+        k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
+                    + d[None, :] * stride_kcd, mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+        visible = live[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
+                    + d[None, :] * stride_vcd, mask=live[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # A live row with no visible key (kv_len == 0) keeps l = 0 and gets zeros, like the oracle.
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+
+
+def _extend_blocks(head_dim: int, group_pad: int) -> tuple[int, int]:
+    """(BLOCK_M query positions, BLOCK_N keys): about 64 tile rows (32 for head_dim 256)."""
+    rows = 32 if head_dim >= 256 else 64
+    block_m = max(rows // group_pad, 1)
+    return block_m, (32 if head_dim >= 256 else 64)
+
+
+def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale) -> None:
+    """Ragged causal attention. q, out: [T, Hq, D]; qo_indptr [B + 1]; page_table [B, max_pages]."""
+    t, hq, d = q.shape
+    b = page_table.shape[0]
+    if t == 0 or b == 0:
+        return
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    group_pad = _next_pow2(group)
+    block_m, block_n = _extend_blocks(d, group_pad)
+    # T bounds every request's q_len, so cdiv(T, BLOCK_M) blocks cover the longest one; the grid
+    # depends on shapes only (no host read of qo_indptr).
+    _extend_kernel[(b, triton.cdiv(t, block_m), hkv)](
+        q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr,
+        scale * 1.4426950408889634,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
+        page_table.shape[1] * page_size,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
+                     scale, decode) -> None:
+    """``tscompile::attention`` with Triton kernels: write the new K/V rows, then attend (decode:
+    split-KV + combine; otherwise ragged causal extend). Never syncs with the host."""
+    _check_inputs(q, k, v, k_cache, v_cache, out)
+    write_kv(k, v, k_cache, v_cache, write_loc)
+    if decode:
+        paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+    else:
+        paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
+
+
+register_attention_impl("triton", triton_attention)

@@ -1,0 +1,109 @@
+"""opcheck for every op, plus the semantics of refresh, narrow_rows and sample."""
+
+import pytest
+import torch
+
+from tscompile.custom_ops.narrow import kept_row_mask
+from tscompile.custom_ops.sampling import sample_tokens
+from tscompile.kv_cache import kept_rows
+
+
+def _refresh_args(n, bs, max_blocks=4, pages_per_block=2, page_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_pages = max_blocks * pages_per_block
+    blocks = (torch.randperm(40, generator=g)[: n * max_blocks] + 1).view(n, max_blocks).to(torch.int32)
+    seq_lens = torch.randint(1, max_pages * page_size + 1, (n,), generator=g).to(torch.int32)
+    outs = (torch.full((bs, max_pages), -7, dtype=torch.int32), torch.full((bs,), -7, dtype=torch.int32),
+            torch.full((bs,), -7, dtype=torch.int64))
+    return blocks, seq_lens, outs, pages_per_block, page_size
+
+
+def test_opcheck_refresh_decode_metadata():
+    blocks, seq_lens, outs, r, p = _refresh_args(3, 5)
+    torch.library.opcheck(torch.ops.tscompile.refresh_decode_metadata.default, (blocks, seq_lens, *outs, r, p, "torch"))
+
+
+def test_refresh_pads_to_null_page_and_slot_zero():
+    blocks, seq_lens, (pt, sl, wl), r, p = _refresh_args(3, 6, seed=1)
+    torch.ops.tscompile.refresh_decode_metadata(blocks, seq_lens, pt, sl, wl, r, p, "torch")
+    assert torch.equal(pt[3:], torch.zeros_like(pt[3:]))
+    assert sl[3:].tolist() == [0, 0, 0] and wl[3:].tolist() == [0, 0, 0]
+    for i in range(3):
+        pos = int(seq_lens[i]) - 1
+        block = int(blocks[i, pos // (r * p)])
+        assert int(wl[i]) == block * r * p + pos % (r * p)
+
+
+def test_opcheck_narrow_rows():
+    x = torch.randn(9, 4)
+    pos = torch.arange(9)
+    indptr = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    completes = torch.tensor([True, False, True])
+    torch.library.opcheck(torch.ops.tscompile.narrow_rows.default, (x, pos, indptr, completes, 2))
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_narrow_rows_keeps_window_of_completing_chunks_and_last_row_otherwise(window):
+    q_lens, completes = [5, 3, 1, 1, 6], [True, False, True, False, False]
+    indptr = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(q_lens), 3)
+    pos = torch.arange(sum(q_lens)) + 100
+    rows, kept_pos = torch.ops.tscompile.narrow_rows(x, pos, indptr, torch.tensor(completes), window)
+    expect = []
+    for b, (q, c) in enumerate(zip(q_lens, completes)):
+        keep = kept_rows(q, c, window)
+        end = int(indptr[b + 1])
+        expect += list(range(end - keep, end))
+    assert kept_pos.tolist() == [p + 100 for p in expect]
+    assert torch.equal(rows, x[expect])
+    assert kept_row_mask(indptr, torch.tensor(completes), window, x.shape[0]).sum() == len(expect)
+
+
+def _sample_args(b=5, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, v, generator=g), torch.rand(b, generator=g) + 0.5, torch.randint(0, 10, (b,), generator=g).to(torch.int32),
+            torch.rand(b, generator=g) * 0.5 + 0.5, torch.randint(0, 2**40, (b,), generator=g), torch.arange(b) + 3)
+
+
+def test_opcheck_sample():
+    args = _sample_args()
+    torch.library.opcheck(torch.ops.tscompile.sample.default, (*args, torch.full((5,), -1, dtype=torch.int64)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_top_k_one_equals_argmax(seed):
+    logits, temp, _, top_p, seeds, steps = _sample_args(b=16, v=300, seed=seed)
+    logits[3, 7] = logits[3, 11] = logits[3].max() + 1  # a tie: argmax picks the first index
+    out = torch.full((16,), -1, dtype=torch.int64)
+    top_k = torch.ones(16, dtype=torch.int32)
+    torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, out)
+    assert torch.equal(out, logits.argmax(-1))
+    zero_temp = torch.zeros(16)
+    out.fill_(-1)
+    torch.ops.tscompile.sample(logits, zero_temp, torch.zeros(16, dtype=torch.int32), top_p, seeds, steps, out)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_sampling_respects_top_k_and_top_p_and_is_seeded():
+    g = torch.Generator().manual_seed(4)
+    v, n = 40, 4000
+    logits = torch.randn(1, v, generator=g).expand(n, v).contiguous()
+    top_k = torch.full((n,), 5, dtype=torch.int32)
+    seeds = torch.full((n,), 1234, dtype=torch.int64)
+    steps = torch.arange(n)
+    toks = sample_tokens(logits, torch.ones(n), top_k, torch.ones(n), seeds, steps)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    assert set(toks.tolist()) == allowed  # all five reachable, nothing else
+    again = sample_tokens(logits, torch.ones(n), top_k, torch.ones(n), seeds, steps)
+    assert torch.equal(toks, again)
+    other = sample_tokens(logits, torch.ones(n), top_k, torch.ones(n), seeds + 1, steps)
+    assert not torch.equal(toks, other)
+    probs = torch.softmax(logits[0], -1)
+    top = probs.argmax()
+    nucleus = sample_tokens(logits, torch.ones(n), torch.zeros(n, dtype=torch.int32),
+                            torch.full((n,), float(probs[top]) * 0.5), seeds, steps)
+    assert set(nucleus.tolist()) == {int(top)}  # top_p below the top token's mass keeps only it
+    # empirical frequencies follow the top-k renormalised distribution
+    kept = torch.softmax(logits[0, sorted(allowed)], -1)
+    freq = torch.tensor([(toks == t).float().mean() for t in sorted(allowed)])
+    torch.testing.assert_close(freq, kept, atol=0.03, rtol=0)

@@ -1,0 +1,133 @@
+"""The eager engine end to end on the CPU: correctness against a dense reference, batching,
+chunking, mixed steps and refusals."""
+
+import pytest
+import torch
+
+import tscompile
+from tscompile import SamplingParams
+from tscompile.attention import ForwardMode
+
+from reference import dense_greedy
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+           [77, 66, 55]]
+
+
+def make_llm(model="llama-tiny", **kw):
+    kw.setdefault("max_model_len", 64)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("page_size", 4)
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", torch.float64)
+    kw.setdefault("attention_backend", "torch")
+    return tscompile.LLM(model, **kw)
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_greedy_matches_dense_reference(model):
+    llm = make_llm(model)
+    out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    for prompt, got in zip(PROMPTS, out):
+        assert got == dense_greedy(llm.model, prompt, 6)
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=7),
+                                    SamplingParams(max_new_tokens=7, temperature=0.9, top_k=20, top_p=0.9, seed=3)])
+def test_batched_equals_one_request_at_a_time(model, params):
+    llm = make_llm(model, dtype=torch.float32)
+    batched = llm.generate(PROMPTS, params)
+    single = [llm.generate([p], params)[0] for p in PROMPTS]
+    assert batched == single
+    assert all(len(o) == 7 for o in batched)
+
+
+@pytest.mark.parametrize("page_size,pages_per_block", [(1, 1), (4, 2), (16, 1), (64, 1)])
+def test_page_geometry_does_not_change_tokens(page_size, pages_per_block):
+    ref = make_llm(page_size=8).generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    got = make_llm(page_size=page_size, pages_per_block=pages_per_block).generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    assert got == ref
+
+
+def _modes(llm):
+    seen = []
+    original = llm.runner.execute
+
+    def spy(sched, batch):
+        seen.append(batch.mode)
+        return original(sched, batch)
+
+    llm.runner.execute = spy
+    return seen
+
+
+def test_chunked_prefill_equals_unchunked_and_mixes_steps():
+    unchunked = make_llm().generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    llm = make_llm(max_num_batched_tokens=5)
+    modes = _modes(llm)
+    chunked = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    assert chunked == unchunked
+    assert ForwardMode.MIXED in modes and ForwardMode.DECODE in modes and ForwardMode.EXTEND in modes
+
+
+def test_narrowing_model_chunked_prefill_matches_dense_with_open_chunk_rows():
+    """An open chunk keeps its last row in the tail group; the dense reference is told so."""
+    from reference import dense_last_logits
+    llm = make_llm("narrow-tiny", max_num_batched_tokens=4, max_num_seqs=1)
+    prompt = PROMPTS[2]  # 19 tokens -> chunks of 4: open chunks end at 3, 7, 11, 15; the last keeps W=4 rows
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=4))
+    kept = [3, 7, 11, 15, 15, 16, 17, 18]
+    kept = sorted(set(kept))  # the last chunk (16..18) completes: keeps min(4, 3) rows
+    tokens, expect = list(prompt), []
+    for _ in range(4):
+        nxt = int(dense_last_logits(llm.model, tokens, kept).argmax())
+        expect.append(nxt)
+        kept.append(len(tokens))
+        tokens.append(nxt)
+    assert out[0] == expect
+
+
+REFUSALS = [
+    ([], SamplingParams(max_new_tokens=2), r"tscompile: empty prompt"),
+    ([1, 2, 512], SamplingParams(max_new_tokens=2), r"tscompile: token id 512 outside the vocabulary \[0, 512\)"),
+    ([1, -1], SamplingParams(max_new_tokens=2), r"tscompile: token id -1 outside"),
+    ([1] * 60, SamplingParams(max_new_tokens=8), r"tscompile: prompt \(60\) \+ max_new_tokens \(8\) = 68 exceeds max_model_len 64"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,msg", REFUSALS)
+def test_refusal_leaves_a_concurrent_request_unchanged(prompt, params, msg):
+    alone = make_llm().generate([PROMPTS[0]], SamplingParams(max_new_tokens=6))[0]
+    llm = make_llm()
+    req = llm.add_request(PROMPTS[0], SamplingParams(max_new_tokens=6))
+    llm.step()
+    llm.step()
+    with pytest.raises(ValueError, match=msg):
+        llm.add_request(prompt, params)
+    with pytest.raises(ValueError, match=msg):
+        llm.generate([PROMPTS[1], prompt], [SamplingParams(max_new_tokens=2), params])
+    while llm.has_unfinished():
+        llm.step()
+    assert req.output == alone
+
+
+def test_pool_too_small_is_refused_and_exhaustion_waits():
+    llm = make_llm(num_pages=9, page_size=4)  # 8 usable pages = 32 tokens per request at most
+    with pytest.raises(ValueError, match=r"tscompile: page pool too small: the request needs 10 blocks .* has 8"):
+        llm.add_request([1] * 30, SamplingParams(max_new_tokens=8))
+    # two requests that each fit alone but not together run one after the other, unchanged
+    a, b = [3] * 20, [4] * 18
+    expect = [make_llm().generate([p], SamplingParams(max_new_tokens=6))[0] for p in (a, b)]
+    assert llm.generate([a, b], SamplingParams(max_new_tokens=6)) == expect
+
+
+def test_bad_sampling_params_are_refused():
+    with pytest.raises(ValueError, match="tscompile: top_p must be in"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="tscompile: max_new_tokens must be >= 1"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="tscompile: unknown attention backend 'nope'; known"):
+        make_llm(attention_backend="nope")
+    with pytest.raises(ValueError, match="tscompile: unknown model preset"):
+        make_llm("gpt-17")

@@ -1,0 +1,38 @@
+"""Slot math, block-table expansion, the null page and the allocator."""
+
+import pytest
+import torch
+
+from tscompile.kv_cache import BlockAllocator, expand_block_table, slot_from_block_table, slot_from_page_table
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("pages_per_block", [1, 2, 4])
+def test_slot_math_equals_raw_table_slot(page_size, pages_per_block):
+    g = torch.Generator().manual_seed(page_size * 10 + pages_per_block)
+    block_size = page_size * pages_per_block
+    n, max_blocks = 6, 5
+    blocks = (torch.randperm(60, generator=g)[: n * max_blocks] + 1).view(n, max_blocks).to(torch.int32)
+    max_pages = max_blocks * pages_per_block
+    pages = expand_block_table(blocks, pages_per_block, max_pages)
+    positions = torch.randint(0, max_blocks * block_size, (n,), generator=g)
+    via_pages = slot_from_page_table(pages, positions, page_size)
+    raw = [int(blocks[i, int(p) // block_size]) * block_size + int(p) % block_size for i, p in enumerate(positions)]
+    assert via_pages.tolist() == raw
+    assert slot_from_block_table(blocks, positions, block_size).tolist() == raw
+
+
+def test_empty_block_entries_map_to_page_zero():
+    blocks = torch.tensor([[3, 0, 0], [0, 0, 0]], dtype=torch.int32)
+    pages = expand_block_table(blocks, 2, 6)
+    assert pages.tolist() == [[6, 7, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+
+
+def test_allocator_never_hands_out_block_zero_and_refuses_when_exhausted():
+    alloc = BlockAllocator(5)
+    got = alloc.allocate(4)
+    assert sorted(got) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"tscompile: page pool exhausted .* need 1 blocks, 0 free of 4"):
+        alloc.allocate(1)
+    alloc.free(got[:2])
+    assert 0 not in alloc.allocate(2)

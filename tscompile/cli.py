@@ -1,0 +1,98 @@
+"""The ``tscompile`` command line: ``generate`` (and the subcommands later modules add)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+# subcommand -> module exposing add_parser(subparsers) and run(args); imported only when used
+COMMANDS: dict[str, str] = {
+    "generate": "tscompile.cli",
+}
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tscompile: --prompt-ids takes integers, got {text!r}") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-tiny", help="preset name (llama-tiny, narrow-tiny, llama-1b, llama-8b)")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of the preset model")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
+                enforce_eager=args.enforce_eager, seed=args.seed)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate token ids from a preset model")
+    add_engine_args(p)
+    p.add_argument("--prompt-ids", type=parse_prompt_ids, action="append",
+                   help='token ids of one prompt, e.g. "1,2,3"; repeat for a batch (default: two built-in prompts)')
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    import tscompile
+
+    prompts = args.prompt_ids or [[1, 15, 27, 3, 99, 42], [7, 8, 9]]
+    params = tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
+    llm = tscompile.LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    if llm.device.type == "cuda":
+        import torch
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    new_tokens = sum(len(o) for o in outputs)
+    if args.json:
+        print(json.dumps({"model": args.model, "outputs": outputs, "seconds": elapsed,
+                          "tokens_per_s": new_tokens / elapsed}))
+        return 0
+    for i, out in enumerate(outputs):
+        print(f"[{i}] {' '.join(map(str, out))}")
+    print(f"{new_tokens} tokens in {elapsed:.3f} s: {new_tokens / elapsed:.1f} tokens/s "
+          f"({args.model}, {llm.device.type}, {str(llm.dtype).removeprefix('torch.')}, "
+          f"attention={type(llm.backend.leaves[0]).__name__})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tscompile", description="tscompile: LLM execution inside torch.compile")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {name: importlib.import_module(mod) for name, mod in COMMANDS.items()}
+    for mod in dict.fromkeys(modules.values()):
+        mod.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return modules[args.command].run(args)
+    except ValueError as e:
+        if str(e).startswith("tscompile:"):
+            print(e, file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
