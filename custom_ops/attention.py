@@ -19,6 +19,8 @@ Layout (one layer, one cache group):
 
 Query row ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and attends causally
 to positions ``[0, that position]``. A request with ``seq_lens == 0`` (a padded decode row) gets zeros.
+Rows ``>= qo_indptr[-1]`` (a prefill padded to a token bucket) write their K/V to their write slot
+(the null page) and get zeros.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def attention(
     if fn is None:
         raise ValueError(f"tscompile: unknown attention impl {impl!r}; known: {attention_impls()}")
     fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode)
+    if not decode and q.shape[0] > 0:
+        # rows past qo_indptr[-1] pad a token bucket: zero them on the device, without a host read
+        rows = torch.arange(q.shape[0], device=q.device)
+        out.masked_fill_((rows >= qo_indptr[-1])[:, None, None], 0)
 
 
 @attention.register_fake

@@ -23,7 +23,8 @@ def kept_row_mask(qo_indptr: torch.Tensor, completes: torch.Tensor, window: int,
     rows = torch.arange(num_rows, device=qo_indptr.device)
     req = torch.bucketize(rows, qo_indptr[1:].long(), right=True)
     req = torch.clamp(req, max=q_lens.shape[0] - 1)
-    return rows >= (qo_indptr[1:].long() - keep)[req]
+    # rows past qo_indptr[-1] pad a token bucket and belong to no request: never kept
+    return (rows >= (qo_indptr[1:].long() - keep)[req]) & (rows < qo_indptr[-1])
 
 
 @torch.library.custom_op("tscompile::narrow_rows", mutates_args=())

@@ -45,6 +45,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to combine than it saves
 DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
 DECODE_MAX_SPLITS = 32
+DECODE_BLOCK_N = 64  # keys per tile (split lengths are whole tiles); 32 for head_dim 256
 
 
 def _next_pow2(x: int) -> int:
@@ -83,9 +84,16 @@ def _check_inputs(q, k, v, k_cache, v_cache, out) -> None:
         )
 
 
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    """Run the tile products in float32 (q is upcast once; k, p, v follow q's dtype). Only done for
+    bfloat16 under the CPU interpreter, whose bfloat16 ``tl.dot`` returns garbage (triton 3.9);
+    compiled GPU kernels keep 16-bit products."""
+    return dtype == torch.bfloat16 and _interpreting()
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: IEEE products (the default would be TF32 on tensor cores). 16-bit: ignored.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 products: IEEE (the default would be TF32 on tensor cores). 16-bit products: ignored.
+    return "ieee" if dtype == torch.float32 or _dot_fp32(dtype) else "tf32"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +154,7 @@ def _decode_split_kernel(
     max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
     of request b over KV positions [s * SPLIT_LEN, (s + 1) * SPLIT_LEN) clipped to seq_lens[b].
@@ -169,6 +177,8 @@ def _decode_split_kernel(
     g_live = g < GROUP
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=g_live[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)  # k, p and v are cast to q's dtype below
 
     # Running max starts finite so a fully masked tile gives alpha = 1, p = 0 (no inf - inf NaNs).
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
@@ -235,8 +245,9 @@ def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int) -> int:
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
 
 
-def _decode_blocks(head_dim: int) -> int:
-    return 32 if head_dim >= 256 else 64  # BLOCK_N; wide heads get a shorter tile to bound registers
+def _decode_block_n(head_dim: int) -> int:
+    # wide heads get a shorter tile to bound registers / shared memory
+    return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
 
 
 def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
@@ -247,7 +258,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     max_kv = page_table.shape[1] * page_size
-    block_n = _decode_blocks(d)
+    block_n = _decode_block_n(d)
     num_splits = decode_num_splits(max_kv, bs, hkv)
     split_len = -(-(-(-max_kv // num_splits)) // block_n) * block_n  # ceil to a whole tile
     num_splits = -(-max_kv // split_len)  # rounding may leave trailing splits with no positions
@@ -260,7 +271,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
         max_kv,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLIT_LEN=split_len, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
     )
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
@@ -284,6 +295,7 @@ def _extend_kernel(
     max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     """Grid (B, cdiv(T, BLOCK_M), Hkv). Program (b, mb, kvh) takes query rows
     [mb * BLOCK_M, (mb + 1) * BLOCK_M) of request b (clipped to its q_len) for all GROUP query heads
@@ -311,6 +323,8 @@ def _extend_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=row_live[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)  # k, p and v are cast to q's dtype below
     q_pos = prefix + qi  # [ROWS]
 
     # KV positions this block needs: up to its last live query's position (causal), inclusive.
@@ -372,7 +386,7 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
         page_table.shape[1] * page_size,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
     )
 
 

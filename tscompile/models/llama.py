@@ -126,7 +126,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(rows, self.n_kv_heads, self.head_dim), cos, sin)
         v = v.view(rows, self.n_kv_heads, self.head_dim)
         out = torch.empty_like(q)
-        ctx.backend.forward(self.layer_id, ctx.mode, q, k, v, self.k_cache, self.v_cache, out, self.scale)
+        ctx.backend.forward(self.layer_id, ctx.attention_mode, q, k, v, self.k_cache, self.v_cache, out, self.scale)
         return self.wo(out.view(rows, q_size))
 
 
@@ -220,7 +220,7 @@ class Transformer(nn.Module):
         """Logits of each request's last row: ``[B, vocab]`` float32."""
         ctx = get_forward_context()
         last_layer = self.config.n_layers - 1
-        rows = ctx.backend.metadata(last_layer, ctx.mode).qo_indptr[1:].long() - 1
+        rows = ctx.backend.metadata(last_layer, ctx.attention_mode).qo_indptr[1:].long() - 1
         return self.output(h.index_select(0, rows)).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -38,5 +38,5 @@ class NarrowingTransformer(Transformer):
         ctx = get_forward_context()
         if ctx.mode.is_decode:  # every decode row is kept
             return h, positions
-        qo_indptr = ctx.backend.metadata(0, ctx.mode).qo_indptr
+        qo_indptr = ctx.backend.metadata(0, ctx.attention_mode).qo_indptr
         return torch.ops.tscompile.narrow_rows(h, positions, qo_indptr, ctx.completes, self.config.narrow_window)

@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from tscompile.attention import create_attention_backend, resolve_cuda_graph_support
+from tscompile.config import TscompileConfig
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.models import ModelConfig, Transformer, build_model
 from tscompile.runtime.model_runner import ModelRunner
@@ -38,7 +39,12 @@ class LLM:
     ``max_num_seqs`` bounds concurrent requests (and the decode buffers); ``max_model_len`` bounds
     prompt plus new tokens; ``num_pages`` (per cache group) defaults to enough for ``max_num_seqs``
     requests of ``max_model_len``; ``max_num_batched_tokens`` is the per-step token budget that
-    chunks long prompts."""
+    chunks long prompts.
+
+    By default the decode step is compiled whole and the prefill step piecewise by the tscompile
+    backend (``compile_options`` are its options, see ``TscompileConfig``), with decode CUDA graphs
+    per ladder size on CUDA; ``enforce_eager=True`` runs the same model and the same metadata path
+    without compiling."""
 
     def __init__(
         self,
@@ -53,7 +59,8 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool = False,
+        compile_options: dict | None = None,
         seed: int = 0,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -83,8 +90,12 @@ class LLM:
             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, vocab_size=self.config.vocab_size,
         )
-        self.runner = ModelRunner(self.model, self.backend, max_num_seqs=max_num_seqs, device=self.device)
         self.enforce_eager = enforce_eager
+        self.compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
+        self.runner = ModelRunner(self.model, self.backend, max_num_seqs=max_num_seqs, device=self.device,
+                                  compile_config=self.compile_config, graph_support=self.graph_support,
+                                  max_blocks=self.scheduler.max_blocks)
+        self.runner.capture_decode_graphs()
         self._ids = itertools.count()
         self._rng = random.Random(seed)
 
@@ -105,6 +116,14 @@ class LLM:
         with torch.inference_mode():
             tokens = self.runner.execute(self.scheduler, batch)
         return self.scheduler.update(batch, tokens)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.runner.compile_seconds
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.runner.capture_seconds
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

@@ -27,6 +27,12 @@ class ForwardContext:
     # narrowing model keeps a window of rows for those). None on decode.
     completes: torch.Tensor | None = None
 
+    @property
+    def attention_mode(self) -> ForwardMode:
+        """What layers pass to the backend: DECODE or EXTEND. A mixed step reads the extend
+        metadata, so EXTEND and MIXED steps trace to one graph."""
+        return ForwardMode.DECODE if self.mode.is_decode else ForwardMode.EXTEND
+
 
 _current: ForwardContext | None = None
 

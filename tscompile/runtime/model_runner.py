@@ -1,42 +1,92 @@
 """The model runner: turns a scheduled batch into one forward and one sampling call.
 
 It knows buckets and padding; it hands block tables to the top-level attention backend and never
-computes a page or a slot itself. Decode metadata comes only from ``refresh_decode_metadata``;
-extend and mixed metadata only from ``init_forward_metadata``.
+computes a page or a slot itself. Decode metadata comes only from ``refresh_decode_metadata``
+(eager, capture and replay alike); extend and mixed metadata only from ``init_forward_metadata``.
+
+Decode: pick the smallest ladder size ``bs >= actual_bs`` (above the ladder, or without graphs,
+``bs = actual_bs``), refresh, then replay the captured step for ``bs`` or run the very same
+compiled step without a graph. Rows ``[actual_bs, bs)`` are padding and resolve to the null page.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from tscompile.attention.base import ForwardMode
 from tscompile.attention.router import CacheGroupRouter
+from tscompile.attention.support import ResolvedGraphSupport
+from tscompile.config import TscompileConfig
+from tscompile.counters import counters
 from tscompile.models.llama import Transformer
+from tscompile.runtime import pointer_guard
 from tscompile.runtime.forward_context import ForwardContext, forward_context
 from tscompile.runtime.scheduler import ScheduledBatch, Scheduler
 from tscompile.sampling import SamplingBuffers
 
+logger = logging.getLogger("tscompile")
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, backend: CacheGroupRouter, *, max_num_seqs: int, device: torch.device):
+    def __init__(self, model: Transformer, backend: CacheGroupRouter, *, max_num_seqs: int, device: torch.device,
+                 compile_config: TscompileConfig | None, graph_support: ResolvedGraphSupport, max_blocks: int):
         self.model = model
         self.backend = backend
         self.device = device
         self.max_decode_bs = max_num_seqs
+        self.max_blocks = max_blocks
+        self.config = compile_config
         self.sampling = SamplingBuffers(max_num_seqs, device)
         # persistent buffers: sized by max_decode_bs, set up whether or not graphs are used
         backend.init_cuda_graph_state(self.max_decode_bs)
-        self.decode_step: StepFn = self._forward_and_sample
-        self.extend_step: StepFn = self._forward_and_sample
+        self.input_ids = torch.zeros(self.max_decode_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_decode_bs, dtype=torch.int64, device=device)
+        self.compile_seconds = 0.0
+        self.capture_seconds = 0.0
+        if compile_config is None:
+            self.decode_step: StepFn = self._decode_forward
+            self.extend_step: StepFn = self._extend_forward
+        else:
+            from tscompile.backend import compile_step
 
-    def _forward_and_sample(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids, positions)
-        return self.sampling.sample(logits)
+            whole = replace(compile_config, split_ops=(), split_sdpa=False, split_narrowing=False)
+            self.decode_step = compile_step(self._decode_forward, whole)
+            self.extend_step = compile_step(self._extend_forward, compile_config)
+        self.decode_graphs = None
+        self._guard: dict | None = None
+        self.decode_ladder: tuple[int, ...] = ()
+        use_graphs = (compile_config is not None and compile_config.cudagraphs and device.type == "cuda"
+                      and graph_support.support.decode_graph)
+        if use_graphs:
+            from tscompile.runtime.decode_graphs import DecodeGraphs
 
+            self.decode_graphs = DecodeGraphs(device)
+            self.decode_ladder = tuple(b for b in compile_config.decode_ladder if b <= self.max_decode_bs)
+
+    # Two functions with one body on purpose: Dynamo keys its cache by code object, and the decode
+    # step (compiled whole) and the extend step (compiled piecewise) must not share entries.
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.sampling.sample(self.model(input_ids, positions))
+
+    def _extend_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.sampling.sample(self.model(input_ids, positions))
+
+    def _timed(self, step: StepFn, *args) -> torch.Tensor:
+        """Run a step; a call during which the backend compiled a graph counts as compile time."""
+        before = counters["graphs"]
+        start = time.perf_counter()
+        out = step(*args)
+        if counters["graphs"] != before:
+            self.compile_seconds += time.perf_counter() - start
+        return out
+
+    # -- host -> device ------------------------------------------------------------------------------
     def _to_device(self, values, dtype=torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
@@ -56,22 +106,85 @@ class ModelRunner:
             return self._decode(sched, batch)
         return self._extend(sched, batch)
 
+    # -- decode --------------------------------------------------------------------------------------
+    def decode_bucket(self, actual_bs: int) -> int:
+        for bs in self.decode_ladder:
+            if bs >= actual_bs:
+                return bs
+        return actual_bs  # above the ladder (or no graphs): the same refresh, no graph
+
     def _decode(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
         actual_bs = len(batch.decodes)
-        bs = actual_bs
+        bs = self.decode_bucket(actual_bs)
+        graphed = self.decode_graphs is not None and bs in self.decode_graphs
         lens = sched.group_lens_after(batch)
         narrowed = {g: self._to_device(lens[g]) for g, s in enumerate(sched.specs) if s.narrowed}
         self.backend.refresh_decode_metadata(
             bs, actual_bs, self._to_device([r.slot for r in batch.decodes], torch.int64), self._to_device(lens[0]),
             forward_mode=ForwardMode.DECODE, block_tables=self._block_tables(sched, batch), num_extends=0,
-            for_graph_replay=False, group_seq_lens=narrowed,
+            for_graph_replay=graphed, group_seq_lens=narrowed,
         )
         ids, pos = sched.input_rows(batch)
+        pad = [0] * (bs - actual_bs)
+        self.input_ids[:bs].copy_(self._to_device(ids + pad, torch.int64))
+        self.positions[:bs].copy_(self._to_device(pos + pad, torch.int64))
         self._fill_sampling(batch, bs)
-        with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
-            tokens = self.decode_step(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64))
-        return tokens[:actual_bs].tolist()
+        if graphed:
+            if self._guard is not None:
+                pointer_guard.verify(self._guard, self._guard_roots(bs))
+            self.decode_graphs.replay(bs)
+            counters["decode_replays"] += 1
+        else:
+            with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
+                self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs])
+            counters["decode_eager"] += 1
+        return self.sampling.tokens[:actual_bs].tolist()
 
+    def _guard_roots(self, bs: int) -> dict:
+        return {
+            **{f"leaves[{g}].forward_decode_metadata": leaf.forward_decode_metadata
+               for g, leaf in enumerate(self.backend.leaves)},
+            "router.decode_write_locations": self.backend.decode_write_locations,
+        }
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the whole ladder, largest first, into one pool; logs one stable line."""
+        if self.decode_graphs is None:
+            return
+        from tqdm import tqdm
+
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        groups = range(len(self.backend.specs))
+        placeholder = {g: torch.zeros(self.max_decode_bs, self.max_blocks, dtype=torch.int32, device=self.device)
+                       for g in groups}
+        ones = torch.ones(self.max_decode_bs, dtype=torch.int32, device=self.device)
+        for bs in tqdm(sorted(self.decode_ladder, reverse=True), desc="Capturing CUDA graphs (decode)",
+                       disable=None):
+            self.backend.init_forward_metadata_capture_cuda_graph(
+                bs, torch.zeros(bs, dtype=torch.int64, device=self.device), ones[:bs],
+                block_tables={g: t[:bs] for g, t in placeholder.items()},
+                group_seq_lens={g: ones[:bs] for g in groups if self.backend.specs[g].narrowed},
+            )
+            self.input_ids[:bs].zero_()
+            self.positions[:bs].zero_()
+            self.sampling.fill([], [], [], pad_to=bs)
+
+            def run_step(bs=bs):
+                with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
+                    self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs])
+
+            self.decode_graphs.capture(bs, run_step)
+            counters["decode_captures"] += 1
+            if pointer_guard.graph_debug_enabled():
+                self._guard = pointer_guard.snapshot(self._guard_roots(bs))
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start - self.compile_seconds
+        took = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+        logger.info("Graph capturing finished in %.0f s, took %.2f GiB", time.perf_counter() - start, took)
+
+    # -- extend / mixed ------------------------------------------------------------------------------
     def _extend(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
         reqs = batch.requests
         num_extends = len(batch.extends)
@@ -95,5 +208,6 @@ class ModelRunner:
         self._fill_sampling(batch, len(reqs))
         ctx = ForwardContext(batch.mode, self.backend, self._to_device(completes, torch.bool))
         with forward_context(ctx):
-            tokens = self.extend_step(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64))
+            tokens = self._timed(self.extend_step, self._to_device(ids, torch.int64), self._to_device(pos, torch.int64))
+        counters["prefill_eager"] += 1
         return tokens[: len(reqs)].tolist()

@@ -1,0 +1,338 @@
+"""``tscompile bench``: argparse and orchestration (modes x batch sizes, then bs=1 prefill lengths).
+
+Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed)`` per mode):
+  eager                    tscompile.LLM(enforce_eager=True, attention_backend="torch")
+  compile-default          torch.compile of the static-KV-cache model (bench/static_cache_model.py)
+  compile-reduce-overhead  the same, decode step compiled with mode="reduce-overhead"
+  tscompile-<backend>      tscompile.LLM(enforce_eager=False, attention_backend=<backend>)
+A mode or a batch size that fails becomes an error row; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from . import report, roofline, workloads
+
+FIXED_MODES = ("eager", "compile-default", "compile-reduce-overhead")
+
+
+# -- modes and defaults ----------------------------------------------------------------------------
+def backend_available(name: str, device: torch.device) -> tuple[bool, str]:
+    """Whether backend ``name``'s leaf class imports and can run on ``device`` (and why not)."""
+    from tscompile.attention import leaf_class
+
+    try:
+        cls = leaf_class(name)
+    except Exception as e:  # noqa: BLE001  (a missing kernel package is just "unavailable")
+        return False, f"{type(e).__name__}: {e}"
+    check = getattr(cls, "supports_device", None)
+    if callable(check):
+        return bool(check(device)), f"{cls.__name__} does not support {device.type}"
+    impl = getattr(cls, "impl", name)
+    if device.type == "cuda" or impl == "torch":
+        return True, ""
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        return True, ""
+    return False, f"the {name} backend needs CUDA" + (" (or TRITON_INTERPRET=1)" if impl == "triton" else "")
+
+
+def resolve_modes(args: argparse.Namespace, device: torch.device) -> list[str]:
+    from tscompile.attention import BACKENDS
+
+    if args.attention_backends:
+        unknown = [b for b in args.attention_backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"tscompile: unknown attention backend(s) {unknown}; known: {sorted(BACKENDS)}")
+        backends = list(args.attention_backends)  # asked for by name: an unavailable one becomes an error row
+    else:
+        backends = [b for b in BACKENDS if backend_available(b, device)[0]]
+    engine_modes = [f"tscompile-{b}" for b in backends]
+    if not args.modes:
+        return list(FIXED_MODES) + engine_modes
+    known = set(FIXED_MODES) | {f"tscompile-{b}" for b in BACKENDS}
+    modes: list[str] = []
+    for m in args.modes:
+        expanded = engine_modes if m == "tscompile" else [m]
+        for e in expanded:
+            if e not in known:
+                raise ValueError(f"tscompile: unknown bench mode {e!r}; known: {sorted(known)} or 'tscompile'")
+            if e not in modes:
+                modes.append(e)
+    return modes
+
+
+def fill_defaults(args: argparse.Namespace) -> torch.device:
+    from tscompile.runtime.engine import resolve_dtype
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("tscompile: --device cuda but CUDA is not available")
+    args.device = str(device)
+    gpu = device.type == "cuda"
+    args.dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    args.input_len = args.input_len or (512 if gpu else 32)
+    args.output_len = args.output_len or (128 if gpu else 16)
+    args.batch_size = args.batch_size or ([1, 8, 32, 64] if gpu else [1, 4])
+    args.prefill_lens = args.prefill_lens or ([32, 512, 2048] if gpu else [16, 64])
+    args.num_iters = args.num_iters if args.num_iters is not None else (5 if gpu else 2)
+    if min(args.batch_size + args.prefill_lens + [args.input_len, args.output_len, args.num_iters]) < 1:
+        raise ValueError("tscompile: batch sizes, lengths and --num-iters must be >= 1")
+    return device
+
+
+# -- argparse --------------------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark eager vs torch.compile baselines vs tscompile (decode and prefill)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-tiny", help="preset (llama-tiny, llama-1b, llama-8b)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (default 512 cuda, 32 cpu)")
+    p.add_argument("--output-len", type=int, default=None, help="new tokens per request (default 128 cuda, 16 cpu)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=None, help="default: 1 8 32 64 cuda, 1 4 cpu")
+    p.add_argument("--prefill-lens", type=int, nargs="+", default=None,
+                   help="bs=1 prompt lengths for the prefill figures (default 32 512 2048 cuda, 16 64 cpu)")
+    p.add_argument("--num-iters", type=int, default=None, help="measured runs per point (default 5 cuda, 2 cpu)")
+    p.add_argument("--num-iters-warmup", type=int, default=1, help="warm-up runs per point (compile, capture)")
+    p.add_argument("--modes", nargs="+", default=None,
+                   help=f"subset of {', '.join(FIXED_MODES)}, tscompile-<backend>, tscompile (default: all)")
+    p.add_argument("--attention-backends", nargs="+", default=None,
+                   help="backends of the tscompile-* modes (default: every one available on the device)")
+    p.add_argument("--seed", type=int, default=0, help="weight and prompt seed")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tscompile token budget per step (default: the whole batch's prompts in one step)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads for the run (cpu; on a shared host fewer threads time steadier)")
+    p.add_argument("--bandwidth-mib", type=int, default=None, help="copy size of the bandwidth probe")
+    p.add_argument("--output-json", default=None, metavar="PATH")
+    p.add_argument("--output-md", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="decode ms/step vs batch size (matplotlib)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failed modes")
+
+
+# -- orchestration ---------------------------------------------------------------------------------
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+
+
+def _cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _fingerprint(model) -> float:
+    with torch.no_grad():
+        return float(model.output.weight[:64].float().sum() + model.layers[0].attention.wqkv.weight[:64].float().sum())
+
+
+def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed * 100003 + n * 1009 + length)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth_gbps: float):
+        from tscompile.models import build_config
+
+        self.args, self.device, self.dtype, self.bw = args, device, dtype, bandwidth_gbps
+        self.cfg = build_config(args.model)
+        self.max_model_len = -(-max(args.input_len + args.output_len, max(args.prefill_lens) + 1)
+                               // args.page_size) * args.page_size
+        self.results: list[dict] = []
+        self.prefill: list[dict] = []
+        self.modes: dict[str, dict] = {}
+        self.tokens: dict[tuple[str, int], list[list[int]]] = {}
+
+    def make_runner(self, mode: str, model):
+        a = self.args
+        if mode in workloads.STATIC_MODES:
+            return workloads.StaticCacheRunner(model, mode, self.device)
+        backend = "torch" if mode == "eager" else mode.removeprefix("tscompile-")
+        if mode != "eager":
+            ok, why = backend_available(backend, self.device)
+            if not ok:
+                raise RuntimeError(f"backend {backend!r} unavailable: {why}")
+        budget = a.max_num_batched_tokens or max(max(a.batch_size) * a.input_len, max(a.prefill_lens), 2048)
+        return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=mode == "eager",
+                                      device=self.device, dtype=self.dtype, max_num_seqs=max(a.batch_size),
+                                      max_model_len=self.max_model_len, page_size=a.page_size,
+                                      max_num_batched_tokens=budget, seed=a.seed)
+
+    def decode_row(self, mode: str, runner, bs: int, prev: dict) -> dict:
+        a = self.args
+        prompts = _prompts(a.seed, bs, a.input_len, self.cfg.vocab_size)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        warm = [runner.run_batch(prompts, a.output_len, per_call=(i == 0)) for i in range(a.num_iters_warmup)]
+        runs = [runner.run_batch(prompts, a.output_len) for _ in range(a.num_iters)]
+        self.tokens[(mode, bs)] = runs[-1].tokens
+        steps = sum(r.decode_steps for r in runs)
+        ttft_s = sum(r.ttft_s for r in runs) / len(runs)
+        tpot_s = sum(r.decode_s for r in runs) / steps if steps else None
+        row = {"mode": mode, "batch_size": bs, "input_len": a.input_len, "output_len": a.output_len, "error": None,
+               "ttft_ms": ttft_s * 1e3, "tpot_ms": tpot_s * 1e3 if tpot_s else None,
+               "decode_tokens_per_s": bs / tpot_s if tpot_s else None, "decode_steps_per_iter": steps // len(runs),
+               "non_decode_steps": sum(r.other_steps for r in runs), "tokens_req0": runs[-1].tokens[0]}
+        if isinstance(runner, workloads.StaticCacheRunner):
+            if warm:
+                row["compile_s"], row["capture_s"] = workloads.compile_excess(warm[0], ttft_s, tpot_s or 0.0,
+                                                                              runner.cudagraphs)
+            else:
+                row["compile_s"] = row["capture_s"] = None
+        else:
+            for key, attr in (("compile_s", "compile_seconds"), ("capture_s", "capture_seconds")):
+                cur = getattr(runner, attr)
+                if cur is None and mode == "eager":
+                    cur = 0.0
+                row[key] = None if cur is None else cur - prev.get(key, 0.0)
+                prev[key] = cur or 0.0
+        row["peak_memory_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None)
+        ctx = roofline.mean_decode_context(a.input_len, a.output_len)
+        nbytes = roofline.decode_step_bytes(self.cfg, bs, ctx, self.dtype.itemsize)
+        row.update(context_len=ctx, weight_bytes=nbytes.weight_bytes, kv_bytes=nbytes.kv_bytes,
+                   step_bytes=nbytes.total, roofline_ms=roofline.roofline_ms(nbytes.total, self.bw))
+        if tpot_s:
+            row["achieved_gbps"] = nbytes.total / tpot_s / 1e9
+            row["pct_of_roofline"] = 100.0 * row["roofline_ms"] / row["tpot_ms"]
+        return row
+
+    def prefill_row(self, mode: str, runner, length: int) -> dict:
+        a = self.args
+        prompt = _prompts(a.seed, 1, length, self.cfg.vocab_size)[0]
+        for _ in range(a.num_iters_warmup):
+            runner.run_prefill(prompt)
+        secs = sum(runner.run_prefill(prompt) for _ in range(a.num_iters)) / a.num_iters
+        return {"mode": mode, "prompt_len": length, "error": None, "prefill_ms": secs * 1e3,
+                "prefill_tokens_per_s": length / secs}
+
+    def run_mode(self, mode: str, bar) -> None:
+        from tscompile.models import build_model
+
+        a = self.args
+        info: dict = {"error": None}
+        self.modes[mode] = info
+        torch._dynamo.reset()
+        runner = model = None
+        try:
+            t0 = time.perf_counter()
+            model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
+            info["weights_fingerprint"] = _fingerprint(model)
+            runner = self.make_runner(mode, model)
+            info["setup_s"] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001
+            info["error"] = self._report(mode, "setup", e, bar)
+        prev: dict = {}
+        for bs in a.batch_size:
+            bar.set_postfix_str(f"{mode} bs={bs}")
+            try:
+                if runner is None:
+                    raise RuntimeError(info["error"])
+                self.results.append(self.decode_row(mode, runner, bs, prev))
+            except Exception as e:  # noqa: BLE001
+                self.results.append({"mode": mode, "batch_size": bs, "error": self._report(mode, f"bs={bs}", e, bar)})
+                _cleanup(self.device)
+            bar.update(1)
+        for length in a.prefill_lens:
+            bar.set_postfix_str(f"{mode} prefill {length}")
+            try:
+                if runner is None:
+                    raise RuntimeError(info["error"])
+                self.prefill.append(self.prefill_row(mode, runner, length))
+            except Exception as e:  # noqa: BLE001
+                self.prefill.append({"mode": mode, "prompt_len": length,
+                                     "error": self._report(mode, f"prefill {length}", e, bar)})
+                _cleanup(self.device)
+            bar.update(1)
+        for key in ("compile_s", "capture_s"):
+            vals = [r.get(key) for r in self.results if r["mode"] == mode and not r.get("error")]
+            info[key] = sum(vals) if vals and None not in vals else None
+        if runner is not None:
+            runner.close()
+        del runner, model
+        torch._dynamo.reset()
+        _cleanup(self.device)
+
+    def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
+        msg = _error_text(e)
+        bar.write(f"bench: {mode} {where} failed: {msg}", file=sys.stderr)
+        if self.args.verbose:
+            bar.write(traceback.format_exc(), file=sys.stderr)
+        return msg
+
+    def mark_agreement(self) -> None:
+        """``match_eager``: how many requests' greedy tokens equal eager's at the same batch size."""
+        for row in self.results:
+            ref, got = self.tokens.get(("eager", row["batch_size"])), self.tokens.get((row["mode"], row["batch_size"]))
+            if ref is not None and got is not None:
+                row["match_eager"] = f"{sum(x == y for x, y in zip(got, ref))}/{len(ref)}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from tscompile.runtime.engine import resolve_dtype
+
+    device = fill_defaults(args)
+    dtype = resolve_dtype(args.dtype, device)
+    modes = resolve_modes(args, device)
+    threads = torch.get_num_threads()
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    try:
+        return _run(args, device, dtype, modes, tqdm)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, modes: list[str], tqdm) -> int:
+    torch.manual_seed(args.seed)
+    nbytes = args.bandwidth_mib << 20 if args.bandwidth_mib else None
+    bandwidth = roofline.measure_copy_bandwidth(device, nbytes)
+    bench = Bench(args, device, dtype, bandwidth)
+    total = len(modes) * (len(args.batch_size) + len(args.prefill_lens))
+    with torch._dynamo.config.patch(cache_size_limit=64), \
+            tqdm(total=total, desc="bench", disable=args.no_progress, file=sys.stderr) as bar:
+        for mode in modes:
+            bench.run_mode(mode, bar)
+    bench.mark_agreement()
+    result = {
+        "date": report.now_iso(), "model": args.model, "model_config": bench.cfg.to_dict(), "device": str(device),
+        "dtype": args.dtype, "args": {k: v for k, v in vars(args).items() if not callable(v)},
+        "env": {**report.environment(device), "torch_threads": torch.get_num_threads()}, "copy_bandwidth_gbps": bandwidth, "modes_run": modes,
+        "modes": bench.modes, "results": bench.results, "prefill": bench.prefill,
+    }
+    md = report.markdown(result)
+    print(md)
+    if args.output_md:
+        with open(args.output_md, "w") as f:
+            f.write(md + "\n")
+    if args.output_json:
+        report.write_json(result, args.output_json)
+    if args.plot:
+        try:
+            report.plot(result, args.plot)
+        except ImportError as e:
+            print(f"bench: --plot needs matplotlib ({e})", file=sys.stderr)
+    ok = any(not r.get("error") for r in bench.results)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tscompile.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The measured loops: one runner per mode, each able to run a greedy batch and a bs=1 prefill.
+
+Every runner exposes ``run_batch(prompts, output_len, per_call)`` -> :class:`BatchTiming` and
+``run_prefill(prompt)`` -> seconds. Timing is CUDA events (plus a synchronize) on cuda and
+``perf_counter`` on cpu. Decode time covers decode-only steps: for the static-cache baselines the
+steps after the batched prefill, for ``tscompile.LLM`` the steps the scheduler runs as pure decode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .static_cache_model import StaticCacheModel
+
+STATIC_MODES = ("compile-default", "compile-reduce-overhead")
+
+
+class Timer:
+    """``with timer: ...`` then ``timer.seconds``; events on cuda (the stream's wall time), perf_counter on cpu."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Timer":
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self._end.record()
+            torch.cuda.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
+@dataclass
+class BatchTiming:
+    ttft_s: float  # submit -> every request has its first token
+    decode_s: float  # the decode-only steps
+    decode_steps: int
+    tokens: list[list[int]]  # new token ids per request
+    call_s: list[float] = field(default_factory=list)  # per forward, only when per_call (first warm-up)
+    other_steps: int = 0  # engine steps after TTFT that were not pure decode (should stay 0)
+
+
+# -- the static-cache torch.compile baselines ------------------------------------------------------
+def prefill_step(model: StaticCacheModel, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return model(input_ids, input_pos).argmax(dim=-1, keepdim=True)
+
+
+def decode_step(model: StaticCacheModel, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return model(input_ids, input_pos).argmax(dim=-1, keepdim=True)
+
+
+class StaticCacheRunner:
+    """``compile-default``: ``torch.compile`` of prefill and decode; ``compile-reduce-overhead``: the
+    decode step compiled with ``mode="reduce-overhead"`` (CUDA graphs on cuda), prefill as default."""
+
+    def __init__(self, model, mode: str, device: torch.device):
+        if mode not in STATIC_MODES:
+            raise ValueError(f"tscompile: unknown static-cache mode {mode!r}")
+        self.model, self.mode, self.device = model, mode, torch.device(device)
+        self.cudagraphs = mode == "compile-reduce-overhead" and self.device.type == "cuda"
+        # prefill lengths and batch sizes vary: dynamic shapes (one graph, modulo 0/1 specialization);
+        # reduce-overhead keeps decode static, as gpt-fast does (a CUDA graph per batch size anyway)
+        self.prefill_fn = torch.compile(prefill_step, dynamic=True)
+        if self.mode == "compile-default":
+            self.decode_fn = torch.compile(decode_step, dynamic=True)
+        else:
+            self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
+        self._caches: dict[tuple[int, int], StaticCacheModel] = {}
+        self.compile_seconds = 0.0  # filled by the caller from the warm-up excess
+        self.capture_seconds = 0.0
+
+    def _static(self, batch_size: int, max_len: int) -> StaticCacheModel:
+        key = (batch_size, max_len)
+        if key not in self._caches:
+            self._caches.clear()  # one cache at a time: free the previous batch size's buffers first
+            self._caches[key] = StaticCacheModel(self.model, batch_size, max_len)
+        return self._caches[key]
+
+    def _call(self, fn: Callable, sm, ids, pos, per_call: list | None) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        if per_call is None:
+            return fn(sm, ids, pos).clone()
+        with Timer(self.device) as t:
+            out = fn(sm, ids, pos).clone()
+        per_call.append(t.seconds)
+        return out
+
+    def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False) -> BatchTiming:
+        bs, seqlen = len(prompts), len(prompts[0])
+        sm = self._static(bs, seqlen + output_len)
+        ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
+        calls: list[float] | None = [] if per_call else None
+        with torch.no_grad():
+            with Timer(self.device) as ttft:
+                tok = self._call(self.prefill_fn, sm, ids, torch.arange(seqlen, device=self.device), calls)
+            out = [tok]
+            pos = torch.tensor([seqlen], device=self.device)
+            with Timer(self.device) as dec:
+                for _ in range(output_len - 1):
+                    tok = self._call(self.decode_fn, sm, tok, pos, calls)
+                    out.append(tok)
+                    pos = pos + 1
+        tokens = torch.cat(out, dim=1).tolist()
+        return BatchTiming(ttft.seconds, dec.seconds, output_len - 1, tokens, calls or [])
+
+    def run_prefill(self, prompt: list[int]) -> float:
+        sm = self._static(1, len(prompt))
+        ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
+        with torch.no_grad(), Timer(self.device) as t:
+            self._call(self.prefill_fn, sm, ids, torch.arange(len(prompt), device=self.device), None)
+        return t.seconds
+
+    def close(self) -> None:
+        self._caches.clear()
+
+
+# -- tscompile.LLM (eager and compiled) ------------------------------------------------------------
+class EngineRunner:
+    """``tscompile.LLM`` driven through ``add_request`` + ``step``; ``eager`` is ``enforce_eager=True``."""
+
+    def __init__(self, model, *, attention_backend: str, enforce_eager: bool, device: torch.device,
+                 dtype: torch.dtype, max_num_seqs: int, max_model_len: int, page_size: int,
+                 max_num_batched_tokens: int, num_pages: int | None = None, seed: int = 0):
+        import tscompile
+
+        self.device = torch.device(device)
+        self.llm = tscompile.LLM(model, attention_backend=attention_backend, enforce_eager=enforce_eager,
+                                 device=self.device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                 max_model_len=max_model_len, page_size=page_size, num_pages=num_pages,
+                                 max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+        self._params = tscompile.SamplingParams
+
+    @property
+    def compile_seconds(self) -> float | None:
+        return getattr(self.llm, "compile_seconds", None)
+
+    @property
+    def capture_seconds(self) -> float | None:
+        return getattr(self.llm, "capture_seconds", None)
+
+    def _pure_decode_next(self) -> bool:
+        sched = self.llm.scheduler
+        return not sched.waiting and all(r.prefill_done for r in sched.running)
+
+    def _step(self, per_call: list | None) -> None:
+        if per_call is None:
+            self.llm.step()
+            return
+        with Timer(self.device) as t:
+            self.llm.step()
+        per_call.append(t.seconds)
+
+    def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False) -> BatchTiming:
+        if self.llm.has_unfinished():
+            raise RuntimeError("tscompile: the engine still holds requests from an earlier run")
+        params = self._params(max_new_tokens=output_len, temperature=0.0)
+        calls: list[float] | None = [] if per_call else None
+        with Timer(self.device) as ttft:
+            reqs = [self.llm.add_request(p, params) for p in prompts]
+            while any(not r.output for r in reqs):
+                self._step(calls)
+        steps = other = 0
+        with Timer(self.device) as dec:
+            while self.llm.has_unfinished():
+                if self._pure_decode_next():
+                    steps += 1
+                else:
+                    other += 1
+                self._step(calls)
+        return BatchTiming(ttft.seconds, dec.seconds, steps, [list(r.output) for r in reqs], calls or [], other)
+
+    def run_prefill(self, prompt: list[int]) -> float:
+        params = self._params(max_new_tokens=1, temperature=0.0)
+        with Timer(self.device) as t:
+            req = self.llm.add_request(prompt, params)
+            while not req.finished:
+                self.llm.step()
+        return t.seconds
+
+    def close(self) -> None:
+        self.llm = None
+
+
+def compile_excess(warm: BatchTiming, ttft_steady_s: float, tpot_steady_s: float, cudagraphs: bool) -> tuple[float, float]:
+    """(compile_s, capture_s) of a static-cache run, estimated as the first warm-up run's excess over the
+    steady state. Under cudagraph trees the second decode call records the graph: that is capture."""
+    if not warm.call_s:
+        return 0.0, 0.0
+    prefill, decodes = warm.call_s[0], warm.call_s[1:]
+    excess = [max(prefill - ttft_steady_s, 0.0)] + [max(d - tpot_steady_s, 0.0) for d in decodes]
+    capture = excess[2] if cudagraphs and len(excess) > 2 else 0.0
+    return sum(excess) - capture, capture

@@ -1,0 +1,87 @@
+"""The ``tscompile`` torch.compile backend.
+
+Registered through the ``torch_dynamo_backends`` entry point to the plain function
+``tscompile_backend``, so ``torch.compile(model, backend="tscompile")`` works in a process that
+never imported tscompile. A graph without break ops is compiled whole by the piece compiler
+(Inductor by default, behaving like ``backend="inductor"``); a graph with breaks is split
+(``passes/split.py``) and every piece between breaks is compiled on its own.
+
+Models with ``tscompile::narrow_rows`` need ``torch._dynamo.config.capture_dynamic_output_shape_ops
+= True`` while tracing (``tscompile.backend.tracing_config`` sets it, and the engine uses it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+
+import torch
+import torch.fx
+
+from tscompile import custom_ops  # noqa: F401  (the ops must exist before a graph is traced)
+from tscompile.config import TscompileConfig
+from tscompile.counters import counters
+from tscompile.counters import reset as reset_counters
+from tscompile.passes.debug_dump import dump_split
+from tscompile.passes.split import has_breaks, split_graph
+from tscompile.piece_compiler import compile_piece, compile_split_module
+
+logger = logging.getLogger("tscompile")
+
+
+def tscompile_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None,
+                      options: dict | None = None) -> Callable:
+    config = TscompileConfig.from_options(options, mode)
+    return compile_graph(gm, example_inputs, config)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig) -> Callable:
+    counters["graphs"] += 1
+    if not has_breaks(gm, config.split_ops, config.split_sdpa, config.split_narrowing):
+        if config.debug_dir:
+            dump_split(config.debug_dir, gm, None, None)
+        return compile_piece(gm, example_inputs, config)
+    split, plan = split_graph(gm, split_ops=config.split_ops, split_sdpa=config.split_sdpa,
+                              split_narrowing=config.split_narrowing)
+    counters["breaks"] += plan.num_breaks
+    if config.debug_dir:
+        folder = dump_split(config.debug_dir, gm, split, plan)
+        logger.info("tscompile: split plan and pieces written to %s", folder)
+    return compile_split_module(split, plan, example_inputs, config).forward
+
+
+def _reset() -> None:
+    """Called by ``torch.compiler.reset()``: drop tscompile's in-process state."""
+    reset_counters()
+
+
+tscompile_backend.reset = _reset  # type: ignore[attr-defined]
+
+
+def compile_step(fn: Callable, config: TscompileConfig) -> Callable:
+    """``torch.compile`` ``fn`` with this backend (dynamic sizes), traced under ``tracing_config``."""
+    import functools
+
+    compiled = torch.compile(fn, backend=functools.partial(compile_graph, config=config), dynamic=True)
+
+    @functools.wraps(fn)
+    def run(*args):
+        with tracing_config():
+            return compiled(*args)
+
+    return run
+
+
+@contextlib.contextmanager
+def tracing_config():
+    """Dynamo settings the engine traces under: floats stay constants (no CPU scalar inputs in a
+    captured graph), ops with data-dependent output sizes (``narrow_rows``) stay in the graph, and
+    equal sizes are not assumed equal."""
+    import torch.fx.experimental._config as fx_config
+
+    # no duck sizing: a metadata view of bs + 1 rows must not be tied to a buffer that happens to
+    # have as many rows, or a later batch size recompiles
+    with torch._dynamo.config.patch(specialize_float=True, capture_dynamic_output_shape_ops=True), \
+            fx_config.patch(use_duck_shape=False):
+        yield

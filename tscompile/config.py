@@ -1,0 +1,77 @@
+"""The one config of the tscompile backend: a frozen dataclass, validated from ``options={...}``."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_TOKEN_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
+DEFAULT_DECODE_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+PIECE_COMPILERS = ("inductor", "eager", "tensorrt")
+
+
+@dataclass(frozen=True)
+class TscompileConfig:
+    """Options of ``torch.compile(..., backend="tscompile", options={...})``.
+
+    piece_compiler: compiles the pieces between breaks ("inductor", "eager", "tensorrt").
+    split_ops: op names every node of which becomes its own eagerly-run piece.
+    split_sdpa: also break at ``scaled_dot_product_attention`` (stock models get piecewise graphs).
+    split_narrowing: break at ``tscompile::narrow_rows`` (encoder / decoder parts).
+    token_ladder: prefill token buckets; prefill above ``prefill_graph_max_tokens`` runs without graphs.
+    decode_ladder: decode batch sizes captured as CUDA graphs; larger batches run the same compiled
+        step without a graph.
+    cudagraphs: capture CUDA graphs (CUDA only): one torch.cuda.CUDAGraph per decode ladder size
+        around the Inductor-compiled step, all in one memory pool.
+    debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
+    """
+
+    piece_compiler: str = "inductor"
+    split_ops: tuple[str, ...] = ("tscompile::attention",)
+    split_sdpa: bool = False
+    split_narrowing: bool = True
+    token_ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER
+    prefill_graph_max_tokens: int = 2048
+    decode_ladder: tuple[int, ...] = DEFAULT_DECODE_LADDER
+    cudagraphs: bool = True
+    debug_dir: str | None = field(default_factory=lambda: os.environ.get("TSCOMPILE_DEBUG_DIR") or None)
+
+    # fields that change where artifacts are written, not what is compiled
+    HASH_IGNORED = frozenset({"debug_dir"})
+
+    def __post_init__(self):
+        if self.piece_compiler not in PIECE_COMPILERS:
+            raise ValueError(f"tscompile: piece_compiler {self.piece_compiler!r} unknown; known: {list(PIECE_COMPILERS)}")
+        for name in ("token_ladder", "decode_ladder"):
+            ladder = tuple(int(x) for x in getattr(self, name))
+            if not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1:
+                raise ValueError(f"tscompile: {name} must be strictly increasing positive ints, got {ladder}")
+            object.__setattr__(self, name, ladder)
+        object.__setattr__(self, "split_ops", tuple(self.split_ops))
+
+    @classmethod
+    def from_options(cls, options: dict | None = None, mode: str | None = None) -> "TscompileConfig":
+        options = dict(options or {})
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"tscompile: unknown option(s) {unknown}; known options: {known}")
+        if mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+            raise ValueError(f"tscompile: unknown mode {mode!r}")
+        if mode == "max-autotune-no-cudagraphs":
+            options.setdefault("cudagraphs", False)
+        return cls(**options)
+
+    def compute_hash(self) -> str:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.HASH_IGNORED}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def bucket(self, ladder: tuple[int, ...], n: int) -> int | None:
+        """The smallest ladder entry >= n, or None above the ladder."""
+        for size in ladder:
+            if size >= n:
+                return size
+        return None

@@ -1,0 +1,93 @@
+"""Compile the pieces of a split graph.
+
+The split module is interpreted once over fake inputs (the symbolic shapes Dynamo traced); each
+compiled piece is handed to the piece compiler with the fake arguments it sees, so every piece
+keeps the symbolic token (or row) dimension. Break pieces are left as plain GraphModules: they run
+the attention (or narrowing) op eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.fx
+
+from tscompile.config import TscompileConfig
+from tscompile.counters import counters
+from tscompile.passes.split import SplitPlan
+
+logger = logging.getLogger("tscompile")
+
+
+def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig) -> Callable:
+    """One graph -> one callable with the configured piece compiler."""
+    counters["pieces_compiled"] += 1
+    if config.piece_compiler == "eager":
+        return gm.forward
+    if config.piece_compiler == "tensorrt":
+        try:
+            import torch_tensorrt  # noqa: F401
+        except ImportError as e:
+            raise ValueError(
+                "tscompile: piece_compiler='tensorrt' needs torch-tensorrt, which is not importable "
+                f"({e}); install tscompile[tensorrt] or use piece_compiler='inductor'"
+            ) from None
+        return torch._dynamo.backends.registry.lookup_backend("tensorrt")(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {"triton.cudagraphs": False}
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _fake_mode(example_inputs: list):
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(example_inputs)
+    if mode is None:
+        ctx = torch._guards.TracingContext.try_get()
+        mode = ctx.fake_mode if ctx is not None else None
+    return mode
+
+
+class _PieceCompileInterpreter(torch.fx.Interpreter):
+    def __init__(self, module: torch.fx.GraphModule, compile_names: set[str], config: TscompileConfig, fake_mode):
+        super().__init__(module)
+        self.compile_names = compile_names
+        self.config = config
+        self.fake_mode = fake_mode
+        self.compiled: dict[str, Callable] = {}
+
+    def run(self, *args):
+        fake_args = [self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with self.fake_mode:
+            return super().run(*fake_args)
+
+    def call_module(self, target, args, kwargs):
+        out = super().call_module(target, args, kwargs)
+        if target in self.compile_names:
+            self.compiled[target] = compile_piece(self.fetch_attr(target), list(args), self.config)
+        else:
+            # A narrowing piece's fake kernel minted an unbacked row count. It is bound right here,
+            # as this piece's output; left pending, the next piece's trace would try to bind it to
+            # its own placeholders.
+            shape_env = self.fake_mode.shape_env
+            if shape_env is not None:
+                shape_env.pending_fresh_unbacked_symbols.clear()
+        return out
+
+
+def compile_split_module(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: list,
+                         config: TscompileConfig) -> torch.fx.GraphModule:
+    """Replace each compiled piece of ``split`` by its compiled callable (in place)."""
+    names = {p.name for p in plan.of_kind("compiled")}
+    fake_mode = _fake_mode(example_inputs)
+    if fake_mode is None:
+        raise RuntimeError("tscompile: no fake mode found for the traced graph")
+    interp = _PieceCompileInterpreter(split, names, config, fake_mode)
+    interp.run(*example_inputs)
+    for name, fn in interp.compiled.items():
+        # nn.Module.__setattr__ would refuse a plain callable; the split module's code only calls it
+        split.__dict__[name] = fn
+    return split
