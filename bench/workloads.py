@@ -80,6 +80,7 @@ class StaticCacheRunner:
         else:
             self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
         self._caches: dict[tuple[int, int], StaticCacheModel] = {}
+        self._decode_len = 0
         self.compile_seconds = 0.0  # filled by the caller from the warm-up excess
         self.capture_seconds = 0.0
 
@@ -101,7 +102,8 @@ class StaticCacheRunner:
 
     def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False) -> BatchTiming:
         bs, seqlen = len(prompts), len(prompts[0])
-        sm = self._static(bs, seqlen + output_len)
+        self._decode_len = seqlen + output_len
+        sm = self._static(bs, self._decode_len)
         ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
         calls: list[float] | None = [] if per_call else None
         with torch.no_grad():
@@ -118,7 +120,8 @@ class StaticCacheRunner:
         return BatchTiming(ttft.seconds, dec.seconds, output_len - 1, tokens, calls or [])
 
     def run_prefill(self, prompt: list[int]) -> float:
-        sm = self._static(1, len(prompt))
+        # a gpt-fast-sized cache (at least the decode run's length): short prompts reuse the bs=1 graphs
+        sm = self._static(1, max(len(prompt), self._decode_len))
         ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
         with torch.no_grad(), Timer(self.device) as t:
             self._call(self.prefill_fn, sm, ids, torch.arange(len(prompt), device=self.device), None)

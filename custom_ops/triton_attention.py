@@ -41,7 +41,8 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 # Decode split-KV tuning. The number of splits is a function of static shapes only (the table's
 # KV capacity ``max_pages * P``, the batch and the KV head count), never of ``seq_lens`` values.
-# Module-level so tests can shrink DECODE_MIN_SPLIT_TOKENS to exercise many splits on tiny shapes.
+# Module-level so tests can shrink DECODE_MIN_SPLIT_TOKENS and DECODE_BLOCK_N to exercise many
+# splits on tiny shapes.
 DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to combine than it saves
 DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
 DECODE_MAX_SPLITS = 32
@@ -386,7 +387,8 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
         page_table.shape[1] * page_size,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
+        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
     )
 
 

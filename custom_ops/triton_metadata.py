@@ -14,7 +14,6 @@ static shapes, so it never reads the host and replays the same under a CUDA grap
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -19,6 +19,15 @@ from tscompile.cli import main as tscompile_main
 from tscompile.models import PRESETS, build_model
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """A tiny model gains nothing from intra-op threads, and on a shared host they only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("max_len", [24, 40])
 def test_static_cache_model_greedy_equals_engine(max_len):
     """The compile baselines run the tscompile model's own weights and RoPE: same greedy tokens as the

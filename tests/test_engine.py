@@ -21,6 +21,7 @@ def make_llm(model="llama-tiny", **kw):
     kw.setdefault("device", "cpu")
     kw.setdefault("dtype", torch.float64)
     kw.setdefault("attention_backend", "torch")
+    kw.setdefault("enforce_eager", True)  # compiled paths: tests/test_compile.py
     return tscompile.LLM(model, **kw)
 
 

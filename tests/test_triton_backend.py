@@ -287,15 +287,17 @@ def test_registry_and_graph_support():
 
 
 def test_llm_greedy_tokens_match_torch_backend(device):
+    """The triton backend, eager and compiled (the engine's default), against the eager torch oracle."""
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], list(range(11, 29))]
     params = tscompile.SamplingParams(max_new_tokens=4)
     tokens = {}
-    for backend in ("torch", "triton"):
+    for backend, eager in (("torch", True), ("triton", True), ("triton", False)):
         llm = tscompile.LLM("llama-tiny", attention_backend=backend, device=device, dtype="float32",
-                            max_model_len=64, max_num_seqs=4, page_size=16)
-        tokens[backend] = llm.generate(prompts, params)
-    assert tokens["triton"] == tokens["torch"]
-    assert all(len(t) == 4 for t in tokens["triton"])
+                            max_model_len=64, max_num_seqs=4, page_size=16, enforce_eager=eager)
+        tokens[backend, eager] = llm.generate(prompts, params)
+    assert tokens["triton", True] == tokens["torch", True]
+    assert tokens["triton", False] == tokens["torch", True]
+    assert all(len(t) == 4 for t in tokens["torch", True])
 
 
 # -- GPU: realistic sizes, bf16 and fp32 -------------------------------------------------------------
@@ -405,8 +407,9 @@ def test_gpu_llm_greedy_tokens_match_torch_backend():
     prompts = [list(range(1, 40)), [9, 8], list(range(100, 300))]
     params = tscompile.SamplingParams(max_new_tokens=8)
     tokens = {}
-    for backend in ("torch", "triton"):
+    for backend, eager in (("torch", True), ("triton", True), ("triton", False)):
         llm = tscompile.LLM("llama-tiny", attention_backend=backend, device="cuda", dtype="float32",
-                            max_model_len=512, max_num_seqs=4, page_size=16)
-        tokens[backend] = llm.generate(prompts, params)
-    assert tokens["triton"] == tokens["torch"]
+                            max_model_len=512, max_num_seqs=4, page_size=16, enforce_eager=eager)
+        tokens[backend, eager] = llm.generate(prompts, params)
+    assert tokens["triton", True] == tokens["torch", True]
+    assert tokens["triton", False] == tokens["torch", True]

@@ -3,6 +3,7 @@
 from tscompile import custom_ops  # noqa: F401  (registers the tscompile:: ops)
 from tscompile.runtime.engine import LLM
 from tscompile.sampling import SamplingParams
+from tscompile.export import load_package
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

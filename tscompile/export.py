@@ -152,7 +152,8 @@ def _sampling_inputs(n: int, device) -> list[torch.Tensor]:
 
 
 def _example_programs(model: Transformer, record: dict, device: torch.device, dtype: torch.dtype):
-    """(module, example args, dynamic shapes) per program. Examples use the null page only."""
+    """(module, example args, dynamic shapes) per program. Examples use the null page only, and every
+    example is its own tensor: export treats one tensor passed twice as one input."""
     cfg, b = model.config, record["bounds"]
     specs = model.cache_groups()
     page_size, ppb = record["page_size"], record["pages_per_block"]
@@ -182,7 +183,7 @@ def _example_programs(model: Transformer, record: dict, device: torch.device, dt
     prefill_args = (
         torch.zeros(tokens, dtype=torch.int64, **kw), torch.arange(tokens, **kw),
         [torch.zeros(bs, max_pages, dtype=torch.int32, **kw) for _ in specs],
-        [torch.tensor(q_lens, dtype=torch.int32, **kw) for _ in specs], [qo.to(device) for _ in specs],
+        [torch.tensor(q_lens, dtype=torch.int32, **kw) for _ in specs], [qo.to(device).clone() for _ in specs],
         [torch.zeros(r, dtype=torch.int64, **kw) for r in rows], torch.ones(bs, dtype=torch.bool, **kw),
         *_sampling_inputs(bs, device), *caches(),
     )

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install, run the GPU tests, run the benchmark; logs and JSON to $OUT.
+# Usage (device tool): bash scripts/gpu_check.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest -q -m gpu tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  tscompile bench ${BENCH_ARGS:---model llama-1b} --output-json "$OUT/bench.json" --output-md "$OUT/bench.md" \
+    2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+exit $rc

@@ -1,0 +1,223 @@
+"""The torch.compile backend on the CPU: entry point, options, split structure, compiled equals
+eager, recompilation counters, narrowing, split_sdpa on a stock transformers model, debug dump."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tscompile
+from tscompile import SamplingParams
+from tscompile.attention import ForwardMode
+from tscompile.counters import counters
+from tscompile.passes.split import split_graph
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], list(range(1, 20)), [77, 66, 55]]
+
+
+def make_llm(model="llama-tiny", **kw):
+    kw.setdefault("max_model_len", 64)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("page_size", 4)
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", torch.float32)
+    kw.setdefault("attention_backend", "torch")
+    return tscompile.LLM(model, **kw)
+
+
+def test_entry_point_works_in_a_fresh_process():
+    code = (
+        "import sys, torch\n"
+        "assert 'tscompile' in torch._dynamo.list_backends(), torch._dynamo.list_backends()\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())\n"
+        "x = torch.randn(3, 8)\n"
+        "out = torch.compile(m, backend='tscompile', options={'piece_compiler': 'eager'})(x)\n"
+        "assert torch.allclose(out, m(x))\n"
+        "print('ok', 'tscompile' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok True"  # the entry point imported tscompile, the script did not
+
+
+def test_unknown_option_is_refused_with_the_known_ones():
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(Exception, match=r"tscompile: unknown option\(s\) \['nope'\]; known options: \['piece_compiler'"):
+        torch.compile(m, backend="tscompile", options={"nope": 1})(torch.randn(2, 4))
+
+
+def test_module_without_tscompile_ops_compiles_whole_like_inductor():
+    torch.compiler.reset()
+    assert counters["graphs"] == 0  # reset() reaches tscompile's own state
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(5, 16)
+    out = torch.compile(m, backend="tscompile")(x)
+    torch.testing.assert_close(out, m(x))
+    assert counters["graphs"] == 1 and counters["pieces_compiled"] == 1 and counters["breaks"] == 0
+
+
+def test_tensorrt_piece_compiler_refuses_clearly_when_missing():
+    pytest.importorskip("torch_tensorrt", reason=None) if False else None
+    try:
+        import torch_tensorrt  # noqa: F401
+        pytest.skip("torch-tensorrt is installed")
+    except ImportError:
+        pass
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(Exception, match="tscompile: piece_compiler='tensorrt' needs torch-tensorrt"):
+        torch.compile(m, backend="tscompile", options={"piece_compiler": "tensorrt"})(torch.randn(2, 4))
+
+
+def _traced_prefill_graph(model_name):
+    """The Dynamo graph of one prefill step of the engine's model (not compiled)."""
+    llm = make_llm(model_name, enforce_eager=True)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    from tscompile.backend import tracing_config
+    step = torch.compile(llm.runner._extend_forward, backend=capture, dynamic=True)
+    llm.runner.extend_step = lambda *a: _call(step, tracing_config, *a)
+    llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=1))
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def _call(fn, ctx, *args):
+    with ctx():
+        return fn(*args)
+
+
+def test_split_structure_of_the_llama_model():
+    gm = _traced_prefill_graph("llama-tiny")
+    split, plan = split_graph(gm)
+    kinds = [p.kind for p in plan.pieces]
+    assert kinds == ["compiled", "break", "compiled", "break", "compiled"]  # 2 layers, 2 breaks
+    assert all(p.ops == ("tscompile::attention",) for p in plan.of_kind("break"))
+    assert {p.stage for p in plan.pieces} == {"encoder"}
+    for piece in plan.of_kind("break"):  # a break piece holds the op and nothing that computes
+        nodes = [n for n in getattr(split, piece.name).graph.nodes if n.op == "call_function"]
+        assert [str(n.target) for n in nodes] == ["tscompile.attention"]
+
+
+def test_split_structure_of_the_narrowing_model():
+    gm = _traced_prefill_graph("narrow-tiny")
+    _, plan = split_graph(gm)
+    kinds = [(p.kind, p.stage) for p in plan.pieces]
+    enc, dec = ("compiled", "encoder"), ("compiled", "decoder")
+    assert kinds == [enc, ("break", "encoder"), enc, ("break", "encoder"), enc, ("narrow", "encoder"),
+                     dec, ("break", "decoder"), dec, ("break", "decoder"), dec]
+    assert plan.of_kind("narrow")[0].ops == ("tscompile::narrow_rows",)
+    _, no_narrow = split_graph(gm, split_narrowing=False)
+    assert not no_narrow.of_kind("narrow") and no_narrow.num_breaks == 4
+
+
+def _record_logits(llm):
+    seen = []
+    original = llm.runner.sampling.sample
+
+    def sample(logits):
+        seen.append(logits.detach().clone())
+        return original(logits)
+
+    llm.runner.sampling.sample = sample
+    return seen
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_compiled_equals_eager_in_decode_prefill_mixed_and_chunked_steps(model):
+    params = SamplingParams(max_new_tokens=5)
+    eager = make_llm(model, enforce_eager=True, max_num_batched_tokens=6)
+    compiled = make_llm(model, max_num_batched_tokens=6)
+    modes = []
+    run = compiled.runner.execute
+    compiled.runner.execute = lambda s, b: modes.append(b.mode) or run(s, b)
+    eager_logits, compiled_logits = _record_logits(eager), _record_logits(compiled)
+    assert compiled.generate(PROMPTS, params) == eager.generate(PROMPTS, params)
+    assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)
+    assert len(eager_logits) == len(compiled_logits)
+    for a, b in zip(eager_logits, compiled_logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_no_recompilation_across_steady_decode_and_prefill_steps():
+    llm = make_llm(max_num_batched_tokens=8, max_num_seqs=4)
+    llm.generate(PROMPTS, SamplingParams(max_new_tokens=4))  # warm: bs 1 and >1, extend and mixed
+    graphs, frames = counters["graphs"], dict(torch._dynamo.utils.counters["frames"])
+    more = [[9] * 13, [8] * 2, [7] * 30, [6] * 5]
+    llm.generate(more, SamplingParams(max_new_tokens=9))
+    assert counters["graphs"] == graphs
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames
+
+
+class _Narrowed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Linear(8, 8)
+        self.dec = torch.nn.Linear(8, 3)
+
+    def forward(self, x, pos, indptr, completes):
+        h = torch.relu(self.enc(x))
+        rows, kept = torch.ops.tscompile.narrow_rows(h, pos, indptr, completes, 2)
+        return self.dec(rows) * kept[:, None]
+
+
+def test_narrowed_row_counts_zero_one_and_many_compile_once_and_match_eager():
+    from tscompile.backend import tracing_config
+    m = _Narrowed()
+    compiled = torch.compile(m, backend="tscompile", dynamic=True)
+    cases = [  # (q_lens, completes, rows kept)
+        ([0, 0], [True, True], 0),  # every row pads the bucket: nothing kept
+        ([5, 0], [False, True], 1),  # an open chunk keeps its last row
+        ([4, 3, 6], [True, True, True], 6),
+    ]
+    before = counters["graphs"]
+    for q_lens, completes, kept in cases:
+        x = torch.randn(16, 8)  # 16 rows: a token bucket; rows past the requests are padding
+        pos = torch.arange(16)
+        indptr = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        args = (x, pos, indptr, torch.tensor(completes))
+        with tracing_config():
+            out = compiled(*args)
+        ref = m(*args)
+        assert out.shape == (kept, 3)
+        torch.testing.assert_close(out, ref)
+    assert counters["graphs"] - before == 1
+
+
+def test_split_sdpa_on_a_stock_transformers_llama_matches_eager(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 11))
+    with torch.no_grad():
+        ref = model(ids).logits
+        before = counters["breaks"]
+        opts = {"split_sdpa": True, "debug_dir": str(tmp_path)}
+        out = torch.compile(model, backend="tscompile", options=opts)(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert counters["breaks"] - before == 2  # one per layer
+    plans = list(tmp_path.glob("graph_*/plan.txt"))
+    assert plans and "scaled_dot_product_attention" in plans[0].read_text()
+
+
+def test_debug_dump_writes_plan_and_pieces(tmp_path, monkeypatch):
+    monkeypatch.setenv("TSCOMPILE_DEBUG_DIR", str(tmp_path))
+    torch.compiler.reset()  # an earlier test's compiled step would be reused (its guards still hold)
+    llm = make_llm("narrow-tiny")
+    llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    folders = sorted(tmp_path.glob("graph_*"))
+    plans = [f / "plan.txt" for f in folders if (f / "split.py").exists()]
+    assert plans, list(tmp_path.rglob("*"))
+    text = plans[0].read_text()
+    assert "narrow" in text and "tscompile::attention" in text
+    pieces = list(plans[0].parent.glob("submod_*_compiled.py"))
+    assert len(pieces) == 6 and all("def forward" in p.read_text() for p in pieces)

@@ -1,0 +1,110 @@
+"""``tscompile export`` (build a ``.pt2`` package) and ``tscompile run-package`` (generate from one)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from tscompile.cli import parse_prompt_ids
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a preset model's prefill and decode steps into one .pt2 package")
+    p.add_argument("--model", default="llama-tiny", help="preset name (llama-tiny, narrow-tiny, llama-1b, llama-8b)")
+    p.add_argument("--out", required=True, help="package path, ending in .pt2")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="bound of the batch dimension")
+    p.add_argument("--max-model-len", type=int, default=512, help="bound of prompt plus new tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="bound of the token dimension of one step (default: min(2048, seqs * len))")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--weights", choices=["inside", "external"], default="inside",
+                   help="inside the package, or beside it as <out>.safetensors (borrowed at load)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of the preset model")
+
+    p = sub.add_parser("run-package", help="generate token ids from an exported .pt2 package")
+    p.add_argument("package", help="path of a package written by `tscompile export`")
+    p.add_argument("--device", default=None, help="default: the package's device")
+    p.add_argument("--prompt-ids", type=parse_prompt_ids, action="append",
+                   help='token ids of one prompt, e.g. "1,2,3"; repeat for a batch (default: two built-in prompts)')
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="at most the packaged bound (default: it)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="at most the packaged bound")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--verbose", "-v", action="store_true", help="also print the package record, size and load time")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "export":
+        return _export(args)
+    if args.command == "run-package":
+        return _run_package(args)
+    raise ValueError(f"tscompile: export_cli has no command {args.command!r}")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tscompile.export import export_package
+
+    start = time.perf_counter()
+    record = export_package(
+        args.model, args.out, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, page_size=args.page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+        weights=args.weights, seed=args.seed,
+    )
+    size = os.path.getsize(args.out)
+    extra = ""
+    if record["weights"] == "external":
+        wpath = os.path.join(os.path.dirname(os.path.abspath(args.out)), record["weights_file"])
+        extra = f" + {wpath} ({os.path.getsize(wpath) / 2**20:.1f} MiB)"
+    b = record["bounds"]
+    print(f"wrote {args.out} ({size / 2**20:.1f} MiB){extra} in {time.perf_counter() - start:.1f} s: "
+          f"{args.model}, {record['device']}, {record['dtype']}, attention={record['attention_backend']}, "
+          f"max_num_seqs={b['max_num_seqs']}, max_model_len={b['max_model_len']}, "
+          f"max_num_batched_tokens={b['max_num_batched_tokens']}, page_size={record['page_size']}")
+    return 0
+
+
+def _run_package(args: argparse.Namespace) -> int:
+    import torch
+
+    import tscompile
+
+    llm = tscompile.load_package(args.package, device=args.device, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = args.prompt_ids or [[1, 15, 27, 3, 99, 42], [7, 8, 9]]
+    params = tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    new_tokens = sum(len(o) for o in outputs)
+    rec = llm.record
+    if args.json:
+        out = {"package": args.package, "outputs": outputs, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed}
+        if args.verbose:
+            out.update(package_bytes=llm.package_bytes, load_seconds=llm.load_seconds, record=rec)
+        print(json.dumps(out))
+        return 0
+    for i, o in enumerate(outputs):
+        print(f"[{i}] {' '.join(map(str, o))}")
+    if args.verbose:
+        b = rec["bounds"]
+        print(f"package {args.package}: {llm.package_bytes / 2**20:.2f} MiB (weights {rec['weights']}), "
+              f"loaded in {llm.load_seconds:.3f} s")
+        print(f"built with tscompile {rec['tscompile_version']}, torch {rec['torch_version']} for {rec['device']} "
+              f"({rec['dtype']}); model {rec['model'] or 'custom config'}; attention={rec['attention_backend']}; "
+              f"page_size={rec['page_size']}; bounds: max_num_seqs={b['max_num_seqs']}, "
+              f"max_model_len={b['max_model_len']}, max_num_batched_tokens={b['max_num_batched_tokens']}")
+    print(f"{new_tokens} tokens in {elapsed:.3f} s: {new_tokens / elapsed:.1f} tokens/s")
+    return 0
