@@ -38,13 +38,15 @@ class SamplingBuffers:
     Eager steps and graph replays write tokens into the same ``tokens`` buffer; the runner reads
     ``tokens[:actual_rows]``."""
 
-    def __init__(self, max_rows: int, device: torch.device | str):
+    def __init__(self, max_rows: int, device: torch.device | str, *, temperature=None, top_k=None, top_p=None,
+                 seeds=None, steps=None):
+        """Parameter buffers may be views of a staging area (``runtime/staging.py``)."""
         self.max_rows = max_rows
-        self.temperature = torch.zeros(max_rows, dtype=torch.float32, device=device)
-        self.top_k = torch.ones(max_rows, dtype=torch.int32, device=device)
-        self.top_p = torch.ones(max_rows, dtype=torch.float32, device=device)
-        self.seeds = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.steps = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.temperature = temperature if temperature is not None else torch.zeros(max_rows, device=device)
+        self.top_k = top_k if top_k is not None else torch.ones(max_rows, dtype=torch.int32, device=device)
+        self.top_p = top_p if top_p is not None else torch.ones(max_rows, device=device)
+        self.seeds = seeds if seeds is not None else torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.steps = steps if steps is not None else torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
 
     def fill(self, params: list[SamplingParams], seeds: list[int], steps: list[int], pad_to: int) -> None:

@@ -27,6 +27,7 @@ from tscompile.models.llama import Transformer
 from tscompile.runtime import pointer_guard
 from tscompile.runtime.forward_context import ForwardContext, forward_context
 from tscompile.runtime.scheduler import ScheduledBatch, Scheduler
+from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
 
 logger = logging.getLogger("tscompile")
@@ -42,11 +43,13 @@ class ModelRunner:
         self.max_decode_bs = max_num_seqs
         self.max_blocks = max_blocks
         self.config = compile_config
-        self.sampling = SamplingBuffers(max_num_seqs, device)
         # persistent buffers: sized by max_decode_bs, set up whether or not graphs are used
         backend.init_cuda_graph_state(self.max_decode_bs)
-        self.input_ids = torch.zeros(self.max_decode_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_decode_bs, dtype=torch.int64, device=device)
+        self.staging = DecodeStaging(self.max_decode_bs, len(backend.specs), max_blocks, device)
+        st = self.staging
+        self.sampling = SamplingBuffers(max_num_seqs, device, temperature=st.temperature, top_k=st.top_k,
+                                        top_p=st.top_p, seeds=st.seeds, steps=st.steps)
+        self.input_ids, self.positions = st.input_ids, st.positions
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         if compile_config is None:
@@ -117,18 +120,23 @@ class ModelRunner:
         actual_bs = len(batch.decodes)
         bs = self.decode_bucket(actual_bs)
         graphed = self.decode_graphs is not None and bs in self.decode_graphs
+        reqs = batch.decodes
         lens = sched.group_lens_after(batch)
-        narrowed = {g: self._to_device(lens[g]) for g, s in enumerate(sched.specs) if s.narrowed}
-        self.backend.refresh_decode_metadata(
-            bs, actual_bs, self._to_device([r.slot for r in batch.decodes], torch.int64), self._to_device(lens[0]),
-            forward_mode=ForwardMode.DECODE, block_tables=self._block_tables(sched, batch), num_extends=0,
-            for_graph_replay=graphed, group_seq_lens=narrowed,
-        )
+        slots = [r.slot for r in reqs]
         ids, pos = sched.input_rows(batch)
-        pad = [0] * (bs - actual_bs)
-        self.input_ids[:bs].copy_(self._to_device(ids + pad, torch.int64))
-        self.positions[:bs].copy_(self._to_device(pos + pad, torch.int64))
-        self._fill_sampling(batch, bs)
+        st = self.staging
+        st.fill(ids=ids, positions=pos, seeds=[r.seed for r in reqs],
+                steps=[len(r.prompt) + len(r.output) for r in reqs], top_k=[r.params.top_k for r in reqs],
+                temperature=[r.params.temperature for r in reqs], top_p=[r.params.top_p for r in reqs],
+                group_lens=lens, group_tables=[t[slots] for t in sched.block_tables], bs=bs)
+        st.upload()
+        groups = range(len(sched.specs))
+        self.backend.refresh_decode_metadata(
+            bs, actual_bs, torch.tensor(slots), st.seq_lens(0, actual_bs),  # req_pool_indices: on cpu
+            forward_mode=ForwardMode.DECODE, block_tables={g: st.block_tables(g, actual_bs) for g in groups},
+            num_extends=0, for_graph_replay=graphed,
+            group_seq_lens={g: st.seq_lens(g, actual_bs) for g in groups if sched.specs[g].narrowed},
+        )
         if graphed:
             if self._guard is not None:
                 pointer_guard.verify(self._guard, self._guard_roots(bs))
