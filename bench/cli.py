@@ -1,4 +1,8 @@
-"""``tscompile bench``: argparse and orchestration (modes x batch sizes, then bs=1 prefill lengths).
+"""``tscompile bench``: argparse and orchestration (modes x batch sizes, then bs=1 prefill lengths)."""
+
+from __future__ import annotations
+
+DESCRIPTION = """Decode (TPOT, tokens/s, TTFT, roofline) and prefill figures of one model in several modes.
 
 Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed)`` per mode):
   eager                    tscompile.LLM(enforce_eager=True, attention_backend="torch")
@@ -7,8 +11,6 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
   tscompile-<backend>      tscompile.LLM(enforce_eager=False, attention_backend=<backend>)
 A mode or a batch size that fails becomes an error row; the others still run.
 """
-
-from __future__ import annotations
 
 import argparse
 import gc
@@ -91,7 +93,7 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
 # -- argparse --------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark eager vs torch.compile baselines vs tscompile (decode and prefill)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-tiny", help="preset (llama-tiny, llama-1b, llama-8b)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
@@ -278,8 +280,33 @@ class Bench:
                 row["match_eager"] = f"{sum(x == y for x, y in zip(got, ref))}/{len(ref)}"
 
 
+class _NoBar:
+    """Stands in for tqdm where it is not installed."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def write(self, s, file=None):
+        print(s, file=file or sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = _NoBar
 
     from tscompile.runtime.engine import resolve_dtype
 

@@ -111,8 +111,8 @@ def markdown(result: dict) -> str:
             f"iters {args['num_iters']} (+{args['num_iters_warmup']} warm-up) · "
             f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s\n")
     notes = ("\nTPOT = mean decode step (decode-only steps); roofline ms = (weights + KV read per step at the mean "
-             "decode context) / copy bandwidth; % roofline = roofline / TPOT; `= eager` = matching greedy tokens "
-             "of request 0 vs eager at the same bs. Static-cache compile/capture times are the first warm-up "
+             "decode context) / copy bandwidth; % roofline = roofline / TPOT; `= eager` = requests whose greedy "
+             "tokens equal eager's at the same bs (bf16 may drift on near-ties). Static-cache compile/capture times are the first warm-up "
              "run's excess over the steady state.\n")
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
                       "### Prefill", "", prefill_table(result["prefill"]), notes])
@@ -125,6 +125,7 @@ def plot(result: dict, path: str | os.PathLike) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.FuncFormatter below)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     modes = list(dict.fromkeys(r["mode"] for r in result["results"]))
@@ -139,6 +140,12 @@ def plot(result: dict, path: str | os.PathLike) -> None:
         ax.plot(xs, [roof[x] for x in xs], "k--", label="roofline")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    sizes = sorted({r["batch_size"] for r in result["results"]})
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    label = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(label)
+    low, high = ax.get_ylim()
+    ax.yaxis.set_minor_formatter(label if high / low < 20 else matplotlib.ticker.NullFormatter())
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode ms / step")
     env = result["env"]
