@@ -11,6 +11,8 @@ equals replay, and the op is safe inside a captured graph.
     seeds:       [B] int64
     steps:       [B] int64       a per-request counter (the position being sampled)
     out:         [B] int64       mutated: the sampled token ids (a persistent buffer's slice)
+    all_greedy:  a static promise that every row is greedy; the op then takes the argmax without
+                 sorting the vocabulary (the same tokens the general path gives greedy rows)
 """
 
 from __future__ import annotations
@@ -59,10 +61,14 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     out: torch.Tensor,
+    all_greedy: bool = False,
 ) -> None:
-    out.copy_(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))
+    if all_greedy:
+        out.copy_(torch.argmax(logits, dim=-1))
+    else:
+        out.copy_(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))
 
 
 @sample.register_fake
-def _(logits, temperature, top_k, top_p, seeds, steps, out):
+def _(logits, temperature, top_k, top_p, seeds, steps, out, all_greedy=False):
     return None

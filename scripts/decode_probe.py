@@ -38,7 +38,7 @@ for bs in [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(
         llm.step(); n += 1
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / n
-    g = llm.runner.decode_graphs.graphs[llm.runner.decode_bucket(bs)]
+    g = llm.runner.decode_graphs.graphs[(llm.runner.decode_bucket(bs), True)]
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(20):

@@ -121,9 +121,9 @@ def _record_logits(llm):
     seen = []
     original = llm.runner.sampling.sample
 
-    def sample(logits):
+    def sample(logits, all_greedy=False):
         seen.append(logits.detach().clone())
-        return original(logits)
+        return original(logits, all_greedy)
 
     llm.runner.sampling.sample = sample
     return seen

@@ -78,6 +78,9 @@ def test_greedy_top_k_one_equals_argmax(seed):
     top_k = torch.ones(16, dtype=torch.int32)
     torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, out)
     assert torch.equal(out, logits.argmax(-1))
+    out.fill_(-1)  # the all-greedy fast path gives the same tokens without the sort
+    torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, out, True)
+    assert torch.equal(out, logits.argmax(-1))
     zero_temp = torch.zeros(16)
     out.fill_(-1)
     torch.ops.tscompile.sample(logits, zero_temp, torch.zeros(16, dtype=torch.int32), top_p, seeds, steps, out)

@@ -211,6 +211,18 @@ def export_programs(model: Transformer, record: dict, device: torch.device, dtyp
     return out
 
 
+def program_ops(ep) -> list[str]:
+    """The ``tscompile::`` ops an exported program calls (also under a functionalization wrapper)."""
+    names = set()
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in (node.target, *(a for a in node.args[:1] if callable(a))):
+            if isinstance(target, torch._ops.OpOverload) and target.namespace == "tscompile":
+                names.add(target._schema.name)
+    return sorted(names)
+
+
 def _aoti_compile(ep, args, options: dict) -> list:
     try:
         gm = ep.module(check_guards=False)
@@ -303,6 +315,7 @@ def export_package(
         record["weights_file"] = _weights_path(out).name
     start = time.perf_counter()
     programs = export_programs(built, record, device, dtype)
+    record["ops"] = {name: program_ops(ep) for name, (ep, _) in programs.items()}
     files = {name: _aoti_compile(ep, args, options) for name, (ep, args) in programs.items()}
     record["build_seconds"] = round(time.perf_counter() - start, 1)
     from torch.export.pt2_archive._package import package_pt2

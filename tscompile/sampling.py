@@ -62,10 +62,11 @@ class SamplingBuffers:
         self.seeds[:pad_to].copy_(ints[:, 0], non_blocking=True)
         self.steps[:pad_to].copy_(ints[:, 1], non_blocking=True)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """Run the sampling op on ``logits: [n, V]`` into ``tokens[:n]``; returns that slice."""
+    def sample(self, logits: torch.Tensor, all_greedy: bool = False) -> torch.Tensor:
+        """Run the sampling op on ``logits: [n, V]`` into ``tokens[:n]``; returns that slice.
+        ``all_greedy`` (a host fact about the batch) skips the vocabulary sort."""
         n = logits.shape[0]
         out = self.tokens[:n]
         torch.ops.tscompile.sample(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n],
-                                   self.seeds[:n], self.steps[:n], out)
+                                   self.seeds[:n], self.steps[:n], out, all_greedy)
         return out

@@ -1,4 +1,5 @@
-"""Decode CUDA graphs: one ``torch.cuda.CUDAGraph`` per ladder size around the compiled decode step.
+"""Decode CUDA graphs: one ``torch.cuda.CUDAGraph`` per ladder size (and sampling variant: all-greedy
+batches skip the vocabulary sort) around the compiled decode step.
 
 Why not CUDA-graph trees: a decode loop that reads its tokens every step pays the trees' host work
 per replay (about 90-100 us measured on the H200), which alone would miss the small-model targets;
@@ -20,11 +21,11 @@ import torch
 class DecodeGraphs:
     def __init__(self, device: torch.device):
         self.device = device
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bs, all_greedy)
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture(self, bs: int, run_step: Callable[[], None], warmup: int = 2) -> None:
-        """``run_step`` runs the compiled step over the static buffers of batch ``bs``."""
+    def capture(self, key: tuple[int, bool], run_step: Callable[[], None], warmup: int = 2) -> None:
+        """``run_step`` runs the compiled step over the static buffers of batch ``key[0]``."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -34,10 +35,13 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             run_step()
-        self.graphs[bs] = graph
+        self.graphs[key] = graph
 
-    def __contains__(self, bs: int) -> bool:
-        return bs in self.graphs
+    def __contains__(self, key) -> bool:
+        """``bs in graphs``: some variant of ``bs`` is captured; ``(bs, greedy) in graphs``: that one."""
+        if isinstance(key, tuple):
+            return key in self.graphs
+        return any(bs == key for bs, _ in self.graphs)
 
-    def replay(self, bs: int) -> None:
-        self.graphs[bs].replay()
+    def replay(self, key: tuple[int, bool]) -> None:
+        self.graphs[key].replay()

@@ -62,6 +62,7 @@ class ModelRunner:
             self.decode_step = compile_step(self._decode_forward, whole)
             self.extend_step = compile_step(self._extend_forward, compile_config)
         self.decode_graphs = None
+        self._placeholder: dict[int, torch.Tensor] | None = None
         self._guard: dict | None = None
         self.decode_ladder: tuple[int, ...] = ()
         use_graphs = (compile_config is not None and compile_config.cudagraphs and device.type == "cuda"
@@ -74,11 +75,11 @@ class ModelRunner:
 
     # Two functions with one body on purpose: Dynamo keys its cache by code object, and the decode
     # step (compiled whole) and the extend step (compiled piecewise) must not share entries.
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.sampling.sample(self.model(input_ids, positions))
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, all_greedy: bool) -> torch.Tensor:
+        return self.sampling.sample(self.model(input_ids, positions), all_greedy)
 
-    def _extend_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.sampling.sample(self.model(input_ids, positions))
+    def _extend_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, all_greedy: bool) -> torch.Tensor:
+        return self.sampling.sample(self.model(input_ids, positions), all_greedy)
 
     def _timed(self, step: StepFn, *args) -> torch.Tensor:
         """Run a step; a call during which the backend compiled a graph counts as compile time."""
@@ -120,7 +121,24 @@ class ModelRunner:
         actual_bs = len(batch.decodes)
         bs = self.decode_bucket(actual_bs)
         graphed = self.decode_graphs is not None and bs in self.decode_graphs
-        reqs = batch.decodes
+        greedy = all(r.params.greedy for r in batch.decodes)
+        if graphed and (bs, greedy) not in self.decode_graphs:
+            self._capture_decode(bs, greedy)  # a first sampled batch at this size: one-time capture
+        self._refresh_decode(sched, batch, bs, graphed)
+        if graphed:
+            if self._guard is not None:
+                pointer_guard.verify(self._guard, self._guard_roots(bs))
+            self.decode_graphs.replay((bs, greedy))
+            counters["decode_replays"] += 1
+        else:
+            with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
+                self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs], greedy)
+            counters["decode_eager"] += 1
+        return self.sampling.tokens[:actual_bs].tolist()
+
+    def _refresh_decode(self, sched: Scheduler, batch: ScheduledBatch, bs: int, graphed: bool) -> None:
+        """Stage this step's host facts (one copy per dtype), then the one decode metadata refresh."""
+        reqs, actual_bs = batch.decodes, len(batch.decodes)
         lens = sched.group_lens_after(batch)
         slots = [r.slot for r in reqs]
         ids, pos = sched.input_rows(batch)
@@ -137,16 +155,6 @@ class ModelRunner:
             num_extends=0, for_graph_replay=graphed,
             group_seq_lens={g: st.seq_lens(g, actual_bs) for g in groups if sched.specs[g].narrowed},
         )
-        if graphed:
-            if self._guard is not None:
-                pointer_guard.verify(self._guard, self._guard_roots(bs))
-            self.decode_graphs.replay(bs)
-            counters["decode_replays"] += 1
-        else:
-            with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
-                self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs])
-            counters["decode_eager"] += 1
-        return self.sampling.tokens[:actual_bs].tolist()
 
     def _guard_roots(self, bs: int) -> dict:
         return {
@@ -164,33 +172,39 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        groups = range(len(self.backend.specs))
-        placeholder = {g: torch.zeros(self.max_decode_bs, self.max_blocks, dtype=torch.int32, device=self.device)
-                       for g in groups}
-        ones = torch.ones(self.max_decode_bs, dtype=torch.int32, device=self.device)
         for bs in tqdm(sorted(self.decode_ladder, reverse=True), desc="Capturing CUDA graphs (decode)",
                        disable=None):
-            self.backend.init_forward_metadata_capture_cuda_graph(
-                bs, torch.zeros(bs, dtype=torch.int64, device=self.device), ones[:bs],
-                block_tables={g: t[:bs] for g, t in placeholder.items()},
-                group_seq_lens={g: ones[:bs] for g in groups if self.backend.specs[g].narrowed},
-            )
-            self.input_ids[:bs].zero_()
-            self.positions[:bs].zero_()
-            self.sampling.fill([], [], [], pad_to=bs)
-
-            def run_step(bs=bs):
-                with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
-                    self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs])
-
-            self.decode_graphs.capture(bs, run_step)
-            counters["decode_captures"] += 1
-            if pointer_guard.graph_debug_enabled():
-                self._guard = pointer_guard.snapshot(self._guard_roots(bs))
+            self._capture_decode(bs, greedy=True)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start - self.compile_seconds
         took = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
         logger.info("Graph capturing finished in %.0f s, took %.2f GiB", time.perf_counter() - start, took)
+
+    def _capture_decode(self, bs: int, greedy: bool) -> None:
+        """Capture the decode step for ``bs`` rows: inherited capture = the idle refresh over the
+        placeholder tables (every row padding), then the compiled step recorded into the pool."""
+        groups = range(len(self.backend.specs))
+        if self._placeholder is None:
+            self._placeholder = {g: torch.zeros(self.max_decode_bs, self.max_blocks, dtype=torch.int32,
+                                                device=self.device) for g in groups}
+        ones = torch.ones(bs, dtype=torch.int32, device=self.device)
+        self.backend.init_forward_metadata_capture_cuda_graph(
+            bs, torch.zeros(bs, dtype=torch.int64, device=self.device), ones,
+            block_tables={g: t[:bs] for g, t in self._placeholder.items()},
+            group_seq_lens={g: ones for g in groups if self.backend.specs[g].narrowed},
+        )
+        self.input_ids[:bs].zero_()
+        self.positions[:bs].zero_()
+        self.sampling.fill([], [], [], pad_to=bs)
+
+        def run_step():
+            with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
+                self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs], greedy)
+
+        self.decode_graphs.capture((bs, greedy), run_step)
+        counters["decode_captures"] += 1
+        if pointer_guard.graph_debug_enabled():
+            self._guard = pointer_guard.snapshot(self._guard_roots(bs))
 
     # -- extend / mixed ------------------------------------------------------------------------------
     def _extend(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
@@ -216,6 +230,7 @@ class ModelRunner:
         self._fill_sampling(batch, len(reqs))
         ctx = ForwardContext(batch.mode, self.backend, self._to_device(completes, torch.bool))
         with forward_context(ctx):
-            tokens = self._timed(self.extend_step, self._to_device(ids, torch.int64), self._to_device(pos, torch.int64))
+            tokens = self._timed(self.extend_step, self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
+                                 all(r.params.greedy for r in reqs))
         counters["prefill_eager"] += 1
         return tokens[: len(reqs)].tolist()
