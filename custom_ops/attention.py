@@ -43,6 +43,20 @@ def attention_impls() -> list[str]:
     return sorted(_IMPLS)
 
 
+def run_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale: float,
+                  decode: bool, impl: str) -> None:
+    """The op's body, callable without the dispatcher: eager callers (the runtime's attention breaks)
+    use it directly; graphs and exported programs record the op, which runs this."""
+    fn = _IMPLS.get(impl)
+    if fn is None:
+        raise ValueError(f"tscompile: unknown attention impl {impl!r}; known: {attention_impls()}")
+    fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode)
+    if not decode and q.shape[0] > 0:
+        # rows past qo_indptr[-1] pad a token bucket: zero them on the device, without a host read
+        rows = torch.arange(q.shape[0], device=q.device)
+        out.masked_fill_((rows >= qo_indptr[-1])[:, None, None], 0)
+
+
 @torch.library.custom_op("tscompile::attention", mutates_args=("k_cache", "v_cache", "out"))
 def attention(
     q: torch.Tensor,
@@ -59,14 +73,7 @@ def attention(
     decode: bool,
     impl: str,
 ) -> None:
-    fn = _IMPLS.get(impl)
-    if fn is None:
-        raise ValueError(f"tscompile: unknown attention impl {impl!r}; known: {attention_impls()}")
-    fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode)
-    if not decode and q.shape[0] > 0:
-        # rows past qo_indptr[-1] pad a token bucket: zero them on the device, without a host read
-        rows = torch.arange(q.shape[0], device=q.device)
-        out.masked_fill_((rows >= qo_indptr[-1])[:, None, None], 0)
+    run_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode, impl)
 
 
 @attention.register_fake

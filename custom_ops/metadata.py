@@ -28,6 +28,16 @@ def register_refresh_impl(name: str, fn: Callable[..., None]) -> None:
     _IMPLS[name] = fn
 
 
+def run_refresh(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block: int,
+                page_size: int, impl: str) -> None:
+    """The op's body without the dispatcher: the runtime refreshes eagerly before every replay, and a
+    custom-op call costs tens of microseconds of host work there."""
+    fn = _IMPLS.get(impl)
+    if fn is None:
+        raise ValueError(f"tscompile: unknown refresh impl {impl!r}; known: {sorted(_IMPLS)}")
+    fn(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block, page_size)
+
+
 @torch.library.custom_op(
     "tscompile::refresh_decode_metadata", mutates_args=("page_table_out", "seq_lens_out", "write_loc_out")
 )
@@ -41,10 +51,7 @@ def refresh_decode_metadata(
     page_size: int,
     impl: str,
 ) -> None:
-    fn = _IMPLS.get(impl)
-    if fn is None:
-        raise ValueError(f"tscompile: unknown refresh impl {impl!r}; known: {sorted(_IMPLS)}")
-    fn(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block, page_size)
+    run_refresh(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block, page_size, impl)
 
 
 @refresh_decode_metadata.register_fake

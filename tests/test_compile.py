@@ -103,6 +103,13 @@ def test_split_structure_of_the_llama_model():
     for piece in plan.of_kind("break"):  # a break piece holds the op and nothing that computes
         nodes = [n for n in getattr(split, piece.name).graph.nodes if n.op == "call_function"]
         assert [str(n.target) for n in nodes] == ["tscompile.attention"]
+    # once compiled, the break pieces call the op's body directly (no dispatcher) and stay eager
+    from tscompile.custom_ops.attention import run_attention
+    from tscompile.piece_compiler import _call_breaks_directly
+    _call_breaks_directly(split, plan)
+    for piece in plan.of_kind("break"):
+        targets = [n.target for n in getattr(split, piece.name).graph.nodes if n.op == "call_function"]
+        assert targets == [run_attention]
 
 
 def test_split_structure_of_the_narrowing_model():

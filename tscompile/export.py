@@ -393,6 +393,9 @@ class _PackageRunner:
     Extend and mixed metadata come from the router's host planner; decode metadata is refreshed
     inside the decode program from the block tables and seq lens handed to it."""
 
+    compile_seconds = 0.0  # the programs were compiled at export; nothing compiles or captures here
+    capture_seconds = 0.0
+
     def __init__(self, programs: dict, backend: CacheGroupRouter, pool: KVCachePool, n_layers: int, *,
                  max_num_seqs: int, device: torch.device):
         self.programs, self.backend, self.device = programs, backend, device
@@ -489,7 +492,8 @@ class PackagedLLM(LLM):
         )
         self.runner = _PackageRunner(programs, self.backend, self.pool, self.config.n_layers,
                                      max_num_seqs=max_num_seqs, device=device)
-        self.enforce_eager = True
+        self.enforce_eager, self.compile_config = True, None  # compiled ahead of time, nothing at run time
+        self.graph_support = None
         self._ids = itertools.count()
         self._rng = random.Random(seed)
 

@@ -78,6 +78,20 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         return out
 
 
+def _call_breaks_directly(split: torch.fx.GraphModule, plan: SplitPlan) -> None:
+    """Break pieces run eagerly anyway: let their attention nodes call the op's body directly and
+    skip the dispatcher's per-call host work (a break per layer, every prefill step)."""
+    from tscompile.custom_ops.attention import run_attention
+    from tscompile.passes.split import op_name
+
+    for piece in plan.of_kind("break"):
+        gm = getattr(split, piece.name)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and op_name(node.target) == "tscompile::attention" and not node.kwargs:
+                node.target = run_attention
+        gm.recompile()
+
+
 def compile_split_module(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: list,
                          config: TscompileConfig) -> torch.fx.GraphModule:
     """Replace each compiled piece of ``split`` by its compiled callable (in place)."""
@@ -90,4 +104,5 @@ def compile_split_module(split: torch.fx.GraphModule, plan: SplitPlan, example_i
     for name, fn in interp.compiled.items():
         # nn.Module.__setattr__ would refuse a plain callable; the split module's code only calls it
         split.__dict__[name] = fn
+    _call_breaks_directly(split, plan)
     return split

@@ -19,6 +19,7 @@ from typing import ClassVar, Mapping
 import torch
 
 from tscompile.attention.support import CudaGraphSupport
+from tscompile.custom_ops.metadata import run_refresh
 from tscompile.kv_cache.pool import KVCachePool
 
 
@@ -216,10 +217,10 @@ class PagedAttentionBackend(AttentionBackend):
     ) -> None:
         views = self.decode_views(bs)
         table = block_tables[self.group_id][num_extends : num_extends + actual_bs]
-        torch.ops.tscompile.refresh_decode_metadata(
-            table, seq_lens[:actual_bs], views.page_table, views.seq_lens, write_loc_out,
-            self.pages_per_block, self.page_size, self.refresh_impl,
-        )
+        # the op when traced (graphs, export); its body directly when run eagerly (the usual case)
+        refresh = torch.ops.tscompile.refresh_decode_metadata if torch.compiler.is_compiling() else run_refresh
+        refresh(table, seq_lens[:actual_bs], views.page_table, views.seq_lens, write_loc_out,
+                self.pages_per_block, self.page_size, self.refresh_impl)
         self.forward_decode_metadata = views
 
     def init_forward_metadata(
