@@ -206,3 +206,28 @@ def test_live_delivery_must_cover_every_group():
     tables, seq_lens, tail = live_inputs(2)
     with pytest.raises(ValueError, match=r"block_tables omits cache groups \[1\]"):
         refresh(backend, 2, 2, {0: tables[0]}, seq_lens, tail)
+
+
+def test_pointer_guard_names_a_rebound_metadata_tensor():
+    from tscompile.attention import AttentionMetadata
+    from tscompile.runtime import pointer_guard
+
+    backend, _ = make_tree()
+    tables, seq_lens, tail = live_inputs(3, seed=8)
+    refresh(backend, 4, 3, tables, seq_lens, tail)
+
+    def roots():
+        return {f"leaves[{g}].forward_decode_metadata": leaf.forward_decode_metadata
+                for g, leaf in enumerate(backend.leaves)} | {"router.decode_write_locations": backend.decode_write_locations}
+
+    snap = pointer_guard.snapshot(roots())
+    assert "leaves[1].forward_decode_metadata.page_table" in snap and "router.decode_write_locations[0]" in snap
+    tables2, seq_lens2, tail2 = live_inputs(3, seed=9)
+    refresh(backend, 4, 3, tables2, seq_lens2, tail2)  # an in-place refresh keeps every address
+    pointer_guard.verify(snap, roots())
+    leaf = backend.leaves[1]
+    views = leaf._decode_views_by_bs[4]
+    leaf._decode_views_by_bs[4] = AttentionMetadata(views.page_table, views.seq_lens.clone(), views.qo_indptr, True)
+    refresh(backend, 4, 3, tables2, seq_lens2, tail2)
+    with pytest.raises(RuntimeError, match=r"rebound since capture.*leaves\[1\]\.forward_decode_metadata\.seq_lens"):
+        pointer_guard.verify(snap, roots())

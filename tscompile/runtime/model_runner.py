@@ -63,7 +63,7 @@ class ModelRunner:
             self.extend_step = compile_step(self._extend_forward, compile_config)
         self.decode_graphs = None
         self._placeholder: dict[int, torch.Tensor] | None = None
-        self._guard: dict | None = None
+        self._guards: dict[tuple[int, bool], dict] = {}  # graph-debug snapshots per captured graph
         self.decode_ladder: tuple[int, ...] = ()
         use_graphs = (compile_config is not None and compile_config.cudagraphs and device.type == "cuda"
                       and graph_support.support.decode_graph)
@@ -126,8 +126,8 @@ class ModelRunner:
             self._capture_decode(bs, greedy)  # a first sampled batch at this size: one-time capture
         self._refresh_decode(sched, batch, bs, graphed)
         if graphed:
-            if self._guard is not None:
-                pointer_guard.verify(self._guard, self._guard_roots(bs))
+            if self._guards:
+                pointer_guard.verify(self._guards[(bs, greedy)], self._guard_roots())
             self.decode_graphs.replay((bs, greedy))
             counters["decode_replays"] += 1
         else:
@@ -156,7 +156,7 @@ class ModelRunner:
             group_seq_lens={g: st.seq_lens(g, actual_bs) for g in groups if sched.specs[g].narrowed},
         )
 
-    def _guard_roots(self, bs: int) -> dict:
+    def _guard_roots(self) -> dict:
         return {
             **{f"leaves[{g}].forward_decode_metadata": leaf.forward_decode_metadata
                for g, leaf in enumerate(self.backend.leaves)},
@@ -204,7 +204,7 @@ class ModelRunner:
         self.decode_graphs.capture((bs, greedy), run_step)
         counters["decode_captures"] += 1
         if pointer_guard.graph_debug_enabled():
-            self._guard = pointer_guard.snapshot(self._guard_roots(bs))
+            self._guards[(bs, greedy)] = pointer_guard.snapshot(self._guard_roots())
 
     # -- extend / mixed ------------------------------------------------------------------------------
     def _extend(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
