@@ -1,0 +1,256 @@
+"""Packages (``tscompile export`` / ``load_package`` / ``run-package``): torch.export + AOTInductor
+programs against the eager engine, external weights, and every refusal.
+
+Compiling is slow on a CPU, so each package is built once per session (small bounds) and shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zipfile
+
+import pytest
+import torch
+
+import tscompile
+from tscompile import SamplingParams
+from tscompile.attention import ForwardMode
+from tscompile.cli import main as cli_main
+from tscompile.export import export_package, read_package_metadata
+
+DEVICE = torch.device(os.environ.get("TSCOMPILE_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
+OTHER_DEVICE = "cpu" if DEVICE.type == "cuda" else "cuda"
+BOUNDS = dict(max_num_seqs=4, max_model_len=64, page_size=4, max_num_batched_tokens=32)
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+           [77, 66, 55], [400, 401], [9, 9, 9, 9, 9, 9, 9]]
+# ragged batches inside the bounds (1 .. max_num_seqs), and one past it that queues and chunks
+BATCHES = [PROMPTS[1:2], PROMPTS[0:1], PROMPTS[2:4], PROMPTS[0:3], PROMPTS[0:4], PROMPTS]
+EXPECTED_OPS = {
+    "llama-tiny": {"prefill": {"attention", "sample"}, "decode": {"attention", "refresh_decode_metadata", "sample"}},
+    "narrow-tiny": {"prefill": {"attention", "narrow_rows", "sample"},
+                    "decode": {"attention", "refresh_decode_metadata", "sample"}},
+}
+
+
+@pytest.fixture(scope="session")
+def package(tmp_path_factory):
+    """``package(model, weights)`` -> path; built on first use, once per session."""
+    built = {}
+
+    def get(model: str, weights: str = "inside"):
+        if (model, weights) not in built:
+            path = tmp_path_factory.mktemp("packages") / f"{model}-{weights}.pt2"
+            if weights == "external":  # through the CLI, so `tscompile export` is covered too
+                args = ["export", "--model", model, "--out", str(path), "--device", DEVICE.type, "--dtype", "float32",
+                        "--weights", "external"]
+                for k, v in BOUNDS.items():
+                    args += [f"--{k.replace('_', '-')}", str(v)]
+                assert cli_main(args) == 0
+            else:
+                export_package(model, path, device=DEVICE, dtype=torch.float32, weights=weights, **BOUNDS)
+            built[(model, weights)] = path
+        return built[(model, weights)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def eager():
+    made = {}
+
+    def get(model: str):
+        if model not in made:
+            made[model] = tscompile.LLM(model, device=DEVICE, dtype=torch.float32, enforce_eager=True, **BOUNDS)
+        return made[model]
+
+    return get
+
+
+def _spy_modes(llm):
+    seen = []
+    original = llm.runner.execute
+
+    def spy(sched, batch):
+        seen.append(batch.mode)
+        return original(sched, batch)
+
+    llm.runner.execute = spy
+    return seen
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_package_greedy_equals_eager_across_batch_sizes(model, package, eager):
+    llm = tscompile.load_package(package(model))
+    assert llm.device.type == DEVICE.type
+    modes = _spy_modes(llm)
+    params = SamplingParams(max_new_tokens=6)
+    for batch in BATCHES:
+        got = llm.generate(batch, params)
+        assert got == eager(model).generate(batch, params), f"batch of {len(batch)}"
+        assert all(len(o) == 6 for o in got)
+    assert ForwardMode.MIXED not in modes
+    # more requests than max_num_seqs, finishing at different steps: late prompts are admitted while
+    # others decode (mixed steps) and chunked by the token budget
+    params = [SamplingParams(max_new_tokens=n) for n in (3, 8, 5, 2, 7, 4)]
+    got = llm.generate(PROMPTS[::-1], params)
+    assert got == eager(model).generate(PROMPTS[::-1], params)
+    assert [len(o) for o in got] == [3, 8, 5, 2, 7, 4]
+    assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)
+    assert not llm.has_unfinished()
+
+
+def test_tight_bounds_batch_of_one_and_four_token_steps(tmp_path_factory):
+    """Bounds of 2 requests and 4 tokens a step: batch and token sizes of 1 and 2 are ordinary sizes
+    (no 0/1 specialization), prompts run in 4-token chunks, the third request waits for a slot."""
+    bounds = dict(max_num_seqs=2, max_model_len=24, page_size=4, max_num_batched_tokens=4)
+    path = tmp_path_factory.mktemp("tight") / "tight.pt2"
+    export_package("llama-tiny", path, device=DEVICE, dtype=torch.float32, **bounds)
+    llm = tscompile.load_package(path)
+    ref = tscompile.LLM("llama-tiny", device=DEVICE, dtype=torch.float32, enforce_eager=True, **bounds)
+    params = SamplingParams(max_new_tokens=5)
+    for batch in ([[300]], [PROMPTS[0]], [[1, 2], [3]], [PROMPTS[0], [300], PROMPTS[3]]):
+        assert llm.generate(batch, params) == ref.generate(batch, params)
+
+
+def test_package_sampling_equals_eager(package, eager):
+    llm = tscompile.load_package(package("llama-tiny"))
+    params = [SamplingParams(max_new_tokens=5, temperature=0.9, top_k=20, top_p=0.9, seed=s) for s in range(4)]
+    assert llm.generate(PROMPTS[:4], params) == eager("llama-tiny").generate(PROMPTS[:4], params)
+
+
+def _compiled_ops(path, program: str) -> set[str]:
+    """The tscompile ops the AOTInductor program calls (its extern kernel calls)."""
+    with zipfile.ZipFile(path) as zf:
+        names = [n for n in zf.namelist() if f"/aotinductor/{program}/" in n and n.endswith(".wrapper.json")]
+        assert names, zf.namelist()
+        return set(re.findall(r"tscompile::(\w+)", zf.read(names[0]).decode()))
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_package_holds_both_programs_custom_ops_and_metadata(model, package):
+    path = package(model)
+    record = read_package_metadata(path)
+    assert record["programs"] == ["prefill", "decode"]
+    assert record["model"] == model and record["config"] == tscompile.models.build_config(model).to_dict()
+    assert record["tscompile_version"] == tscompile.__version__ and record["torch_version"] == torch.__version__
+    assert record["device"] == DEVICE.type and record["dtype"] == "float32" and record["page_size"] == 4
+    assert record["bounds"] == {k: v for k, v in BOUNDS.items() if k != "page_size"}
+    assert record["attention_backend"] in ("torch", "triton") and record["weights"] == "inside"
+    for program, ops in EXPECTED_OPS[model].items():
+        assert set(record["ops"][program]) == {f"tscompile::{op}" for op in ops}
+        assert _compiled_ops(path, program) == ops
+    # weights inside are stored once and shared by both programs
+    with zipfile.ZipFile(path) as zf:
+        stored = [n for n in zf.namelist() if "/data/weights/" in n]
+    assert len(stored) == len(list(tscompile.models.build_model(model).parameters())) + 1  # + inv_freq
+
+
+def test_external_weights_load_agree_and_are_borrowed(package, eager):
+    inside, external = package("llama-tiny"), package("llama-tiny", "external")
+    weights_file = external.with_suffix(".safetensors")
+    assert weights_file.is_file()
+    assert read_package_metadata(external)["weights"] == "external"
+    weight_bytes = sum(p.numel() * 4 for p in tscompile.models.build_model("llama-tiny").parameters())
+    assert os.path.getsize(external) < os.path.getsize(inside) - weight_bytes // 2  # no weights inside
+    llm = tscompile.load_package(external)
+    params = SamplingParams(max_new_tokens=6)
+    assert llm.generate(PROMPTS, params) == eager("llama-tiny").generate(PROMPTS, params)
+    # the programs read the very tensors loaded from the file (no second copy): zeroing the output
+    # projection in place zeroes every logit, so greedy (stable sort) picks token 0 everywhere
+    llm.weights["output.weight"].zero_()
+    assert llm.generate(PROMPTS[:2], params) == [[0] * 6, [0] * 6]
+
+
+def test_tied_weights_are_written_once_with_an_alias():
+    from tscompile.package.build import _unique_weights
+
+    model = tscompile.models.build_model(tscompile.models.build_config("llama-tiny", tie_embeddings=True))
+    tensors, aliases = _unique_weights(model)
+    assert aliases == {"output.weight": "tok_embeddings.weight"}
+    assert "output.weight" not in tensors and "inv_freq" in tensors
+    assert not any(k.endswith(("k_cache", "v_cache")) for k in tensors)
+
+
+def test_external_weights_missing_file_refused(package, tmp_path):
+    src = package("llama-tiny", "external")
+    lonely = tmp_path / "lonely.pt2"
+    lonely.write_bytes(src.read_bytes())
+    with pytest.raises(ValueError, match=r"^tscompile: .*--weights external.*lonely\.safetensors"):
+        tscompile.load_package(lonely)
+
+
+def test_refuses_other_torch_and_tscompile_releases(package, monkeypatch):
+    path = package("llama-tiny")
+    built = re.escape(torch.__version__)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "2.99.0")
+        with pytest.raises(ValueError, match=rf"^tscompile: .*built with torch {built}, this is torch 2\.99\.0"):
+            tscompile.load_package(path)
+    with monkeypatch.context() as m:
+        m.setattr(tscompile, "__version__", "0.9.0")
+        with pytest.raises(ValueError, match=r"^tscompile: .*built with tscompile 0\.1\.0.*tscompile 0\.9\.0"):
+            tscompile.load_package(path)
+    with monkeypatch.context() as m:  # a patch release of either is compatible
+        m.setattr(tscompile, "__version__", tscompile.__version__ + ".post1")
+        tscompile.load_package(path, max_num_seqs=1)
+
+
+def test_refuses_another_device(package):
+    with pytest.raises(ValueError, match=rf"^tscompile: package was built for device '{DEVICE.type}', "
+                                         rf"cannot load it on '{OTHER_DEVICE}'"):
+        tscompile.load_package(package("llama-tiny"), device=OTHER_DEVICE)
+
+
+@pytest.mark.parametrize("name,value,limit", [("max_num_seqs", 5, 4), ("max_model_len", 65, 64),
+                                              ("max_num_batched_tokens", 33, 32), ("max_num_seqs", 0, 4)])
+def test_refuses_runtime_limits_beyond_package_bounds(package, name, value, limit):
+    with pytest.raises(ValueError, match=rf"^tscompile: {name} {value} is outside the package's bound \[1, {limit}\]"):
+        tscompile.load_package(package("llama-tiny"), **{name: value})
+
+
+def test_refuses_requests_beyond_package_bounds_and_queues_nothing(package):
+    llm = tscompile.load_package(package("llama-tiny"))
+    with pytest.raises(ValueError, match=r"^tscompile: .* = 66 exceeds max_model_len 64 \(package bound 64\)"):
+        llm.generate([[1, 2, 3], list(range(60))], SamplingParams(max_new_tokens=6))
+    assert not llm.has_unfinished()
+    with pytest.raises(ValueError, match=r"^tscompile: token id 512 outside the vocabulary"):
+        llm.generate([[512]])
+    small = tscompile.load_package(package("llama-tiny"), max_model_len=16)
+    with pytest.raises(ValueError, match=r"^tscompile: .* = 20 exceeds max_model_len 16 \(package bound 64\)"):
+        small.generate([list(range(10))], SamplingParams(max_new_tokens=10))
+    assert len(small.generate([list(range(10))], SamplingParams(max_new_tokens=6))[0]) == 6
+
+
+def test_refuses_what_is_not_a_package(tmp_path):
+    bogus = tmp_path / "bogus.pt2"
+    bogus.write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match=r"^tscompile: .*bogus\.pt2.* is not a \.pt2 package"):
+        tscompile.load_package(bogus)
+    with pytest.raises(ValueError, match=r"^tscompile: no package at"):
+        tscompile.load_package(tmp_path / "absent.pt2")
+
+
+def test_export_refuses_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"^tscompile: --weights must be"):
+        export_package("llama-tiny", tmp_path / "m.pt2", device="cpu", weights="elsewhere")
+    with pytest.raises(ValueError, match=r"^tscompile: a package path must end in \.pt2"):
+        export_package("llama-tiny", tmp_path / "m.zip", device="cpu")
+    with pytest.raises(ValueError, match=r"^tscompile: unknown model preset"):
+        export_package("llama-huge", tmp_path / "m.pt2", device="cpu")
+
+
+def test_run_package_cli_prints_ids_size_and_load_time(package, eager, capsys):
+    path = package("narrow-tiny")
+    assert cli_main(["run-package", str(path), "--prompt-ids", "5,17,3,99", "--prompt-ids", "300",
+                     "--max-new-tokens", "5", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    want = eager("narrow-tiny").generate([[5, 17, 3, 99], [300]], SamplingParams(max_new_tokens=5))
+    assert f"[0] {' '.join(map(str, want[0]))}" in out and f"[1] {' '.join(map(str, want[1]))}" in out
+    assert re.search(r"package .*: \d+\.\d+ MiB \(weights inside\), loaded in \d+\.\d+ s", out)
+    assert cli_main(["run-package", str(path), "--prompt-ids", "7,8,9", "--max-new-tokens", "3", "--json", "-v"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["outputs"][0]) == 3 and data["package_bytes"] == os.path.getsize(path) and data["load_seconds"] > 0
+    # refusals come back as exit code 2 with the tscompile message on stderr
+    assert cli_main(["run-package", str(path), "--max-num-seqs", "9"]) == 2
+    assert "tscompile: max_num_seqs 9 is outside the package's bound [1, 4]" in capsys.readouterr().err

@@ -1,0 +1,123 @@
+"""``export_package``: export both steps, compile each with AOTInductor, write one ``.pt2``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from tscompile.attention import leaf_class
+from tscompile.models import ModelConfig, Transformer, build_model
+from tscompile.package.programs import PROGRAMS, export_programs, program_ops
+from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, weights_path
+from tscompile.runtime.engine import resolve_dtype
+
+
+def _aoti_compile(ep, args, options: dict) -> list:
+    """AOTInductor's files for one program (``aot_inductor.package``), ready for ``package_pt2``."""
+    try:
+        gm = ep.module(check_guards=False)
+    except TypeError:  # older torch: no guards module to skip
+        gm = ep.module()
+    return torch._inductor.aot_compile(gm, args, {}, options={**options, "aot_inductor.package": True})
+
+
+def _unique_weights(model: Transformer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's parameters and buffers (KV cache buffers excepted), one entry per storage; tied
+    tensors become aliases of the first name, since safetensors refuses shared storage."""
+    tensors, aliases, seen = {}, {}, {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name.endswith(("k_cache", "v_cache")):
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t.detach().contiguous()
+    return tensors, aliases
+
+
+def export_package(
+    model: str | ModelConfig = "llama-tiny",
+    out: str | os.PathLike = "model.pt2",
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    max_num_seqs: int = 8,
+    max_model_len: int = 512,
+    page_size: int = 16,
+    pages_per_block: int = 1,
+    max_num_batched_tokens: int | None = None,
+    attention_backend: str = "auto",
+    weights: str = "inside",
+    seed: int = 0,
+    inductor_configs: dict | None = None,
+) -> dict:
+    """Export the prefill and decode steps of a preset (or config) and package both into ``out``.
+
+    Returns the metadata record written into the package."""
+    from tscompile import __version__
+    from tscompile.attention import default_backend_name
+
+    if weights not in ("inside", "external"):
+        raise ValueError(f"tscompile: --weights must be 'inside' or 'external', got {weights!r}")
+    if not os.fspath(out).endswith(".pt2"):
+        raise ValueError(f"tscompile: a package path must end in .pt2, got {os.fspath(out)!r}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("tscompile: --device cuda asked for, but CUDA is not available here")
+    dtype = resolve_dtype(dtype, device)
+    built = build_model(model, dtype=dtype, device=device, seed=seed)
+    cfg = built.config
+    if max_model_len > cfg.max_position:
+        raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position {cfg.max_position}")
+    if max_num_seqs < 1 or max_model_len < 1 or page_size < 1:
+        raise ValueError(f"tscompile: bounds must be positive, got max_num_seqs {max_num_seqs}, "
+                         f"max_model_len {max_model_len}, page_size {page_size}")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = min(2048, max_num_seqs * max_model_len)
+    if max_num_batched_tokens < 4:
+        raise ValueError(f"tscompile: max_num_batched_tokens must be at least 4, got {max_num_batched_tokens}")
+    backend = default_backend_name(device) if attention_backend == "auto" else attention_backend
+    leaf_class(backend)  # unknown or unimportable backends refuse here, before any work
+    block_size = page_size * pages_per_block
+    record = {
+        "format": FORMAT_VERSION, "tscompile_version": __version__, "torch_version": torch.__version__,
+        "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+        "model": model if isinstance(model, str) else None, "config": cfg.to_dict(),
+        "cache_groups": [dict(name=s.name, layer_ids=list(s.layer_ids), num_kv_heads=s.num_kv_heads,
+                              head_dim=s.head_dim, window=s.window) for s in built.cache_groups()],
+        "page_size": page_size, "pages_per_block": pages_per_block,
+        "max_pages": -(-max_model_len // page_size), "max_blocks": -(-max_model_len // block_size),
+        "bounds": {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+                   "max_num_batched_tokens": max_num_batched_tokens},
+        "attention_backend": backend, "weights": weights, "programs": list(PROGRAMS), "seed": seed,
+    }
+    tensors, aliases = _unique_weights(built)
+    record["weight_aliases"] = aliases
+    options = dict(inductor_configs or {})
+    options["aot_inductor.package_constants_in_so"] = False
+    if weights == "inside":
+        options["aot_inductor.package_constants_on_disk_format"] = "pickle_weights"
+    else:
+        record["weights_file"] = weights_path(out).name
+    start = time.perf_counter()
+    programs = export_programs(built, record, device, dtype)
+    record["ops"] = {name: program_ops(ep) for name, (ep, _) in programs.items()}
+    files = {name: _aoti_compile(ep, args, options) for name, (ep, args) in programs.items()}
+    record["build_seconds"] = round(time.perf_counter() - start, 1)
+    from torch.export.pt2_archive._package import package_pt2
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    package_pt2(os.fspath(out), aoti_files=files, extra_files={METADATA_FILE: json.dumps(record, indent=1)})
+    if weights == "external":
+        from safetensors.torch import save_file
+
+        save_file({k: v.cpu() for k, v in tensors.items()}, os.fspath(weights_path(out)),
+                  metadata={"tscompile_package": Path(out).name})
+    return record
+

@@ -1,0 +1,65 @@
+"""The package's metadata record (``tscompile.json`` inside the ``.pt2``): what was built, for what,
+with what; read and checked before any program is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+METADATA_FILE = "tscompile.json"
+
+
+def weights_path(package: str | os.PathLike) -> Path:
+    """Where ``--weights external`` keeps the weights: beside the package, ``<name>.safetensors``."""
+    return Path(package).with_suffix(".safetensors")
+
+
+def read_package_metadata(path: str | os.PathLike) -> dict:
+    """The package's ``tscompile.json`` record, read without loading any program."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"tscompile: no package at {path!r}")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = [n for n in zf.namelist() if n.endswith(f"extra/{METADATA_FILE}")]
+            if not names:
+                raise ValueError(f"tscompile: {path!r} is not a tscompile package (no extra/{METADATA_FILE})")
+            return json.loads(zf.read(names[0]))
+    except zipfile.BadZipFile:
+        raise ValueError(f"tscompile: {path!r} is not a .pt2 package (not a zip archive)") from None
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def check_compatible(record: dict, device: torch.device) -> None:
+    """Refuse (``ValueError('tscompile: ...')``) a package this process cannot run: another format,
+    another tscompile or torch release (major.minor; the programs link this torch's runtime and call
+    this tscompile's ops), or another device type."""
+    import tscompile
+
+    if record.get("format") != FORMAT_VERSION:
+        raise ValueError(f"tscompile: package format {record.get('format')} is not supported "
+                         f"(this tscompile reads format {FORMAT_VERSION}); re-export the model")
+    built, here = record["tscompile_version"], tscompile.__version__
+    if _release(built) != _release(here):
+        raise ValueError(f"tscompile: package was built with tscompile {built}, this is tscompile {here} "
+                         f"(releases {'.'.join(map(str, _release(built)))} and "
+                         f"{'.'.join(map(str, _release(here)))} are incompatible); re-export the model")
+    built, here = record["torch_version"], torch.__version__
+    if _release(built) != _release(here):
+        raise ValueError(f"tscompile: package was built with torch {built}, this is torch {here} "
+                         f"(AOTInductor programs need the same major.minor release); re-export the model")
+    if device.type != record["device"]:
+        raise ValueError(f"tscompile: package was built for device {record['device']!r}, cannot load it on "
+                         f"{device.type!r}; export it again with --device {device.type}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("tscompile: package was built for device 'cuda', but CUDA is not available here")
+
