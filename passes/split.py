@@ -81,8 +81,10 @@ def _produces_size(node: torch.fx.Node) -> bool:
 
 
 def _is_size_bookkeeping(node: torch.fx.Node) -> bool:
+    """A node that binds or derives a size. SymBools are left out on purpose: they feed runtime
+    asserts, which stay in graph order with them (Inductor takes no SymBool graph input)."""
     val = node.meta.get("example_value")
-    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size)) or _produces_size(node)
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.Size)) or _produces_size(node)
 
 
 def has_breaks(gm: torch.fx.GraphModule, split_ops: tuple[str, ...], split_sdpa: bool, split_narrowing: bool) -> bool:
