@@ -6,8 +6,7 @@ import torch
 
 import tscompile
 from tscompile import SamplingParams
-from tscompile.attention import AttentionMetadata, ForwardMode
-from tscompile.runtime.forward_context import ForwardContext, forward_context
+from tscompile.attention import AttentionMetadata
 from tscompile.runtime.scheduler import ScheduledBatch
 
 pytestmark = pytest.mark.gpu

@@ -6,4 +6,4 @@ from tscompile.sampling import SamplingParams
 from tscompile.export import load_package
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "__version__", "load_package"]

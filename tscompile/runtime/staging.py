@@ -8,7 +8,6 @@ captured graphs read (token ids, positions, sampling parameters), so their addre
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
