@@ -80,3 +80,16 @@ def run_attention(batch, impl, *, decode, scale=0.25, poison=float("nan")):
         batch["qo_indptr"], batch["write_loc"], scale, decode, impl,
     )
     return out, k_cache, v_cache
+
+
+def record_modes(llm) -> list:
+    """Spy on an engine: the forward mode of every step it runs, in order."""
+    seen = []
+    original = llm.runner.execute
+
+    def spy(sched, batch):
+        seen.append(batch.mode)
+        return original(sched, batch)
+
+    llm.runner.execute = spy
+    return seen

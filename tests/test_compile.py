@@ -14,6 +14,8 @@ from tscompile.attention import ForwardMode
 from tscompile.counters import counters
 from tscompile.passes.split import split_graph
 
+from helpers import record_modes
+
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], list(range(1, 20)), [77, 66, 55]]
 
 
@@ -145,9 +147,7 @@ def test_compiled_equals_eager_in_decode_prefill_mixed_and_chunked_steps(model):
     params = SamplingParams(max_new_tokens=5)
     eager = make_llm(model, enforce_eager=True, max_num_batched_tokens=6)
     compiled = make_llm(model, max_num_batched_tokens=6)
-    modes = []
-    run = compiled.runner.execute
-    compiled.runner.execute = lambda s, b: modes.append(b.mode) or run(s, b)
+    modes = record_modes(compiled)
     eager_logits, compiled_logits = _record_logits(eager), _record_logits(compiled)
     assert compiled.generate(PROMPTS, params) == eager.generate(PROMPTS, params)
     assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)

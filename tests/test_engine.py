@@ -8,6 +8,7 @@ import tscompile
 from tscompile import SamplingParams
 from tscompile.attention import ForwardMode
 
+from helpers import record_modes
 from reference import dense_greedy
 
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
@@ -51,22 +52,10 @@ def test_page_geometry_does_not_change_tokens(page_size, pages_per_block):
     assert got == ref
 
 
-def _modes(llm):
-    seen = []
-    original = llm.runner.execute
-
-    def spy(sched, batch):
-        seen.append(batch.mode)
-        return original(sched, batch)
-
-    llm.runner.execute = spy
-    return seen
-
-
 def test_chunked_prefill_equals_unchunked_and_mixes_steps():
     unchunked = make_llm().generate(PROMPTS, SamplingParams(max_new_tokens=6))
     llm = make_llm(max_num_batched_tokens=5)
-    modes = _modes(llm)
+    modes = record_modes(llm)
     chunked = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
     assert chunked == unchunked
     assert ForwardMode.MIXED in modes and ForwardMode.DECODE in modes and ForwardMode.EXTEND in modes

@@ -19,6 +19,8 @@ from tscompile.attention import ForwardMode
 from tscompile.cli import main as cli_main
 from tscompile.export import export_package, read_package_metadata
 
+from helpers import record_modes
+
 DEVICE = torch.device(os.environ.get("TSCOMPILE_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
 OTHER_DEVICE = "cpu" if DEVICE.type == "cuda" else "cuda"
 BOUNDS = dict(max_num_seqs=4, max_model_len=64, page_size=4, max_num_batched_tokens=32)
@@ -67,23 +69,11 @@ def eager():
     return get
 
 
-def _spy_modes(llm):
-    seen = []
-    original = llm.runner.execute
-
-    def spy(sched, batch):
-        seen.append(batch.mode)
-        return original(sched, batch)
-
-    llm.runner.execute = spy
-    return seen
-
-
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 def test_package_greedy_equals_eager_across_batch_sizes(model, package, eager):
     llm = tscompile.load_package(package(model))
     assert llm.device.type == DEVICE.type
-    modes = _spy_modes(llm)
+    modes = record_modes(llm)
     params = SamplingParams(max_new_tokens=6)
     for batch in BATCHES:
         got = llm.generate(batch, params)

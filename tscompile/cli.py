@@ -45,6 +45,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate token ids from a preset model")
     add_engine_args(p)
+    add_generation_args(p)
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """Prompts, sampling and output flags shared by ``generate`` and ``run-package``."""
     p.add_argument("--prompt-ids", type=parse_prompt_ids, action="append",
                    help='token ids of one prompt, e.g. "1,2,3"; repeat for a batch (default: two built-in prompts)')
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from tscompile.cli import parse_prompt_ids
+from tscompile.cli import add_generation_args
 
 
 def add_parser(sub) -> None:
@@ -29,16 +29,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run-package", help="generate token ids from an exported .pt2 package")
     p.add_argument("package", help="path of a package written by `tscompile export`")
     p.add_argument("--device", default=None, help="default: the package's device")
-    p.add_argument("--prompt-ids", type=parse_prompt_ids, action="append",
-                   help='token ids of one prompt, e.g. "1,2,3"; repeat for a batch (default: two built-in prompts)')
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--sampling-seed", type=int, default=None)
+    add_generation_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="at most the packaged bound (default: it)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="at most the packaged bound")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--verbose", "-v", action="store_true", help="also print the package record, size and load time")
 
 
