@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+import tscompile
+
 
 def random_paged_batch(q_lens, kv_lens, *, page_size, num_kv_heads=2, group=2, head_dim=16,
                        dtype=torch.float32, device="cpu", seed=0, pad_rows=0):
@@ -93,3 +95,16 @@ def record_modes(llm) -> list:
 
     llm.runner.execute = spy
     return seen
+
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], list(range(1, 20)), [77, 66, 55]]
+
+
+def small_llm(model="llama-tiny", **kw):
+    """A CPU engine small enough for tests; callers choose dtype and enforce_eager."""
+    kw.setdefault("max_model_len", 64)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("page_size", 4)
+    kw.setdefault("device", "cpu")
+    kw.setdefault("attention_backend", "torch")
+    return tscompile.LLM(model, **kw)

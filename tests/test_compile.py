@@ -8,25 +8,16 @@ import sys
 import pytest
 import torch
 
-import tscompile
 from tscompile import SamplingParams
 from tscompile.attention import ForwardMode
 from tscompile.counters import counters
 from tscompile.passes.split import split_graph
 
-from helpers import record_modes
-
-PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], list(range(1, 20)), [77, 66, 55]]
-
+from helpers import PROMPTS, record_modes, small_llm
 
 def make_llm(model="llama-tiny", **kw):
-    kw.setdefault("max_model_len", 64)
-    kw.setdefault("max_num_seqs", 4)
-    kw.setdefault("page_size", 4)
-    kw.setdefault("device", "cpu")
     kw.setdefault("dtype", torch.float32)
-    kw.setdefault("attention_backend", "torch")
-    return tscompile.LLM(model, **kw)
+    return small_llm(model, **kw)
 
 
 def test_entry_point_works_in_a_fresh_process():
@@ -62,7 +53,6 @@ def test_module_without_tscompile_ops_compiles_whole_like_inductor():
 
 
 def test_tensorrt_piece_compiler_refuses_clearly_when_missing():
-    pytest.importorskip("torch_tensorrt", reason=None) if False else None
     try:
         import torch_tensorrt  # noqa: F401
         pytest.skip("torch-tensorrt is installed")

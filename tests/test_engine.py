@@ -4,26 +4,16 @@ chunking, mixed steps and refusals."""
 import pytest
 import torch
 
-import tscompile
 from tscompile import SamplingParams
 from tscompile.attention import ForwardMode
 
-from helpers import record_modes
+from helpers import PROMPTS, record_modes, small_llm
 from reference import dense_greedy
 
-PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
-           [77, 66, 55]]
-
-
 def make_llm(model="llama-tiny", **kw):
-    kw.setdefault("max_model_len", 64)
-    kw.setdefault("max_num_seqs", 4)
-    kw.setdefault("page_size", 4)
-    kw.setdefault("device", "cpu")
     kw.setdefault("dtype", torch.float64)
-    kw.setdefault("attention_backend", "torch")
     kw.setdefault("enforce_eager", True)  # compiled paths: tests/test_compile.py
-    return tscompile.LLM(model, **kw)
+    return small_llm(model, **kw)
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
