@@ -49,3 +49,24 @@ for bs in [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(
     print(f"{model} bs={bs}: decode {dt*1e3:.3f} ms/step over {n} steps (graph alone {gpu_ms:.3f} ms; host {br}); "
           f"ttft {ttft*1e3:.0f} ms, compile {llm.compile_seconds:.1f} s, capture {llm.capture_seconds:.1f} s", flush=True)
     del llm, g; torch.cuda.empty_cache()
+
+# Prefill: ms per 32- and 2048-token single-request step, and where the host time of one goes.
+import cProfile, pstats, io
+llm = tscompile.LLM(model, attention_backend="triton", max_num_seqs=64, max_model_len=4096, page_size=16,
+                    compile_options={"decode_ladder": (1,)})
+for n_tok in (32, 2048):
+    times = []
+    for it in range(6):
+        llm.add_request([(j * 7) % 1000 + 1 for j in range(n_tok)], SamplingParams(max_new_tokens=1))
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        if it == 5:
+            prof = cProfile.Profile(); prof.enable()
+        llm.step()
+        torch.cuda.synchronize()
+        if it == 5:
+            prof.disable()
+        times.append(time.perf_counter() - t0)
+        while llm.has_unfinished():
+            llm.step()
+    print(f"{model} prefill {n_tok} tokens: {min(times[2:]) * 1e3:.3f} ms/step (all: {[round(t * 1e3, 2) for t in times]})")
+    s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18); print(s.getvalue()[-3500:])

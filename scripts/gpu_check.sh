@@ -16,7 +16,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = probe ] || [ "$what" = all ]; then
   # decode ms/step with the graph-alone time and a host-phase breakdown
-  timeout 240 python3 scripts/decode_probe.py ${PROBE_MODEL:-llama-1b} 1,32 2>&1 | grep -v -i warn | tee "$OUT/probe.log"
+  timeout 330 python3 scripts/decode_probe.py ${PROBE_MODEL:-llama-1b} 1,32 2>&1 | grep -v -i warn | tee "$OUT/probe.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # the committed bench/results figures; a big model's baselines compile for minutes: add modes per call
