@@ -1,6 +1,10 @@
-"""Decode ms/step probe on the GPU with a host-phase breakdown (full figures: `tscompile bench`)."""
-import collections, functools, sys, time, torch, tscompile
+"""Decode ms/step with a host-phase breakdown, and prefill ms/step with a host profile, on the GPU
+(one engine, so one compile; full figures: `tscompile bench`)."""
+import collections, cProfile, functools, io, pstats, sys, time
+import torch
+import tscompile
 from tscompile import SamplingParams
+from tscompile.counters import counters
 
 phases = collections.defaultdict(float)
 
@@ -19,19 +23,21 @@ def timed(obj, name, label):
 
 
 model = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
-for bs in [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]:
-    llm = tscompile.LLM(model, attention_backend="triton", max_num_seqs=64, max_model_len=1024, page_size=16,
-                        compile_options={"decode_ladder": (1, 2, 4, 8, 16, 32, 64)})
-    t0 = time.perf_counter()
-    reqs = [llm.add_request([(i * 31 + j) % 1000 + 1 for j in range(512)], SamplingParams(max_new_tokens=128)) for i in range(bs)]
+sizes = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
+t0 = time.perf_counter()
+llm = tscompile.LLM(model, attention_backend="triton", max_num_seqs=64, max_model_len=4096, page_size=16,
+                    compile_options={"decode_ladder": (1, 2, 4, 8, 16, 32, 64)})
+print(f"engine up in {time.perf_counter() - t0:.1f} s (compile {llm.compile_seconds:.1f} s, "
+      f"capture {llm.capture_seconds:.1f} s)", flush=True)
+timed(llm.scheduler, "schedule", "schedule"); timed(llm.scheduler, "update", "update")
+timed(llm.runner.staging, "fill", "fill"); timed(llm.runner.staging, "upload", "upload")
+timed(llm.backend, "refresh_decode_metadata", "refresh"); timed(llm.runner.decode_graphs, "replay", "replay")
+for bs in sizes:
+    reqs = [llm.add_request([(i * 31 + j) % 1000 + 1 for j in range(512)], SamplingParams(max_new_tokens=128))
+            for i in range(bs)]
     while any(not r.output for r in reqs):
         llm.step()
-    torch.cuda.synchronize()
-    ttft = time.perf_counter() - t0
     phases.clear()
-    timed(llm.scheduler, "schedule", "schedule"); timed(llm.scheduler, "update", "update")
-    timed(llm.runner.staging, "fill", "fill"); timed(llm.runner.staging, "upload", "upload")
-    timed(llm.backend, "refresh_decode_metadata", "refresh"); timed(llm.runner.decode_graphs, "replay", "replay")
     n = 0
     torch.cuda.synchronize(); t0 = time.perf_counter()
     while llm.has_unfinished():
@@ -44,19 +50,27 @@ for bs in [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(
     for _ in range(20):
         g.replay()
     e.record(); torch.cuda.synchronize()
-    gpu_ms = s.elapsed_time(e) / 20
     br = ", ".join(f"{k} {v / n * 1e6:.0f}us" for k, v in phases.items())
-    print(f"{model} bs={bs}: decode {dt*1e3:.3f} ms/step over {n} steps (graph alone {gpu_ms:.3f} ms; host {br}); "
-          f"ttft {ttft*1e3:.0f} ms, compile {llm.compile_seconds:.1f} s, capture {llm.capture_seconds:.1f} s", flush=True)
-    del llm, g; torch.cuda.empty_cache()
+    print(f"{model} bs={bs}: decode {dt * 1e3:.3f} ms/step over {n} steps (graph alone "
+          f"{s.elapsed_time(e) / 20:.3f} ms; host {br})", flush=True)
+    if bs == sizes[0]:
+        prof = cProfile.Profile()
+        llm.add_request([5] * 64, SamplingParams(max_new_tokens=40))
+        llm.step()
+        prof.enable()
+        for _ in range(30):
+            llm.step()
+        prof.disable()
+        while llm.has_unfinished():
+            llm.step()
+        out = io.StringIO(); pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+        print("decode host profile (30 steps):", out.getvalue()[-3000:], flush=True)
 
-# Prefill: ms per 32- and 2048-token single-request step, and where the host time of one goes.
-import cProfile, pstats, io
-llm = tscompile.LLM(model, attention_backend="triton", max_num_seqs=64, max_model_len=4096, page_size=16,
-                    compile_options={"decode_ladder": (1,)})
+# Prefill: one request of n tokens, max_new_tokens=1; the first call at a size captures its graphs.
 for n_tok in (32, 2048):
     times = []
     for it in range(6):
+        c0 = counters["prefill_captures"]
         llm.add_request([(j * 7) % 1000 + 1 for j in range(n_tok)], SamplingParams(max_new_tokens=1))
         torch.cuda.synchronize(); t0 = time.perf_counter()
         if it == 5:
@@ -65,8 +79,11 @@ for n_tok in (32, 2048):
         torch.cuda.synchronize()
         if it == 5:
             prof.disable()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, counters["prefill_captures"] - c0))
         while llm.has_unfinished():
             llm.step()
-    print(f"{model} prefill {n_tok} tokens: {min(times[2:]) * 1e3:.3f} ms/step (all: {[round(t * 1e3, 2) for t in times]})")
-    s = io.StringIO(); pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18); print(s.getvalue()[-3500:])
+    steady = [t for t, c in times[1:] if c == 0]
+    print(f"{model} prefill {n_tok} tokens: {min(steady) * 1e3:.3f} ms/step; all (ms, captures): "
+          f"{[(round(t * 1e3, 2), c) for t, c in times]}; graphed steps {counters['prefill_graphed']}", flush=True)
+    out = io.StringIO(); pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+    print(out.getvalue()[-3000:], flush=True)

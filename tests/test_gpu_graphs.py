@@ -127,3 +127,80 @@ def test_triton_equals_torch_on_llama_1b_ragged_greedy():
     ref = make("llama-1b", "torch", **kw).generate(prompts, params)
     torch.cuda.empty_cache()
     assert make("llama-1b", "triton", **kw).generate(prompts, params) == ref
+
+
+# -- prefill graphs ---------------------------------------------------------------------------------
+PREFILL_LADDER = {"decode_ladder": (1, 2, 4, 8), "token_ladder": (16, 32, 64), "prefill_graph_max_tokens": 64}
+
+
+def _pool_state(llm):
+    return [t.clone() for g in llm.pool.groups.values() for t in [*g.k.values(), *g.v.values()]]
+
+
+def _restore(llm, state):
+    for t, saved in zip([t for g in llm.pool.groups.values() for t in [*g.k.values(), *g.v.values()]], state):
+        t.copy_(saved)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+@pytest.mark.parametrize("lens", [[11], [30, 20, 5, 1]])
+def test_prefill_graph_replay_is_bitwise_the_same_padded_pieces_without_graphs(model, backend, lens):
+    from tscompile.counters import counters
+    counters.clear()
+    llm = make(model, backend, compile_options=PREFILL_LADDER, max_num_batched_tokens=64)
+    for i, n in enumerate(lens):
+        llm.add_request([(7 * i + j) % 400 + 1 for j in range(n)], SamplingParams(max_new_tokens=2))
+    batch = llm.scheduler.schedule()
+    runtime = llm.runner.piece_graphs
+    before = _pool_state(llm)
+    captured = llm.runner.execute(llm.scheduler, batch)  # first sight of the bucket: capture + replay
+    after_capture = _pool_state(llm)
+    _restore(llm, before)
+    replayed = llm.runner.execute(llm.scheduler, batch)
+    after_replay = _pool_state(llm)
+    _restore(llm, before)
+    runtime.replay = False  # the same padding, the same compiled pieces, no graphs
+    try:
+        plain = llm.runner.execute(llm.scheduler, batch)
+    finally:
+        runtime.replay = True
+    after_plain = _pool_state(llm)
+    assert captured == replayed == plain
+    for a, b, c in zip(after_capture, after_replay, after_plain):  # bit patterns: unwritten pages may hold NaN
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(b.view(torch.uint8),
+                                                                                   c.view(torch.uint8))
+    assert runtime.pieces, "no piece was captured"
+    assert counters["prefill_replays"] > counters["prefill_captures"] > 0
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_prefill_graphs_equal_eager_tokens_across_buckets_and_above_them(model):
+    from tscompile.counters import counters
+    counters.clear()
+    params = SamplingParams(max_new_tokens=6)
+    prompts = PROMPTS + [[(3 * j) % 300 + 1 for j in range(90)]]  # 90 tokens: above the ladder top 64
+    eager = make(model, enforce_eager=True, max_num_batched_tokens=100).generate(prompts, params)
+    llm = make(model, compile_options=PREFILL_LADDER, max_num_batched_tokens=100)
+    assert llm.generate(prompts, params) == eager
+    assert llm.generate(prompts[::-1], params) == make(model, enforce_eager=True, max_num_batched_tokens=100).generate(
+        prompts[::-1], params)
+    assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
+    assert counters["prefill_replays"] > counters["prefill_captures"] > 0
+    if model == "narrow-tiny":
+        assert counters["decoder_rows_graphed"] > 0
+
+
+def test_prefill_graph_padding_writes_only_the_null_page_with_a_poisoned_pool():
+    llm = make(compile_options=PREFILL_LADDER)
+    llm.pool.fill_(float("nan"))
+    req = llm.add_request(list(range(1, 12)), SamplingParams(max_new_tokens=2))  # 11 tokens -> bucket 16
+    llm.step()
+    from tscompile.counters import counters
+    assert counters["prefill_captures"] > 0 and len(req.output) == 1
+    pool = llm.pool.groups[0]
+    page = pool.geometry.page_size
+    live = {s for b in req.blocks[0] for s in range(b * page, (b + 1) * page)}
+    for lid, k in pool.k.items():
+        written = set((~torch.isnan(k.view(-1, *k.shape[2:]))).flatten(1).any(1).nonzero()[:, 0].tolist())
+        assert written <= live | set(range(page)) and len(written & live) == 11

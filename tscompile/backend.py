@@ -59,10 +59,30 @@ def _reset() -> None:
 tscompile_backend.reset = _reset  # type: ignore[attr-defined]
 
 
+def own_code(fn: Callable) -> Callable:
+    """``fn`` (a function or bound method) over a private copy of its code object.
+
+    Dynamo keeps compiled entries on the code object. Two engines stepping the same method would
+    share them: the second engine's model guards its way into recompiles until the recompile limit,
+    or worse, replays prefill graphs captured around the first engine's tensors. A private code
+    object per engine gives each its own cache."""
+    import types
+
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", fn)
+    clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                               func.__closure__)
+    clone.__kwdefaults__ = func.__kwdefaults__
+    clone.__qualname__ = func.__qualname__
+    return types.MethodType(clone, owner) if owner is not None else clone
+
+
 def compile_step(fn: Callable, config: TscompileConfig) -> Callable:
-    """``torch.compile`` ``fn`` with this backend (dynamic sizes), traced under ``tracing_config``."""
+    """``torch.compile`` ``fn`` with this backend (dynamic sizes), traced under ``tracing_config``;
+    ``fn`` gets a code object of its own (``own_code``)."""
     import functools
 
+    fn = own_code(fn)
     compiled = torch.compile(fn, backend=functools.partial(compile_graph, config=config), dynamic=True)
 
     @functools.wraps(fn)
@@ -82,6 +102,10 @@ def tracing_config():
 
     # no duck sizing: a metadata view of bs + 1 rows must not be tied to a buffer that happens to
     # have as many rows, or a later batch size recompiles
-    with torch._dynamo.config.patch(specialize_float=True, capture_dynamic_output_shape_ops=True), \
-            fx_config.patch(use_duck_shape=False):
+    dynamo = {"specialize_float": True, "capture_dynamic_output_shape_ops": True}
+    # hitting the recompile limit must fail loudly: Dynamo would otherwise run the step eagerly from
+    # then on, slow and without graphs, and nothing would say so
+    if "fail_on_recompile_limit_hit" in torch._dynamo.config._config:
+        dynamo["fail_on_recompile_limit_hit"] = True
+    with torch._dynamo.config.patch(**dynamo), fx_config.patch(use_duck_shape=False):
         yield

@@ -17,6 +17,7 @@ import torch.fx
 from tscompile.config import TscompileConfig
 from tscompile.counters import counters
 from tscompile.passes.split import SplitPlan
+from tscompile.runtime.piece_graphs import GraphedPiece, NarrowHandoff
 
 logger = logging.getLogger("tscompile")
 
@@ -58,6 +59,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         self.config = config
         self.fake_mode = fake_mode
         self.compiled: dict[str, Callable] = {}
+        self.fake_outputs: dict[str, object] = {}
 
     def run(self, *args):
         fake_args = [self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -66,6 +68,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
 
     def call_module(self, target, args, kwargs):
         out = super().call_module(target, args, kwargs)
+        self.fake_outputs[target] = out
         if target in self.compile_names:
             self.compiled[target] = compile_piece(self.fetch_attr(target), list(args), self.config)
         else:
@@ -101,8 +104,33 @@ def compile_split_module(split: torch.fx.GraphModule, plan: SplitPlan, example_i
         raise RuntimeError("tscompile: no fake mode found for the traced graph")
     interp = _PieceCompileInterpreter(split, names, config, fake_mode)
     interp.run(*example_inputs)
-    for name, fn in interp.compiled.items():
+    graphs = config.cudagraphs
+    for piece in plan.pieces:
         # nn.Module.__setattr__ would refuse a plain callable; the split module's code only calls it
-        split.__dict__[name] = fn
+        if piece.kind == "compiled":
+            fn = interp.compiled[piece.name]
+            split.__dict__[piece.name] = GraphedPiece(piece.name, piece.stage, fn) if graphs else fn
+        elif piece.kind == "narrow" and graphs:
+            rows, sizes = narrowed_outputs(piece.name, interp.fake_outputs[piece.name])
+            split.__dict__[piece.name] = NarrowHandoff(piece.name, getattr(split, piece.name), rows, sizes)
     _call_breaks_directly(split, plan)
     return split
+
+
+def narrowed_outputs(name: str, fake_out) -> tuple[list[bool], list[bool]]:
+    """Which outputs of the narrowing piece are row-shaped tensors and which are the row count."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    outs = list(fake_out) if isinstance(fake_out, (tuple, list)) else [fake_out]
+    rows, sizes = [], []
+    for i, o in enumerate(outs):
+        dims = list(o.shape) if isinstance(o, torch.Tensor) else [o]
+        unbacked = [bool(free_unbacked_symbols(d)) if isinstance(d, torch.SymInt) else False for d in dims]
+        plain = isinstance(dims[0], torch.SymInt) and dims[0].node.expr.is_Symbol if dims else False
+        if any(unbacked[1:]) or (unbacked and unbacked[0] and not plain):
+            raise ValueError(f"tscompile: output {i} of narrowing piece {name} has a row count other than dim 0 "
+                             f"({dims}); prefill graphs cannot pad it (set cudagraphs=False)")
+        is_row = bool(unbacked and unbacked[0])
+        rows.append(is_row and isinstance(o, torch.Tensor))
+        sizes.append(is_row and not isinstance(o, torch.Tensor))
+    return rows, sizes

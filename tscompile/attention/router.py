@@ -143,12 +143,15 @@ class CacheGroupRouter(AttentionBackend):
         extend_with_prefix: bool,
         extend_prompt_lens_cpu: torch.Tensor,
         group_seq_lens_cpu: Mapping[int, torch.Tensor],
+        pad_rows: Mapping[int, int] | None = None,
         **cache_kwargs,
     ) -> None:
         """Requests ``[0, num_extends)`` extend by ``extend_seq_lens_cpu``; the rest decode one row.
 
         ``seq_lens_cpu`` (full group) and ``group_seq_lens_cpu`` (narrowed groups) are KV lengths
-        after this forward. Every tensor built here is fresh storage."""
+        after this forward. Every tensor built here is fresh storage. ``pad_rows[g]``: the forward
+        runs group ``g``'s layers on that many rows (a CUDA-graph bucket); the rows past the live ones
+        write to the null page."""
         reject_decode_init(forward_mode)
         self._check_live_delivery(block_tables)
         num_reqs = seq_lens_cpu.shape[0]
@@ -167,7 +170,11 @@ class CacheGroupRouter(AttentionBackend):
             page_table = expand_block_table(block_tables[gid][:num_reqs].to(self.device), geo.pages_per_block,
                                             leaf.max_pages)
             rows = page_table.index_select(0, rows_req.to(self.device))
-            write_locs.append(slot_from_page_table(rows, positions.to(self.device), geo.page_size))
+            locs = slot_from_page_table(rows, positions.to(self.device), geo.page_size)
+            pad = (pad_rows or {}).get(gid, 0) - locs.shape[0]
+            if pad > 0:  # slot 0 lies in the null page
+                locs = torch.cat([locs, locs.new_zeros(pad)])
+            write_locs.append(locs)
             leaf.init_forward_metadata(
                 forward_mode=forward_mode, req_pool_indices=req_pool_indices,
                 seq_lens=g_kv.to(torch.int32).to(self.device), seq_lens_cpu=g_kv.to(torch.int32),

@@ -17,6 +17,7 @@ from tscompile.attention.base import ForwardMode
 
 if TYPE_CHECKING:
     from tscompile.attention.router import CacheGroupRouter
+    from tscompile.runtime.piece_graphs import PrefillGraphPlan
 
 
 @dataclass
@@ -26,6 +27,8 @@ class ForwardContext:
     # [B] bool on the device: request b's chunk completes its prompt (extend/mixed only; the
     # narrowing model keeps a window of rows for those). None on decode.
     completes: torch.Tensor | None = None
+    # extend/mixed under prefill CUDA graphs: the padded sizes of this step (runtime/piece_graphs.py)
+    prefill_graphs: "PrefillGraphPlan | None" = None
 
     @property
     def attention_mode(self) -> ForwardMode:
@@ -50,4 +53,9 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("tscompile: model forward called outside a forward context (use the engine or runner)")
+    return _current
+
+
+def peek_forward_context() -> ForwardContext | None:
+    """The live context, or None outside a forward (a plain ``torch.compile`` user)."""
     return _current

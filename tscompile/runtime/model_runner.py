@@ -21,11 +21,13 @@ import torch
 from tscompile.attention.base import ForwardMode
 from tscompile.attention.router import CacheGroupRouter
 from tscompile.attention.support import ResolvedGraphSupport
+from tscompile.kv_cache.spec import kept_rows
 from tscompile.config import TscompileConfig
 from tscompile.counters import counters
 from tscompile.models.llama import Transformer
 from tscompile.runtime import pointer_guard
 from tscompile.runtime.forward_context import ForwardContext, forward_context
+from tscompile.runtime.piece_graphs import PieceGraphRuntime, PrefillGraphPlan
 from tscompile.runtime.scheduler import ScheduledBatch, Scheduler
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
@@ -65,13 +67,29 @@ class ModelRunner:
         self._placeholder: dict[int, torch.Tensor] | None = None
         self._guards: dict[tuple[int, bool], dict] = {}  # graph-debug snapshots per captured graph
         self.decode_ladder: tuple[int, ...] = ()
-        use_graphs = (compile_config is not None and compile_config.cudagraphs and device.type == "cuda"
-                      and graph_support.support.decode_graph)
-        if use_graphs:
+        graphs_on = compile_config is not None and compile_config.cudagraphs and device.type == "cuda"
+        if graphs_on and graph_support.support.decode_graph:
             from tscompile.runtime.decode_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(device)
             self.decode_ladder = tuple(b for b in compile_config.decode_ladder if b <= self.max_decode_bs)
+        self.piece_graphs: PieceGraphRuntime | None = None
+        if graphs_on and graph_support.support.prefill_graph:
+            self.enable_prefill_graphs(PieceGraphRuntime(device))
+
+    def enable_prefill_graphs(self, runtime: PieceGraphRuntime) -> None:
+        """Pad extend/mixed steps to the token ladder (and narrowed rows to the row ladder) and let
+        the compiled pieces capture themselves per bucket (``runtime/piece_graphs.py``)."""
+        cfg = self.config
+        self.piece_graphs = runtime
+        self.token_ladder = tuple(b for b in cfg.token_ladder if b <= cfg.prefill_graph_max_tokens)
+        windows = [s.window for s in self.backend.specs if s.narrowed]
+        cap = max(windows, default=0) * self.max_decode_bs
+        # decoder rows per step are at most window * max_num_seqs: the token ladder clipped there
+        self.row_ladder = tuple(sorted({min(b, cap) for b in self.token_ladder})) if windows else ()
+        top = self.token_ladder[-1] if self.token_ladder else 0
+        self.prefill_ids = torch.zeros(top, dtype=torch.int64, device=self.device)
+        self.prefill_positions = torch.zeros(top, dtype=torch.int64, device=self.device)
 
     # Two functions with one body on purpose: Dynamo keys its cache by code object, and the decode
     # step (compiled whole) and the extend step (compiled piecewise) must not share entries.
@@ -207,10 +225,42 @@ class ModelRunner:
             self._guards[(bs, greedy)] = pointer_guard.snapshot(self._guard_roots())
 
     # -- extend / mixed ------------------------------------------------------------------------------
+    def _prefill_plan(self, batch: ScheduledBatch) -> PrefillGraphPlan | None:
+        """The buckets this step is padded to, or None when prefill graphs are off."""
+        if self.piece_graphs is None:
+            return None
+        cfg = self.config
+        tokens = cfg.bucket(self.token_ladder, batch.num_tokens) if self.token_ladder else None
+        rows = None
+        narrowed = [s for s in self.backend.specs if s.narrowed]
+        if narrowed:
+            window = narrowed[0].window
+            kept = sum(kept_rows(n, r.num_computed + n == len(r.prompt), window) for r, n in batch.extends)
+            rows = cfg.bucket(self.row_ladder, kept + len(batch.decodes))
+            counters["decoder_rows_graphed" if rows is not None else "decoder_rows_eager"] += 1
+        return PrefillGraphPlan(self.piece_graphs, tokens, rows)
+
+    def _extend_inputs(self, ids: list[int], pos: list[int], plan: PrefillGraphPlan | None):
+        """Token ids and positions on the device; padded (id 0, position 0) to the step's bucket."""
+        if plan is None or plan.encoder_tokens is None:
+            return self._to_device(ids, torch.int64), self._to_device(pos, torch.int64)
+        n = plan.encoder_tokens
+        pad = [0] * (n - len(ids))
+        self.prefill_ids[:n].copy_(torch.tensor(ids + pad, dtype=torch.int64), non_blocking=True)
+        self.prefill_positions[:n].copy_(torch.tensor(pos + pad, dtype=torch.int64), non_blocking=True)
+        return self.prefill_ids[:n], self.prefill_positions[:n]
+
     def _extend(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
         reqs = batch.requests
         num_extends = len(batch.extends)
         lens = sched.group_lens_after(batch)
+        plan = self._prefill_plan(batch)
+        pad_rows = {}
+        if plan is not None:
+            for g, spec in enumerate(sched.specs):
+                rows = plan.decoder_rows if spec.narrowed else plan.encoder_tokens
+                if rows is not None:
+                    pad_rows[g] = rows
         ext = torch.tensor([n for _, n in batch.extends], dtype=torch.int32)
         prefix = torch.tensor([r.num_computed for r, _ in batch.extends], dtype=torch.int32)
         prompt = torch.tensor([len(r.prompt) for r, _ in batch.extends], dtype=torch.int32)
@@ -224,13 +274,14 @@ class ModelRunner:
             extend_with_prefix=bool((prefix > 0).any()), extend_prompt_lens_cpu=prompt,
             group_seq_lens_cpu={g: torch.tensor(lens[g], dtype=torch.int32)
                                 for g, s in enumerate(sched.specs) if s.narrowed},
+            pad_rows=pad_rows,
         )
         completes = [r.num_computed + n == len(r.prompt) for r, n in batch.extends] + [False] * len(batch.decodes)
-        ids, pos = sched.input_rows(batch)
+        ids, pos = self._extend_inputs(*sched.input_rows(batch), plan)
         self._fill_sampling(batch, len(reqs))
-        ctx = ForwardContext(batch.mode, self.backend, self._to_device(completes, torch.bool))
+        ctx = ForwardContext(batch.mode, self.backend, self._to_device(completes, torch.bool), prefill_graphs=plan)
         with forward_context(ctx):
-            tokens = self._timed(self.extend_step, self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
-                                 all(r.params.greedy for r in reqs))
-        counters["prefill_eager"] += 1
+            tokens = self._timed(self.extend_step, ids, pos, all(r.params.greedy for r in reqs))
+        graphed = plan is not None and plan.encoder_tokens is not None
+        counters["prefill_graphed" if graphed else "prefill_eager"] += 1
         return tokens[: len(reqs)].tolist()

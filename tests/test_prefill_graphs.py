@@ -1,0 +1,162 @@
+"""Prefill graphs per token bucket and the narrowing decoder per row bucket, on the CPU.
+
+CUDA graphs need a GPU; here the same bookkeeping runs with ``host_replay`` (a replay re-runs the
+piece over the captured input tensors into the captured output tensors), so padding, handoff
+buffers, copies into static inputs and the capture keys are all exercised. tests/test_gpu_graphs.py
+runs the real graphs."""
+
+import pytest
+import torch
+
+from helpers import PROMPTS, small_llm
+from tscompile import SamplingParams
+from tscompile.counters import counters
+from tscompile.custom_ops.attention import run_attention
+from tscompile.runtime.piece_graphs import GraphedPiece, NarrowHandoff, PieceGraphRuntime
+
+LADDER = {"token_ladder": (4, 8, 16), "prefill_graph_max_tokens": 16}
+RAGGED = [[(5 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([3, 9, 14, 1, 6])]
+
+
+def _graphed_llm(model, **kw):
+    llm = small_llm(model, dtype=torch.float32, compile_options=LADDER, **kw)
+    llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
+    return llm
+
+
+def _record_logits(llm):
+    """Snapshot each step's logits outside the compiled region: a graph's outputs are its static
+    tensors, overwritten by the next replay, so a snapshot taken inside would alias them."""
+    seen = []
+    original = llm.runner.sampling.sample
+
+    @torch._dynamo.disable
+    def record(logits):
+        seen.append(logits.detach().clone())
+
+    def sample(logits, all_greedy=False):
+        record(logits)
+        return original(logits, all_greedy)
+
+    llm.runner.sampling.sample = sample
+    return seen
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_prefill_graphs_equal_eager_across_token_and_row_buckets(model):
+    counters.clear()
+    params = SamplingParams(max_new_tokens=3)
+    eager = small_llm(model, dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=20, max_num_seqs=5)
+    graphed = _graphed_llm(model, max_num_batched_tokens=20, max_num_seqs=5)
+    eager_logits, graphed_logits = _record_logits(eager), _record_logits(graphed)
+    for prompts in (RAGGED, RAGGED[::-1]):  # the second pass replays what the first captured
+        assert graphed.generate(prompts, params) == eager.generate(prompts, params)
+    for a, b in zip(eager_logits, graphed_logits, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    # 20-token chunks run above the ladder (no graph); the smaller tail chunks and mixed steps are graphed
+    assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
+    assert counters["prefill_replays"] > counters["prefill_captures"] > 0
+    if model == "narrow-tiny":  # row ladder (4, 8, 16) clipped to window 4 * 5 seqs = 20
+        assert counters["decoder_rows_graphed"] > 0
+
+
+def test_narrowing_decoder_runs_without_graphs_above_the_largest_row_bucket():
+    counters.clear()
+    params = SamplingParams(max_new_tokens=2)
+    prompts = [[(3 * i + j) % 300 + 1 for j in range(4)] for i in range(4)]  # 16 tokens, 16 kept rows
+    options = {"token_ladder": (4, 8, 16), "prefill_graph_max_tokens": 16}
+    eager = small_llm("narrow-tiny", dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=16)
+    llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options=options, max_num_batched_tokens=16)
+    llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
+    llm.runner.row_ladder = (4, 8)  # the 16 kept rows of the first step exceed it
+    assert llm.generate(prompts, params) == eager.generate(prompts, params)
+    assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1
+
+
+def test_steps_inside_one_bucket_replay_without_capturing_or_recompiling():
+    llm = _graphed_llm("llama-tiny")
+    params = SamplingParams(max_new_tokens=1)
+    llm.generate([[7] * 5], params)  # 5 tokens -> bucket 8: first capture
+    captures, graphs = counters["prefill_captures"], counters["graphs"]
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    llm.generate([[9] * 6], params)  # 6 and 8 tokens: the same bucket, one request
+    llm.generate([[4] * 8], params)
+    assert counters["prefill_captures"] == captures
+    assert counters["graphs"] == graphs and dict(torch._dynamo.utils.counters["frames"]) == frames
+    llm.generate([[3] * 12], params)  # bucket 16: new captures, still no recompile
+    assert counters["prefill_captures"] > captures and counters["graphs"] == graphs
+
+
+def test_padded_tail_rows_of_attention_outputs_are_zero_and_write_only_the_null_page():
+    llm = _graphed_llm("llama-tiny", max_num_batched_tokens=16)
+    pool = llm.pool.groups[0]
+    for lid in pool.k:  # poison every page: a padded row reading or a live row leaking would show
+        pool.k[lid].fill_(float("nan"))
+        pool.v[lid].fill_(float("nan"))
+    req = llm.add_request(list(range(1, 12)), SamplingParams(max_new_tokens=2))  # 11 tokens -> bucket 16
+    llm.step()
+    assert len(req.output) == 1
+    page = pool.geometry.page_size
+    live = {s for b in req.blocks[0] for s in range(b * page, (b + 1) * page)}
+    for lid in pool.k:  # every written slot is either this request's or in the null page (page 0)
+        written = (~torch.isnan(pool.k[lid].view(-1, *pool.k[lid].shape[2:]))).flatten(1).any(1).nonzero()[:, 0]
+        assert set(written.tolist()) <= live | set(range(page)) and len(set(written.tolist()) & live) == 11
+    cfg = llm.model.config
+    # the attention breaks wrote into the `out` buffers the pieces allocated: rows 11..15 are zero
+    outs = [o for p in llm.runner.piece_graphs.pieces for e in p.graphs.values() for o in e.outputs
+            if isinstance(o, torch.Tensor) and tuple(o.shape) == (16, cfg.n_heads, cfg.head_dim)]
+    tails = [o for o in outs if (o[11:] == 0).all() and (o[:11] != 0).any()]
+    assert len(tails) >= cfg.n_layers
+
+
+def test_attention_zeroes_rows_past_the_live_ones_even_over_poison():
+    torch.manual_seed(0)
+    hq, hkv, d, page = 4, 2, 16, 4
+    k_cache, v_cache = torch.randn(6, page, hkv, d), torch.randn(6, page, hkv, d)
+    q, k, v = torch.randn(9, hq, d), torch.randn(9, hkv, d), torch.randn(9, hkv, d)
+    out = torch.full((9, hq, d), float("nan"))
+    page_table = torch.tensor([[1, 2, 0], [3, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([6, 2], dtype=torch.int32)
+    qo_indptr = torch.tensor([0, 4, 6], dtype=torch.int32)  # rows 6..8 pad the bucket
+    write_loc = torch.tensor([6, 7, 8, 9, 12, 13, 0, 0, 0])  # padded rows -> the null page's slot 0
+    run_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, 0.25, False, "torch")
+    assert (out[6:] == 0).all() and not torch.isnan(out[:6]).any()
+
+
+def test_graphed_piece_copies_moved_inputs_and_passes_through_without_a_plan():
+    calls = []
+
+    def fn(x, w):
+        calls.append(x.data_ptr())
+        return (x * w,)
+
+    piece = GraphedPiece("submod_0", "encoder", fn)
+    w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    x = torch.randn(3, 4)
+    assert torch.equal(piece(x, w)[0], x * w)  # no forward context: a plain call
+    assert not piece.graphs
+    from tscompile.attention.base import ForwardMode
+    from tscompile.runtime.forward_context import ForwardContext, forward_context
+    from tscompile.runtime.piece_graphs import PrefillGraphPlan
+
+    plan = PrefillGraphPlan(PieceGraphRuntime(torch.device("cpu"), host_replay=True), encoder_tokens=4)
+    with forward_context(ForwardContext(ForwardMode.EXTEND, None, prefill_graphs=plan)):
+        first = piece(x, w)[0]
+        y = torch.randn(3, 4)  # a new address: copied into the captured input, same output tensor
+        second = piece(y, w)[0]
+    assert second is first and torch.equal(second, y * w)
+    assert torch.equal(x, y)  # the captured input tensor now holds this step's values
+
+
+def test_narrow_handoff_pads_rows_and_the_row_count_to_the_bucket():
+    from tscompile.attention.base import ForwardMode
+    from tscompile.runtime.forward_context import ForwardContext, forward_context
+    from tscompile.runtime.piece_graphs import PrefillGraphPlan
+
+    x = torch.randn(3, 5)
+    handoff = NarrowHandoff("submod_4", lambda: (x, torch.arange(3), 3), [True, True, False], [False, False, True])
+    plan = PrefillGraphPlan(PieceGraphRuntime(torch.device("cpu"), host_replay=True), None, decoder_rows=8)
+    with forward_context(ForwardContext(ForwardMode.EXTEND, None, prefill_graphs=plan)):
+        rows, pos, n = handoff()
+    assert rows.shape == (8, 5) and n == 8 and torch.equal(rows[:3], x) and (rows[3:] == 0).all()
+    assert torch.equal(pos, torch.tensor([0, 1, 2, 0, 0, 0, 0, 0]))

@@ -1,0 +1,189 @@
+"""Prefill CUDA graphs: one ``torch.cuda.CUDAGraph`` per compiled piece per padded size.
+
+The runner pads a prefill to a token bucket (and the narrowing model's kept rows to a row bucket)
+and says so in the forward context (``PrefillGraphPlan``). Each Inductor piece of the split graph
+is wrapped in a ``GraphedPiece``: under a plan that covers its stage it captures itself once per
+input-shape signature and replays from then on; otherwise (no plan, above the largest bucket, a
+``torch.compile`` user outside the engine) it calls the compiled piece directly. Breaks stay eager.
+
+Why raw graphs and not CUDA-graph trees: the trees cost about 100 us of host work per captured
+piece on the H200 (DESIGN.md), and a Llama prefill has a piece per layer.
+
+How addresses stay put without copying activations:
+- a piece's outputs are the tensors its capture produced (graph-pool memory, held here), so the next
+  piece, and the attention break that writes into the ``out`` buffer a piece allocated, see the
+  same addresses at every replay;
+- the narrowing break's outputs are copied into per-bucket handoff buffers (``NarrowHandoff``), rows
+  past the live count zeroed;
+- any other input (this step's metadata, a break's fresh output) is copied into the tensor the
+  capture saw when its address differs. Parameters are never copied into: a parameter at a new
+  address is an error (``TSCOMPILE_GRAPH_DEBUG=1`` checks it).
+
+Correctness rests on replaying a size's pieces in capture order, one step at a time, and on the
+caller consuming a step's outputs before the next step: the step's tokens are read right away.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tscompile.counters import counters
+from tscompile.runtime import pointer_guard
+
+logger = logging.getLogger("tscompile")
+
+
+class PieceGraphRuntime:
+    """What every graphed piece of one engine shares: the memory pool and the capture stream.
+
+    ``host_replay=True`` replaces CUDA graphs by re-running the piece into the captured output
+    tensors: the same static-buffer bookkeeping, testable where no CUDA device exists."""
+
+    def __init__(self, device: torch.device, *, host_replay: bool = False):
+        self.device = device
+        self.host_replay = host_replay
+        if not host_replay:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+        self.capture_seconds = 0.0
+        self.replay = True  # False: keep the padding, run the pieces without graphs (tests compare the two)
+        self.pieces: list[GraphedPiece] = []  # pieces that captured at least once
+
+
+@dataclass
+class PrefillGraphPlan:
+    """Set by the runner in the forward context of one extend/mixed step.
+
+    encoder_tokens: the token bucket the step is padded to (None: encoder pieces run ungraphed).
+    decoder_rows: the row bucket the narrowed rows are padded to (None: decoder pieces ungraphed).
+    """
+
+    runtime: PieceGraphRuntime
+    encoder_tokens: int | None
+    decoder_rows: int | None = None
+
+    def covers(self, stage: str) -> bool:
+        return (self.encoder_tokens if stage == "encoder" else self.decoder_rows) is not None
+
+
+def current_plan() -> PrefillGraphPlan | None:
+    from tscompile.runtime.forward_context import peek_forward_context
+
+    ctx = peek_forward_context()
+    return None if ctx is None else ctx.prefill_graphs
+
+
+class _Captured:
+    __slots__ = ("graph", "outputs", "copied", "params", "run")
+
+    def __init__(self, graph, outputs, copied, params, run):
+        self.graph = graph  # torch.cuda.CUDAGraph, or None under host replay
+        self.outputs = outputs
+        self.copied = copied  # [(arg index, static tensor)] copied into when the address moved
+        self.params = params  # [(arg index, data_ptr)] parameters: must never move
+        self.run = run  # host replay: re-runs the piece over the static inputs
+
+
+def _signature(args) -> tuple:
+    return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class GraphedPiece:
+    def __init__(self, name: str, stage: str, fn: Callable):
+        self.name, self.stage, self.fn = name, stage, fn
+        self.graphs: dict[tuple, _Captured] = {}
+
+    def __call__(self, *args):
+        plan = current_plan()
+        if plan is None or not plan.covers(self.stage) or not plan.runtime.replay:
+            return self.fn(*args)
+        key = _signature(args)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if not self.graphs:
+                plan.runtime.pieces.append(self)
+            entry = self.graphs[key] = self._capture(plan.runtime, args)
+            counters["prefill_captures"] += 1
+        for i, static in entry.copied:
+            a = args[i]
+            if a.data_ptr() != static.data_ptr():
+                static.copy_(a)
+        if entry.params and pointer_guard.graph_debug_enabled():
+            moved = [i for i, ptr in entry.params if args[i].data_ptr() != ptr]
+            if moved:
+                raise RuntimeError(f"tscompile: piece {self.name}: parameter input(s) {moved} moved since capture")
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            for out, new in zip(entry.outputs, entry.run()):
+                if isinstance(out, torch.Tensor):
+                    out.copy_(new)
+        counters["prefill_replays"] += 1
+        return entry.outputs
+
+    def _capture(self, runtime: PieceGraphRuntime, args) -> _Captured:
+        tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        copied = [(i, a) for i, a in tensors if not isinstance(a, torch.nn.Parameter)]
+        params = [(i, a.data_ptr()) for i, a in tensors if isinstance(a, torch.nn.Parameter)]
+        if runtime.host_replay:
+            outputs = self.fn(*args)
+            return _Captured(None, outputs, copied, params, lambda: self.fn(*args))
+        import time
+
+        start = time.perf_counter()
+        current = torch.cuda.current_stream(runtime.device)
+        runtime.stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(runtime.stream):
+                self.fn(*args)  # warm-up: first launches load kernels and set up library handles
+                graph.capture_begin(pool=runtime.pool)
+                try:
+                    outputs = self.fn(*args)
+                finally:
+                    graph.capture_end()
+        except Exception as e:
+            raise RuntimeError(f"tscompile: capturing prefill piece {self.name} for sizes {_signature(args)} "
+                               f"failed: {e}") from e
+        current.wait_stream(runtime.stream)
+        runtime.capture_seconds += time.perf_counter() - start
+        return _Captured(graph, outputs, copied, params, None)
+
+
+class NarrowHandoff:
+    """Wraps the eager narrowing break: pads its row-shaped outputs to the step's row bucket.
+
+    ``row_outputs[i]`` is True where output ``i`` is a tensor whose dim 0 is the narrowed row count;
+    ``size_outputs[i]`` is True where it is that row count itself (a SymInt the decoder reads)."""
+
+    def __init__(self, name: str, fn: Callable, row_outputs: list[bool], size_outputs: list[bool]):
+        self.name, self.fn = name, fn
+        self.row_outputs, self.size_outputs = row_outputs, size_outputs
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, *args):
+        outs = self.fn(*args)
+        plan = current_plan()
+        if plan is None or plan.decoder_rows is None:
+            return outs
+        single = not isinstance(outs, (tuple, list))
+        outs = [outs] if single else list(outs)
+        rows = plan.decoder_rows
+        live = next(o.shape[0] for o, r in zip(outs, self.row_outputs) if r)
+        if live > rows:
+            raise RuntimeError(f"tscompile: the narrowing kept {live} rows, more than the planned bucket {rows}")
+        for i, o in enumerate(outs):
+            if self.row_outputs[i]:
+                buf = self.buffers.get((i, rows))
+                if buf is None:
+                    buf = self.buffers[(i, rows)] = o.new_zeros((rows, *o.shape[1:]))
+                buf[:live].copy_(o)
+                buf[live:].zero_()
+                outs[i] = buf
+            elif self.size_outputs[i]:
+                outs[i] = rows
+        return outs[0] if single else tuple(outs)
