@@ -148,7 +148,12 @@ def test_compiled_equals_eager_in_decode_prefill_mixed_and_chunked_steps(model):
 
 def test_no_recompilation_across_steady_decode_and_prefill_steps():
     llm = make_llm(max_num_batched_tokens=8, max_num_seqs=4)
-    llm.generate(PROMPTS, SamplingParams(max_new_tokens=4))  # warm: bs 1 and >1, extend and mixed
+    # warm every variant a batch can take: Dynamo specializes a size of 1 and a batch that fills the
+    # max_num_seqs-row buffers, so 1 request, 2 requests and a full batch, in extend, mixed and decode
+    llm.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    llm.generate([[4] * 3], SamplingParams(max_new_tokens=3))
+    llm.generate([[5] * 7, [6] * 2], SamplingParams(max_new_tokens=3))
+    llm.generate([[i + 1] * 2 for i in range(4)], SamplingParams(max_new_tokens=3))  # decode with 4 rows
     graphs, frames = counters["graphs"], dict(torch._dynamo.utils.counters["frames"])
     more = [[9] * 13, [8] * 2, [7] * 30, [6] * 5]
     llm.generate(more, SamplingParams(max_new_tokens=9))
@@ -222,3 +227,21 @@ def test_debug_dump_writes_plan_and_pieces(tmp_path, monkeypatch):
     assert "narrow" in text and "tscompile::attention" in text
     pieces = list(plans[0].parent.glob("submod_*_compiled.py"))
     assert len(pieces) == 6 and all("def forward" in p.read_text() for p in pieces)
+
+
+def test_each_engine_compiles_its_own_steps():
+    """Dynamo keeps compiled entries on the code object: engines sharing them would recompile
+    into the recompile limit (then run eagerly) or replay another engine's prefill graphs."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    params = SamplingParams(max_new_tokens=2)
+    first, second = make_llm(), make_llm()
+    tokens = first.generate(PROMPTS[:2], params)
+    own = first.runner.extend_step.__wrapped__.__code__
+    shared = type(first.runner)._extend_forward.__code__
+    assert own is not shared and own is not second.runner.extend_step.__wrapped__.__code__
+    n_first = len(entries(own))
+    assert n_first >= 1 and not entries(shared)
+    assert second.generate(PROMPTS[:2], params) == tokens  # same preset and seed: same tokens
+    assert len(entries(own)) == n_first  # the second engine compiled into its own code object
+    assert len(entries(second.runner.extend_step.__wrapped__.__code__)) >= 1

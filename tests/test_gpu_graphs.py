@@ -204,3 +204,15 @@ def test_prefill_graph_padding_writes_only_the_null_page_with_a_poisoned_pool():
     for lid, k in pool.k.items():
         written = set((~torch.isnan(k.view(-1, *k.shape[2:]))).flatten(1).any(1).nonzero()[:, 0].tolist())
         assert written <= live | set(range(page)) and len(written & live) == 11
+
+
+def test_narrowing_decoder_above_the_largest_row_bucket_runs_without_graphs_and_matches():
+    from tscompile.counters import counters
+    counters.clear()
+    params = SamplingParams(max_new_tokens=4)
+    prompts = [[(3 * i + j) % 300 + 1 for j in range(9)] for i in range(6)]  # one step keeps 6 * 4 = 24 rows
+    eager = make("narrow-tiny", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params)
+    llm = make("narrow-tiny", compile_options=PREFILL_LADDER, max_num_batched_tokens=64)
+    llm.runner.row_ladder = (16,)  # 24 kept rows exceed it: the decoder stage runs the pieces ungraphed
+    assert llm.generate(prompts, params) == eager
+    assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1

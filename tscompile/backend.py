@@ -105,7 +105,12 @@ def tracing_config():
     dynamo = {"specialize_float": True, "capture_dynamic_output_shape_ops": True}
     # hitting the recompile limit must fail loudly: Dynamo would otherwise run the step eagerly from
     # then on, slow and without graphs, and nothing would say so
-    if "fail_on_recompile_limit_hit" in torch._dynamo.config._config:
+    # An engine's step takes a bounded set of variants (a size of 1 or of the full max_num_seqs
+    # buffers is specialized, extend vs mixed, greedy vs sampled): room for all of them.
+    known = torch._dynamo.config._config
+    if "fail_on_recompile_limit_hit" in known:
         dynamo["fail_on_recompile_limit_hit"] = True
+    if "recompile_limit" in known:
+        dynamo["recompile_limit"] = 64
     with torch._dynamo.config.patch(**dynamo), fx_config.patch(use_duck_shape=False):
         yield

@@ -25,7 +25,8 @@ class TscompileConfig:
     decode_ladder: decode batch sizes captured as CUDA graphs; larger batches run the same compiled
         step without a graph.
     cudagraphs: capture CUDA graphs (CUDA only): one torch.cuda.CUDAGraph per decode ladder size
-        around the Inductor-compiled step, all in one memory pool.
+        around the Inductor-compiled step (one pool), and in the engine's prefill one per compiled
+        piece per token bucket (the narrowing decoder per row bucket; another pool).
     debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
     """
 
