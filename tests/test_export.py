@@ -22,6 +22,34 @@ from tscompile.export import export_package, read_package_metadata
 from helpers import record_modes
 
 DEVICE = torch.device(os.environ.get("TSCOMPILE_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
+
+_AOTI_PROBE = """
+import torch
+m = torch.nn.Linear(8, 8).to("{d}"); x = torch.randn(3, 8, device="{d}")
+ep = torch.export.export(m, (x,))
+path = torch._inductor.aoti_compile_and_package(ep, package_path="{p}")
+torch.testing.assert_close(torch._inductor.aoti_load_package(path)(x), m(x))
+"""
+
+
+def _aoti_loads_here(tmp: str) -> tuple[bool, str]:
+    """Whether this machine can load any AOTInductor package on DEVICE (a subprocess: the known
+    failure is a segfault, seen on the H200 machine with torch 2.11.0+cu130 for a bare nn.Linear)."""
+    import subprocess
+    import sys
+
+    code = _AOTI_PROBE.format(d=DEVICE.type, p=os.path.join(tmp, "probe.pt2"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    return run.returncode == 0, f"rc {run.returncode}: {run.stderr.strip()[-300:]}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def aoti_usable(tmp_path_factory):
+    if DEVICE.type == "cpu":
+        return  # CI's device: packages load in-process and are tested directly
+    ok, why = _aoti_loads_here(str(tmp_path_factory.mktemp("aoti_probe")))
+    if not ok:
+        pytest.skip(f"AOTInductor cannot load even an nn.Linear package on {DEVICE} here ({why})")
 OTHER_DEVICE = "cpu" if DEVICE.type == "cuda" else "cuda"
 BOUNDS = dict(max_num_seqs=4, max_model_len=64, page_size=4, max_num_batched_tokens=32)
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
