@@ -240,8 +240,8 @@ def test_each_engine_compiles_its_own_steps():
     own = first.runner.extend_step.__wrapped__.__code__
     shared = type(first.runner)._extend_forward.__code__
     assert own is not shared and own is not second.runner.extend_step.__wrapped__.__code__
-    n_first = len(entries(own))
-    assert n_first >= 1 and not entries(shared)
+    n_first, n_shared = len(entries(own)), len(entries(shared))  # other tests may have traced `shared`
+    assert n_first >= 1
     assert second.generate(PROMPTS[:2], params) == tokens  # same preset and seed: same tokens
-    assert len(entries(own)) == n_first  # the second engine compiled into its own code object
+    assert len(entries(own)) == n_first and len(entries(shared)) == n_shared  # nothing landed on either
     assert len(entries(second.runner.extend_step.__wrapped__.__code__)) >= 1

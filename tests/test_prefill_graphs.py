@@ -44,15 +44,14 @@ def _record_logits(llm):
 
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 def test_prefill_graphs_equal_eager_across_token_and_row_buckets(model):
-    counters.clear()
-    params = SamplingParams(max_new_tokens=3)
+    greedy, sampled = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20,
+                                                                        seed=7)
+    runs = [(RAGGED, greedy), (RAGGED[::-1], greedy), (RAGGED, sampled)]  # later runs replay earlier captures
     eager = small_llm(model, dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=20, max_num_seqs=5)
+    expected = [eager.generate(p, params) for p, params in runs]
+    counters.clear()
     graphed = _graphed_llm(model, max_num_batched_tokens=20, max_num_seqs=5)
-    eager_logits, graphed_logits = _record_logits(eager), _record_logits(graphed)
-    for prompts in (RAGGED, RAGGED[::-1]):  # the second pass replays what the first captured
-        assert graphed.generate(prompts, params) == eager.generate(prompts, params)
-    for a, b in zip(eager_logits, graphed_logits, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert [graphed.generate(p, params) for p, params in runs] == expected
     # 20-token chunks run above the ladder (no graph); the smaller tail chunks and mixed steps are graphed
     assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
     assert counters["prefill_replays"] > counters["prefill_captures"] > 0
@@ -60,16 +59,31 @@ def test_prefill_graphs_equal_eager_across_token_and_row_buckets(model):
         assert counters["decoder_rows_graphed"] > 0
 
 
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_prefill_graph_logits_match_eager_with_the_sampler_split_off(model):
+    """Logits, not only tokens: snapshotting them splits the sampler into a graph of its own, so
+    the pieces before it are the production ones and the last piece differs."""
+    eager = small_llm(model, dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=20, max_num_seqs=5)
+    graphed = _graphed_llm(model, max_num_batched_tokens=20, max_num_seqs=5)
+    eager_logits, graphed_logits = _record_logits(eager), _record_logits(graphed)
+    for prompts in (RAGGED, RAGGED[::-1]):
+        assert graphed.generate(prompts, SamplingParams(max_new_tokens=3)) == eager.generate(
+            prompts, SamplingParams(max_new_tokens=3))
+    for a, b in zip(eager_logits, graphed_logits, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 def test_narrowing_decoder_runs_without_graphs_above_the_largest_row_bucket():
-    counters.clear()
     params = SamplingParams(max_new_tokens=2)
     prompts = [[(3 * i + j) % 300 + 1 for j in range(4)] for i in range(4)]  # 16 tokens, 16 kept rows
     options = {"token_ladder": (4, 8, 16), "prefill_graph_max_tokens": 16}
-    eager = small_llm("narrow-tiny", dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=16)
+    expected = small_llm("narrow-tiny", dtype=torch.float32, enforce_eager=True,
+                         max_num_batched_tokens=16).generate(prompts, params)
+    counters.clear()
     llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options=options, max_num_batched_tokens=16)
     llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
     llm.runner.row_ladder = (4, 8)  # the 16 kept rows of the first step exceed it
-    assert llm.generate(prompts, params) == eager.generate(prompts, params)
+    assert llm.generate(prompts, params) == expected
     assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1
 
 
@@ -88,6 +102,7 @@ def test_steps_inside_one_bucket_replay_without_capturing_or_recompiling():
 
 
 def test_padded_tail_rows_of_attention_outputs_are_zero_and_write_only_the_null_page():
+    counters.clear()
     llm = _graphed_llm("llama-tiny", max_num_batched_tokens=16)
     pool = llm.pool.groups[0]
     for lid in pool.k:  # poison every page: a padded row reading or a live row leaking would show
@@ -95,12 +110,14 @@ def test_padded_tail_rows_of_attention_outputs_are_zero_and_write_only_the_null_
         pool.v[lid].fill_(float("nan"))
     req = llm.add_request(list(range(1, 12)), SamplingParams(max_new_tokens=2))  # 11 tokens -> bucket 16
     llm.step()
-    assert len(req.output) == 1
+    assert len(req.output) == 1 and counters["prefill_graphed"] == 1
     page = pool.geometry.page_size
     live = {s for b in req.blocks[0] for s in range(b * page, (b + 1) * page)}
     for lid in pool.k:  # every written slot is either this request's or in the null page (page 0)
         written = (~torch.isnan(pool.k[lid].view(-1, *pool.k[lid].shape[2:]))).flatten(1).any(1).nonzero()[:, 0]
-        assert set(written.tolist()) <= live | set(range(page)) and len(set(written.tolist()) & live) == 11
+        written = set(written.tolist())
+        # the 11 live rows land in the request's pages, the 5 padded rows in the null page's slot 0
+        assert written <= live | set(range(page)) and len(written & live) == 11 and 0 in written
     cfg = llm.model.config
     # the attention breaks wrote into the `out` buffers the pieces allocated: rows 11..15 are zero
     outs = [o for p in llm.runner.piece_graphs.pieces for e in p.graphs.values() for o in e.outputs
@@ -160,3 +177,38 @@ def test_narrow_handoff_pads_rows_and_the_row_count_to_the_bucket():
         rows, pos, n = handoff()
     assert rows.shape == (8, 5) and n == 8 and torch.equal(rows[:3], x) and (rows[3:] == 0).all()
     assert torch.equal(pos, torch.tensor([0, 1, 2, 0, 0, 0, 0, 0]))
+
+
+def test_a_moved_parameter_or_written_input_is_refused_not_copied():
+    from tscompile.attention.base import ForwardMode
+    from tscompile.runtime.forward_context import ForwardContext, forward_context
+    from tscompile.runtime.piece_graphs import PrefillGraphPlan
+
+    def fn(x, w, out):
+        out.copy_(x * w)
+        return (out,)
+
+    piece = GraphedPiece("submod_2", "encoder", fn, written=frozenset({2}))
+    w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    x, out = torch.randn(3, 4), torch.zeros(3, 4)
+    plan = PrefillGraphPlan(PieceGraphRuntime(torch.device("cpu"), host_replay=True), encoder_tokens=4)
+    with forward_context(ForwardContext(ForwardMode.EXTEND, None, prefill_graphs=plan)):
+        piece(x, w, out)
+        assert torch.equal(out, x * w)
+        with pytest.raises(RuntimeError, match="not the tensor it was captured with"):
+            piece(x, w, torch.zeros(3, 4))  # the write would land in the captured `out`, not this one
+        with pytest.raises(RuntimeError, match="not the tensor it was captured with"):
+            piece(x, torch.nn.Parameter(w.detach().clone(), requires_grad=False), out)
+
+
+def test_mutated_inputs_finds_in_place_writes_through_views_and_op_schemas():
+    from tscompile.piece_compiler import mutated_inputs
+
+    def f(a, b, c, tokens, logits):
+        a[1:].add_(1)  # in-place method on a view of input 0
+        torch.ops.tscompile.sample(logits, c, torch.ones(2, dtype=torch.int32), torch.ones(2), torch.zeros(
+            2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), tokens[:2])  # schema marks `out` written
+        return b * 2
+
+    gm = torch.fx.symbolic_trace(f)
+    assert mutated_inputs(gm) == frozenset({0, 3})

@@ -109,12 +109,66 @@ def compile_split_module(split: torch.fx.GraphModule, plan: SplitPlan, example_i
         # nn.Module.__setattr__ would refuse a plain callable; the split module's code only calls it
         if piece.kind == "compiled":
             fn = interp.compiled[piece.name]
-            split.__dict__[piece.name] = GraphedPiece(piece.name, piece.stage, fn) if graphs else fn
+            if graphs:
+                fn = GraphedPiece(piece.name, piece.stage, fn, mutated_inputs(getattr(split, piece.name)))
+            split.__dict__[piece.name] = fn
         elif piece.kind == "narrow" and graphs:
             rows, sizes = narrowed_outputs(piece.name, interp.fake_outputs[piece.name])
             split.__dict__[piece.name] = NarrowHandoff(piece.name, getattr(split, piece.name), rows, sizes)
     _call_breaks_directly(split, plan)
     return split
+
+
+_VIEW_METHODS = {"view", "reshape", "narrow", "select", "__getitem__", "as_strided", "flatten", "unsqueeze",
+                 "squeeze", "expand", "t", "transpose", "permute", "view_as", "unflatten", "contiguous"}
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    import operator
+
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        if node.target is operator.getitem:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name in _VIEW_METHODS or name.split(".")[0] in _VIEW_METHODS
+    return False
+
+
+def mutated_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Indices of ``gm``'s placeholders that a node writes to in place (directly or through a view):
+    an in-place Tensor method (``x.add_``), or an op whose schema marks the argument written."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+
+    def root(node):
+        while isinstance(node, torch.fx.Node) and node not in index and _is_view(node) and node.args:
+            node = node.args[0]
+        return index.get(node) if isinstance(node, torch.fx.Node) else None
+
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        targets = []
+        if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+            targets.append(node.args[0])
+        elif node.op == "call_function":
+            fn = node.target
+            if isinstance(fn, torch._ops.OpOverloadPacket):
+                fn = fn.default
+            schema = getattr(fn, "_schema", None)
+            if schema is not None:
+                for pos, arg in enumerate(schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        value = node.args[pos] if pos < len(node.args) else node.kwargs.get(arg.name)
+                        targets.append(value)
+            elif getattr(fn, "__name__", "").endswith("_") and not getattr(fn, "__name__", "_").startswith("_"):
+                targets.append(node.args[0] if node.args else None)
+        for t in targets:
+            i = root(t)
+            if i is not None:
+                written.add(i)
+    return frozenset(written)
 
 
 def narrowed_outputs(name: str, fake_out) -> tuple[list[bool], list[bool]]:

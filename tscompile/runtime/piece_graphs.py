@@ -17,10 +17,17 @@ How addresses stay put without copying activations:
   past the live count zeroed;
 - any other input (this step's metadata, a break's fresh output) is copied into the tensor the
   capture saw when its address differs. Parameters are never copied into: a parameter at a new
-  address is an error (``TSCOMPILE_GRAPH_DEBUG=1`` checks it).
+  address is an error, and so is a moved input that the piece writes to (the write would land in
+  the captured tensor, not the caller's).
 
 Correctness rests on replaying a size's pieces in capture order, one step at a time, and on the
 caller consuming a step's outputs before the next step: the step's tokens are read right away.
+All prefill pieces share one pool; that is safe because every tensor handed from one piece to the
+next is held by its capture entry (never reused by a later capture), and an intermediate a piece
+frees may be reused only by captures whose replays do not overlap it in time.
+
+Memory: each capture keeps its outputs, per piece, bucket and Dynamo variant (greedy or sampled,
+extend or mixed); they are allocated lazily, after the KV pool was sized.
 """
 
 from __future__ import annotations
@@ -32,7 +39,6 @@ from typing import Callable
 import torch
 
 from tscompile.counters import counters
-from tscompile.runtime import pointer_guard
 
 logger = logging.getLogger("tscompile")
 
@@ -78,13 +84,13 @@ def current_plan() -> PrefillGraphPlan | None:
 
 
 class _Captured:
-    __slots__ = ("graph", "outputs", "copied", "params", "run")
+    __slots__ = ("graph", "outputs", "copied", "fixed", "run")
 
-    def __init__(self, graph, outputs, copied, params, run):
+    def __init__(self, graph, outputs, copied, fixed, run):
         self.graph = graph  # torch.cuda.CUDAGraph, or None under host replay
         self.outputs = outputs
         self.copied = copied  # [(arg index, static tensor)] copied into when the address moved
-        self.params = params  # [(arg index, data_ptr)] parameters: must never move
+        self.fixed = fixed  # [(arg index, tensor)] parameters and written inputs: must never move
         self.run = run  # host replay: re-runs the piece over the static inputs
 
 
@@ -93,8 +99,10 @@ def _signature(args) -> tuple:
 
 
 class GraphedPiece:
-    def __init__(self, name: str, stage: str, fn: Callable):
-        self.name, self.stage, self.fn = name, stage, fn
+    """``written``: indices of the inputs the piece mutates in place (see ``mutated_inputs``)."""
+
+    def __init__(self, name: str, stage: str, fn: Callable, written: frozenset[int] = frozenset()):
+        self.name, self.stage, self.fn, self.written = name, stage, fn, written
         self.graphs: dict[tuple, _Captured] = {}
 
     def __call__(self, *args):
@@ -112,10 +120,11 @@ class GraphedPiece:
             a = args[i]
             if a.data_ptr() != static.data_ptr():
                 static.copy_(a)
-        if entry.params and pointer_guard.graph_debug_enabled():
-            moved = [i for i, ptr in entry.params if args[i].data_ptr() != ptr]
-            if moved:
-                raise RuntimeError(f"tscompile: piece {self.name}: parameter input(s) {moved} moved since capture")
+        for i, static in entry.fixed:
+            if args[i].data_ptr() != static.data_ptr():
+                raise RuntimeError(f"tscompile: prefill piece {self.name}: input {i} (a parameter, or a tensor the "
+                                   f"piece writes to) is not the tensor it was captured with; weights or "
+                                   f"output buffers must keep their addresses while graphs exist")
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -127,11 +136,12 @@ class GraphedPiece:
 
     def _capture(self, runtime: PieceGraphRuntime, args) -> _Captured:
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        copied = [(i, a) for i, a in tensors if not isinstance(a, torch.nn.Parameter)]
-        params = [(i, a.data_ptr()) for i, a in tensors if isinstance(a, torch.nn.Parameter)]
+        is_fixed = {i for i, a in tensors if isinstance(a, torch.nn.Parameter) or i in self.written}
+        fixed = [(i, a) for i, a in tensors if i in is_fixed]
+        copied = [(i, a) for i, a in tensors if i not in is_fixed]
         if runtime.host_replay:
             outputs = self.fn(*args)
-            return _Captured(None, outputs, copied, params, lambda: self.fn(*args))
+            return _Captured(None, outputs, copied, fixed, lambda: self.fn(*args))
         import time
 
         start = time.perf_counter()
@@ -151,7 +161,7 @@ class GraphedPiece:
                                f"failed: {e}") from e
         current.wait_stream(runtime.stream)
         runtime.capture_seconds += time.perf_counter() - start
-        return _Captured(graph, outputs, copied, params, None)
+        return _Captured(graph, outputs, copied, fixed, None)
 
 
 class NarrowHandoff:
