@@ -21,7 +21,14 @@ import traceback
 
 import torch
 
+from tscompile.counters import counters
+
 from . import report, roofline, workloads
+
+# engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
+# without them, or captured/compiled something (which would inflate the time)
+TIMED_COUNTERS = ("graphs", "prefill_graphed", "prefill_eager", "prefill_captures", "decode_replays", "decode_eager",
+                  "decode_captures")
 
 FIXED_MODES = ("eager", "compile-default", "compile-reduce-overhead")
 
@@ -177,7 +184,9 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         warm = [runner.run_batch(prompts, a.output_len, per_call=(i == 0)) for i in range(a.num_iters_warmup)]
+        before = dict(counters)
         runs = [runner.run_batch(prompts, a.output_len) for _ in range(a.num_iters)]
+        timed = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
         self.tokens[(mode, bs)] = runs[-1].tokens
         steps = sum(r.decode_steps for r in runs)
         ttft_s = sum(r.ttft_s for r in runs) / len(runs)
@@ -185,7 +194,8 @@ class Bench:
         row = {"mode": mode, "batch_size": bs, "input_len": a.input_len, "output_len": a.output_len, "error": None,
                "ttft_ms": ttft_s * 1e3, "tpot_ms": tpot_s * 1e3 if tpot_s else None,
                "decode_tokens_per_s": bs / tpot_s if tpot_s else None, "decode_steps_per_iter": steps // len(runs),
-               "non_decode_steps": sum(r.other_steps for r in runs), "tokens_req0": runs[-1].tokens[0]}
+               "non_decode_steps": sum(r.other_steps for r in runs), "tokens_req0": runs[-1].tokens[0],
+               "timed_runs": timed}
         if isinstance(runner, workloads.StaticCacheRunner):
             if warm:
                 row["compile_s"], row["capture_s"] = workloads.compile_excess(warm[0], ttft_s, tpot_s or 0.0,
@@ -214,9 +224,12 @@ class Bench:
         prompt = _prompts(a.seed, 1, length, self.cfg.vocab_size)[0]
         for _ in range(a.num_iters_warmup):
             runner.run_prefill(prompt)
+        before = dict(counters)
         secs = sum(runner.run_prefill(prompt) for _ in range(a.num_iters)) / a.num_iters
+        # what the timed runs did: graphed or not, and whether anything was captured or compiled in them
+        steps = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
         return {"mode": mode, "prompt_len": length, "error": None, "prefill_ms": secs * 1e3,
-                "prefill_tokens_per_s": length / secs}
+                "prefill_tokens_per_s": length / secs, "timed_runs": steps}
 
     def run_mode(self, mode: str, bar) -> None:
         from tscompile.models import build_model

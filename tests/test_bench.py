@@ -129,6 +129,12 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
         assert r["match_eager"] == f"{r['batch_size']}/{r['batch_size']}"
     assert sorted((p["mode"], p["prompt_len"]) for p in result["prefill"]) == [("compile-default", 8), ("eager", 8)]
     assert all(p["error"] is None and p["prefill_ms"] > 0 for p in result["prefill"])
+    # the engine counters of the timed runs: eager's steps ran without graphs and compiled nothing;
+    # the static-cache baseline does not go through the engine
+    timed = {(r["mode"], r.get("batch_size", r.get("prompt_len"))): r["timed_runs"] for r in rows + result["prefill"]}
+    assert timed[("eager", 8)]["prefill_eager"] == 1 and timed[("eager", 8)]["graphs"] == 0
+    assert all(timed[("eager", b)]["decode_eager"] == 3 for b in (1, 2))
+    assert not any(timed[("compile-default", k)][c] for k in (1, 2, 8) for c in ("prefill_eager", "decode_eager"))
     assert result["modes"]["eager"]["weights_fingerprint"] == result["modes"]["compile-default"]["weights_fingerprint"]
 
 
