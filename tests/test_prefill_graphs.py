@@ -212,3 +212,16 @@ def test_mutated_inputs_finds_in_place_writes_through_views_and_op_schemas():
 
     gm = torch.fx.symbolic_trace(f)
     assert mutated_inputs(gm) == frozenset({0, 3})
+
+
+def test_prefill_graph_max_tokens_zero_turns_prefill_graphs_off():
+    from tscompile.config import TscompileConfig
+
+    with pytest.raises(ValueError, match="tscompile: prefill_graph_max_tokens must be >= 0"):
+        TscompileConfig(prefill_graph_max_tokens=-1)
+    llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options={"prefill_graph_max_tokens": 0})
+    llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
+    counters.clear()
+    assert llm.generate(RAGGED[:3], SamplingParams(max_new_tokens=2))
+    assert counters["prefill_eager"] > 0 and counters["prefill_graphed"] == 0
+    assert counters["prefill_captures"] == 0 and counters["decoder_rows_graphed"] == 0

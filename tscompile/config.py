@@ -21,7 +21,8 @@ class TscompileConfig:
     split_ops: op names every node of which becomes its own eagerly-run piece.
     split_sdpa: also break at ``scaled_dot_product_attention`` (stock models get piecewise graphs).
     split_narrowing: break at ``tscompile::narrow_rows`` (encoder / decoder parts).
-    token_ladder: prefill token buckets; prefill above ``prefill_graph_max_tokens`` runs without graphs.
+    token_ladder: prefill token buckets; prefill above ``prefill_graph_max_tokens`` runs without graphs
+        (0 turns prefill graphs off and keeps decode graphs).
     decode_ladder: decode batch sizes captured as CUDA graphs; larger batches run the same compiled
         step without a graph.
     cudagraphs: capture CUDA graphs (CUDA only): one torch.cuda.CUDAGraph per decode ladder size
@@ -52,6 +53,9 @@ class TscompileConfig:
                 raise ValueError(f"tscompile: {name} must be strictly increasing positive ints, got {ladder}")
             object.__setattr__(self, name, ladder)
         object.__setattr__(self, "split_ops", tuple(self.split_ops))
+        if int(self.prefill_graph_max_tokens) < 0:
+            raise ValueError(f"tscompile: prefill_graph_max_tokens must be >= 0 (0: no prefill graphs), "
+                             f"got {self.prefill_graph_max_tokens}")
 
     @classmethod
     def from_options(cls, options: dict | None = None, mode: str | None = None) -> "TscompileConfig":
