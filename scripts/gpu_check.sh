@@ -14,7 +14,7 @@ if [ "$what" = package ]; then
   bash scripts/package_diag.sh 2>&1 | tee "$OUT/package_diag.log" | tail -60
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -m gpu tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout 540 python3 -m pytest -q -m gpu tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = probe ] || [ "$what" = all ]; then
