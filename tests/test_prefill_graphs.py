@@ -170,12 +170,17 @@ def test_narrow_handoff_pads_rows_and_the_row_count_to_the_bucket():
     from tscompile.runtime.forward_context import ForwardContext, forward_context
     from tscompile.runtime.piece_graphs import PrefillGraphPlan
 
-    x = torch.randn(3, 5)
-    handoff = NarrowHandoff("submod_4", lambda: (x, torch.arange(3), 3), [True, True, False], [False, False, True])
+    x = torch.randn(5, 4)
+    live = {"n": 5}
+    handoff = NarrowHandoff("submod_4", lambda: (x[:live["n"]], torch.arange(live["n"]), live["n"]),
+                            [True, True, False], [False, False, True])
     plan = PrefillGraphPlan(PieceGraphRuntime(torch.device("cpu"), host_replay=True), None, decoder_rows=8)
     with forward_context(ForwardContext(ForwardMode.EXTEND, None, prefill_graphs=plan)):
+        first, _, _ = handoff()
+        live["n"] = 3  # the same bucket's buffers again, fewer live rows: rows 3..4 must be zeroed again
         rows, pos, n = handoff()
-    assert rows.shape == (8, 5) and n == 8 and torch.equal(rows[:3], x) and (rows[3:] == 0).all()
+    assert rows is first  # one handoff buffer per bucket: the next piece sees a stable address
+    assert rows.shape == (8, 4) and n == 8 and torch.equal(rows[:3], x[:3]) and (rows[3:] == 0).all()
     assert torch.equal(pos, torch.tensor([0, 1, 2, 0, 0, 0, 0, 0]))
 
 
@@ -204,7 +209,7 @@ def test_a_moved_parameter_or_written_input_is_refused_not_copied():
 def test_mutated_inputs_finds_in_place_writes_through_views_and_op_schemas():
     from tscompile.piece_compiler import mutated_inputs
 
-    def f(a, b, c, tokens, logits):
+    def f(a, b, c, tokens, logits, d):
         a[1:].add_(1)  # in-place method on a view of input 0
         torch.ops.tscompile.sample(logits, c, torch.ones(2, dtype=torch.int32), torch.ones(2), torch.zeros(
             2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), tokens[:2])  # schema marks `out` written
@@ -212,6 +217,12 @@ def test_mutated_inputs_finds_in_place_writes_through_views_and_op_schemas():
 
     gm = torch.fx.symbolic_trace(f)
     assert mutated_inputs(gm) == frozenset({0, 3})
+    import operator  # `d[0] = 1.0` as Dynamo records it (symbolic_trace cannot trace setitem)
+
+    d = [n for n in gm.graph.nodes if n.op == "placeholder"][5]
+    with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op == "output")):
+        gm.graph.call_function(operator.setitem, (d, 0, 1.0))
+    assert mutated_inputs(gm) == frozenset({0, 3, 5})
 
 
 def test_prefill_graph_max_tokens_zero_turns_prefill_graphs_off():

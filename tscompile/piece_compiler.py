@@ -9,6 +9,7 @@ the attention (or narrowing) op eagerly.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Callable
 
 import torch
@@ -124,21 +125,35 @@ _VIEW_METHODS = {"view", "reshape", "narrow", "select", "__getitem__", "as_strid
 
 
 def _is_view(node: torch.fx.Node) -> bool:
-    import operator
-
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
     if node.op == "call_function":
-        if node.target is operator.getitem:
-            return True
-        name = getattr(node.target, "__name__", "")
-        return name in _VIEW_METHODS or name.split(".")[0] in _VIEW_METHODS
+        return node.target is operator.getitem or getattr(node.target, "__name__", "") in _VIEW_METHODS
     return False
+
+
+def _written_args(node: torch.fx.Node) -> list:
+    """The arguments ``node`` writes in place."""
+    if node.op == "call_method":
+        in_place = node.target.endswith("_") and not node.target.startswith("_")
+        return [node.args[0]] if in_place else []
+    if node.op != "call_function":
+        return []
+    if node.target is operator.setitem:  # x[i] = v
+        return [node.args[0]]
+    fn = node.target.default if isinstance(node.target, torch._ops.OpOverloadPacket) else node.target
+    schema = getattr(fn, "_schema", None)
+    if schema is None:  # a plain function such as torch.Tensor.add_
+        name = getattr(fn, "__name__", "")
+        return [node.args[0]] if node.args and name.endswith("_") and not name.startswith("_") else []
+    return [node.args[pos] if pos < len(node.args) else node.kwargs.get(arg.name)
+            for pos, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
     """Indices of ``gm``'s placeholders that a node writes to in place (directly or through a view):
-    an in-place Tensor method (``x.add_``), or an op whose schema marks the argument written."""
+    an in-place Tensor method (``x.add_``), ``x[i] = v``, or an op whose schema marks the argument
+    written."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
 
@@ -147,27 +162,8 @@ def mutated_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
             node = node.args[0]
         return index.get(node) if isinstance(node, torch.fx.Node) else None
 
-    written: set[int] = set()
-    for node in gm.graph.nodes:
-        targets = []
-        if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
-            targets.append(node.args[0])
-        elif node.op == "call_function":
-            fn = node.target
-            if isinstance(fn, torch._ops.OpOverloadPacket):
-                fn = fn.default
-            schema = getattr(fn, "_schema", None)
-            if schema is not None:
-                for pos, arg in enumerate(schema.arguments):
-                    if arg.alias_info is not None and arg.alias_info.is_write:
-                        value = node.args[pos] if pos < len(node.args) else node.kwargs.get(arg.name)
-                        targets.append(value)
-            elif getattr(fn, "__name__", "").endswith("_") and not getattr(fn, "__name__", "_").startswith("_"):
-                targets.append(node.args[0] if node.args else None)
-        for t in targets:
-            i = root(t)
-            if i is not None:
-                written.add(i)
+    written = {root(t) for node in gm.graph.nodes for t in _written_args(node)}
+    written.discard(None)
     return frozenset(written)
 
 

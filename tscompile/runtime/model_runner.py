@@ -225,7 +225,7 @@ class ModelRunner:
             self._guards[(bs, greedy)] = pointer_guard.snapshot(self._guard_roots())
 
     # -- extend / mixed ------------------------------------------------------------------------------
-    def _prefill_plan(self, batch: ScheduledBatch) -> PrefillGraphPlan | None:
+    def _prefill_plan(self, batch: ScheduledBatch, completes: list[bool]) -> PrefillGraphPlan | None:
         """The buckets this step is padded to, or None when prefill graphs are off."""
         if self.piece_graphs is None:
             return None
@@ -235,7 +235,7 @@ class ModelRunner:
         narrowed = [s for s in self.backend.specs if s.narrowed]
         if narrowed:
             window = narrowed[0].window
-            kept = sum(kept_rows(n, r.num_computed + n == len(r.prompt), window) for r, n in batch.extends)
+            kept = sum(kept_rows(n, done, window) for (_, n), done in zip(batch.extends, completes))
             rows = cfg.bucket(self.row_ladder, kept + len(batch.decodes))
             counters["decoder_rows_graphed" if rows is not None else "decoder_rows_eager"] += 1
         return PrefillGraphPlan(self.piece_graphs, tokens, rows)
@@ -254,7 +254,8 @@ class ModelRunner:
         reqs = batch.requests
         num_extends = len(batch.extends)
         lens = sched.group_lens_after(batch)
-        plan = self._prefill_plan(batch)
+        completes = [r.num_computed + n == len(r.prompt) for r, n in batch.extends] + [False] * len(batch.decodes)
+        plan = self._prefill_plan(batch, completes)
         pad_rows = {}
         if plan is not None:
             for g, spec in enumerate(sched.specs):
@@ -276,7 +277,6 @@ class ModelRunner:
                                 for g, s in enumerate(sched.specs) if s.narrowed},
             pad_rows=pad_rows,
         )
-        completes = [r.num_computed + n == len(r.prompt) for r, n in batch.extends] + [False] * len(batch.decodes)
         ids, pos = self._extend_inputs(*sched.input_rows(batch), plan)
         self._fill_sampling(batch, len(reqs))
         ctx = ForwardContext(batch.mode, self.backend, self._to_device(completes, torch.bool), prefill_graphs=plan)

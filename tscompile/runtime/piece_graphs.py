@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from tscompile.counters import counters
+from tscompile.runtime.forward_context import peek_forward_context
 
 logger = logging.getLogger("tscompile")
 
@@ -77,8 +78,6 @@ class PrefillGraphPlan:
 
 
 def current_plan() -> PrefillGraphPlan | None:
-    from tscompile.runtime.forward_context import peek_forward_context
-
     ctx = peek_forward_context()
     return None if ctx is None else ctx.prefill_graphs
 
