@@ -145,6 +145,38 @@ def write_kv(k, v, k_cache, v_cache, write_loc) -> None:
 
 
 @triton.jit
+def _attend_paged_tile(
+    q, q_pos, m_i, l_i, acc, start, hi, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
+    stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of the query rows ``q`` over KV positions [start, start + BLOCK_N)
+    (those below ``hi``) of one request's paged cache; returns the updated (m_i, l_i, acc).
+    CAUSAL: row r sees only positions <= q_pos[r]. Shared by the decode and extend kernels."""
+    pos = start + tl.arange(0, BLOCK_N)
+    live = pos < hi
+    # Per-token page lookup: works for every page size, including P = 1 and P > BLOCK_N.
+    page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=live, other=0).to(tl.int64)
+    off = pos % PAGE_SIZE
+    k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
+                + d[None, :] * stride_kcd, mask=live[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [rows, BLOCK_N]
+    if CAUSAL:
+        visible = live[None, :] & (pos[None, :] <= q_pos[:, None])
+    else:
+        visible = live[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
+                + d[None, :] * stride_vcd, mask=live[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     scale_log2,
@@ -187,23 +219,10 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        live = pos < hi
-        # Per-token page lookup: works for every page size, including P = 1 and P > BLOCK_N.
-        page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=live, other=0).to(tl.int64)
-        off = pos % PAGE_SIZE
-        k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
-                    + d[None, :] * stride_kcd, mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
-                    + d[None, :] * stride_vcd, mask=live[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_paged_tile(
+            q, 0, m_i, l_i, acc, start, hi, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
+            stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -338,23 +357,10 @@ def _extend_kernel(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
     for start in range(0, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        live = pos < hi
-        page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=live, other=0).to(tl.int64)
-        off = pos % PAGE_SIZE
-        k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
-                    + d[None, :] * stride_kcd, mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
-        visible = live[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
-                    + d[None, :] * stride_vcd, mask=live[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_paged_tile(
+            q, q_pos, m_i, l_i, acc, start, hi, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
+            stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
 
     # A live row with no visible key (kv_len == 0) keeps l = 0 and gets zeros, like the oracle.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
