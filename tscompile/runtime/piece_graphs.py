@@ -33,6 +33,7 @@ extend or mixed); they are allocated lazily, after the KV pool was sized.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,8 +142,6 @@ class GraphedPiece:
         if runtime.host_replay:
             outputs = self.fn(*args)
             return _Captured(None, outputs, copied, fixed, lambda: self.fn(*args))
-        import time
-
         start = time.perf_counter()
         current = torch.cuda.current_stream(runtime.device)
         runtime.stream.wait_stream(current)
