@@ -39,11 +39,13 @@ from tscompile.custom_ops.attention import register_attention_impl
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
-# Decode split-KV tuning. The number of splits is a function of static shapes only (the table's
-# KV capacity ``max_pages * P``, the batch and the KV head count), never of ``seq_lens`` values.
-# Module-level so tests can shrink DECODE_MIN_SPLIT_TOKENS and DECODE_BLOCK_N to exercise many
-# splits on tiny shapes.
-DECODE_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to combine than it saves
+# Decode split-KV tuning. The number of splits (the grid) is a function of static shapes only (the
+# table's KV capacity ``max_pages * P``, the batch and the KV head count), so a captured graph
+# stays valid; each request's split length is computed in the kernel from its own ``seq_len``, so
+# the work spreads over every split whatever the length (a 640-token request in a 4096-token table
+# gets 10 one-tile splits, not 3 four-tile ones). Module-level so tests can shrink
+# DECODE_MIN_SPLIT_TOKENS and DECODE_BLOCK_N to exercise many splits on tiny shapes.
+DECODE_MIN_SPLIT_TOKENS = 64  # no split shorter than this (a whole number of tiles)
 DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
 DECODE_MAX_SPLITS = 32
 DECODE_BLOCK_N = 64  # keys per tile (split lengths are whole tiles); 32 for head_dim 256
@@ -186,11 +188,12 @@ def _decode_split_kernel(
     stride_ptb, stride_ptp,
     max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
-    of request b over KV positions [s * SPLIT_LEN, (s + 1) * SPLIT_LEN) clipped to seq_lens[b].
+    of request b over KV positions [s * L, (s + 1) * L) clipped to seq_lens[b], where
+    L = max(ceil(seq_lens[b] / NUM_SPLITS) rounded up to whole tiles, MIN_SPLIT).
 
     Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
     part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split).
@@ -201,8 +204,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)  # never read past the page table row
-    lo = split * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, kv_len)  # hi <= lo: empty split, the loop below does not run
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)  # hi <= lo: empty split, the loop below does not run
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
@@ -258,9 +262,14 @@ def _decode_combine_kernel(
              o.to(out_ptr.dtype.element_ty))
 
 
-def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int) -> int:
-    """Static split count: enough splits to fill the GPU, none shorter than the minimum length."""
-    by_length = -(-max_kv // DECODE_MIN_SPLIT_TOKENS)
+def _min_split(block_n: int) -> int:
+    return -(-DECODE_MIN_SPLIT_TOKENS // block_n) * block_n
+
+
+def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int = DECODE_BLOCK_N) -> int:
+    """Static split count: enough splits to fill the GPU, no more than a full table has minimum-length
+    splits."""
+    by_length = -(-max_kv // _min_split(block_n))
     by_occupancy = -(-DECODE_TARGET_PROGRAMS // max(batch * num_kv_heads, 1))
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
 
@@ -279,9 +288,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
     group = hq // hkv
     max_kv = page_table.shape[1] * page_size
     block_n = _decode_block_n(d)
-    num_splits = decode_num_splits(max_kv, bs, hkv)
-    split_len = -(-(-(-max_kv // num_splits)) // block_n) * block_n  # ceil to a whole tile
-    num_splits = -(-max_kv // split_len)  # rounding may leave trailing splits with no positions
+    num_splits = decode_num_splits(max_kv, bs, hkv, block_n)
     part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bs, hkv, num_splits)](
@@ -290,7 +297,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
         max_kv,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
-        NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLIT_LEN=split_len, BLOCK_N=block_n,
+        NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
     )
     _decode_combine_kernel[(bs, hq)](

@@ -22,6 +22,25 @@ def timed(obj, name, label):
     setattr(obj, name, wrap)
 
 
+def kernel_table(fn, label, reps=10):
+    """GPU kernels of ``fn`` (graph-internal ones too): per-call count, summed time, the top 20."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        per[e.name][0] += 1
+        per[e.name][1] += e.device_time
+    total = sum(t for _, t in per.values()) / reps
+    print(f"{label}: {len(kernels) / reps:.0f} kernels per call, {total / 1e3:.3f} ms summed kernel time", flush=True)
+    for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:20]:
+        print(f"  {t / reps:8.1f} us  x{c / reps:5.0f}  {name[:110]}", flush=True)
+
+
 model = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"
 sizes = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
 t0 = time.perf_counter()
@@ -51,6 +70,7 @@ for bs in sizes:
         g.replay()
     e.record(); torch.cuda.synchronize()
     br = ", ".join(f"{k} {v / n * 1e6:.0f}us" for k, v in phases.items())
+    kernel_table(lambda: g.replay(), f"{model} bs={bs} graph replay")
     print(f"{model} bs={bs}: decode {dt * 1e3:.3f} ms/step over {n} steps (graph alone "
           f"{s.elapsed_time(e) / 20:.3f} ms; host {br})", flush=True)
     if bs == sizes[0]:
@@ -75,7 +95,10 @@ for n_tok in (32, 2048):
         torch.cuda.synchronize(); t0 = time.perf_counter()
         if it == 5:
             prof = cProfile.Profile(); prof.enable()
-        llm.step()
+        if it == 4:
+            kernel_table(llm.step, f"{model} prefill {n_tok} tokens, one step", reps=1)
+        else:
+            llm.step()
         torch.cuda.synchronize()
         if it == 5:
             prof.disable()

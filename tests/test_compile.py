@@ -42,6 +42,38 @@ def test_unknown_option_is_refused_with_the_known_ones():
         torch.compile(m, backend="tscompile", options={"nope": 1})(torch.randn(2, 4))
 
 
+def test_inductor_options_are_validated_and_reach_every_inductor_compile(monkeypatch):
+    from tscompile.config import TscompileConfig
+    from tscompile.runtime.model_runner import decode_inductor_options
+
+    with pytest.raises(ValueError, match=r"tscompile: inductor_options names unknown .*\['no_such_knob'\]"):
+        TscompileConfig.from_options({"inductor_options": {"no_such_knob": 1}})
+    with pytest.raises(ValueError, match="tscompile: inductor_options must be a dict"):
+        TscompileConfig.from_options({"inductor_options": 3})
+    seen = []
+    import torch._inductor.compile_fx as cfx
+
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        if config_patches:  # compile_fx re-enters itself without patches once they are applied
+            seen.append(dict(config_patches))
+        return real(gm, inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    torch.compiler.reset()
+    m = torch.nn.Linear(8, 8)
+    x = torch.randn(3, 8)
+    out = torch.compile(m, backend="tscompile", options={"inductor_options": {"epilogue_fusion": False}})(x)
+    torch.testing.assert_close(out, m(x))
+    assert seen and seen[0]["epilogue_fusion"] is False and seen[0]["triton.cudagraphs"] is False
+    # the engine's decode step adds coordinate-descent tuning on CUDA only, and never overrides the user
+    cfg = TscompileConfig.from_options({"inductor_options": {"coordinate_descent_tuning": False}})
+    assert decode_inductor_options(cfg, torch.device("cuda")) == {"coordinate_descent_tuning": False}
+    assert decode_inductor_options(TscompileConfig(), torch.device("cuda")) == {"coordinate_descent_tuning": True}
+    assert decode_inductor_options(TscompileConfig(), torch.device("cpu")) == {}
+
+
 def test_module_without_tscompile_ops_compiles_whole_like_inductor():
     torch.compiler.reset()
     assert counters["graphs"] == 0  # reset() reaches tscompile's own state

@@ -28,6 +28,10 @@ class TscompileConfig:
     cudagraphs: capture CUDA graphs (CUDA only): one torch.cuda.CUDAGraph per decode ladder size
         around the Inductor-compiled step (one pool), and in the engine's prefill one per compiled
         piece per token bucket (the narrowing decoder per row bucket; another pool).
+    inductor_options: ``torch._inductor.config`` patches for every piece Inductor compiles (a dict).
+        The engine's decode step adds ``coordinate_descent_tuning=True`` on CUDA unless set here: with
+        it Inductor turns a one-row matmul into a fused reduction that reads the weight at close to
+        full bandwidth, which the bs=1 decode graph needs (the gpt-fast setting).
     debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
     """
 
@@ -39,6 +43,7 @@ class TscompileConfig:
     prefill_graph_max_tokens: int = 2048
     decode_ladder: tuple[int, ...] = DEFAULT_DECODE_LADDER
     cudagraphs: bool = True
+    inductor_options: tuple[tuple[str, object], ...] = ()
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("TSCOMPILE_DEBUG_DIR") or None)
 
     # fields that change where artifacts are written, not what is compiled
@@ -53,6 +58,19 @@ class TscompileConfig:
                 raise ValueError(f"tscompile: {name} must be strictly increasing positive ints, got {ladder}")
             object.__setattr__(self, name, ladder)
         object.__setattr__(self, "split_ops", tuple(self.split_ops))
+        options = self.inductor_options
+        pairs = options.items() if isinstance(options, dict) else options
+        try:
+            pairs = tuple(sorted((str(k), v) for k, v in pairs))
+        except (TypeError, ValueError):
+            raise ValueError(f"tscompile: inductor_options must be a dict of torch._inductor.config "
+                             f"names to values, got {options!r}") from None
+        import torch._inductor.config as inductor_config
+
+        unknown = [k for k, _ in pairs if k not in inductor_config._config]
+        if unknown:
+            raise ValueError(f"tscompile: inductor_options names unknown torch._inductor.config entries {unknown}")
+        object.__setattr__(self, "inductor_options", pairs)
         if int(self.prefill_graph_max_tokens) < 0:
             raise ValueError(f"tscompile: prefill_graph_max_tokens must be >= 0 (0: no prefill graphs), "
                              f"got {self.prefill_graph_max_tokens}")

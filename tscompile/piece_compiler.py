@@ -39,7 +39,7 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
         return torch._dynamo.backends.registry.lookup_backend("tensorrt")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {"triton.cudagraphs": False}
+    patches = {**dict(config.inductor_options), "triton.cudagraphs": False}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

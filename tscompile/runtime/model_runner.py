@@ -36,6 +36,15 @@ logger = logging.getLogger("tscompile")
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def decode_inductor_options(config: TscompileConfig, device: torch.device) -> dict:
+    """The decode step's Inductor patches: the user's, plus coordinate-descent tuning on CUDA (a
+    bs=1 matmul becomes a fused GEMV reduction; measured on the H200 in ``scripts/decode_probe.py``)."""
+    options = dict(config.inductor_options)
+    if device.type == "cuda":
+        options.setdefault("coordinate_descent_tuning", True)
+    return options
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, backend: CacheGroupRouter, *, max_num_seqs: int, device: torch.device,
                  compile_config: TscompileConfig | None, graph_support: ResolvedGraphSupport, max_blocks: int):
@@ -60,7 +69,8 @@ class ModelRunner:
         else:
             from tscompile.backend import compile_step
 
-            whole = replace(compile_config, split_ops=(), split_sdpa=False, split_narrowing=False)
+            whole = replace(compile_config, split_ops=(), split_sdpa=False, split_narrowing=False,
+                            inductor_options=decode_inductor_options(compile_config, device))
             self.decode_step = compile_step(self._decode_forward, whole)
             self.extend_step = compile_step(self._extend_forward, compile_config)
         self.decode_graphs = None
