@@ -44,7 +44,7 @@ def test_unknown_option_is_refused_with_the_known_ones():
 
 def test_inductor_options_are_validated_and_reach_every_inductor_compile(monkeypatch):
     from tscompile.config import TscompileConfig
-    from tscompile.runtime.model_runner import decode_inductor_options
+    from tscompile.runtime.model_runner import decode_static_inductor_options
 
     with pytest.raises(ValueError, match=r"tscompile: inductor_options names unknown .*\['no_such_knob'\]"):
         TscompileConfig.from_options({"inductor_options": {"no_such_knob": 1}})
@@ -67,11 +67,21 @@ def test_inductor_options_are_validated_and_reach_every_inductor_compile(monkeyp
     out = torch.compile(m, backend="tscompile", options={"inductor_options": {"epilogue_fusion": False}})(x)
     torch.testing.assert_close(out, m(x))
     assert seen and seen[0]["epilogue_fusion"] is False and seen[0]["triton.cudagraphs"] is False
+    # static-only patches reach a static graph and not a dynamic one
+    seen.clear()
+    opts = {"static_inductor_options": {"epilogue_fusion": False}}
+    fn = torch.compile(lambda a: a * 2 + 1, backend="tscompile", options=opts, dynamic=True)
+    fn(torch.randn(5))
+    assert seen and "epilogue_fusion" not in seen[-1]
+    seen.clear()
+    torch.compile(lambda a: a * 3 - 1, backend="tscompile", options=opts, dynamic=False)(torch.randn(5))
+    assert seen and seen[-1]["epilogue_fusion"] is False
     # the engine's decode step adds coordinate-descent tuning on CUDA only, and never overrides the user
     cfg = TscompileConfig.from_options({"inductor_options": {"coordinate_descent_tuning": False}})
-    assert decode_inductor_options(cfg, torch.device("cuda")) == {"coordinate_descent_tuning": False}
-    assert decode_inductor_options(TscompileConfig(), torch.device("cuda")) == {"coordinate_descent_tuning": True}
-    assert decode_inductor_options(TscompileConfig(), torch.device("cpu")) == {}
+    assert decode_static_inductor_options(cfg, torch.device("cuda")) == {}
+    cuda_default = decode_static_inductor_options(TscompileConfig(), torch.device("cuda"))
+    assert cuda_default == {"coordinate_descent_tuning": True}
+    assert decode_static_inductor_options(TscompileConfig(), torch.device("cpu")) == {}
 
 
 def test_module_without_tscompile_ops_compiles_whole_like_inductor():

@@ -29,9 +29,10 @@ class TscompileConfig:
         around the Inductor-compiled step (one pool), and in the engine's prefill one per compiled
         piece per token bucket (the narrowing decoder per row bucket; another pool).
     inductor_options: ``torch._inductor.config`` patches for every piece Inductor compiles (a dict).
-        The engine's decode step adds ``coordinate_descent_tuning=True`` on CUDA unless set here: with
-        it Inductor turns a one-row matmul into a fused reduction that reads the weight at close to
-        full bandwidth, which the bs=1 decode graph needs (the gpt-fast setting).
+    static_inductor_options: more patches only for graphs whose input sizes are all static. The
+        engine's decode step sets ``coordinate_descent_tuning=True`` here on CUDA unless either dict
+        sets it: Inductor then turns the bs=1 graph's one-row matmuls into fused GEMV reductions and
+        tunes them (the gpt-fast setting), while the dynamic-batch graph skips the costly tuning.
     debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
     """
 
@@ -44,6 +45,7 @@ class TscompileConfig:
     decode_ladder: tuple[int, ...] = DEFAULT_DECODE_LADDER
     cudagraphs: bool = True
     inductor_options: tuple[tuple[str, object], ...] = ()
+    static_inductor_options: tuple[tuple[str, object], ...] = ()
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("TSCOMPILE_DEBUG_DIR") or None)
 
     # fields that change where artifacts are written, not what is compiled
@@ -58,19 +60,8 @@ class TscompileConfig:
                 raise ValueError(f"tscompile: {name} must be strictly increasing positive ints, got {ladder}")
             object.__setattr__(self, name, ladder)
         object.__setattr__(self, "split_ops", tuple(self.split_ops))
-        options = self.inductor_options
-        pairs = options.items() if isinstance(options, dict) else options
-        try:
-            pairs = tuple(sorted((str(k), v) for k, v in pairs))
-        except (TypeError, ValueError):
-            raise ValueError(f"tscompile: inductor_options must be a dict of torch._inductor.config "
-                             f"names to values, got {options!r}") from None
-        import torch._inductor.config as inductor_config
-
-        unknown = [k for k, _ in pairs if k not in inductor_config._config]
-        if unknown:
-            raise ValueError(f"tscompile: inductor_options names unknown torch._inductor.config entries {unknown}")
-        object.__setattr__(self, "inductor_options", pairs)
+        for name in ("inductor_options", "static_inductor_options"):
+            object.__setattr__(self, name, _inductor_pairs(name, getattr(self, name)))
         if int(self.prefill_graph_max_tokens) < 0:
             raise ValueError(f"tscompile: prefill_graph_max_tokens must be >= 0 (0: no prefill graphs), "
                              f"got {self.prefill_graph_max_tokens}")
@@ -92,9 +83,31 @@ class TscompileConfig:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.HASH_IGNORED}
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+    def inductor_patches(self, static_shapes: bool) -> dict:
+        patches = dict(self.inductor_options)
+        if static_shapes:
+            patches.update(self.static_inductor_options)
+        return patches
+
     def bucket(self, ladder: tuple[int, ...], n: int) -> int | None:
         """The smallest ladder entry >= n, or None above the ladder."""
         for size in ladder:
             if size >= n:
                 return size
         return None
+
+
+def _inductor_pairs(name: str, options) -> tuple[tuple[str, object], ...]:
+    """A dict of ``torch._inductor.config`` names -> values, as sorted pairs (hashable, stable)."""
+    pairs = options.items() if isinstance(options, dict) else options
+    try:
+        pairs = tuple(sorted((str(k), v) for k, v in pairs))
+    except (TypeError, ValueError):
+        raise ValueError(f"tscompile: {name} must be a dict of torch._inductor.config names to values, "
+                         f"got {options!r}") from None
+    import torch._inductor.config as inductor_config
+
+    unknown = [k for k, _ in pairs if k not in inductor_config._config]
+    if unknown:
+        raise ValueError(f"tscompile: {name} names unknown torch._inductor.config entries {unknown}")
+    return pairs

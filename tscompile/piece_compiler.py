@@ -39,7 +39,9 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
         return torch._dynamo.backends.registry.lookup_backend("tensorrt")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {**dict(config.inductor_options), "triton.cudagraphs": False}
+    static = all(not isinstance(s, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
+                 for s in t.shape) and not any(isinstance(t, torch.SymInt) for t in example_inputs)
+    patches = {**config.inductor_patches(static), "triton.cudagraphs": False}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
