@@ -157,7 +157,7 @@ class EngineRunner:
 
     def _pure_decode_next(self) -> bool:
         sched = self.llm.scheduler
-        return not sched.waiting and all(r.prefill_done for r in sched.running)
+        return bool(sched.running) and not sched.waiting and all(r.prefill_done for r in sched.running)
 
     def _step(self, per_call: list | None) -> None:
         if per_call is None:
@@ -172,18 +172,20 @@ class EngineRunner:
             raise RuntimeError("tscompile: the engine still holds requests from an earlier run")
         params = self._params(max_new_tokens=output_len, temperature=0.0)
         calls: list[float] | None = [] if per_call else None
+        # TTFT ends with the stream after the step that sampled every first token (its tokens may
+        # still be on their way to the host: the timer's end event is recorded behind it)
         with Timer(self.device) as ttft:
             reqs = [self.llm.add_request(p, params) for p in prompts]
-            while any(not r.output for r in reqs):
+            while any(r.num_generated == 0 for r in reqs):
                 self._step(calls)
         steps = other = 0
         with Timer(self.device) as dec:
             while self.llm.has_unfinished():
                 if self._pure_decode_next():
                     steps += 1
-                else:
+                elif self.llm.scheduler.running or self.llm.scheduler.waiting:
                     other += 1
-                self._step(calls)
+                self._step(calls)  # the last call only reads back the final tokens
         return BatchTiming(ttft.seconds, dec.seconds, steps, [list(r.output) for r in reqs], calls or [], other)
 
     def run_prefill(self, prompt: list[int]) -> float:
@@ -192,6 +194,7 @@ class EngineRunner:
             req = self.llm.add_request(prompt, params)
             while not req.finished:
                 self.llm.step()
+        self.llm.sync()
         return t.seconds
 
     def close(self) -> None:

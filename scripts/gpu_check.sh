@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU tests, run the benchmark; logs and JSON to $OUT.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -26,5 +26,32 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   tscompile bench ${BENCH_ARGS:---model llama-1b --batch-size 1 32 --input-len 512 --output-len 128 \
     --prefill-lens 32 2048 --modes tscompile-triton --num-iters 2 --num-iters-warmup 1} \
     --output-json "$OUT/bench.json" --output-md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+if [ "$what" = duo ]; then
+  # two GPUs (nvidia-h200-x2): the GPU tests on GPU 0 while GPU 1 runs bench jobs one after another
+  # (DUO_JOBS="model:mode model:mode ..."); each job its own JSON/markdown, packed into one archive
+  deadline=$((SECONDS + ${DUO_SECONDS:-540}))
+  mkdir -p "$OUT/r"
+  if [ "${DUO_TESTS:-1}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout $((deadline - SECONDS)) python3 -m pytest -q -m gpu tests ${PYTEST_ARGS:-} \
+      > "$OUT/gpu_tests.log" 2>&1 &
+    tests_pid=$!
+  fi
+  (
+    export CUDA_VISIBLE_DEVICES=${DUO_BENCH_GPU:-1}
+    for job in ${DUO_JOBS:-llama-1b:tscompile-triton}; do
+      model=${job%%:*}; mode=${job#*:}; left=$((deadline - SECONDS))
+      [ $left -lt 60 ] && { echo "skipped $job: ${left}s left"; continue; }
+      echo "== $job (${left}s left)"
+      timeout $left tscompile bench --model "$model" --modes "$mode" --batch-size 1 32 --input-len 512 \
+        --output-len 128 --prefill-lens 32 2048 --num-iters 2 --num-iters-warmup 1 \
+        --output-json "$OUT/r/${model}_${mode}.json" --output-md "$OUT/r/${model}_${mode}.md" 2>&1 | tail -25
+    done
+  ) > "$OUT/bench.log" 2>&1 &
+  bench_pid=$!
+  [ -n "${tests_pid:-}" ] && { wait $tests_pid; rc=$?; tail -30 "$OUT/gpu_tests.log"; }
+  wait $bench_pid
+  cat "$OUT/bench.log"
+  tar czf "$OUT/bench_results.tgz" -C "$OUT" r && rm -rf "$OUT/r"
 fi
 exit $rc

@@ -87,13 +87,13 @@ def run_attention(batch, impl, *, decode, scale=0.25, poison=float("nan")):
 def record_modes(llm) -> list:
     """Spy on an engine: the forward mode of every step it runs, in order."""
     seen = []
-    original = llm.runner.execute
+    original = llm.runner.launch
 
-    def spy(sched, batch):
+    def spy(sched, batch, prev_rows=None):
         seen.append(batch.mode)
-        return original(sched, batch)
+        return original(sched, batch, prev_rows)
 
-    llm.runner.execute = spy
+    llm.runner.launch = spy
     return seen
 
 

@@ -110,6 +110,7 @@ def test_padded_tail_rows_of_attention_outputs_are_zero_and_write_only_the_null_
         pool.v[lid].fill_(float("nan"))
     req = llm.add_request(list(range(1, 12)), SamplingParams(max_new_tokens=2))  # 11 tokens -> bucket 16
     llm.step()
+    llm.sync()
     assert len(req.output) == 1 and counters["prefill_graphed"] == 1
     page = pool.geometry.page_size
     live = {s for b in req.blocks[0] for s in range(b * page, (b + 1) * page)}

@@ -20,6 +20,7 @@ from tscompile.models import ModelConfig
 from tscompile.package.programs import PROGRAMS
 from tscompile.package.record import check_compatible, read_package_metadata, weights_path
 from tscompile.runtime.engine import LLM, resolve_dtype
+from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import ScheduledBatch, Scheduler
 from tscompile.sampling import SamplingBuffers, SamplingParams
 
@@ -55,13 +56,21 @@ class _PackageRunner:
         reqs = batch.requests
         n = len(reqs)
         self.sampling.fill([r.params for r in reqs], [r.seed for r in reqs],
-                           [len(r.prompt) + len(r.output) for r in reqs], n)
+                           [len(r.prompt) + r.num_generated for r in reqs], n)
         s = self.sampling
         return [s.temperature[:n], s.top_k[:n], s.top_p[:n], s.seeds[:n], s.steps[:n]]
 
     def _block_tables(self, sched: Scheduler, batch: ScheduledBatch) -> list[torch.Tensor]:
         slots = [r.slot for r in batch.requests]
         return [torch.from_numpy(t[slots]).to(self.device, non_blocking=True) for t in sched.block_tables]
+
+    def can_chain(self, batch: ScheduledBatch) -> bool:
+        return False  # the programs take host token ids: every step waits for the one before
+
+    def launch(self, sched: Scheduler, batch: ScheduledBatch, prev_rows=None) -> PendingTokens:
+        if prev_rows is not None:
+            raise RuntimeError("tscompile: a packaged program takes its token ids from the host")
+        return PendingTokens.ready(self.execute(sched, batch))
 
     def execute(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
         n = len(batch.requests)
@@ -138,6 +147,7 @@ class PackagedLLM(LLM):
         self.graph_support = None
         self._ids = itertools.count()
         self._rng = random.Random(seed)
+        self.async_scheduling, self._inflight = False, None
 
     def _check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
         total = len(prompt) + params.max_new_tokens

@@ -5,16 +5,20 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from tscompile.attention import create_attention_backend, resolve_cuda_graph_support
+from tscompile.attention.base import ForwardMode
 from tscompile.config import TscompileConfig
+from tscompile.counters import counters
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.models import ModelConfig, Transformer, build_model
 from tscompile.runtime.model_runner import ModelRunner
-from tscompile.runtime.scheduler import Request, Scheduler
+from tscompile.runtime.readback import PendingTokens
+from tscompile.runtime.scheduler import Request, ScheduledBatch, Scheduler
 from tscompile.sampling import SamplingParams
 
 logger = logging.getLogger("tscompile")
@@ -33,6 +37,16 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    emits: list[bool]
+    tokens: PendingTokens
+    finished: list[Request]
+
+
 class LLM:
     """Generate with a reference model (a preset name, a ``ModelConfig`` or a built ``Transformer``).
 
@@ -44,7 +58,13 @@ class LLM:
     By default the decode step is compiled whole and the prefill step piecewise by the tscompile
     backend (``compile_options`` are its options, see ``TscompileConfig``), with decode CUDA graphs
     per ladder size on CUDA; ``enforce_eager=True`` runs the same model and the same metadata path
-    without compiling."""
+    without compiling.
+
+    ``async_scheduling`` (default on) lets a decode step be scheduled, staged and launched while the
+    previous step still runs: nothing the scheduler decides depends on token values (requests stop
+    at ``max_new_tokens``), and a token the host has not read yet is gathered on the device. So
+    ``step()`` returns the requests whose last token it has read back, which can be one step after
+    the step that sampled it; ``sync()`` waits for the step in flight."""
 
     def __init__(
         self,
@@ -62,6 +82,7 @@ class LLM:
         enforce_eager: bool = False,
         compile_options: dict | None = None,
         seed: int = 0,
+        async_scheduling: bool = True,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
@@ -98,6 +119,8 @@ class LLM:
         self.runner.capture_decode_graphs()
         self._ids = itertools.count()
         self._rng = random.Random(seed)
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None
 
     # -- request level ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> Request:
@@ -109,13 +132,52 @@ class LLM:
         return req
 
     def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that finished in it."""
+        """Schedule and launch one step; returns the requests whose every token the host now has.
+
+        With ``async_scheduling`` a decode step that follows another step is launched before that
+        step's tokens are read, and they are read while it runs; any other step first waits for the
+        step in flight."""
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return self.sync()
+        prev = self._inflight
+        chain = self.async_scheduling and prev is not None and self.runner.can_chain(batch)
+        done = [] if chain else self.sync()
+        prev_rows = self._prev_rows(batch, prev) if chain else None
+        if chain and max(prev_rows) >= 0:
+            counters["decode_chained"] += 1  # some input token came straight from the device
+        emits = self.scheduler.emits(batch)
         with torch.inference_mode():
-            tokens = self.runner.execute(self.scheduler, batch)
-        return self.scheduler.update(batch, tokens)
+            tokens = self.runner.launch(self.scheduler, batch, prev_rows)
+        finished = self.scheduler.update(batch)
+        if chain:
+            done = self.sync()
+        self._inflight = _InFlight(batch, emits, tokens, finished)
+        if not self.async_scheduling:
+            done += self.sync()
+        return done
+
+    def sync(self) -> list[Request]:
+        """Wait for the step in flight, hand its tokens to its requests; returns the ones it finished."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return []
+        for r, emit, tok in zip(flight.batch.requests, flight.emits, flight.tokens.wait()):
+            if emit:
+                r.output.append(tok)
+        return flight.finished
+
+    @staticmethod
+    def _prev_rows(batch: ScheduledBatch, prev: _InFlight) -> list[int]:
+        """Per decode row: the row of ``prev``'s sample holding its input token, or -1 (on the host)."""
+        assert batch.mode is ForwardMode.DECODE
+        sampled = {r.rid: i for i, (r, emit) in enumerate(zip(prev.batch.requests, prev.emits)) if emit}
+        rows = [sampled.get(r.rid, -1) for r in batch.decodes]
+        for r, row in zip(batch.decodes, rows):
+            if row < 0 and len(r.output) != r.num_generated:
+                raise RuntimeError(f"tscompile: request {r.rid}'s last token is neither on the host nor in "
+                                   "the step in flight")
+        return rows
 
     @property
     def compile_seconds(self) -> float:
@@ -126,7 +188,8 @@ class LLM:
         return self.runner.capture_seconds
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Requests waiting or running, or tokens not read back yet."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight is not None)
 
     def generate(self, prompt_token_ids: list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:

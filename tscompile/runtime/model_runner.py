@@ -28,6 +28,7 @@ from tscompile.models.llama import Transformer
 from tscompile.runtime import pointer_guard
 from tscompile.runtime.forward_context import ForwardContext, forward_context
 from tscompile.runtime.piece_graphs import PieceGraphRuntime, PrefillGraphPlan
+from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.scheduler import ScheduledBatch, Scheduler
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
@@ -62,6 +63,7 @@ class ModelRunner:
         self.sampling = SamplingBuffers(max_num_seqs, device, temperature=st.temperature, top_k=st.top_k,
                                         top_p=st.top_p, seeds=st.seeds, steps=st.steps)
         self.input_ids, self.positions = st.input_ids, st.positions
+        self.readback = TokenReadback(max_num_seqs, device)
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         if compile_config is None:
@@ -102,10 +104,15 @@ class ModelRunner:
         self.prefill_ids = torch.zeros(top, dtype=torch.int64, device=self.device)
         self.prefill_positions = torch.zeros(top, dtype=torch.int64, device=self.device)
 
-    # Two functions with one body on purpose: Dynamo keys its cache by code object, and the decode
-    # step (compiled whole) and the extend step (compiled piecewise) must not share entries.
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, all_greedy: bool) -> torch.Tensor:
-        return self.sampling.sample(self.model(input_ids, positions), all_greedy)
+    # Two functions on purpose: Dynamo keys its cache by code object, and the decode step (compiled
+    # whole) and the extend step (compiled piecewise) must not share entries.
+    def _decode_forward(self, input_ids: torch.Tensor, prev_rows: torch.Tensor, positions: torch.Tensor,
+                        all_greedy: bool) -> torch.Tensor:
+        # A row whose token the previous step sampled and the host has not read yet takes it from
+        # the sampled-token buffer (read here, before this step's sample overwrites it).
+        prev = self.sampling.tokens.index_select(0, prev_rows.clamp(min=0))
+        ids = torch.where(prev_rows >= 0, prev, input_ids)
+        return self.sampling.sample(self.model(ids, positions), all_greedy)
 
     def _extend_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, all_greedy: bool) -> torch.Tensor:
         return self.sampling.sample(self.model(input_ids, positions), all_greedy)
@@ -130,14 +137,34 @@ class ModelRunner:
 
     def _fill_sampling(self, batch: ScheduledBatch, pad_to: int) -> None:
         reqs = batch.requests
-        steps = [len(r.prompt) + len(r.output) for r in reqs]
+        steps = [len(r.prompt) + r.num_generated for r in reqs]
         self.sampling.fill([r.params for r in reqs], [r.seed for r in reqs], steps, pad_to)
 
-    def execute(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
-        """Run one step; returns one sampled token per request of ``batch`` (in batch order)."""
+    def launch(self, sched: Scheduler, batch: ScheduledBatch, prev_rows: list[int] | None = None) -> PendingTokens:
+        """Launch one step; its tokens (one per request of ``batch``, in batch order) come back through
+        the returned handle. ``prev_rows[i]`` (decode only) is the row of the previous step's sample
+        that is decode row i's input token, or -1 when the host knows it (see ``can_chain``)."""
         if batch.mode is ForwardMode.DECODE:
-            return self._decode(sched, batch)
-        return self._extend(sched, batch)
+            self._decode(sched, batch, prev_rows)
+        else:
+            if prev_rows is not None:
+                raise RuntimeError("tscompile: only a decode step takes its input tokens from the device")
+            self._extend(sched, batch)
+        return self.readback.start(self.sampling.tokens[: len(batch.requests)])
+
+    def execute(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
+        """Run one step and wait for its tokens."""
+        return self.launch(sched, batch).wait()
+
+    def can_chain(self, batch: ScheduledBatch) -> bool:
+        """Whether ``batch`` may run before the previous step's tokens reach the host: a decode step
+        that captures nothing first (a capture's warm-up runs overwrite the sampled-token buffer)."""
+        if batch.mode is not ForwardMode.DECODE:
+            return False
+        bs = self.decode_bucket(len(batch.decodes))
+        if self.decode_graphs is None or bs not in self.decode_graphs:
+            return True
+        return (bs, all(r.params.greedy for r in batch.decodes)) in self.decode_graphs
 
     # -- decode --------------------------------------------------------------------------------------
     def decode_bucket(self, actual_bs: int) -> int:
@@ -146,14 +173,14 @@ class ModelRunner:
                 return bs
         return actual_bs  # above the ladder (or no graphs): the same refresh, no graph
 
-    def _decode(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
+    def _decode(self, sched: Scheduler, batch: ScheduledBatch, prev_rows: list[int] | None) -> None:
         actual_bs = len(batch.decodes)
         bs = self.decode_bucket(actual_bs)
         graphed = self.decode_graphs is not None and bs in self.decode_graphs
         greedy = all(r.params.greedy for r in batch.decodes)
         if graphed and (bs, greedy) not in self.decode_graphs:
             self._capture_decode(bs, greedy)  # a first sampled batch at this size: one-time capture
-        self._refresh_decode(sched, batch, bs, graphed)
+        self._refresh_decode(sched, batch, bs, graphed, prev_rows)
         if graphed:
             if self._guards:
                 pointer_guard.verify(self._guards[(bs, greedy)], self._guard_roots())
@@ -161,11 +188,12 @@ class ModelRunner:
             counters["decode_replays"] += 1
         else:
             with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
-                self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs], greedy)
+                self._timed(self.decode_step, self.input_ids[:bs], self.staging.prev_rows[:bs],
+                            self.positions[:bs], greedy)
             counters["decode_eager"] += 1
-        return self.sampling.tokens[:actual_bs].tolist()
 
-    def _refresh_decode(self, sched: Scheduler, batch: ScheduledBatch, bs: int, graphed: bool) -> None:
+    def _refresh_decode(self, sched: Scheduler, batch: ScheduledBatch, bs: int, graphed: bool,
+                        prev_rows: list[int] | None) -> None:
         """Stage this step's host facts (one copy per dtype), then the one decode metadata refresh."""
         reqs, actual_bs = batch.decodes, len(batch.decodes)
         lens = sched.group_lens_after(batch)
@@ -173,9 +201,10 @@ class ModelRunner:
         ids, pos = sched.input_rows(batch)
         st = self.staging
         st.fill(ids=ids, positions=pos, seeds=[r.seed for r in reqs],
-                steps=[len(r.prompt) + len(r.output) for r in reqs], top_k=[r.params.top_k for r in reqs],
+                steps=[len(r.prompt) + r.num_generated for r in reqs], top_k=[r.params.top_k for r in reqs],
                 temperature=[r.params.temperature for r in reqs], top_p=[r.params.top_p for r in reqs],
-                group_lens=lens, group_tables=[t[slots] for t in sched.block_tables], bs=bs)
+                group_lens=lens, group_tables=[t[slots] for t in sched.block_tables], bs=bs,
+                prev_rows=prev_rows)
         st.upload()
         groups = range(len(sched.specs))
         self.backend.refresh_decode_metadata(
@@ -223,12 +252,14 @@ class ModelRunner:
             group_seq_lens={g: ones for g in groups if self.backend.specs[g].narrowed},
         )
         self.input_ids[:bs].zero_()
+        self.staging.prev_rows[:bs].fill_(-1)
         self.positions[:bs].zero_()
         self.sampling.fill([], [], [], pad_to=bs)
 
         def run_step():
             with forward_context(ForwardContext(ForwardMode.DECODE, self.backend)):
-                self._timed(self.decode_step, self.input_ids[:bs], self.positions[:bs], greedy)
+                self._timed(self.decode_step, self.input_ids[:bs], self.staging.prev_rows[:bs],
+                            self.positions[:bs], greedy)
 
         self.decode_graphs.capture((bs, greedy), run_step)
         counters["decode_captures"] += 1
@@ -261,7 +292,7 @@ class ModelRunner:
         self.prefill_positions[:n].copy_(torch.tensor(pos + pad, dtype=torch.int64), non_blocking=True)
         return self.prefill_ids[:n], self.prefill_positions[:n]
 
-    def _extend(self, sched: Scheduler, batch: ScheduledBatch) -> list[int]:
+    def _extend(self, sched: Scheduler, batch: ScheduledBatch) -> None:
         reqs = batch.requests
         num_extends = len(batch.extends)
         lens = sched.group_lens_after(batch)
@@ -292,7 +323,7 @@ class ModelRunner:
         self._fill_sampling(batch, len(reqs))
         ctx = ForwardContext(batch.mode, self.backend, self._to_device(completes, torch.bool), prefill_graphs=plan)
         with forward_context(ctx):
-            tokens = self._timed(self.extend_step, ids, pos, all(r.params.greedy for r in reqs))
+            # the sample lands in sampling.tokens (an input the step writes), where launch reads it
+            self._timed(self.extend_step, ids, pos, all(r.params.greedy for r in reqs))
         graphed = plan is not None and plan.encoder_tokens is not None
         counters["prefill_graphed" if graphed else "prefill_eager"] += 1
-        return tokens[: len(reqs)].tolist()

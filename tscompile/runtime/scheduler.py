@@ -24,7 +24,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     seed: int
-    output: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)  # sampled tokens the host has read back
+    num_generated: int = 0  # tokens sampled so far, including one still on its way to ``output``
     slot: int = -1  # row of the block-table buffers while running
     num_computed: int = 0  # tokens whose KV is in the full group's cache
     group_lens: list[int] = field(default_factory=list)  # KV length per cache group
@@ -36,7 +37,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.output) >= self.params.max_new_tokens
+        """Scheduling-finished (every token sampled); the last may still be on its way to ``output``."""
+        return self.num_generated >= self.params.max_new_tokens
 
     @property
     def max_len(self) -> int:
@@ -155,9 +157,16 @@ class Scheduler:
             ids += r.prompt[r.num_computed : r.num_computed + n]
             pos += range(r.num_computed, r.num_computed + n)
         for r in batch.decodes:
-            ids.append(r.output[-1])
+            # a token still in flight is gathered on the device (the runner's prev_rows): 0 here
+            ids.append(r.output[-1] if len(r.output) == r.num_generated else 0)
             pos.append(r.num_computed)
         return ids, pos
+
+    @staticmethod
+    def emits(batch: ScheduledBatch) -> list[bool]:
+        """Per request of ``batch``: does this step's sample become an output token? (An open
+        prefill chunk's sample is discarded.) Ask before ``update``."""
+        return [r.num_computed + n == len(r.prompt) for r, n in batch.extends] + [True] * len(batch.decodes)
 
     def group_lens_after(self, batch: ScheduledBatch) -> list[list[int]]:
         """``[group][request]`` KV length after this step."""
@@ -169,19 +178,20 @@ class Scheduler:
             out.append(lens)
         return out
 
-    def update(self, batch: ScheduledBatch, tokens: list[int]) -> list[Request]:
-        """Advance every request by this step's sampled ``tokens`` (one per request); return the finished."""
+    def update(self, batch: ScheduledBatch) -> list[Request]:
+        """Advance every request past this step (the step's tokens need not be known: nothing here
+        depends on their values) and release the finished, which it returns."""
         for gid, lens in enumerate(self.group_lens_after(batch)):
             for r, n in zip(batch.requests, lens):
                 r.group_lens[gid] = n
         finished = []
-        for (r, n), tok in zip(batch.extends, tokens):
+        for r, n in batch.extends:
             r.num_computed += n
             if r.prefill_done:  # an open chunk's sample is discarded
-                r.output.append(tok)
-        for r, tok in zip(batch.decodes, tokens[len(batch.extends):]):
+                r.num_generated += 1
+        for r in batch.decodes:
             r.num_computed += 1
-            r.output.append(tok)
+            r.num_generated += 1
         for r in batch.requests:
             if r.finished:
                 self.release(r)

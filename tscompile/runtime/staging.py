@@ -1,9 +1,15 @@
 """Decode-step inputs with a fixed layout: filled on the host, uploaded in one copy per dtype.
 
-Every per-step host fact of a decode (token ids, positions, lengths, block tables, sampling
-parameters) lands in pinned host buffers at fixed offsets; one non-blocking copy per dtype moves
-them to persistent device buffers. The device views are what the refresh reads and what the
-captured graphs read (token ids, positions, sampling parameters), so their addresses never move.
+Every per-step host fact of a decode (token ids, where a token still on the device lives, positions,
+lengths, block tables, sampling parameters) lands in pinned host buffers at fixed offsets; one
+non-blocking copy per dtype moves them to persistent device buffers. The device views are what the
+refresh reads and what the captured graphs read (token ids, positions, sampling parameters), so
+their addresses never move.
+
+There are two host sets, used in turn: with asynchronous scheduling the host fills step N + 1
+while step N's upload may still be queued behind step N - 1 on the stream, so one set would be
+overwritten before it was read. Step N - 1 has finished (its tokens were waited for) before step
+N + 1 fills, and step N - 1 used the set step N + 1 writes.
 """
 
 from __future__ import annotations
@@ -11,24 +17,35 @@ from __future__ import annotations
 import torch
 
 
+class _HostSet:
+    def __init__(self, sizes: tuple[int, int, int], pin: bool):
+        self.h64 = torch.zeros(sizes[0], dtype=torch.int64, pin_memory=pin)
+        self.h32 = torch.zeros(sizes[1], dtype=torch.int32, pin_memory=pin)
+        self.hf = torch.zeros(sizes[2], dtype=torch.float32, pin_memory=pin)
+        self.n64, self.n32, self.nf = self.h64.numpy(), self.h32.numpy(), self.hf.numpy()
+
+
 class DecodeStaging:
     def __init__(self, max_bs: int, num_groups: int, max_blocks: int, device: torch.device):
         self.max_bs, self.num_groups, self.max_blocks = max_bs, num_groups, max_blocks
         pin = device.type == "cuda"
         b = max_bs
-        # int64: ids, positions, seeds, steps
-        self.h64 = torch.zeros(4 * b, dtype=torch.int64, pin_memory=pin)
+        # int64: ids, positions, seeds, steps, prev_rows
         # int32: per group seq lens [G, b] and block tables [G, b, max_blocks]; top_k [b]
         self._tables_at = num_groups * b
         self._topk_at = self._tables_at + num_groups * b * max_blocks
-        self.h32 = torch.zeros(self._topk_at + b, dtype=torch.int32, pin_memory=pin)
         # float32: temperature, top_p
-        self.hf = torch.zeros(2 * b, dtype=torch.float32, pin_memory=pin)
-        self.d64, self.d32, self.df = (t.to(device) for t in (self.h64, self.h32, self.hf))
-        self.n64, self.n32, self.nf = self.h64.numpy(), self.h32.numpy(), self.hf.numpy()
+        sizes = (5 * b, self._topk_at + b, 2 * b)
+        self._sets = [_HostSet(sizes, pin), _HostSet(sizes, pin)]
+        self._turn = 0
+        first = self._sets[0]
+        self.d64, self.d32, self.df = (t.to(device, copy=True) for t in (first.h64, first.h32, first.hf))
 
         self.input_ids, self.positions = self.d64[:b], self.d64[b:2 * b]
-        self.seeds, self.steps = self.d64[2 * b:3 * b], self.d64[3 * b:]
+        self.seeds, self.steps = self.d64[2 * b:3 * b], self.d64[3 * b:4 * b]
+        # row of the sampled-token buffer that holds this row's input token (the previous step's
+        # sample, still on the device), or -1: the token is input_ids'
+        self.prev_rows = self.d64[4 * b:]
         self.top_k = self.d32[self._topk_at:]
         self.temperature, self.top_p = self.df[:b], self.df[b:]
 
@@ -40,14 +57,18 @@ class DecodeStaging:
         return self.d32[start: start + n * self.max_blocks].view(n, self.max_blocks)
 
     def fill(self, *, ids, positions, seeds, steps, top_k, temperature, top_p, group_lens, group_tables,
-             bs: int) -> None:
+             bs: int, prev_rows=None) -> None:
         """Host-side writes for ``n = len(ids)`` live rows; rows ``[n, bs)`` become padding (greedy,
-        token 0, position 0). ``group_tables[g]`` is an ``[n, max_blocks]`` int32 array."""
+        token 0, position 0). ``group_tables[g]`` is an ``[n, max_blocks]`` int32 array;
+        ``prev_rows`` (default all -1) says which rows take their token from the device."""
         n, b = len(ids), self.max_bs
-        n64, n32, nf = self.n64, self.n32, self.nf
+        host = self._sets[self._turn]
+        n64, n32, nf = host.n64, host.n32, host.nf
         for i, values in enumerate((ids, positions, seeds, steps)):
             n64[i * b: i * b + n] = values
             n64[i * b + n: i * b + bs] = 0
+        n64[4 * b: 4 * b + n] = -1 if prev_rows is None else prev_rows
+        n64[4 * b + n: 4 * b + bs] = -1
         for g in range(self.num_groups):
             n32[g * b: g * b + n] = group_lens[g]
             start = self._tables_at + g * b * self.max_blocks
@@ -58,6 +79,8 @@ class DecodeStaging:
         nf[b: b + n], nf[b + n: b + bs] = top_p, 1.0
 
     def upload(self) -> None:
-        self.d64.copy_(self.h64, non_blocking=True)
-        self.d32.copy_(self.h32, non_blocking=True)
-        self.df.copy_(self.hf, non_blocking=True)
+        host = self._sets[self._turn]
+        self.d64.copy_(host.h64, non_blocking=True)
+        self.d32.copy_(host.h32, non_blocking=True)
+        self.df.copy_(host.hf, non_blocking=True)
+        self._turn ^= 1

@@ -1,0 +1,47 @@
+"""Sampled tokens back to the host without stopping the stream.
+
+A launched step's tokens are copied into a pinned host buffer behind the step on the stream, and an
+event marks the copy; ``PendingTokens.wait`` blocks on that event only. With asynchronous
+scheduling the engine waits for step N's tokens after launching step N + 1, so the host's
+scheduling and staging of N + 1 overlap step N on the GPU. Two buffers in turn: step N + 1's copy
+must not land in the buffer step N's tokens are still being read from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PendingTokens:
+    def __init__(self, host: torch.Tensor | None, n: int, event=None, tokens: list[int] | None = None):
+        self._host, self._n, self._event, self._tokens = host, n, event, tokens
+
+    @classmethod
+    def ready(cls, tokens: list[int]) -> "PendingTokens":
+        return cls(None, len(tokens), tokens=list(tokens))
+
+    def wait(self) -> list[int]:
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._tokens = self._host[: self._n].tolist()
+        return self._tokens
+
+
+class TokenReadback:
+    def __init__(self, max_rows: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
+        self._turn = 0
+
+    def start(self, tokens: torch.Tensor) -> PendingTokens:
+        """Queue the copy of ``tokens`` (on the device, ``[n]``) behind the work launched so far."""
+        n, turn = tokens.shape[0], self._turn
+        self._turn ^= 1
+        host = self._host[turn]
+        host[:n].copy_(tokens, non_blocking=True)
+        event = self._events[turn]
+        if event is not None:
+            event.record()
+        return PendingTokens(host, n, event)
