@@ -237,3 +237,15 @@ def test_prefill_graph_max_tokens_zero_turns_prefill_graphs_off():
     assert llm.generate(RAGGED[:3], SamplingParams(max_new_tokens=2))
     assert counters["prefill_eager"] > 0 and counters["prefill_graphed"] == 0
     assert counters["prefill_captures"] == 0 and counters["decoder_rows_graphed"] == 0
+
+
+def test_a_direct_runner_call_reuses_the_engines_compiled_pieces_and_graphs():
+    """Dynamo guards on inference mode: the runner enters it itself, so a step launched outside the
+    engine (as the GPU tests do) neither recompiles nor captures again."""
+    llm = _graphed_llm("llama-tiny", max_num_batched_tokens=64)
+    llm.generate([[(7 * j) % 400 + 1 for j in range(11)]], SamplingParams(max_new_tokens=2))
+    counters.clear()
+    llm.add_request([(3 * j) % 400 + 1 for j in range(14)], SamplingParams(max_new_tokens=2))  # same bucket
+    assert not torch.is_inference_mode_enabled()
+    llm.runner.execute(llm.scheduler, llm.scheduler.schedule())
+    assert counters["graphs"] == 0 and counters["prefill_captures"] == 0 and counters["prefill_replays"] > 0

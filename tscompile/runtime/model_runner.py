@@ -140,6 +140,7 @@ class ModelRunner:
         steps = [len(r.prompt) + r.num_generated for r in reqs]
         self.sampling.fill([r.params for r in reqs], [r.seed for r in reqs], steps, pad_to)
 
+    @torch.inference_mode()  # Dynamo guards on it: every caller must reach the same compiled entries
     def launch(self, sched: Scheduler, batch: ScheduledBatch, prev_rows: list[int] | None = None) -> PendingTokens:
         """Launch one step; its tokens (one per request of ``batch``, in batch order) come back through
         the returned handle. ``prev_rows[i]`` (decode only) is the row of the previous step's sample
