@@ -162,6 +162,7 @@ class Bench:
         self.prefill: list[dict] = []
         self.modes: dict[str, dict] = {}
         self.tokens: dict[tuple[str, int], list[list[int]]] = {}
+        self.on_row = lambda: None  # called after every row: the caller saves what is measured so far
 
     def make_runner(self, mode: str, model):
         a = self.args
@@ -257,6 +258,7 @@ class Bench:
             except Exception as e:  # noqa: BLE001
                 self.results.append({"mode": mode, "batch_size": bs, "error": self._report(mode, f"bs={bs}", e, bar)})
                 _cleanup(self.device)
+            self.on_row()
             bar.update(1)
         for length in a.prefill_lens:
             bar.set_postfix_str(f"{mode} prefill {length}")
@@ -268,6 +270,7 @@ class Bench:
                 self.prefill.append({"mode": mode, "prompt_len": length,
                                      "error": self._report(mode, f"prefill {length}", e, bar)})
                 _cleanup(self.device)
+            self.on_row()
             bar.update(1)
         for key in ("compile_s", "capture_s"):
             vals = [r.get(key) for r in self.results if r["mode"] == mode and not r.get("error")]
@@ -341,24 +344,33 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mod
     bandwidth = roofline.measure_copy_bandwidth(device, nbytes)
     bench = Bench(args, device, dtype, bandwidth)
     total = len(modes) * (len(args.batch_size) + len(args.prefill_lens))
+    env = {**report.environment(device), "torch_threads": torch.get_num_threads()}
+
+    def save(complete: bool) -> tuple[dict, str]:
+        """Write the JSON and markdown of what is measured so far: a run killed by a time limit
+        keeps its finished rows (``complete`` says whether every row ran)."""
+        bench.mark_agreement()
+        result = {
+            "date": report.now_iso(), "model": args.model, "model_config": bench.cfg.to_dict(), "device": str(device),
+            "dtype": args.dtype, "args": {k: v for k, v in vars(args).items() if not callable(v)},
+            "env": env, "copy_bandwidth_gbps": bandwidth, "modes_run": modes, "complete": complete,
+            "modes": bench.modes, "results": bench.results, "prefill": bench.prefill,
+        }
+        md = report.markdown(result)
+        if args.output_md:
+            with open(args.output_md, "w") as f:
+                f.write(md + "\n")
+        if args.output_json:
+            report.write_json(result, args.output_json)
+        return result, md
+
+    bench.on_row = lambda: save(complete=False)
     with torch._dynamo.config.patch(cache_size_limit=64), \
             tqdm(total=total, desc="bench", disable=args.no_progress, file=sys.stderr) as bar:
         for mode in modes:
             bench.run_mode(mode, bar)
-    bench.mark_agreement()
-    result = {
-        "date": report.now_iso(), "model": args.model, "model_config": bench.cfg.to_dict(), "device": str(device),
-        "dtype": args.dtype, "args": {k: v for k, v in vars(args).items() if not callable(v)},
-        "env": {**report.environment(device), "torch_threads": torch.get_num_threads()}, "copy_bandwidth_gbps": bandwidth, "modes_run": modes,
-        "modes": bench.modes, "results": bench.results, "prefill": bench.prefill,
-    }
-    md = report.markdown(result)
+    result, md = save(complete=True)
     print(md)
-    if args.output_md:
-        with open(args.output_md, "w") as f:
-            f.write(md + "\n")
-    if args.output_json:
-        report.write_json(result, args.output_json)
     if args.plot:
         try:
             report.plot(result, args.plot)

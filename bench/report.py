@@ -110,6 +110,8 @@ def markdown(result: dict) -> str:
             f"CUDA {env['cuda_version']} · input {args['input_len']} · output {args['output_len']} · "
             f"iters {args['num_iters']} (+{args['num_iters_warmup']} warm-up) · "
             f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s\n")
+    if result.get("complete") is False:
+        head += "\n**Partial run**: cut short; the rows below are the ones that finished.\n"
     notes = ("\nTPOT = mean decode step (decode-only steps); roofline ms = (weights + KV read per step at the mean "
              "decode context) / copy bandwidth; % roofline = roofline / TPOT; `= eager` = requests whose greedy "
              "tokens equal eager's at the same bs (bf16 may drift on near-ties). Static-cache compile/capture times are the first warm-up "

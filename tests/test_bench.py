@@ -114,6 +114,7 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     result = json.loads(out_json.read_text())
     for key in ("date", "model", "args", "env", "copy_bandwidth_gbps", "results", "prefill", "modes"):
         assert key in result, key
+    assert result["complete"] is True
     assert result["model"] == "llama-tiny" and result["args"]["batch_size"] == [1, 2]
     for key in ("torch_version", "triton_version", "cuda_version", "cpu_name", "gpu_name"):
         assert key in result["env"], key
@@ -152,3 +153,24 @@ def test_bench_failed_mode_is_an_error_row(tmp_path, capsys):
     assert "narrowing" in by_mode["compile-default"]["error"]
     assert [p["error"] is None for p in result["prefill"]] == [True, False]
     assert "narrowing" in capsys.readouterr().out  # the markdown table shows the error row
+
+
+def test_bench_saves_finished_rows_when_a_run_is_cut_short(tmp_path, monkeypatch):
+    """A bench killed part-way (a time limit) leaves the rows it finished in its JSON and markdown."""
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+
+    def killed(self, mode, runner, length):
+        raise KeyboardInterrupt  # not an Exception: the bench does not turn it into an error row
+
+    monkeypatch.setattr(bench_cli.Bench, "prefill_row", killed)
+    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--batch-size", "1", "--input-len", "6",
+            "--output-len", "3", "--prefill-lens", "6", "--num-iters", "1", "--num-iters-warmup", "0",
+            "--modes", "eager", "--output-json", str(out_json), "--output-md", str(out_md), "--no-progress",
+            "--bandwidth-mib", "16"]
+    with pytest.raises(KeyboardInterrupt):
+        tscompile_main(argv)
+    result = json.loads(out_json.read_text())
+    assert result["complete"] is False and result["prefill"] == []
+    assert [(r["mode"], r["batch_size"], r["error"]) for r in result["results"]] == [("eager", 1, None)]
+    md = out_md.read_text()
+    assert result["results"][0]["tpot_ms"] > 0 and "| eager | 1 |" in md and "**Partial run**" in md
