@@ -54,13 +54,14 @@ timed(llm.backend, "refresh_decode_metadata", "refresh"); timed(llm.runner.decod
 for bs in sizes:
     reqs = [llm.add_request([(i * 31 + j) % 1000 + 1 for j in range(512)], SamplingParams(max_new_tokens=128))
             for i in range(bs)]
-    while any(not r.output for r in reqs):
+    while any(r.num_generated == 0 for r in reqs):
         llm.step()
     phases.clear()
     n = 0
     torch.cuda.synchronize(); t0 = time.perf_counter()
-    while llm.has_unfinished():
+    while llm.scheduler.running:  # decode steps only; the last tokens are read back below
         llm.step(); n += 1
+    llm.sync()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / n
     g = llm.runner.decode_graphs.graphs[(llm.runner.decode_bucket(bs), True)]

@@ -151,3 +151,76 @@ def test_step_returns_a_request_once_its_last_token_is_read_back():
     assert req.finished and len(req.output) == 2 and llm.has_unfinished()
     assert llm.step() == [req] and len(req.output) == 3 and not llm.has_unfinished()
     assert req.output == make_llm(async_scheduling=False).generate([PROMPTS[0]], SamplingParams(max_new_tokens=3))[0]
+
+
+def test_a_failed_launch_loses_no_finished_request_and_a_retry_gives_the_same_tokens():
+    """A launch that raises after the step before it was read back: the request that step finished is
+    returned by a later step, the scheduler is untouched, and retrying gives the tokens of a clean run."""
+    params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=4)]
+    clean = make_llm().generate(PROMPTS[:2], params)
+    llm = make_llm()
+    short = llm.add_request(PROMPTS[0], params[0])
+    assert llm.step() == []  # both prefills would fit, but only the first prompt is queued yet
+    other = llm.add_request(PROMPTS[1], params[1])
+    real = llm.runner.launch
+    calls = []
+
+    def fail_once(*a):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected")
+        return real(*a)
+
+    llm.runner.launch = fail_once
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.step()  # an extend step: it read the first step back, then failed to launch
+    assert other.num_computed == 0 and other.num_generated == 0
+    returned = []
+    while llm.has_unfinished():
+        returned += llm.step()
+    assert [r.rid for r in returned] == [short.rid, other.rid]
+    assert [short.output, other.output] == clean
+
+
+def test_a_direct_runner_call_with_a_token_still_on_the_device_is_refused():
+    llm = make_llm()
+    llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    req = llm.add_request(PROMPTS[1], SamplingParams(max_new_tokens=5))
+    llm.step()  # the prefill: its token is not read back
+    batch = llm.scheduler.schedule()
+    with pytest.raises(RuntimeError, match=r"tscompile: request \d+'s last token is still on the device; call "
+                                           r"LLM.sync\(\)"):
+        llm.runner.execute(llm.scheduler, batch)
+    llm.sync()
+    assert len(req.output) == 1
+    llm.runner.execute(llm.scheduler, batch)  # now the host has the token
+
+
+def test_a_launch_between_engine_steps_breaks_the_chain_instead_of_reading_the_clobbered_buffer():
+    """Anything launched between two engine steps overwrites the sampled-token buffer: the next decode
+    waits for the step in flight and takes its tokens from the host instead of the buffer."""
+    from tscompile.counters import counters
+
+    params = SamplingParams(max_new_tokens=6)
+    clean = make_llm().generate(PROMPTS[:2], params)
+    llm = make_llm()
+    reqs = [llm.add_request(p, params) for p in PROMPTS[:2]]
+    for _ in range(3):
+        llm.step()  # decodes in flight, each chained to the one before
+    llm.runner.sampling.tokens.fill_(7)  # what a side launch would leave in the buffer...
+    llm.runner.launches += 1  # ...and count
+    counters.clear()
+    llm.step()
+    assert counters["decode_chained"] == 0  # this step waited instead of gathering
+    while llm.has_unfinished():
+        llm.step()
+    assert [r.output for r in reqs] == clean
+
+
+def test_token_readback_keeps_a_handles_tokens_when_its_buffer_is_reused():
+    from tscompile.runtime.readback import TokenReadback
+
+    rb = TokenReadback(8, torch.device("cpu"))
+    values = [torch.randint(0, 1000, (n,)) for n in (5, 3, 8)]
+    handles = [rb.start(v) for v in values]  # the third reuses the first's buffer
+    assert [h.wait() for h in handles] == [v.tolist() for v in values]

@@ -64,6 +64,8 @@ class _PackageRunner:
         slots = [r.slot for r in batch.requests]
         return [torch.from_numpy(t[slots]).to(self.device, non_blocking=True) for t in sched.block_tables]
 
+    launches = 0  # never chained: see can_chain
+
     def can_chain(self, batch: ScheduledBatch) -> bool:
         return False  # the programs take host token ids: every step waits for the one before
 
@@ -147,7 +149,7 @@ class PackagedLLM(LLM):
         self.graph_support = None
         self._ids = itertools.count()
         self._rng = random.Random(seed)
-        self.async_scheduling, self._inflight = False, None
+        self.async_scheduling, self._inflight, self._ready = False, None, []
 
     def _check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
         total = len(prompt) + params.max_new_tokens

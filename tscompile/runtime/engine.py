@@ -45,6 +45,7 @@ class _InFlight:
     emits: list[bool]
     tokens: PendingTokens
     finished: list[Request]
+    launch: int  # the runner's launch count right after this step: anything launched since breaks a chain
 
 
 class LLM:
@@ -121,11 +122,13 @@ class LLM:
         self._rng = random.Random(seed)
         self.async_scheduling = async_scheduling
         self._inflight: _InFlight | None = None
+        self._ready: list[Request] = []  # finished and read back, not yet returned by step()/sync()
 
     # -- request level ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> Request:
         """Queue one request; a refused request raises ``ValueError`` and changes nothing."""
         prompt = [int(t) for t in prompt_token_ids]
+        self.scheduler.validate(prompt, sampling_params)  # before drawing a seed: a refusal changes nothing
         seed = sampling_params.seed if sampling_params.seed is not None else self._rng.getrandbits(63)
         req = Request(next(self._ids), prompt, sampling_params, seed)
         self.scheduler.add(req)
@@ -141,43 +144,51 @@ class LLM:
         if batch is None:
             return self.sync()
         prev = self._inflight
-        chain = self.async_scheduling and prev is not None and self.runner.can_chain(batch)
-        done = [] if chain else self.sync()
+        # a chained step reads prev's sample on the device: nothing may have launched in between
+        chain = (self.async_scheduling and prev is not None and prev.launch == self.runner.launches
+                 and self.runner.can_chain(batch))
+        if not chain:
+            self._read_back()
         prev_rows = self._prev_rows(batch, prev) if chain else None
         if chain and max(prev_rows) >= 0:
             counters["decode_chained"] += 1  # some input token came straight from the device
         emits = self.scheduler.emits(batch)
+        # a launch that raises leaves the scheduler as it was and the step before it in flight
         with torch.inference_mode():
             tokens = self.runner.launch(self.scheduler, batch, prev_rows)
         finished = self.scheduler.update(batch)
         if chain:
-            done = self.sync()
-        self._inflight = _InFlight(batch, emits, tokens, finished)
+            self._read_back()
+        self._inflight = _InFlight(batch, emits, tokens, finished, self.runner.launches)
         if not self.async_scheduling:
-            done += self.sync()
-        return done
+            self._read_back()
+        return self._take_ready()
 
     def sync(self) -> list[Request]:
-        """Wait for the step in flight, hand its tokens to its requests; returns the ones it finished."""
+        """Wait for the step in flight, hand its tokens to its requests; returns the requests finished
+        and read back that no ``step()`` has returned yet."""
+        self._read_back()
+        return self._take_ready()
+
+    def _read_back(self) -> None:
         flight, self._inflight = self._inflight, None
         if flight is None:
-            return []
+            return
         for r, emit, tok in zip(flight.batch.requests, flight.emits, flight.tokens.wait()):
             if emit:
                 r.output.append(tok)
-        return flight.finished
+        self._ready += flight.finished
+
+    def _take_ready(self) -> list[Request]:
+        ready, self._ready = self._ready, []
+        return ready
 
     @staticmethod
     def _prev_rows(batch: ScheduledBatch, prev: _InFlight) -> list[int]:
         """Per decode row: the row of ``prev``'s sample holding its input token, or -1 (on the host)."""
         assert batch.mode is ForwardMode.DECODE
         sampled = {r.rid: i for i, (r, emit) in enumerate(zip(prev.batch.requests, prev.emits)) if emit}
-        rows = [sampled.get(r.rid, -1) for r in batch.decodes]
-        for r, row in zip(batch.decodes, rows):
-            if row < 0 and len(r.output) != r.num_generated:
-                raise RuntimeError(f"tscompile: request {r.rid}'s last token is neither on the host nor in "
-                                   "the step in flight")
-        return rows
+        return [sampled.get(r.rid, -1) for r in batch.decodes]
 
     @property
     def compile_seconds(self) -> float:
@@ -189,7 +200,7 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         """Requests waiting or running, or tokens not read back yet."""
-        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight is not None)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight is not None or self._ready)
 
     def generate(self, prompt_token_ids: list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:

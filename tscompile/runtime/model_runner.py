@@ -37,6 +37,15 @@ logger = logging.getLogger("tscompile")
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def check_inputs_on_host(batch: ScheduledBatch, prev_rows: list[int] | None) -> None:
+    """Refuse a step whose decode row needs a token the host has not read and ``prev_rows`` does
+    not place on the device (a runner called directly while the engine has a step in flight)."""
+    for i, r in enumerate(batch.decodes):
+        if len(r.output) != r.num_generated and (prev_rows is None or prev_rows[i] < 0):
+            raise RuntimeError(f"tscompile: request {r.rid}'s last token is still on the device; call "
+                               "LLM.sync() before running the runner directly")
+
+
 def decode_static_inductor_options(config: TscompileConfig, device: torch.device) -> dict:
     """The decode step's patches for its static-size (bs=1) graph: the user's, plus coordinate-descent
     tuning on CUDA, so one-row matmuls become fused GEMV reductions (on the H200 the bs=1 llama-1b
@@ -64,6 +73,7 @@ class ModelRunner:
                                         top_p=st.top_p, seeds=st.seeds, steps=st.steps)
         self.input_ids, self.positions = st.input_ids, st.positions
         self.readback = TokenReadback(max_num_seqs, device)
+        self.launches = 0
         self.compile_seconds = 0.0
         self.capture_seconds = 0.0
         if compile_config is None:
@@ -145,6 +155,8 @@ class ModelRunner:
         """Launch one step; its tokens (one per request of ``batch``, in batch order) come back through
         the returned handle. ``prev_rows[i]`` (decode only) is the row of the previous step's sample
         that is decode row i's input token, or -1 when the host knows it (see ``can_chain``)."""
+        check_inputs_on_host(batch, prev_rows)
+        self.launches += 1
         if batch.mode is ForwardMode.DECODE:
             self._decode(sched, batch, prev_rows)
         else:

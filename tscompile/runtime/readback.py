@@ -31,17 +31,25 @@ class PendingTokens:
 class TokenReadback:
     def __init__(self, max_rows: int, device: torch.device):
         cuda = device.type == "cuda"
+        self.device = device
         self._host = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        # events are reused: a buffer's earlier tokens are read (and kept) before its event is recorded again
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
+        self._pending: list[PendingTokens | None] = [None, None]
         self._turn = 0
 
     def start(self, tokens: torch.Tensor) -> PendingTokens:
         """Queue the copy of ``tokens`` (on the device, ``[n]``) behind the work launched so far."""
         n, turn = tokens.shape[0], self._turn
+        earlier = self._pending[turn]
+        if earlier is not None:
+            earlier.wait()  # whoever holds it still gets its tokens: read them before reusing the buffer
         self._turn ^= 1
         host = self._host[turn]
         host[:n].copy_(tokens, non_blocking=True)
         event = self._events[turn]
         if event is not None:
-            event.record()
-        return PendingTokens(host, n, event)
+            # on the engine's device's stream, which need not be the current device's
+            event.record(torch.cuda.current_stream(self.device))
+        pending = self._pending[turn] = PendingTokens(host, n, event)
+        return pending

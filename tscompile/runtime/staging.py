@@ -8,8 +8,9 @@ their addresses never move.
 
 There are two host sets, used in turn: with asynchronous scheduling the host fills step N + 1
 while step N's upload may still be queued behind step N - 1 on the stream, so one set would be
-overwritten before it was read. Step N - 1 has finished (its tokens were waited for) before step
-N + 1 fills, and step N - 1 used the set step N + 1 writes.
+overwritten before it was read. In the engine's order step N - 1, which used the set step N + 1
+writes, has finished by then; an event per set makes that hold for any caller (a failed launch, a
+direct runner call), at the cost of one completed-event check per step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class _HostSet:
         self.h32 = torch.zeros(sizes[1], dtype=torch.int32, pin_memory=pin)
         self.hf = torch.zeros(sizes[2], dtype=torch.float32, pin_memory=pin)
         self.n64, self.n32, self.nf = self.h64.numpy(), self.h32.numpy(), self.hf.numpy()
+        # recorded after this set's upload; waited for before the set is written again
+        self.uploaded = torch.cuda.Event() if pin else None
+        self.used = False
 
 
 class DecodeStaging:
@@ -63,6 +67,8 @@ class DecodeStaging:
         ``prev_rows`` (default all -1) says which rows take their token from the device."""
         n, b = len(ids), self.max_bs
         host = self._sets[self._turn]
+        if host.used:
+            host.uploaded.synchronize()
         n64, n32, nf = host.n64, host.n32, host.nf
         for i, values in enumerate((ids, positions, seeds, steps)):
             n64[i * b: i * b + n] = values
@@ -83,4 +89,7 @@ class DecodeStaging:
         self.d64.copy_(host.h64, non_blocking=True)
         self.d32.copy_(host.h32, non_blocking=True)
         self.df.copy_(host.hf, non_blocking=True)
+        if host.uploaded is not None:
+            host.uploaded.record(torch.cuda.current_stream(self.d64.device))
+            host.used = True
         self._turn ^= 1
