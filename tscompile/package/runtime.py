@@ -69,6 +69,7 @@ class _PackageRunner:
     def can_chain(self, batch: ScheduledBatch) -> bool:
         return False  # the programs take host token ids: every step waits for the one before
 
+    @torch.inference_mode()
     def launch(self, sched: Scheduler, batch: ScheduledBatch, prev_rows=None) -> PendingTokens:
         if prev_rows is not None:
             raise RuntimeError("tscompile: a packaged program takes its token ids from the host")
@@ -99,7 +100,7 @@ class _PackageRunner:
                                 for g, s in enumerate(sched.specs) if s.narrowed},
         )
         metas = [leaf.metadata(batch.mode) for leaf in self.backend.leaves]
-        completes = [r.num_computed + c == len(r.prompt) for r, c in batch.extends] + [False] * len(batch.decodes)
+        completes = sched.completes(batch) + [False] * len(batch.decodes)
         tokens = self.programs["prefill"](
             ids, pos, [m.page_table for m in metas], [m.seq_lens for m in metas], [m.qo_indptr for m in metas],
             list(self.backend.extend_write_locations), self._to_device(completes, torch.bool),

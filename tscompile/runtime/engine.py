@@ -154,8 +154,7 @@ class LLM:
             counters["decode_chained"] += 1  # some input token came straight from the device
         emits = self.scheduler.emits(batch)
         # a launch that raises leaves the scheduler as it was and the step before it in flight
-        with torch.inference_mode():
-            tokens = self.runner.launch(self.scheduler, batch, prev_rows)
+        tokens = self.runner.launch(self.scheduler, batch, prev_rows)
         finished = self.scheduler.update(batch)
         if chain:
             self._read_back()

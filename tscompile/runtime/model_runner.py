@@ -309,7 +309,7 @@ class ModelRunner:
         reqs = batch.requests
         num_extends = len(batch.extends)
         lens = sched.group_lens_after(batch)
-        completes = [r.num_computed + n == len(r.prompt) for r, n in batch.extends] + [False] * len(batch.decodes)
+        completes = sched.completes(batch) + [False] * len(batch.decodes)
         plan = self._prefill_plan(batch, completes)
         pad_rows = {}
         if plan is not None:

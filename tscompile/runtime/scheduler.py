@@ -163,17 +163,22 @@ class Scheduler:
         return ids, pos
 
     @staticmethod
-    def emits(batch: ScheduledBatch) -> list[bool]:
+    def completes(batch: ScheduledBatch) -> list[bool]:
+        """Per extend of ``batch``: does this chunk complete its prompt? Ask before ``update``."""
+        return [r.num_computed + n == len(r.prompt) for r, n in batch.extends]
+
+    @classmethod
+    def emits(cls, batch: ScheduledBatch) -> list[bool]:
         """Per request of ``batch``: does this step's sample become an output token? (An open
         prefill chunk's sample is discarded.) Ask before ``update``."""
-        return [r.num_computed + n == len(r.prompt) for r, n in batch.extends] + [True] * len(batch.decodes)
+        return cls.completes(batch) + [True] * len(batch.decodes)
 
     def group_lens_after(self, batch: ScheduledBatch) -> list[list[int]]:
         """``[group][request]`` KV length after this step."""
-        out = []
+        out, completes = [], self.completes(batch)
         for gid, spec in enumerate(self.specs):
-            lens = [r.group_lens[gid] + kept_rows(n, r.num_computed + n == len(r.prompt), spec.window)
-                    for r, n in batch.extends]
+            lens = [r.group_lens[gid] + kept_rows(n, done, spec.window)
+                    for (r, n), done in zip(batch.extends, completes)]
             lens += [r.group_lens[gid] + 1 for r in batch.decodes]
             out.append(lens)
         return out
