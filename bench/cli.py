@@ -24,6 +24,7 @@ import torch
 from tscompile.counters import counters
 
 from . import report, roofline, workloads
+from tscompile.utils import cdiv, resolve_device, resolve_dtype
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
 # without them, or captured/compiled something (which would inflate the time)
@@ -42,9 +43,6 @@ def backend_available(name: str, device: torch.device) -> tuple[bool, str]:
         cls = leaf_class(name)
     except Exception as e:  # noqa: BLE001  (a missing kernel package is just "unavailable")
         return False, f"{type(e).__name__}: {e}"
-    check = getattr(cls, "supports_device", None)
-    if callable(check):
-        return bool(check(device)), f"{cls.__name__} does not support {device.type}"
     impl = getattr(cls, "impl", name)
     if device.type == "cuda" or impl == "torch":
         return True, ""
@@ -79,11 +77,8 @@ def resolve_modes(args: argparse.Namespace, device: torch.device) -> list[str]:
 
 
 def fill_defaults(args: argparse.Namespace) -> torch.device:
-    from tscompile.runtime.engine import resolve_dtype
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("tscompile: --device cuda but CUDA is not available")
+    device = resolve_device(args.device)
     args.device = str(device)
     gpu = device.type == "cuda"
     args.dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
@@ -156,8 +151,7 @@ class Bench:
 
         self.args, self.device, self.dtype, self.bw = args, device, dtype, bandwidth_gbps
         self.cfg = build_config(args.model)
-        self.max_model_len = -(-max(args.input_len + args.output_len, max(args.prefill_lens) + 1)
-                               // args.page_size) * args.page_size
+        self.max_model_len = cdiv(max(args.input_len + args.output_len, max(args.prefill_lens) + 1), args.page_size) * args.page_size
         self.results: list[dict] = []
         self.prefill: list[dict] = []
         self.modes: dict[str, dict] = {}
@@ -296,35 +290,8 @@ class Bench:
                 row["match_eager"] = f"{sum(x == y for x, y in zip(got, ref))}/{len(ref)}"
 
 
-class _NoBar:
-    """Stands in for tqdm where it is not installed."""
-
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def update(self, n=1):
-        pass
-
-    def set_postfix_str(self, s):
-        pass
-
-    def write(self, s, file=None):
-        print(s, file=file or sys.stderr)
-
-
 def run(args: argparse.Namespace) -> int:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        tqdm = _NoBar
-
-    from tscompile.runtime.engine import resolve_dtype
+    from tqdm.auto import tqdm
 
     device = fill_defaults(args)
     dtype = resolve_dtype(args.dtype, device)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from tscompile.utils import cdiv
 
 AttentionImpl = Callable[..., None]
 _IMPLS: dict[str, AttentionImpl] = {}
@@ -131,7 +132,7 @@ def _torch_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, sca
         if kv_len == 0:
             out[start:end] = 0
             continue
-        n_pages = -(-kv_len // page_size)
+        n_pages = cdiv(kv_len, page_size)
         pages = page_table[b, :n_pages].long()
         slots = (pages[:, None] * page_size + torch.arange(page_size, device=q.device)).reshape(-1)
         keys = flat_k[slots[:kv_len]].to(acc).repeat_interleave(hq // hkv, dim=1)  # [S, Hq, D]

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tscompile.custom_ops.attention import register_attention_impl
+from tscompile.utils import cdiv
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -263,14 +264,14 @@ def _decode_combine_kernel(
 
 
 def _min_split(block_n: int) -> int:
-    return -(-DECODE_MIN_SPLIT_TOKENS // block_n) * block_n
+    return cdiv(DECODE_MIN_SPLIT_TOKENS, block_n) * block_n
 
 
 def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int = DECODE_BLOCK_N) -> int:
     """Static split count: enough splits to fill the GPU, no more than a full table has minimum-length
     splits."""
-    by_length = -(-max_kv // _min_split(block_n))
-    by_occupancy = -(-DECODE_TARGET_PROGRAMS // max(batch * num_kv_heads, 1))
+    by_length = cdiv(max_kv, _min_split(block_n))
+    by_occupancy = cdiv(DECODE_TARGET_PROGRAMS, max(batch * num_kv_heads, 1))
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
 
 

@@ -11,6 +11,7 @@ from tscompile.attention.base import AttentionBackend, AttentionMetadata, Forwar
 from tscompile.attention.router import CacheGroupRouter
 from tscompile.attention.support import CudaGraphSupport, resolve_cuda_graph_support
 from tscompile.kv_cache.spec import CacheGroupSpec
+from tscompile.utils import cdiv
 
 # name -> (module, class) of the kernel-facing paged leaf
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -42,7 +43,7 @@ def create_attention_backend(name: str, specs: list[CacheGroupSpec], *, max_mode
     if name == "auto":
         name = default_backend_name(device)
     cls = leaf_class(name)
-    max_pages = -(-max_model_len // page_size)
+    max_pages = cdiv(max_model_len, page_size)
     leaves = [cls(gid, max_pages=max_pages, device=torch.device(device)) for gid in range(len(specs))]
     return CacheGroupRouter(specs, leaves, max_model_len=max_model_len, device=device)
 

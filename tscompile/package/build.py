@@ -13,7 +13,7 @@ from tscompile.attention import leaf_class
 from tscompile.models import ModelConfig, Transformer, build_model
 from tscompile.package.programs import PROGRAMS, export_programs, program_ops
 from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, weights_path
-from tscompile.runtime.engine import resolve_dtype
+from tscompile.utils import cdiv, resolve_device, resolve_dtype
 
 
 def _aoti_compile(ep, args, options: dict) -> list:
@@ -67,9 +67,7 @@ def export_package(
         raise ValueError(f"tscompile: --weights must be 'inside' or 'external', got {weights!r}")
     if not os.fspath(out).endswith(".pt2"):
         raise ValueError(f"tscompile: a package path must end in .pt2, got {os.fspath(out)!r}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("tscompile: --device cuda asked for, but CUDA is not available here")
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     built = build_model(model, dtype=dtype, device=device, seed=seed)
     cfg = built.config
@@ -92,7 +90,7 @@ def export_package(
         "cache_groups": [dict(name=s.name, layer_ids=list(s.layer_ids), num_kv_heads=s.num_kv_heads,
                               head_dim=s.head_dim, window=s.window) for s in built.cache_groups()],
         "page_size": page_size, "pages_per_block": pages_per_block,
-        "max_pages": -(-max_model_len // page_size), "max_blocks": -(-max_model_len // block_size),
+        "max_pages": cdiv(max_model_len, page_size), "max_blocks": cdiv(max_model_len, block_size),
         "bounds": {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                    "max_num_batched_tokens": max_num_batched_tokens},
         "attention_backend": backend, "weights": weights, "programs": list(PROGRAMS), "seed": seed,

@@ -19,10 +19,11 @@ from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import ModelConfig
 from tscompile.package.programs import PROGRAMS
 from tscompile.package.record import check_compatible, read_package_metadata, weights_path
-from tscompile.runtime.engine import LLM, resolve_dtype
+from tscompile.runtime.engine import LLM
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import ScheduledBatch, Scheduler
 from tscompile.sampling import SamplingBuffers, SamplingParams
+from tscompile.utils import cdiv, resolve_device, resolve_dtype
 
 
 def _bounded(name: str, value: int | None, limit: int) -> int:
@@ -130,7 +131,7 @@ class PackagedLLM(LLM):
                  for g in record["cache_groups"]]
         page_size, ppb = record["page_size"], record["pages_per_block"]
         # table widths are the packaged ones (the programs' static page-table and block-table widths)
-        blocks_per_seq = -(-max_model_len // (page_size * ppb))
+        blocks_per_seq = cdiv(max_model_len, page_size * ppb)
         if num_pages is None:
             num_pages = (max_num_seqs * blocks_per_seq + 1) * ppb
         self.backend = create_attention_backend(record["attention_backend"], specs,

@@ -20,22 +20,9 @@ from tscompile.runtime.model_runner import ModelRunner
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request, ScheduledBatch, Scheduler
 from tscompile.sampling import SamplingParams
+from tscompile.utils import cdiv, resolve_device, resolve_dtype
 
 logger = logging.getLogger("tscompile")
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"tscompile: unknown dtype {dtype!r}; known: {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
 
 @dataclass
 class _InFlight:
@@ -85,7 +72,7 @@ class LLM:
         seed: int = 0,
         async_scheduling: bool = True,
     ):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if isinstance(model, Transformer):
             self.model = model
@@ -97,7 +84,7 @@ class LLM:
                              f"{self.config.max_position}")
         specs = self.model.cache_groups()
         block_size = page_size * pages_per_block
-        blocks_per_seq = -(-max_model_len // block_size)
+        blocks_per_seq = cdiv(max_model_len, block_size)
         if num_pages is None:
             num_pages = (max_num_seqs * blocks_per_seq + 1) * pages_per_block
         self.backend = create_attention_backend(attention_backend, specs, max_model_len=max_model_len,

@@ -16,6 +16,7 @@ from tscompile.attention.base import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_rows
 from tscompile.sampling import SamplingParams
+from tscompile.utils import cdiv
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
         self.allocators = [BlockAllocator(n, s.name) for s, n in zip(specs, num_blocks)]
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         # host block tables, one row per running slot; 0 is the null block
         self.block_tables = [np.zeros((max_num_seqs, self.max_blocks), dtype=np.int32) for _ in specs]
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -98,7 +99,7 @@ class Scheduler:
                 f"tscompile: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
                 f"max_model_len {self.max_model_len}"
             )
-        need = -(-total // self.block_size)
+        need = cdiv(total, self.block_size)
         for alloc in self.allocators:
             if need > alloc.num_blocks - 1:
                 raise ValueError(
@@ -111,7 +112,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def _try_admit(self, req: Request) -> bool:
-        need = -(-req.max_len // self.block_size)
+        need = cdiv(req.max_len, self.block_size)
         if not self.free_slots or any(a.num_free < need for a in self.allocators):
             return False
         req.slot = self.free_slots.pop()
