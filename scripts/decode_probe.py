@@ -50,7 +50,7 @@ print(f"engine up in {time.perf_counter() - t0:.1f} s (compile {llm.compile_seco
       f"capture {llm.capture_seconds:.1f} s)", flush=True)
 timed(llm.scheduler, "schedule", "schedule"); timed(llm.scheduler, "update", "update")
 timed(llm.runner.staging, "fill", "fill"); timed(llm.runner.staging, "upload", "upload")
-timed(llm.backend, "refresh_decode_metadata", "refresh"); timed(llm.runner.decode_graphs, "replay", "replay")
+timed(llm.attention, "refresh_decode_metadata", "refresh"); timed(llm.runner.decode_graphs, "replay", "replay")
 for bs in sizes:
     reqs = [llm.add_request([(i * 31 + j) % 1000 + 1 for j in range(512)], SamplingParams(max_new_tokens=128))
             for i in range(bs)]

@@ -89,9 +89,9 @@ def record_modes(llm) -> list:
     seen = []
     original = llm.runner.launch
 
-    def spy(sched, batch, prev_rows=None):
-        seen.append(batch.mode)
-        return original(sched, batch, prev_rows)
+    def spy(plan, prev_rows=None):
+        seen.append(plan.mode)
+        return original(plan, prev_rows)
 
     llm.runner.launch = spy
     return seen

@@ -1,28 +1,34 @@
-"""The seed-000 decode contract on the torch backend tree (router + paged leaves)."""
+"""The decode contract on the torch backend tree (router + paged leaves): one refresh path,
+padding to the null page, pointer-stable views, the inherited idle refresh, graded graph support,
+validate-then-publish rebind."""
 
 import inspect
 import logging
 
+import numpy as np
 import pytest
 import torch
 
 from tscompile.attention import (
-    AttentionBackend, CacheGroupRouter, CudaGraphSupport, ForwardMode, PagedAttentionBackend, create_attention_backend,
-    resolve_cuda_graph_support,
+    AttentionBackend, AttentionRouter, CudaGraphSupport, DecodeInputs, PagedAttentionBackend,
+    create_attention_router, resolve_cuda_graph_support,
 )
 from tscompile.attention.torch_backend import TorchAttentionBackend
+from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache import CacheGroupSpec, KVCachePool, slot_from_block_table
+from tscompile.runtime.scheduler import Request, ScheduledBatch, build_step_plan
+from tscompile.sampling import SamplingParams
 
 SPECS = [CacheGroupSpec("full", (0, 1), 2, 16), CacheGroupSpec("tail", (2,), 2, 16, window=3)]
-BUNDLE = ("extend_seq_lens", "extend_seq_lens_cpu", "extend_prefix_lens", "extend_prefix_lens_cpu", "extend_with_prefix")
 
 
 def make_tree(max_decode_bs=8, page_size=4, pages_per_block=2, num_pages=256, max_model_len=64, specs=SPECS):
-    backend = create_attention_backend("torch", specs, max_model_len=max_model_len, page_size=page_size, device="cpu")
+    backend = create_attention_router("torch", specs, max_model_len=max_model_len, page_size=page_size,
+                                      pages_per_block=pages_per_block, device="cpu")
     pool = KVCachePool.allocate(specs, [num_pages] * len(specs), page_size=page_size,
                                 pages_per_block=pages_per_block, dtype=torch.float32, device="cpu")
     backend.set_cache_pool(pool)
-    backend.init_cuda_graph_state(max_decode_bs)
+    backend.allocate_decode_buffers(max_decode_bs)
     return backend, pool
 
 
@@ -36,9 +42,8 @@ def live_inputs(n, seed=0, max_blocks=8, block_size=8):
 
 
 def refresh(backend, bs, actual_bs, tables, seq_lens, tail):
-    backend.refresh_decode_metadata(bs, actual_bs, torch.arange(actual_bs), seq_lens, forward_mode=ForwardMode.DECODE,
-                                    block_tables=tables, num_extends=0, for_graph_replay=bs != actual_bs,
-                                    group_seq_lens={1: tail})
+    inputs = DecodeInputs(tuple(tables[g][:actual_bs] for g in sorted(tables)), (seq_lens[:actual_bs], tail[:actual_bs]))
+    backend.refresh_decode_metadata(bs, inputs)
 
 
 def snapshot(backend, bs):
@@ -96,34 +101,59 @@ def test_capture_is_inherited_idle_refresh():
     backend, _ = make_tree()
     tables, seq_lens, tail = live_inputs(4, seed=5)
     refresh(backend, 4, 4, tables, seq_lens, tail)
-    placeholder = {gid: torch.zeros(4, 8, dtype=torch.int32) for gid in range(2)}
-    backend.init_forward_metadata_capture_cuda_graph(4, torch.zeros(4, dtype=torch.int64),
-                                                     torch.ones(4, dtype=torch.int32), block_tables=placeholder,
-                                                     group_seq_lens={1: torch.ones(4, dtype=torch.int32)})
+    backend.refresh_idle_decode_metadata(4)
     for pt, sl, wl in snapshot(backend, 4):
         assert not pt.any() and not sl.any() and not wl.any()
+    # no metadata method of its own: the idle refresh is the router's one refresh
+    assert "refresh_idle_decode_metadata" not in vars(PagedAttentionBackend)
 
 
-def _extend_kwargs(mode):
-    e = torch.zeros(0, dtype=torch.int32)
-    return dict(forward_mode=mode, req_pool_indices=torch.zeros(1, dtype=torch.int64),
-                seq_lens=torch.ones(1, dtype=torch.int32), seq_lens_cpu=torch.ones(1, dtype=torch.int32),
-                block_tables={0: torch.ones(1, 8, dtype=torch.int32), 1: torch.ones(1, 8, dtype=torch.int32)},
-                num_extends=0, extend_seq_lens=e, extend_seq_lens_cpu=e, extend_prefix_lens=e,
-                extend_prefix_lens_cpu=e, extend_with_prefix=False, extend_prompt_lens_cpu=e,
-                group_seq_lens_cpu={1: torch.ones(1, dtype=torch.int32)})
+def _plan(extends, decodes, *, block_size=8, max_blocks=8, seed=0):
+    """A step plan over fake requests that own distinct blocks: ``extends`` as (prompt_len, computed,
+    chunk), ``decodes`` as (prompt_len, generated)."""
+    rng = np.random.default_rng(seed)
+    n = len(extends) + len(decodes)
+    tables = [np.zeros((n, max_blocks), dtype=np.int32) for _ in SPECS]
+    for t in tables:
+        t[:] = (rng.permutation(n * max_blocks) + 1).reshape(n, max_blocks)
+    reqs, ext = [], []
+    for i, (plen, computed, chunk) in enumerate(extends):
+        r = Request(i, list(range(1, plen + 1)), SamplingParams(max_new_tokens=4), seed=i, slot=i,
+                    num_computed=computed, group_lens=[computed, min(computed, 2)])
+        ext.append((r, chunk))
+    for j, (plen, gen) in enumerate(decodes):
+        i = len(extends) + j
+        r = Request(i, list(range(1, plen + 1)), SamplingParams(max_new_tokens=8), seed=i, slot=i,
+                    output=[7] * gen, num_generated=gen, num_computed=plen + gen - 1,
+                    group_lens=[plen + gen - 1, 3 + gen - 1])
+        reqs.append(r)
+    return build_step_plan(ScheduledBatch(ext, reqs), SPECS, tables, block_size)
 
 
 def test_decode_call_to_init_forward_metadata_raises():
     backend, _ = make_tree()
     with pytest.raises(ValueError, match="tscompile: init_forward_metadata does not serve DECODE"):
-        backend.init_forward_metadata(**_extend_kwargs(ForwardMode.DECODE))
-    leaf_kwargs = {k: v for k, v in _extend_kwargs(ForwardMode.DECODE).items()
-                   if k not in ("extend_prompt_lens_cpu", "group_seq_lens_cpu")}
-    with pytest.raises(ValueError, match="does not serve DECODE"):
-        backend.leaves[0].init_forward_metadata(**leaf_kwargs, page_table=torch.zeros(1, 16, dtype=torch.int32),
-                                                qo_indptr=torch.tensor([0, 1], dtype=torch.int32))
-    backend.init_forward_metadata(**_extend_kwargs(ForwardMode.MIXED))  # a one-row mixed step is fine
+        backend.init_forward_metadata(_plan([], [(5, 2)]), {})
+    backend.init_forward_metadata(_plan([(3, 0, 3)], [(5, 2)]), {})  # a mixed step is fine
+
+
+def test_extend_metadata_is_the_plans_host_facts_on_the_device():
+    backend, _ = make_tree()
+    plan = _plan([(9, 0, 9), (12, 4, 5), (6, 2, 3)], [(5, 2), (7, 1)], seed=3)
+    backend.init_forward_metadata(plan, {0: 32})
+    for gid, (leaf, group) in enumerate(zip(backend.leaves, plan.groups)):
+        meta = leaf.metadata(ForwardMode.EXTEND)
+        assert meta.qo_indptr.tolist() == group.qo_indptr.tolist()
+        assert meta.seq_lens.tolist() == group.seq_lens.tolist()
+        locs = backend.write_locations(SPECS[gid].layer_ids[0], ForwardMode.EXTEND)
+        live = group.num_rows
+        assert locs[:live].tolist() == group.write_slots.tolist()
+        if gid == 0:  # padded to the bucket: the padded rows write slot 0, in the null page
+            assert locs.shape[0] == 32 and not locs[live:].any()
+        # the slots are the raw-table slots of each kept row's position
+        req = np.repeat(np.arange(plan.num_requests), group.query_lens)
+        raw = [int(group.block_tables[b, p // 8]) * 8 + int(p) % 8 for b, p in zip(req, group.positions)]
+        assert group.write_slots.tolist() == raw
 
 
 def _all_backend_classes():
@@ -140,19 +170,19 @@ def _all_backend_classes():
     return seen
 
 
-def test_no_extend_bundle_parameter_has_a_default():
+def test_no_metadata_parameter_has_a_default():
+    """No default may hide a missing input: every metadata method takes its bundle explicitly."""
     classes = _all_backend_classes()
-    assert {CacheGroupRouter, PagedAttentionBackend, TorchAttentionBackend} <= set(classes)
+    assert {AttentionRouter, PagedAttentionBackend, TorchAttentionBackend} <= set(classes)
+    checked = 0
     for cls in classes:
-        sig = inspect.signature(cls.init_forward_metadata)
-        for name in BUNDLE:
-            p = sig.parameters[name]
-            assert p.kind is inspect.Parameter.KEYWORD_ONLY, (cls, name)
-            assert p.default is inspect.Parameter.empty, f"{cls.__name__}.{name} has a default"
-        refresh_sig = inspect.signature(cls.refresh_decode_metadata)
-        for name in ("forward_mode", "block_tables", "num_extends", "for_graph_replay"):
-            assert refresh_sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
-            assert refresh_sig.parameters[name].default is inspect.Parameter.empty
+        for name in ("init_forward_metadata", "refresh_decode_metadata"):
+            if name not in vars(cls):
+                continue
+            for p in inspect.signature(getattr(cls, name)).parameters.values():
+                assert p.default is inspect.Parameter.empty, f"{cls.__name__}.{name}({p.name}) has a default"
+            checked += 1
+    assert checked >= 4
 
 
 class _NoPrefillGraphLeaf(TorchAttentionBackend):
@@ -165,7 +195,7 @@ class _NoGraphLeaf(TorchAttentionBackend):
 
 def test_support_resolution_logs_culprits_and_downgrades(caplog):
     leaves = [_NoPrefillGraphLeaf(0, max_pages=4, device="cpu"), _NoGraphLeaf(1, max_pages=4, device="cpu")]
-    router = CacheGroupRouter(SPECS, leaves, max_model_len=16, device="cpu")
+    router = AttentionRouter(SPECS, leaves, max_blocks=4, device="cpu")
     with caplog.at_level(logging.WARNING, logger="tscompile"):
         resolved = resolve_cuda_graph_support(router)
     assert resolved.support == CudaGraphSupport(decode_graph=False, prefill_graph=False)
@@ -204,8 +234,8 @@ def test_rejected_rebind_changes_nothing():
 def test_live_delivery_must_cover_every_group():
     backend, _ = make_tree()
     tables, seq_lens, tail = live_inputs(2)
-    with pytest.raises(ValueError, match=r"block_tables omits cache groups \[1\]"):
-        refresh(backend, 2, 2, {0: tables[0]}, seq_lens, tail)
+    with pytest.raises(ValueError, match=r"decode inputs for 1 cache groups, the model has 2"):
+        backend.refresh_decode_metadata(2, DecodeInputs((tables[0],), (seq_lens,)))
 
 
 def test_pointer_guard_names_a_rebound_metadata_tensor():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tscompile import SamplingParams
-from tscompile.attention import ForwardMode
+from tscompile.forward_context import ForwardMode
 from tscompile.counters import counters
 from tscompile.passes.split import split_graph
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tscompile import SamplingParams
-from tscompile.attention import ForwardMode
+from tscompile.forward_context import ForwardMode
 
 from helpers import PROMPTS, record_modes, small_llm
 from reference import dense_greedy
@@ -187,13 +187,13 @@ def test_a_direct_runner_call_with_a_token_still_on_the_device_is_refused():
     llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
     req = llm.add_request(PROMPTS[1], SamplingParams(max_new_tokens=5))
     llm.step()  # the prefill: its token is not read back
-    batch = llm.scheduler.schedule()
+    plan = llm.scheduler.schedule()
     with pytest.raises(RuntimeError, match=r"tscompile: request \d+'s last token is still on the device; call "
                                            r"LLM.sync\(\)"):
-        llm.runner.execute(llm.scheduler, batch)
+        llm.runner.execute(plan)
     llm.sync()
     assert len(req.output) == 1
-    llm.runner.execute(llm.scheduler, batch)  # now the host has the token
+    llm.runner.execute(llm.scheduler.resolve_host_tokens(plan))  # now the host has the token
 
 
 def test_a_launch_between_engine_steps_breaks_the_chain_instead_of_reading_the_clobbered_buffer():

@@ -15,7 +15,7 @@ import torch
 
 import tscompile
 from tscompile import SamplingParams
-from tscompile.attention import ForwardMode
+from tscompile.forward_context import ForwardMode
 from tscompile.cli import main as cli_main
 from tscompile.export import export_package, read_package_metadata
 

@@ -38,15 +38,13 @@ def _prefill_all(llm, prompts):
 
 def _decode_once(llm, reqs, *, graphed):
     """One decode step for ``reqs``; graphed=False runs the compiled step eagerly at the same bs."""
-    runner = llm.runner
-    batch = ScheduledBatch([], list(reqs))
-    if graphed:
-        return runner.execute(llm.scheduler, batch)
-    saved, runner.decode_graphs = runner.decode_graphs, None  # same ladder bs, no graph
+    graphs = llm.runner.decode_graphs
+    plan = llm.scheduler.plan(ScheduledBatch([], list(reqs)))
+    graphs.replay_graphs = graphed  # False: the same ladder bs and refresh, the step run without its graph
     try:
-        return runner.execute(llm.scheduler, batch)
+        return llm.runner.execute(plan)
     finally:
-        runner.decode_graphs = saved
+        graphs.replay_graphs = True
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -112,7 +110,7 @@ def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
     monkeypatch.setenv("TSCOMPILE_GRAPH_DEBUG", "1")
     llm = make()
     reqs = _prefill_all(llm, PROMPTS[:2])
-    leaf = llm.backend.leaves[0]
+    leaf = llm.attention.leaves[0]
     views = leaf._decode_views_by_bs[2]
     leaf._decode_views_by_bs[2] = AttentionMetadata(views.page_table.clone(), views.seq_lens, views.qo_indptr, True)
     with pytest.raises(RuntimeError, match=r"leaves\[0\]\.forward_decode_metadata\.page_table"):
@@ -175,15 +173,15 @@ def test_prefill_graph_replay_is_bitwise_the_same_padded_pieces_without_graphs(m
     counters.clear()
     for i, n in enumerate(other):
         llm.add_request([(11 * i + 3 * j) % 400 + 1 for j in range(n)], SamplingParams(max_new_tokens=2))
-    batch = llm.scheduler.schedule()
+    plan = llm.scheduler.schedule()
     runtime = llm.runner.piece_graphs
     before = _pool_state(llm)
-    replayed = llm.runner.execute(llm.scheduler, batch)
+    replayed = llm.runner.execute(plan)
     after_replay = _pool_state(llm)
     _restore(llm, before)
     runtime.replay = False  # the same padding, the same compiled pieces, no graphs
     try:
-        plain = llm.runner.execute(llm.scheduler, batch)
+        plain = llm.runner.execute(plan)
     finally:
         runtime.replay = True
     after_plain = _pool_state(llm)
@@ -234,6 +232,6 @@ def test_narrowing_decoder_above_the_largest_row_bucket_runs_without_graphs_and_
     eager = make("narrow-tiny", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params)
     counters.clear()
     llm = make("narrow-tiny", compile_options=PREFILL_LADDER, max_num_batched_tokens=64)
-    llm.runner.row_ladder = (16,)  # 24 kept rows exceed it: the decoder stage runs the pieces ungraphed
+    llm.runner.prefill_buckets.row_ladder = (16,)  # 24 kept rows exceed it: the decoder stage runs the pieces ungraphed
     assert llm.generate(prompts, params) == eager
     assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1

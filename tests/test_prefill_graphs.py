@@ -82,7 +82,7 @@ def test_narrowing_decoder_runs_without_graphs_above_the_largest_row_bucket():
     counters.clear()
     llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options=options, max_num_batched_tokens=16)
     llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
-    llm.runner.row_ladder = (4, 8)  # the 16 kept rows of the first step exceed it
+    llm.runner.prefill_buckets.row_ladder = (4, 8)  # the 16 kept rows of the first step exceed it
     assert llm.generate(prompts, params) == expected
     assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1
 
@@ -153,12 +153,11 @@ def test_graphed_piece_copies_moved_inputs_and_passes_through_without_a_plan():
     x = torch.randn(3, 4)
     assert torch.equal(piece(x, w)[0], x * w)  # no forward context: a plain call
     assert not piece.graphs
-    from tscompile.attention.base import ForwardMode
-    from tscompile.runtime.forward_context import ForwardContext, forward_context
+    from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
     from tscompile.runtime.piece_graphs import PrefillGraphPlan
 
     plan = PrefillGraphPlan(PieceGraphRuntime(torch.device("cpu"), host_replay=True), encoder_tokens=4)
-    with forward_context(ForwardContext(ForwardMode.EXTEND, None, prefill_graphs=plan)):
+    with forward_context(ForwardContext(ForwardMode.EXTEND, None, torch.zeros(0, dtype=torch.int64), prefill_graphs=plan)):
         first = piece(x, w)[0]
         y = torch.randn(3, 4)  # a new address: copied into the captured input, same output tensor
         second = piece(y, w)[0]
@@ -167,8 +166,7 @@ def test_graphed_piece_copies_moved_inputs_and_passes_through_without_a_plan():
 
 
 def test_narrow_handoff_pads_rows_and_the_row_count_to_the_bucket():
-    from tscompile.attention.base import ForwardMode
-    from tscompile.runtime.forward_context import ForwardContext, forward_context
+    from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
     from tscompile.runtime.piece_graphs import PrefillGraphPlan
 
     x = torch.randn(5, 4)
@@ -176,7 +174,7 @@ def test_narrow_handoff_pads_rows_and_the_row_count_to_the_bucket():
     handoff = NarrowHandoff("submod_4", lambda: (x[:live["n"]], torch.arange(live["n"]), live["n"]),
                             [True, True, False], [False, False, True])
     plan = PrefillGraphPlan(PieceGraphRuntime(torch.device("cpu"), host_replay=True), None, decoder_rows=8)
-    with forward_context(ForwardContext(ForwardMode.EXTEND, None, prefill_graphs=plan)):
+    with forward_context(ForwardContext(ForwardMode.EXTEND, None, torch.zeros(0, dtype=torch.int64), prefill_graphs=plan)):
         first, _, _ = handoff()
         live["n"] = 3  # the same bucket's buffers again, fewer live rows: rows 3..4 must be zeroed again
         rows, pos, n = handoff()
@@ -186,8 +184,7 @@ def test_narrow_handoff_pads_rows_and_the_row_count_to_the_bucket():
 
 
 def test_a_moved_parameter_or_written_input_is_refused_not_copied():
-    from tscompile.attention.base import ForwardMode
-    from tscompile.runtime.forward_context import ForwardContext, forward_context
+    from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
     from tscompile.runtime.piece_graphs import PrefillGraphPlan
 
     def fn(x, w, out):
@@ -198,7 +195,7 @@ def test_a_moved_parameter_or_written_input_is_refused_not_copied():
     w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
     x, out = torch.randn(3, 4), torch.zeros(3, 4)
     plan = PrefillGraphPlan(PieceGraphRuntime(torch.device("cpu"), host_replay=True), encoder_tokens=4)
-    with forward_context(ForwardContext(ForwardMode.EXTEND, None, prefill_graphs=plan)):
+    with forward_context(ForwardContext(ForwardMode.EXTEND, None, torch.zeros(0, dtype=torch.int64), prefill_graphs=plan)):
         piece(x, w, out)
         assert torch.equal(out, x * w)
         with pytest.raises(RuntimeError, match="not the tensor it was captured with"):
@@ -247,5 +244,5 @@ def test_a_direct_runner_call_reuses_the_engines_compiled_pieces_and_graphs():
     counters.clear()
     llm.add_request([(3 * j) % 400 + 1 for j in range(14)], SamplingParams(max_new_tokens=2))  # same bucket
     assert not torch.is_inference_mode_enabled()
-    llm.runner.execute(llm.scheduler, llm.scheduler.schedule())
+    llm.runner.execute(llm.scheduler.schedule())
     assert counters["graphs"] == 0 and counters["prefill_captures"] == 0 and counters["prefill_replays"] > 0

@@ -13,7 +13,9 @@ Models with ``tscompile::narrow_rows`` need ``torch._dynamo.config.capture_dynam
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import types
 from typing import Callable
 
 import torch
@@ -25,7 +27,7 @@ from tscompile.counters import counters
 from tscompile.counters import reset as reset_counters
 from tscompile.passes.debug_dump import dump_split
 from tscompile.passes.split import has_breaks, split_graph
-from tscompile.piece_compiler import compile_piece, compile_split_module
+from tscompile.piece_compiler import PieceWrappers, compile_piece, compile_split_module
 
 logger = logging.getLogger("tscompile")
 
@@ -36,7 +38,10 @@ def tscompile_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode: s
     return compile_graph(gm, example_inputs, config)
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig) -> Callable:
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig,
+                  wrappers: PieceWrappers | None = None) -> Callable:
+    """Compile one Dynamo graph: whole when it has no break, else split and compiled piece by
+    piece (``wrappers`` wraps the pieces, e.g. the engine's per-bucket CUDA graphs)."""
     counters["graphs"] += 1
     if not has_breaks(gm, config.split_ops, config.split_sdpa, config.split_narrowing):
         if config.debug_dir:
@@ -48,7 +53,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
     if config.debug_dir:
         folder = dump_split(config.debug_dir, gm, split, plan)
         logger.info("tscompile: split plan and pieces written to %s", folder)
-    return compile_split_module(split, plan, example_inputs, config).forward
+    return compile_split_module(split, plan, example_inputs, config, wrappers).forward
 
 
 def _reset() -> None:
@@ -66,8 +71,6 @@ def own_code(fn: Callable) -> Callable:
     share them: the second engine's model guards its way into recompiles until the recompile limit,
     or worse, replays prefill graphs captured around the first engine's tensors. A private code
     object per engine gives each its own cache."""
-    import types
-
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", fn)
     clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
@@ -77,13 +80,12 @@ def own_code(fn: Callable) -> Callable:
     return types.MethodType(clone, owner) if owner is not None else clone
 
 
-def compile_step(fn: Callable, config: TscompileConfig) -> Callable:
+def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers | None = None) -> Callable:
     """``torch.compile`` ``fn`` with this backend (dynamic sizes), traced under ``tracing_config``;
     ``fn`` gets a code object of its own (``own_code``)."""
-    import functools
-
     fn = own_code(fn)
-    compiled = torch.compile(fn, backend=functools.partial(compile_graph, config=config), dynamic=True)
+    compiled = torch.compile(fn, backend=functools.partial(compile_graph, config=config, wrappers=wrappers),
+                             dynamic=True)
 
     @functools.wraps(fn)
     def run(*args):

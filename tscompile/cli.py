@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{i}] {' '.join(map(str, out))}")
     print(f"{new_tokens} tokens: {new_tokens / run_s:.1f} tokens/s over {run_s:.3f} s, plus {compile_s:.1f} s "
           f"compiling ({args.model}, {llm.device.type}, {str(llm.dtype).removeprefix('torch.')}, "
-          f"attention={type(llm.backend.leaves[0]).__name__})")
+          f"attention={type(llm.attention.leaves[0]).__name__})")
     return 0
 
 

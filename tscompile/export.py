@@ -7,7 +7,7 @@ from a model with its custom ops in the graphs, plus a metadata record; see ``ts
 from tscompile.package import (  # noqa: F401
     FORMAT_VERSION,
     PROGRAMS,
-    PackagedLLM,
+    PackageInfo,
     check_compatible,
     export_package,
     export_programs,
@@ -18,6 +18,6 @@ from tscompile.package import (  # noqa: F401
 )
 
 __all__ = [
-    "FORMAT_VERSION", "PROGRAMS", "PackagedLLM", "check_compatible", "export_package", "export_programs",
+    "FORMAT_VERSION", "PROGRAMS", "PackageInfo", "check_compatible", "export_package", "export_programs",
     "load_package", "program_ops", "read_package_metadata", "weights_path",
 ]

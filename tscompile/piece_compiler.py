@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,9 +19,21 @@ import torch.fx
 from tscompile.config import TscompileConfig
 from tscompile.counters import counters
 from tscompile.passes.split import SplitPlan
-from tscompile.runtime.piece_graphs import GraphedPiece, NarrowHandoff
 
 logger = logging.getLogger("tscompile")
+
+
+@dataclass(frozen=True)
+class PieceWrappers:
+    """How a caller wraps the pieces of a split graph (the engine: per-bucket CUDA graphs,
+    ``runtime/piece_graphs.py``). Given by the caller so this module knows no runtime.
+
+    compiled(name, stage, fn, written) wraps a compiled piece; ``written`` are the indices of the
+    inputs the piece mutates. narrow(name, fn, row_outputs, size_outputs) wraps the narrowing break.
+    """
+
+    compiled: Callable[[str, str, Callable, frozenset[int]], Callable]
+    narrow: Callable[[str, Callable, list[bool], list[bool]], Callable]
 
 
 def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig) -> Callable:
@@ -99,25 +112,25 @@ def _call_breaks_directly(split: torch.fx.GraphModule, plan: SplitPlan) -> None:
 
 
 def compile_split_module(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: list,
-                         config: TscompileConfig) -> torch.fx.GraphModule:
-    """Replace each compiled piece of ``split`` by its compiled callable (in place)."""
+                         config: TscompileConfig, wrappers: PieceWrappers | None = None) -> torch.fx.GraphModule:
+    """Replace each compiled piece of ``split`` by its compiled callable (in place), wrapped by
+    ``wrappers`` when given."""
     names = {p.name for p in plan.of_kind("compiled")}
     fake_mode = _fake_mode(example_inputs)
     if fake_mode is None:
         raise RuntimeError("tscompile: no fake mode found for the traced graph")
     interp = _PieceCompileInterpreter(split, names, config, fake_mode)
     interp.run(*example_inputs)
-    graphs = config.cudagraphs
     for piece in plan.pieces:
         # nn.Module.__setattr__ would refuse a plain callable; the split module's code only calls it
         if piece.kind == "compiled":
             fn = interp.compiled[piece.name]
-            if graphs:
-                fn = GraphedPiece(piece.name, piece.stage, fn, mutated_inputs(getattr(split, piece.name)))
+            if wrappers is not None:
+                fn = wrappers.compiled(piece.name, piece.stage, fn, mutated_inputs(getattr(split, piece.name)))
             split.__dict__[piece.name] = fn
-        elif piece.kind == "narrow" and graphs:
+        elif piece.kind == "narrow" and wrappers is not None:
             rows, sizes = narrowed_outputs(piece.name, interp.fake_outputs[piece.name])
-            split.__dict__[piece.name] = NarrowHandoff(piece.name, getattr(split, piece.name), rows, sizes)
+            split.__dict__[piece.name] = wrappers.narrow(piece.name, getattr(split, piece.name), rows, sizes)
     _call_breaks_directly(split, plan)
     return split
 

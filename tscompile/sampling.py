@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from tscompile.utils import upload
+
+if TYPE_CHECKING:
+    from tscompile.step_plan import SamplingRows
 
 
 @dataclass(frozen=True)
@@ -32,41 +38,51 @@ class SamplingParams:
         return self.temperature <= 0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling parameters on the device, ``[max_rows]`` each: temperature f32, top_k i32,
+    top_p f32, seeds i64, steps i64 (the position the sampled token takes)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    steps: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_rows: int, device: torch.device | str) -> "SamplingInputs":
+        return cls(torch.zeros(max_rows, device=device), torch.ones(max_rows, dtype=torch.int32, device=device),
+                   torch.ones(max_rows, device=device), torch.zeros(max_rows, dtype=torch.int64, device=device),
+                   torch.zeros(max_rows, dtype=torch.int64, device=device))
+
+
 class SamplingBuffers:
-    """Persistent per-row sampling inputs and the token output, ``[max_rows]`` each on ``device``.
+    """The sampling op's inputs and its persistent token output ``tokens: [max_rows] int64``.
 
     Eager steps and graph replays write tokens into the same ``tokens`` buffer; the runner reads
-    ``tokens[:actual_rows]``."""
+    ``tokens[:rows]``. ``inputs`` may be views of another buffer: the engine's are the decode
+    staging's device buffers (``runtime/staging.py``), written by the decode upload; extend steps
+    write them through ``fill`` (only while no step in flight reads them: extend steps wait)."""
 
-    def __init__(self, max_rows: int, device: torch.device | str, *, temperature=None, top_k=None, top_p=None,
-                 seeds=None, steps=None):
-        """Parameter buffers may be views of a staging area (``runtime/staging.py``)."""
-        self.max_rows = max_rows
-        self.temperature = temperature if temperature is not None else torch.zeros(max_rows, device=device)
-        self.top_k = top_k if top_k is not None else torch.ones(max_rows, dtype=torch.int32, device=device)
-        self.top_p = top_p if top_p is not None else torch.ones(max_rows, device=device)
-        self.seeds = seeds if seeds is not None else torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.steps = steps if steps is not None else torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+    def __init__(self, inputs: SamplingInputs):
+        self.inputs = inputs
+        self.max_rows = inputs.seeds.shape[0]
+        self.tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=inputs.seeds.device)
 
-    def fill(self, params: list[SamplingParams], seeds: list[int], steps: list[int], pad_to: int) -> None:
-        """Host -> device copy of the live rows' parameters; rows ``[len(params), pad_to)`` are greedy."""
-        n = len(params)
-        rows = torch.tensor(
-            [[p.temperature, p.top_k, p.top_p] for p in params] + [[0.0, 1, 1.0]] * (pad_to - n), dtype=torch.float64
-        )
-        ints = torch.tensor([[s, t] for s, t in zip(seeds, steps)] + [[0, 0]] * (pad_to - n), dtype=torch.int64)
-        self.temperature[:pad_to].copy_(rows[:, 0], non_blocking=True)
-        self.top_k[:pad_to].copy_(rows[:, 1], non_blocking=True)
-        self.top_p[:pad_to].copy_(rows[:, 2], non_blocking=True)
-        self.seeds[:pad_to].copy_(ints[:, 0], non_blocking=True)
-        self.steps[:pad_to].copy_(ints[:, 1], non_blocking=True)
+    def fill(self, rows: "SamplingRows") -> None:
+        """The first ``n`` rows' parameters from a step plan's ``SamplingRows`` (one copy per dtype)."""
+        n = rows.seeds.shape[0]
+        src = upload([rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps], self.tokens.device)
+        dst = self.inputs
+        for d, x in zip((dst.temperature, dst.top_k, dst.top_p, dst.seeds, dst.steps), src):
+            d[:n].copy_(x)
 
     def sample(self, logits: torch.Tensor, all_greedy: bool = False) -> torch.Tensor:
         """Run the sampling op on ``logits: [n, V]`` into ``tokens[:n]``; returns that slice.
         ``all_greedy`` (a host fact about the batch) skips the vocabulary sort."""
         n = logits.shape[0]
         out = self.tokens[:n]
-        torch.ops.tscompile.sample(logits, self.temperature[:n], self.top_k[:n], self.top_p[:n],
-                                   self.seeds[:n], self.steps[:n], out, all_greedy)
+        i = self.inputs
+        torch.ops.tscompile.sample(logits, i.temperature[:n], i.top_k[:n], i.top_p[:n], i.seeds[:n], i.steps[:n],
+                                   out, all_greedy)
         return out

@@ -47,3 +47,23 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     if not isinstance(dtype, str) or dtype.removeprefix("torch.") not in DTYPES:
         raise ValueError(f"tscompile: unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
     return DTYPES[dtype.removeprefix("torch.")]
+
+
+def upload(arrays: list, device: torch.device) -> list[torch.Tensor]:
+    """Host arrays (numpy) -> device tensors with one copy per dtype: the arrays are packed into one
+    host buffer per dtype and the device tensors are views of one upload. Same dtypes and shapes."""
+    import numpy as np
+
+    by_dtype: dict = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(np.asarray(a).dtype, []).append(i)
+    out: list = [None] * len(arrays)
+    for dtype, idx in by_dtype.items():
+        parts = [np.ascontiguousarray(arrays[i]) for i in idx]
+        flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+        dev = flat.to(device, non_blocking=False)
+        offset = 0
+        for i, p in zip(idx, parts):
+            out[i] = dev[offset: offset + p.size].view(p.shape)
+            offset += p.size
+    return out

@@ -7,8 +7,8 @@ import importlib
 
 import torch
 
-from tscompile.attention.base import AttentionBackend, AttentionMetadata, ForwardMode, PagedAttentionBackend
-from tscompile.attention.router import CacheGroupRouter
+from tscompile.attention.base import AttentionBackend, AttentionMetadata, PagedAttentionBackend
+from tscompile.attention.router import AttentionRouter, DecodeInputs
 from tscompile.attention.support import CudaGraphSupport, resolve_cuda_graph_support
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.utils import cdiv
@@ -38,17 +38,18 @@ def default_backend_name(device: torch.device | str) -> str:
     return "torch"
 
 
-def create_attention_backend(name: str, specs: list[CacheGroupSpec], *, max_model_len: int, page_size: int,
-                             device: torch.device | str) -> CacheGroupRouter:
+def create_attention_router(name: str, specs: list[CacheGroupSpec], *, max_model_len: int, page_size: int,
+                            pages_per_block: int, device: torch.device | str) -> AttentionRouter:
+    """One leaf of backend ``name`` per cache group under a router; ``auto`` picks per device."""
     if name == "auto":
         name = default_backend_name(device)
     cls = leaf_class(name)
     max_pages = cdiv(max_model_len, page_size)
     leaves = [cls(gid, max_pages=max_pages, device=torch.device(device)) for gid in range(len(specs))]
-    return CacheGroupRouter(specs, leaves, max_model_len=max_model_len, device=device)
+    return AttentionRouter(specs, leaves, max_blocks=cdiv(max_model_len, page_size * pages_per_block), device=device)
 
 
 __all__ = [
-    "AttentionBackend", "AttentionMetadata", "BACKENDS", "CacheGroupRouter", "CudaGraphSupport", "ForwardMode",
-    "PagedAttentionBackend", "create_attention_backend", "leaf_class", "resolve_cuda_graph_support",
+    "AttentionBackend", "AttentionMetadata", "AttentionRouter", "BACKENDS", "CudaGraphSupport", "DecodeInputs",
+    "PagedAttentionBackend", "create_attention_router", "leaf_class", "resolve_cuda_graph_support",
 ]

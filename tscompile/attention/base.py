@@ -1,37 +1,34 @@
-"""The attention backend contract (runner-facing nodes and kernel-facing paged leaves).
+"""The attention backend contract: a tree of nodes, the router on top (``router.py``) and one paged
+leaf per cache group that runs the kernels.
 
-One decode metadata path: ``refresh_decode_metadata`` rewrites persistent buffers in place, for
-eager decode, graph capture (inherited: the idle refresh over placeholder tables) and replay alike.
-``init_forward_metadata`` serves extend and mixed forwards only and builds fresh storage each call,
-so no later forward refills a buffer an earlier one may still read. Its extend inputs are one
-required keyword-only bundle with no defaults on every node.
+What every method is for, and when it runs:
 
-Nothing here knows whether a graph is being captured, replayed or run eagerly, beyond the
-``for_graph_replay`` flag, which only graph-mechanics asymmetries may branch on.
+- ``set_cache_pool(pool)``: bind or rebind the KV pool; the whole tree validates before any node
+  publishes, so a rejected pool changes nothing.
+- ``allocate_decode_buffers(max_decode_bs)``: once, when the engine is built: the persistent decode
+  metadata buffers, sized by ``max_decode_bs``. Eager decode uses them too, so it runs with or
+  without graphs.
+- ``refresh_decode_metadata``: the one decode metadata path. It rewrites the persistent buffers in
+  place for eager decode, before every graph replay and (through the router's idle refresh) at
+  capture; rows past the live ones resolve to the null page 0.
+- ``init_forward_metadata``: extend and mixed steps only, fresh storage each call (no later step
+  refills a buffer an earlier one may still read); a pure decode is refused.
+
+Nothing here knows whether a graph is being captured, replayed or run eagerly.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
 from tscompile.attention.support import CudaGraphSupport
 from tscompile.custom_ops.metadata import run_refresh
+from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import KVCachePool
-
-
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill chunks only
-    DECODE = "decode"  # one new row per request
-    MIXED = "mixed"  # extend requests first, then decode requests
-    IDLE = "idle"  # no live request (graph capture, warm-up)
-
-    @property
-    def is_decode(self) -> bool:
-        return self is ForwardMode.DECODE
+from tscompile.step_plan import GroupPlan
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """A node of the backend tree. The top-level node is what the runner and the model talk to."""
+    """A node of the backend tree: pool binding and the graph-support declaration."""
 
     cuda_graph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport(decode_graph=True, prefill_graph=True)
 
@@ -78,70 +75,9 @@ class AttentionBackend:
     def _publish_cache_pool(self, pool: KVCachePool) -> None:
         """This node's own binding work; runs only after the whole tree validated."""
 
-    # -- persistent decode state -----------------------------------------------------------------
-    def init_cuda_graph_state(self, max_decode_bs: int) -> None:
-        """Allocate the persistent decode buffers, sized by ``max_decode_bs`` (not by the ladder).
 
-        Runs whether or not graphs are enabled: eager decode uses the same buffers."""
-        for child in self.child_backends():
-            child.init_cuda_graph_state(max_decode_bs)
-
-    def refresh_decode_metadata(
-        self,
-        bs: int,
-        actual_bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        forward_mode: ForwardMode,
-        block_tables: Mapping[int, torch.Tensor],
-        num_extends: int,
-        for_graph_replay: bool,
-        **cache_kwargs,
-    ) -> None:
-        """Rewrite the persistent decode metadata for ``bs`` rows in place; rows in
-        ``[actual_bs, bs)`` are padding and resolve to the null page 0. Never allocates storage."""
-        raise NotImplementedError
-
-    def init_forward_metadata_capture_cuda_graph(
-        self,
-        bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        block_tables: Mapping[int, torch.Tensor],
-        **cache_kwargs,
-    ) -> None:
-        """Capture is inherited: the idle refresh over the runner's placeholder tables."""
-        self.refresh_decode_metadata(
-            bs, 0, req_pool_indices, seq_lens,
-            forward_mode=ForwardMode.DECODE, block_tables=block_tables, num_extends=0,
-            for_graph_replay=True, **cache_kwargs,
-        )
-
-    # -- extend / mixed --------------------------------------------------------------------------
-    def init_forward_metadata(
-        self,
-        *,
-        forward_mode: ForwardMode,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        block_tables: Mapping[int, torch.Tensor],
-        num_extends: int,
-        extend_seq_lens: torch.Tensor,
-        extend_seq_lens_cpu: torch.Tensor,
-        extend_prefix_lens: torch.Tensor,
-        extend_prefix_lens_cpu: torch.Tensor,
-        extend_with_prefix: bool,
-        **cache_kwargs,
-    ) -> None:
-        """Fresh metadata for an extend or mixed forward. A pure decode raises: decode has one path."""
-        raise NotImplementedError
-
-
-def reject_decode_init(forward_mode: ForwardMode) -> None:
-    if forward_mode is ForwardMode.DECODE:
+def reject_decode_init(mode: ForwardMode) -> None:
+    if mode is ForwardMode.DECODE:
         raise ValueError(
             "tscompile: init_forward_metadata does not serve DECODE; decode metadata comes only from "
             "refresh_decode_metadata"
@@ -179,7 +115,7 @@ class PagedAttentionBackend(AttentionBackend):
         self.forward_decode_metadata = None
         self.forward_extend_metadata = None
 
-    def init_cuda_graph_state(self, max_decode_bs: int) -> None:
+    def allocate_decode_buffers(self, max_decode_bs: int) -> None:
         self.page_table_buf = torch.zeros(max_decode_bs, self.max_pages, dtype=torch.int32, device=self.device)
         self.seq_lens_buf = torch.zeros(max_decode_bs, dtype=torch.int32, device=self.device)
         self.qo_indptr_buf = torch.arange(max_decode_bs + 1, dtype=torch.int32, device=self.device)
@@ -188,7 +124,7 @@ class PagedAttentionBackend(AttentionBackend):
     @property
     def max_decode_bs(self) -> int:
         if self.seq_lens_buf is None:
-            raise RuntimeError("init_cuda_graph_state must run before any decode metadata call")
+            raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
         return self.seq_lens_buf.shape[0]
 
     def decode_views(self, bs: int) -> AttentionMetadata:
@@ -201,54 +137,28 @@ class PagedAttentionBackend(AttentionBackend):
             self._decode_views_by_bs[bs] = views
         return views
 
-    def refresh_decode_metadata(
-        self,
-        bs: int,
-        actual_bs: int,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        forward_mode: ForwardMode,
-        block_tables: Mapping[int, torch.Tensor],
-        num_extends: int,
-        for_graph_replay: bool,
-        write_loc_out: torch.Tensor,
-        **cache_kwargs,
-    ) -> None:
+    def refresh_decode_metadata(self, bs: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                write_loc_out: torch.Tensor) -> None:
+        """Rewrite this group's decode buffers for ``bs`` rows in place.
+
+        block_table: [n, max_blocks] int32 and seq_lens: [n] int32 of the n live rows (n <= bs; rows
+        past them are padding, resolved to the null page); write_loc_out: [bs] int64, mutated."""
         views = self.decode_views(bs)
-        table = block_tables[self.group_id][num_extends : num_extends + actual_bs]
         # the op when traced (graphs, export); its body directly when run eagerly (the usual case)
         refresh = torch.ops.tscompile.refresh_decode_metadata if torch.compiler.is_compiling() else run_refresh
-        refresh(table, seq_lens[:actual_bs], views.page_table, views.seq_lens, write_loc_out,
+        refresh(block_table, seq_lens, views.page_table, views.seq_lens, write_loc_out,
                 self.pages_per_block, self.page_size, self.refresh_impl)
         self.forward_decode_metadata = views
 
-    def init_forward_metadata(
-        self,
-        *,
-        forward_mode: ForwardMode,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        block_tables: Mapping[int, torch.Tensor],
-        num_extends: int,
-        extend_seq_lens: torch.Tensor,
-        extend_seq_lens_cpu: torch.Tensor,
-        extend_prefix_lens: torch.Tensor,
-        extend_prefix_lens_cpu: torch.Tensor,
-        extend_with_prefix: bool,
-        page_table: torch.Tensor,
-        qo_indptr: torch.Tensor,
-        **cache_kwargs,
-    ) -> None:
-        """Publish the router-built page table (fresh storage) for this extend forward."""
-        reject_decode_init(forward_mode)
-        self.forward_extend_metadata = AttentionMetadata(page_table, seq_lens, qo_indptr, False)
+    def init_forward_metadata(self, group: GroupPlan, meta: AttentionMetadata) -> None:
+        """Publish this extend/mixed forward's metadata (fresh storage, built by the router from the
+        plan). ``group`` carries the same facts on the host for backends that plan on the host."""
+        self.forward_extend_metadata = meta
 
-    def metadata(self, forward_mode: ForwardMode) -> AttentionMetadata:
-        meta = self.forward_decode_metadata if forward_mode.is_decode else self.forward_extend_metadata
+    def metadata(self, mode: ForwardMode) -> AttentionMetadata:
+        meta = self.forward_decode_metadata if mode.is_decode else self.forward_extend_metadata
         if meta is None:
-            raise RuntimeError(f"no {forward_mode.value} metadata published for cache group {self.group_id}")
+            raise RuntimeError(f"no {mode.value} metadata published for cache group {self.group_id}")
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, out, meta: AttentionMetadata, write_loc, scale: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -26,11 +27,13 @@ class CacheGroupSpec:
         return self.window is not None
 
 
-def kept_rows(q_len: int, completes_prompt: bool, window: int | None) -> int:
-    """Rows of a chunk a group keeps (host-side twin of ``tscompile::narrow_rows``'s device rule)."""
+def kept_rows(q_lens, completes, window: int | None):
+    """Rows of each chunk a group keeps: the host twin of ``tscompile::narrow_rows``'s device rule
+    (``custom_ops/narrow.py``). ``q_lens`` and ``completes`` are ints/bools or equal-length arrays;
+    a prompt-completing chunk keeps its last ``min(window, q_len)`` rows, any other its last row."""
     if window is None:
-        return q_len
-    return min(window, q_len) if completes_prompt else min(1, q_len)
+        return q_lens
+    return np.where(completes, np.minimum(q_lens, window), np.minimum(q_lens, 1))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from torch import nn
 
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
-from tscompile.runtime.forward_context import get_forward_context
+from tscompile.forward_context import get_forward_context
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(rows, self.n_kv_heads, self.head_dim), cos, sin)
         v = v.view(rows, self.n_kv_heads, self.head_dim)
         out = torch.empty_like(q)
-        ctx.backend.forward(self.layer_id, ctx.attention_mode, q, k, v, self.k_cache, self.v_cache, out, self.scale)
+        ctx.attention.forward(self.layer_id, ctx.attention_mode, q, k, v, self.k_cache, self.v_cache, out, self.scale)
         return self.wo(out.view(rows, q_size))
 
 
@@ -156,6 +156,10 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """``forward`` = encoder_forward -> narrowing_forward -> decoder_forward -> finish_forward.
+
+    "Encoder" and "decoder" are the CED model's names for the layers before and after the row
+    narrowing (not an encoder-decoder architecture); the split pass and the prefill graphs use the
+    same two stage names.
 
     For a plain decoder the narrowing is the identity and every layer is an encoder layer; the
     narrowing model (``models/narrow.py``) overrides the middle."""
@@ -217,11 +221,8 @@ class Transformer(nn.Module):
         return self.norm(h)
 
     def finish_forward(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits of each request's last row: ``[B, vocab]`` float32."""
-        ctx = get_forward_context()
-        last_layer = self.config.n_layers - 1
-        rows = ctx.backend.metadata(last_layer, ctx.attention_mode).qo_indptr[1:].long() - 1
-        return self.output(h.index_select(0, rows)).float()
+        """Logits of each request's sampled row (``ctx.logits_rows``): ``[B, vocab]`` float32."""
+        return self.output(h.index_select(0, get_forward_context().logits_rows)).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.encoder_forward(input_ids, positions)

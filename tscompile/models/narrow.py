@@ -13,7 +13,7 @@ import torch
 
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models.llama import ModelConfig, Transformer
-from tscompile.runtime.forward_context import get_forward_context
+from tscompile.forward_context import get_forward_context
 
 
 class NarrowingTransformer(Transformer):
@@ -38,5 +38,4 @@ class NarrowingTransformer(Transformer):
         ctx = get_forward_context()
         if ctx.mode.is_decode:  # every decode row is kept
             return h, positions
-        qo_indptr = ctx.backend.metadata(0, ctx.attention_mode).qo_indptr
-        return torch.ops.tscompile.narrow_rows(h, positions, qo_indptr, ctx.completes, self.config.narrow_window)
+        return torch.ops.tscompile.narrow_rows(h, positions, ctx.qo_indptr, ctx.completes, self.config.narrow_window)

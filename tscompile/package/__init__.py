@@ -14,9 +14,9 @@ programs borrow the tensors read from it (``user_managed`` constants), so no sec
 from tscompile.package.build import export_package
 from tscompile.package.programs import PROGRAMS, DecodeProgram, PrefillProgram, export_programs, program_ops
 from tscompile.package.record import FORMAT_VERSION, check_compatible, read_package_metadata, weights_path
-from tscompile.package.runtime import PackagedLLM, load_package
+from tscompile.package.runtime import PackageInfo, PackageRunner, load_package
 
 __all__ = [
-    "FORMAT_VERSION", "PROGRAMS", "DecodeProgram", "PackagedLLM", "PrefillProgram", "check_compatible",
+    "FORMAT_VERSION", "PROGRAMS", "DecodeProgram", "PackageInfo", "PrefillProgram", "check_compatible",
     "export_package", "export_programs", "load_package", "program_ops", "read_package_metadata", "weights_path",
 ]

@@ -13,6 +13,7 @@ from tscompile.attention import leaf_class
 from tscompile.models import ModelConfig, Transformer, build_model
 from tscompile.package.programs import PROGRAMS, export_programs, program_ops
 from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, weights_path
+from tscompile.version import __version__
 from tscompile.utils import cdiv, resolve_device, resolve_dtype
 
 
@@ -60,7 +61,6 @@ def export_package(
     """Export the prefill and decode steps of a preset (or config) and package both into ``out``.
 
     Returns the metadata record written into the package."""
-    from tscompile import __version__
     from tscompile.attention import default_backend_name
 
     if weights not in ("inside", "external"):

@@ -2,7 +2,7 @@
 own inputs, example inputs, and dynamic shapes within the declared bounds.
 
 ``prefill`` runs one extend or mixed step: flat token rows, then per cache group the page table,
-seq lens, qo_indptr and write locations the host planned (``CacheGroupRouter.init_forward_metadata``,
+seq lens, qo_indptr and write locations the host planned (``AttentionRouter.init_forward_metadata``,
 the one extend planner), ``completes``, the sampling rows and the KV caches. ``decode`` runs one
 decode step from per-group block tables and seq lens, refreshing its metadata inside the program
 (``tscompile::refresh_decode_metadata``). Both write the caches they are given in place and
@@ -18,28 +18,22 @@ import torch
 from torch import nn
 
 from tscompile.attention import leaf_class
-from tscompile.attention.base import AttentionMetadata, ForwardMode
+from tscompile.attention.base import AttentionMetadata
+from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
 from tscompile.models import Transformer
-from tscompile.runtime.forward_context import ForwardContext, forward_context
 
 PROGRAMS = ("prefill", "decode")
 _MAX_PAGES_DIM = 2**31 - 1
 
 
-class _ProgramBackend:
-    """The ``ctx.backend`` of an exported step: metadata, write locations and attention over the
-    program's explicit inputs (one entry per cache group), never over hidden state."""
+class _ProgramAttention:
+    """The ``ctx.attention`` of an exported step: attention over the program's explicit inputs
+    (metadata and write locations, one entry per cache group), never over hidden state."""
 
     def __init__(self, layer_group: dict[int, int], metas: list[AttentionMetadata], write_locs: list[torch.Tensor],
                  k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], impl: str):
         self.layer_group, self.metas, self.write_locs = layer_group, metas, write_locs
         self.k_caches, self.v_caches, self.impl = k_caches, v_caches, impl
-
-    def metadata(self, layer_id: int, forward_mode: ForwardMode) -> AttentionMetadata:
-        return self.metas[self.layer_group[layer_id]]
-
-    def write_locations(self, layer_id: int, forward_mode: ForwardMode) -> torch.Tensor:
-        return self.write_locs[self.layer_group[layer_id]]
 
     def forward(self, layer_id: int, forward_mode: ForwardMode, q, k, v, k_cache, v_cache, out, scale: float) -> None:
         # the model's own cache buffers are unbound here: the program's cache inputs are the caches
@@ -60,8 +54,11 @@ class _StepProgram(nn.Module):
         self.attn_impl, self.refresh_impl = leaf.impl, leaf.refresh_impl
 
     def _run(self, mode, input_ids, positions, metas, write_locs, completes, sampling, k_caches, v_caches):
-        shim = _ProgramBackend(self.layer_group, metas, write_locs, k_caches, v_caches, self.attn_impl)
-        with forward_context(ForwardContext(mode, shim, completes)):
+        attention = _ProgramAttention(self.layer_group, metas, write_locs, k_caches, v_caches, self.attn_impl)
+        # the rows sampled: each request's last row among the last layer's group's rows
+        logits_rows = metas[self.layer_group[max(self.layer_group)]].qo_indptr[1:].long() - 1
+        qo_indptr = None if mode.is_decode else metas[0].qo_indptr
+        with forward_context(ForwardContext(mode, attention, logits_rows, qo_indptr, completes)):
             logits = self.model(input_ids, positions)
         tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         torch.ops.tscompile.sample(logits, *sampling, tokens)

@@ -43,12 +43,12 @@ def check_compatible(record: dict, device: torch.device) -> None:
     """Refuse (``ValueError('tscompile: ...')``) a package this process cannot run: another format,
     another tscompile or torch release (major.minor; the programs link this torch's runtime and call
     this tscompile's ops), or another device type."""
-    import tscompile
+    from tscompile.version import __version__
 
     if record.get("format") != FORMAT_VERSION:
         raise ValueError(f"tscompile: package format {record.get('format')} is not supported "
                          f"(this tscompile reads format {FORMAT_VERSION}); re-export the model")
-    built, here = record["tscompile_version"], tscompile.__version__
+    built, here = record["tscompile_version"], __version__
     if _release(built) != _release(here):
         raise ValueError(f"tscompile: package was built with tscompile {built}, this is tscompile {here} "
                          f"(releases {'.'.join(map(str, _release(built)))} and "

@@ -1,42 +1,44 @@
-"""``tscompile.LLM``: a model, its paged KV cache, a scheduler and a runner behind ``generate``."""
+"""``tscompile.LLM``: requests in, tokens out, over a scheduler and a runner.
+
+The engine knows requests and the step in flight; the scheduler turns requests into one plan per
+step; the runner (a model's ``ModelRunner`` or a package's ``PackageRunner``) launches the plan.
+One step: schedule -> launch -> update -> read back.
+"""
 
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from tscompile.attention import create_attention_backend, resolve_cuda_graph_support
-from tscompile.attention.base import ForwardMode
 from tscompile.config import TscompileConfig
 from tscompile.counters import counters
-from tscompile.kv_cache.pool import KVCachePool
-from tscompile.models import ModelConfig, Transformer, build_model
-from tscompile.runtime.model_runner import ModelRunner
+from tscompile.models import ModelConfig, Transformer
+from tscompile.runtime.build import EngineParts, build_model_engine
 from tscompile.runtime.readback import PendingTokens
-from tscompile.runtime.scheduler import Request, ScheduledBatch, Scheduler
+from tscompile.runtime.scheduler import Request
 from tscompile.sampling import SamplingParams
-from tscompile.utils import cdiv, resolve_device, resolve_dtype
+from tscompile.step_plan import StepPlan
+from tscompile.utils import resolve_device, resolve_dtype
 
-logger = logging.getLogger("tscompile")
 
 @dataclass
 class _InFlight:
     """A launched step whose tokens the host has not read yet."""
 
-    batch: ScheduledBatch
-    emits: list[bool]
+    plan: StepPlan
+    requests: list[Request]
     tokens: PendingTokens
     finished: list[Request]
     launch: int  # the runner's launch count right after this step: anything launched since breaks a chain
 
 
 class LLM:
-    """Generate with a reference model (a preset name, a ``ModelConfig`` or a built ``Transformer``).
+    """Generate with a model: a preset name, a ``ModelConfig`` or a built ``Transformer``
+    (``tscompile.load_package`` builds one over a package).
 
     ``max_num_seqs`` bounds concurrent requests (and the decode buffers); ``max_model_len`` bounds
     prompt plus new tokens; ``num_pages`` (per cache group) defaults to enough for ``max_num_seqs``
@@ -72,42 +74,31 @@ class LLM:
         seed: int = 0,
         async_scheduling: bool = True,
     ):
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        if isinstance(model, Transformer):
-            self.model = model
-        else:
-            self.model = build_model(model, dtype=self.dtype, device=self.device, seed=seed)
-        self.config = self.model.config
-        if max_model_len > self.config.max_position:
-            raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position "
-                             f"{self.config.max_position}")
-        specs = self.model.cache_groups()
-        block_size = page_size * pages_per_block
-        blocks_per_seq = cdiv(max_model_len, block_size)
-        if num_pages is None:
-            num_pages = (max_num_seqs * blocks_per_seq + 1) * pages_per_block
-        self.backend = create_attention_backend(attention_backend, specs, max_model_len=max_model_len,
-                                                page_size=page_size, device=self.device)
-        self.graph_support = resolve_cuda_graph_support(self.backend)
-        self.pool = KVCachePool.allocate(specs, [num_pages] * len(specs), page_size=page_size,
-                                         pages_per_block=pages_per_block, dtype=self.dtype, device=self.device)
-        self.backend.set_cache_pool(self.pool)
-        self.model.bind_kv_cache(self.pool)
-        self.scheduler = Scheduler(
-            specs, [self.pool.num_blocks(g) for g in range(len(specs))], block_size=block_size,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, vocab_size=self.config.vocab_size,
-        )
-        self.enforce_eager = enforce_eager
-        self.compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
-        self.runner = ModelRunner(self.model, self.backend, max_num_seqs=max_num_seqs, device=self.device,
-                                  compile_config=self.compile_config, graph_support=self.graph_support,
-                                  max_blocks=self.scheduler.max_blocks)
-        self.runner.capture_decode_graphs()
+        device = resolve_device(device)
+        compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
+        parts = build_model_engine(
+            model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
+            max_num_batched_tokens=max_num_batched_tokens, dtype=resolve_dtype(dtype, device), device=device,
+            compile_config=compile_config, seed=seed)
+        self._assemble(parts, seed=seed, async_scheduling=async_scheduling)
+
+    @classmethod
+    def from_parts(cls, parts: EngineParts, *, seed: int = 0, async_scheduling: bool = True) -> "LLM":
+        """An engine over parts built elsewhere (a loaded package)."""
+        llm = cls.__new__(cls)
+        llm._assemble(parts, seed=seed, async_scheduling=async_scheduling)
+        return llm
+
+    def _assemble(self, parts: EngineParts, *, seed: int, async_scheduling: bool) -> None:
+        self.parts = parts
+        self.config, self.device, self.dtype = parts.config, parts.device, parts.dtype
+        self.model, self.attention, self.pool = parts.model, parts.attention, parts.pool
+        self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.async_scheduling = async_scheduling
         self._ids = itertools.count()
         self._rng = random.Random(seed)
-        self.async_scheduling = async_scheduling
+        self._requests: dict[int, Request] = {}  # unfinished, or finished and not read back yet
         self._inflight: _InFlight | None = None
         self._ready: list[Request] = []  # finished and read back, not yet returned by step()/sync()
 
@@ -119,6 +110,7 @@ class LLM:
         seed = sampling_params.seed if sampling_params.seed is not None else self._rng.getrandbits(63)
         req = Request(next(self._ids), prompt, sampling_params, seed)
         self.scheduler.add(req)
+        self._requests[req.rid] = req
         return req
 
     def step(self) -> list[Request]:
@@ -127,25 +119,28 @@ class LLM:
         With ``async_scheduling`` a decode step that follows another step is launched before that
         step's tokens are read, and they are read while it runs; any other step first waits for the
         step in flight."""
-        batch = self.scheduler.schedule()
-        if batch is None:
+        plan = self.scheduler.schedule()
+        if plan is None:
             return self.sync()
         prev = self._inflight
         # a chained step reads prev's sample on the device: nothing may have launched in between
         chain = (self.async_scheduling and prev is not None and prev.launch == self.runner.launches
-                 and self.runner.can_chain(batch))
-        if not chain:
+                 and self.runner.can_chain(plan))
+        prev_rows = None
+        if chain:
+            prev_rows = self._prev_rows(plan, prev)
+            if max(prev_rows) >= 0:
+                counters["decode_chained"] += 1  # some input token came straight from the device
+        else:
             self._read_back()
-        prev_rows = self._prev_rows(batch, prev) if chain else None
-        if chain and max(prev_rows) >= 0:
-            counters["decode_chained"] += 1  # some input token came straight from the device
-        emits = self.scheduler.emits(batch)
+            plan = self.scheduler.resolve_host_tokens(plan)  # tokens read since planning
         # a launch that raises leaves the scheduler as it was and the step before it in flight
-        tokens = self.runner.launch(self.scheduler, batch, prev_rows)
-        finished = self.scheduler.update(batch)
+        tokens = self.runner.launch(plan, prev_rows)
+        requests = [self._requests[rid] for rid in plan.request_ids]
+        finished = self.scheduler.update(plan)
         if chain:
             self._read_back()
-        self._inflight = _InFlight(batch, emits, tokens, finished, self.runner.launches)
+        self._inflight = _InFlight(plan, requests, tokens, finished, self.runner.launches)
         if not self.async_scheduling:
             self._read_back()
         return self._take_ready()
@@ -160,9 +155,11 @@ class LLM:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        for r, emit, tok in zip(flight.batch.requests, flight.emits, flight.tokens.wait()):
+        for r, emit, tok in zip(flight.requests, flight.plan.emits, flight.tokens.wait()):
             if emit:
                 r.output.append(tok)
+        for r in flight.finished:
+            del self._requests[r.rid]
         self._ready += flight.finished
 
     def _take_ready(self) -> list[Request]:
@@ -170,11 +167,11 @@ class LLM:
         return ready
 
     @staticmethod
-    def _prev_rows(batch: ScheduledBatch, prev: _InFlight) -> list[int]:
+    def _prev_rows(plan: StepPlan, prev: _InFlight) -> list[int]:
         """Per decode row: the row of ``prev``'s sample holding its input token, or -1 (on the host)."""
-        assert batch.mode is ForwardMode.DECODE
-        sampled = {r.rid: i for i, (r, emit) in enumerate(zip(prev.batch.requests, prev.emits)) if emit}
-        return [sampled.get(r.rid, -1) for r in batch.decodes]
+        sampled = {rid: i for i, (rid, emit) in enumerate(zip(prev.plan.request_ids, prev.plan.emits)) if emit}
+        return [sampled.get(rid, -1) if plan.input_ids[i] < 0 else -1
+                for i, rid in enumerate(plan.request_ids[plan.num_extends:])]
 
     @property
     def compile_seconds(self) -> float:
@@ -182,6 +179,7 @@ class LLM:
 
     @property
     def capture_seconds(self) -> float:
+        """Decode and prefill graph capture so far (compile time apart)."""
         return self.runner.capture_seconds
 
     def has_unfinished(self) -> bool:

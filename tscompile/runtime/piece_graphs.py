@@ -1,13 +1,13 @@
 """Prefill CUDA graphs: one ``torch.cuda.CUDAGraph`` per compiled piece per padded size.
 
-The runner pads a prefill to a token bucket (and the narrowing model's kept rows to a row bucket)
-and says so in the forward context (``PrefillGraphPlan``). Each Inductor piece of the split graph
+The runner pads a prefill to a token bucket (and the narrowing model's kept rows to a row bucket,
+``PrefillBuckets``) and says so in the forward context (``PrefillGraphPlan``). Each Inductor piece of the split graph
 is wrapped in a ``GraphedPiece``: under a plan that covers its stage it captures itself once per
 input-shape signature and replays from then on; otherwise (no plan, above the largest bucket, a
 ``torch.compile`` user outside the engine) it calls the compiled piece directly. Breaks stay eager.
 
 Why raw graphs and not CUDA-graph trees: the trees cost about 100 us of host work per captured
-piece on the H200 (DESIGN.md), and a Llama prefill has a piece per layer.
+piece (measured on an H200, see bench/results/README.md), and a Llama prefill has a piece per layer.
 
 How addresses stay put without copying activations:
 - a piece's outputs are the tensors its capture produced (graph-pool memory, held here), so the next
@@ -40,7 +40,9 @@ from typing import Callable
 import torch
 
 from tscompile.counters import counters
-from tscompile.runtime.forward_context import peek_forward_context
+from tscompile.forward_context import peek_forward_context
+from tscompile.piece_compiler import PieceWrappers
+from tscompile.step_plan import StepPlan
 
 logger = logging.getLogger("tscompile")
 
@@ -76,6 +78,46 @@ class PrefillGraphPlan:
 
     def covers(self, stage: str) -> bool:
         return (self.encoder_tokens if stage == "encoder" else self.decoder_rows) is not None
+
+
+class PrefillBuckets:
+    """The padded sizes of extend/mixed steps under prefill graphs.
+
+    token_ladder: token buckets (the config's, up to ``prefill_graph_max_tokens``); a step with
+    more tokens runs its pieces without graphs. row_ladder: the narrowing model's decoder-row
+    buckets, the token ladder clipped to ``window * max_num_seqs`` (the most rows a step keeps);
+    ``narrowed`` is the index of the narrowed cache group (None: a plain model)."""
+
+    def __init__(self, runtime: PieceGraphRuntime, token_ladder: tuple[int, ...], *, num_groups: int,
+                 narrowed: int | None, window: int, max_num_seqs: int):
+        self.runtime = runtime
+        self.token_ladder = token_ladder
+        self.num_groups = num_groups
+        self.narrowed = narrowed
+        cap = window * max_num_seqs
+        self.row_ladder = tuple(sorted({min(b, cap) for b in token_ladder})) if narrowed is not None else ()
+
+    @staticmethod
+    def _bucket(ladder: tuple[int, ...], n: int) -> int | None:
+        return next((size for size in ladder if size >= n), None)
+
+    def plan_for(self, plan: StepPlan) -> PrefillGraphPlan:
+        tokens = self._bucket(self.token_ladder, plan.num_tokens)
+        rows = None
+        if self.narrowed is not None:
+            rows = self._bucket(self.row_ladder, plan.groups[self.narrowed].num_rows)
+            counters["decoder_rows_graphed" if rows is not None else "decoder_rows_eager"] += 1
+        return PrefillGraphPlan(self.runtime, tokens, rows)
+
+    def pad_rows(self, graphs: PrefillGraphPlan) -> dict[int, int]:
+        """Rows each cache group's layers run on: the row bucket for the narrowed group, the token
+        bucket for the others (groups above their ladder are not padded)."""
+        out = {}
+        for g in range(self.num_groups):
+            rows = graphs.decoder_rows if g == self.narrowed else graphs.encoder_tokens
+            if rows is not None:
+                out[g] = rows
+        return out
 
 
 def current_plan() -> PrefillGraphPlan | None:
@@ -195,3 +237,7 @@ class NarrowHandoff:
             elif self.size_outputs[i]:
                 outs[i] = rows
         return outs[0] if single else tuple(outs)
+
+
+# what the engine hands the piece compiler (``piece_compiler.PieceWrappers``)
+PIECE_GRAPH_WRAPPERS = PieceWrappers(compiled=GraphedPiece, narrow=NarrowHandoff)

@@ -1,21 +1,27 @@
-"""The scheduler: requests, admission, chunked prefill, decode and mixed steps.
+"""The scheduler: requests, admission, chunked prefill, decode and mixed steps, one plan per step.
 
 It speaks requests and blocks only. A request reserves every block it can ever need (prompt plus
 ``max_new_tokens``) when it is admitted, so a running request can never be starved or preempted by
 another, and a refused request never touches anyone's cache.
+
+``schedule()`` decides who runs and returns the step's ``StepPlan`` (``build_step_plan``, a pure
+function of the scheduled batch); ``update(plan)`` advances the requests past it. Runners get the
+plan and never the scheduler.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tscompile.attention.base import ForwardMode
+from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_rows
 from tscompile.sampling import SamplingParams
+from tscompile.step_plan import ON_DEVICE, GroupPlan, SamplingRows, StepPlan
 from tscompile.utils import cdiv
 
 
@@ -45,10 +51,15 @@ class Request:
     def max_len(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
 
+    @property
+    def last_token(self) -> int:
+        """The input id of this request's next decode row: ``ON_DEVICE`` while the host has not read it."""
+        return self.output[-1] if len(self.output) == self.num_generated else ON_DEVICE
+
 
 @dataclass
 class ScheduledBatch:
-    """Extend requests first (with their chunk lengths), then decode requests."""
+    """Who runs this step: extend requests with their chunk lengths, then decode requests."""
 
     extends: list[tuple[Request, int]]
     decodes: list[Request]
@@ -63,14 +74,61 @@ class ScheduledBatch:
     def requests(self) -> list[Request]:
         return [r for r, _ in self.extends] + self.decodes
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.extends) + len(self.decodes)
+
+def _sampling_rows(reqs: list[Request]) -> SamplingRows:
+    params = [r.params for r in reqs]
+    return SamplingRows(
+        temperature=np.array([p.temperature for p in params], dtype=np.float32),
+        top_k=np.array([p.top_k for p in params], dtype=np.int32),
+        top_p=np.array([p.top_p for p in params], dtype=np.float32),
+        seeds=np.array([r.seed for r in reqs], dtype=np.int64),
+        steps=np.array([len(r.prompt) + r.num_generated for r in reqs], dtype=np.int64),
+        all_greedy=all(p.greedy for p in params),
+    )
+
+
+def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_tables: list[np.ndarray],
+                    block_size: int) -> StepPlan:
+    """The plan of ``batch`` from the requests' state before the step (a pure function).
+
+    ``block_tables[g]`` is the scheduler's ``[max_num_seqs, max_blocks]`` table of group ``g``;
+    request ``r`` owns row ``r.slot``."""
+    reqs = batch.requests
+    ids, pos = [], []
+    for r, n in batch.extends:
+        ids += r.prompt[r.num_computed: r.num_computed + n]
+        pos += range(r.num_computed, r.num_computed + n)
+    for r in batch.decodes:
+        ids.append(r.last_token)
+        pos.append(r.num_computed)
+    query_lens = np.array([n for _, n in batch.extends] + [1] * len(batch.decodes), dtype=np.int32)
+    prefix = np.array([r.num_computed for r in reqs], dtype=np.int32)
+    completes = np.array([r.num_computed + n == len(r.prompt) for r, n in batch.extends]
+                         + [False] * len(batch.decodes), dtype=bool)
+    emits = completes.copy()
+    emits[len(batch.extends):] = True
+    slots = [r.slot for r in reqs]
+    groups = []
+    for g, spec in enumerate(specs):
+        kept = np.asarray(kept_rows(query_lens, completes, spec.window), dtype=np.int32)
+        # a decode row is always kept: kept_rows gives 1 for a one-row open "chunk"
+        seq_lens = np.array([r.group_lens[g] for r in reqs], dtype=np.int32) + kept
+        groups.append(GroupPlan(kept, seq_lens, block_tables[g][slots], block_size))
+    last = max(range(len(specs)), key=lambda g: max(specs[g].layer_ids))  # the group of the last layer
+    logits_rows = groups[last].qo_indptr[1:].astype(np.int64) - 1
+    return StepPlan(
+        mode=batch.mode, request_ids=tuple(r.rid for r in reqs), num_extends=len(batch.extends),
+        input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64), query_lens=query_lens,
+        prefix_lens=prefix, completes=completes, emits=emits, groups=tuple(groups), logits_rows=logits_rows,
+        sampling=_sampling_rows(reqs),
+    )
 
 
 class Scheduler:
     def __init__(self, specs: list[CacheGroupSpec], num_blocks: list[int], *, block_size: int, max_num_seqs: int,
-                 max_model_len: int, max_num_batched_tokens: int, vocab_size: int):
+                 max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None):
+        """``max_blocks``: the block-table width (default: enough for ``max_model_len``; a package
+        keeps the width its programs were exported with)."""
         self.specs = specs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -78,12 +136,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
         self.allocators = [BlockAllocator(n, s.name) for s, n in zip(specs, num_blocks)]
-        self.max_blocks = cdiv(max_model_len, block_size)
+        self.max_blocks = max_blocks if max_blocks is not None else cdiv(max_model_len, block_size)
         # host block tables, one row per running slot; 0 is the null block
         self.block_tables = [np.zeros((max_num_seqs, self.max_blocks), dtype=np.int32) for _ in specs]
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._by_id: dict[int, Request] = {}  # running requests
 
     # -- admission -------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -122,6 +181,7 @@ class Scheduler:
             table[req.slot, :] = 0
             table[req.slot, : len(blocks)] = blocks
         self.running.append(req)
+        self._by_id[req.rid] = req
         return True
 
     def release(self, req: Request) -> None:
@@ -130,10 +190,12 @@ class Scheduler:
             table[req.slot, :] = 0
         self.free_slots.append(req.slot)
         self.running.remove(req)
+        del self._by_id[req.rid]
         req.slot, req.blocks = -1, []
 
     # -- one step --------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self) -> StepPlan | None:
+        """Admit what fits, pick this step's rows and return its plan (None: nothing to run)."""
         while self.waiting and self._try_admit(self.waiting[0]):
             self.waiting.popleft()
         decodes = [r for r in self.running if r.prefill_done]
@@ -149,56 +211,33 @@ class Scheduler:
             if self.waiting:
                 raise RuntimeError("scheduler stalled: a validated request cannot be admitted")
             return None
-        return ScheduledBatch(extends, decodes)
+        return self.plan(ScheduledBatch(extends, decodes))
 
-    def input_rows(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
-        """Token ids and positions of every row, request-major (extends, then decodes)."""
-        ids, pos = [], []
-        for r, n in batch.extends:
-            ids += r.prompt[r.num_computed : r.num_computed + n]
-            pos += range(r.num_computed, r.num_computed + n)
-        for r in batch.decodes:
-            # a token still in flight is gathered on the device (the runner's prev_rows): 0 here
-            ids.append(r.output[-1] if len(r.output) == r.num_generated else 0)
-            pos.append(r.num_computed)
-        return ids, pos
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        return build_step_plan(batch, self.specs, self.block_tables, self.block_size)
 
-    @staticmethod
-    def completes(batch: ScheduledBatch) -> list[bool]:
-        """Per extend of ``batch``: does this chunk complete its prompt? Ask before ``update``."""
-        return [r.num_computed + n == len(r.prompt) for r, n in batch.extends]
+    def resolve_host_tokens(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with every ``ON_DEVICE`` input id the host has read since planning filled in."""
+        rows = plan.tokens_on_device
+        if rows.size == 0:
+            return plan
+        ids = plan.input_ids.copy()
+        first_decode = plan.num_tokens - plan.num_decodes  # decode rows follow the extend rows, one each
+        for row in rows:
+            ids[row] = self._by_id[plan.request_ids[plan.num_extends + row - first_decode]].last_token
+        return dataclasses.replace(plan, input_ids=ids)
 
-    @classmethod
-    def emits(cls, batch: ScheduledBatch) -> list[bool]:
-        """Per request of ``batch``: does this step's sample become an output token? (An open
-        prefill chunk's sample is discarded.) Ask before ``update``."""
-        return cls.completes(batch) + [True] * len(batch.decodes)
-
-    def group_lens_after(self, batch: ScheduledBatch) -> list[list[int]]:
-        """``[group][request]`` KV length after this step."""
-        out, completes = [], self.completes(batch)
-        for gid, spec in enumerate(self.specs):
-            lens = [r.group_lens[gid] + kept_rows(n, done, spec.window)
-                    for (r, n), done in zip(batch.extends, completes)]
-            lens += [r.group_lens[gid] + 1 for r in batch.decodes]
-            out.append(lens)
-        return out
-
-    def update(self, batch: ScheduledBatch) -> list[Request]:
-        """Advance every request past this step (the step's tokens need not be known: nothing here
-        depends on their values) and release the finished, which it returns."""
-        for gid, lens in enumerate(self.group_lens_after(batch)):
-            for r, n in zip(batch.requests, lens):
-                r.group_lens[gid] = n
+    def update(self, plan: StepPlan) -> list[Request]:
+        """Advance every request past this step (its tokens need not be known: nothing here depends
+        on their values) and release the finished, which it returns."""
         finished = []
-        for r, n in batch.extends:
-            r.num_computed += n
-            if r.prefill_done:  # an open chunk's sample is discarded
+        for i, rid in enumerate(plan.request_ids):
+            r = self._by_id[rid]
+            for g, group in enumerate(plan.groups):
+                r.group_lens[g] = int(group.seq_lens[i])
+            r.num_computed += int(plan.query_lens[i])
+            if plan.emits[i]:  # an open chunk's sample is discarded
                 r.num_generated += 1
-        for r in batch.decodes:
-            r.num_computed += 1
-            r.num_generated += 1
-        for r in batch.requests:
             if r.finished:
                 self.release(r)
                 finished.append(r)

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from tscompile.attention.router import DecodeInputs
+from tscompile.sampling import SamplingInputs
+from tscompile.step_plan import StepPlan
+
 
 class _HostSet:
     def __init__(self, sizes: tuple[int, int, int], pin: bool):
@@ -46,43 +50,50 @@ class DecodeStaging:
         self.d64, self.d32, self.df = (t.to(device, copy=True) for t in (first.h64, first.h32, first.hf))
 
         self.input_ids, self.positions = self.d64[:b], self.d64[b:2 * b]
-        self.seeds, self.steps = self.d64[2 * b:3 * b], self.d64[3 * b:4 * b]
         # row of the sampled-token buffer that holds this row's input token (the previous step's
         # sample, still on the device), or -1: the token is input_ids'
         self.prev_rows = self.d64[4 * b:]
-        self.top_k = self.d32[self._topk_at:]
-        self.temperature, self.top_p = self.df[:b], self.df[b:]
+        # the sampling op's inputs are views of this staging: the decode upload writes them
+        self.sampling_inputs = SamplingInputs(temperature=self.df[:b], top_k=self.d32[self._topk_at:],
+                                              top_p=self.df[b:], seeds=self.d64[2 * b:3 * b],
+                                              steps=self.d64[3 * b:4 * b])
+        self._decode_inputs: dict[int, DecodeInputs] = {}
 
-    def seq_lens(self, group: int, n: int) -> torch.Tensor:
-        return self.d32[group * self.max_bs: group * self.max_bs + n]
+    def decode_inputs(self, n: int) -> DecodeInputs:
+        """The staged block tables and seq lens of the first ``n`` rows, per group (views)."""
+        inputs = self._decode_inputs.get(n)
+        if inputs is None:
+            b, mb = self.max_bs, self.max_blocks
+            tables = tuple(self.d32[self._tables_at + g * b * mb: self._tables_at + g * b * mb + n * mb].view(n, mb)
+                           for g in range(self.num_groups))
+            lens = tuple(self.d32[g * b: g * b + n] for g in range(self.num_groups))
+            inputs = self._decode_inputs[n] = DecodeInputs(tables, lens)
+        return inputs
 
-    def block_tables(self, group: int, n: int) -> torch.Tensor:
-        start = self._tables_at + group * self.max_bs * self.max_blocks
-        return self.d32[start: start + n * self.max_blocks].view(n, self.max_blocks)
-
-    def fill(self, *, ids, positions, seeds, steps, top_k, temperature, top_p, group_lens, group_tables,
-             bs: int, prev_rows=None) -> None:
-        """Host-side writes for ``n = len(ids)`` live rows; rows ``[n, bs)`` become padding (greedy,
-        token 0, position 0). ``group_tables[g]`` is an ``[n, max_blocks]`` int32 array;
-        ``prev_rows`` (default all -1) says which rows take their token from the device."""
-        n, b = len(ids), self.max_bs
+    def fill(self, plan: StepPlan, bs: int, prev_rows=None) -> None:
+        """Host-side writes for the plan's ``n`` decode rows; rows ``[n, bs)`` become padding
+        (greedy, token 0, position 0). ``prev_rows`` (default all -1) says which rows take their
+        token from the device; a row whose plan id is ``ON_DEVICE`` must have one."""
+        n, b = plan.num_requests, self.max_bs
         host = self._sets[self._turn]
         if host.used:
             host.uploaded.synchronize()
         n64, n32, nf = host.n64, host.n32, host.nf
-        for i, values in enumerate((ids, positions, seeds, steps)):
+        rows = plan.sampling
+        for i, values in enumerate((plan.input_ids, plan.positions, rows.seeds, rows.steps)):
             n64[i * b: i * b + n] = values
             n64[i * b + n: i * b + bs] = 0
+        n64[:n] = n64[:n].clip(min=0)  # an ON_DEVICE id is replaced on the device (prev_rows)
         n64[4 * b: 4 * b + n] = -1 if prev_rows is None else prev_rows
         n64[4 * b + n: 4 * b + bs] = -1
-        for g in range(self.num_groups):
-            n32[g * b: g * b + n] = group_lens[g]
+        for g, group in enumerate(plan.groups):
+            n32[g * b: g * b + n] = group.seq_lens
             start = self._tables_at + g * b * self.max_blocks
-            n32[start: start + n * self.max_blocks] = group_tables[g].reshape(-1)
-        n32[self._topk_at: self._topk_at + n] = top_k
+            n32[start: start + n * self.max_blocks] = group.block_tables.reshape(-1)
+        n32[self._topk_at: self._topk_at + n] = rows.top_k
         n32[self._topk_at + n: self._topk_at + bs] = 1
-        nf[:n], nf[n:bs] = temperature, 0.0
-        nf[b: b + n], nf[b + n: b + bs] = top_p, 1.0
+        nf[:n], nf[n:bs] = rows.temperature, 0.0
+        nf[b: b + n], nf[b + n: b + bs] = rows.top_p, 1.0
 
     def upload(self) -> None:
         host = self._sets[self._turn]

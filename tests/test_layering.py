@@ -1,0 +1,106 @@
+"""The package imports one way: engine -> runners -> attention backends -> kernels, with the step
+plan, the forward context and the models below the runtime. Read from the source (every import,
+function-local ones included; ``if TYPE_CHECKING:`` blocks excepted), so a cycle hidden in a
+function cannot creep back."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# installed package name -> source folder (pyproject's package-dir)
+FOLDERS = {"tscompile": ROOT / "tscompile", "tscompile.custom_ops": ROOT / "custom_ops",
+           "tscompile.passes": ROOT / "passes", "tscompile.bench": ROOT / "bench"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for pkg, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(path: pathlib.Path, module: str, known: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+            for child in node.body for n in ast.walk(child)}
+    out = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            subs = [f"{base}.{a.name}" for a in node.names]
+            # `from pkg import submodule` needs the submodule; any other name needs pkg's __init__
+            names = subs + ([base] if not all(n in known for n in subs) else [])
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # the longest known prefix: a module, not an attribute
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+MODULES = _modules()
+GRAPH = {m: _imports(p, m, set(MODULES)) for m, p in MODULES.items()}
+
+
+def _reaches(src: str, dst: str) -> list[str] | None:
+    stack, seen = [(src, [src])], set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in GRAPH.get(node, ()):
+            if nxt == dst:
+                return path + [nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_no_import_cycle_in_the_package():
+    # a package __init__ importing its own submodules is not a cycle of interest: skip those edges
+    for m in MODULES:
+        for dep in GRAPH[m]:
+            if m.startswith(dep + "."):
+                continue  # a submodule importing its package's __init__
+            back = _reaches(dep, m)
+            if back is not None and not all(a.startswith(b + ".") or b.startswith(a + ".")
+                                            for a, b in zip(back, back[1:])):
+                pytest.fail(f"import cycle: {m} -> {' -> '.join(back)}")
+
+
+@pytest.mark.parametrize("lower, upper", [
+    ("tscompile.models", "tscompile.runtime"),
+    ("tscompile.models", "tscompile.attention"),
+    ("tscompile.runtime.scheduler", "tscompile.runtime.model_runner"),
+    ("tscompile.runtime.scheduler", "tscompile.attention"),
+    ("tscompile.piece_compiler", "tscompile.runtime"),
+    ("tscompile.attention", "tscompile.runtime"),
+    ("tscompile.forward_context", "tscompile.attention"),
+    ("tscompile.step_plan", "tscompile.runtime"),
+    ("tscompile.custom_ops", "tscompile.attention"),
+])
+def test_lower_layers_never_import_upper_ones(lower, upper):
+    for m in MODULES:
+        if m == lower or m.startswith(lower + "."):
+            bad = sorted(d for d in GRAPH[m] if d == upper or d.startswith(upper + "."))
+            assert not bad, f"{m} imports {bad}"
