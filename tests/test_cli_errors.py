@@ -69,3 +69,35 @@ def test_export_bad_arguments_refused_before_building(capsys, tmp_path):
     _refused(capsys, ["export", "--out", out, "--device", "cpu", "--page-size", "0"], "page_size must be an int >= 1")
     _refused(capsys, ["export", "--out", out, "--device", "cpu", "--max-num-batched-tokens", "-3"],
              "max_num_batched_tokens must be an int >= 1")
+
+
+def test_sampling_seed_out_of_range_refused(capsys):
+    _refused(capsys, ["generate", "--device", "cpu", "--sampling-seed", str(2**64)],
+             "--sampling-seed must be an int in [0, 2**63), got 18446744073709551616")
+    _refused(capsys, ["generate", "--device", "cpu", "--sampling-seed", "-1"], "--sampling-seed must be an int")
+
+
+def test_refusal_wrapped_by_torch_is_one_line(capsys, monkeypatch):
+    """A refusal raised inside the backend reaches the CLI wrapped (torch's BackendCompilerFailed keeps
+    it as ``inner_exception``, raised ``from None``); it still prints as its one line."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    import tscompile.cli as cli
+
+    def compile_fails(args):
+        inner = ValueError("tscompile: piece_compiler='tensorrt' needs torch-tensorrt\nsecond line")
+        raise BackendCompilerFailed(lambda: None, inner, None) from None
+
+    monkeypatch.setattr(cli, "run", compile_fails)
+    _refused(capsys, ["generate"], "piece_compiler='tensorrt' needs torch-tensorrt")
+
+
+def test_other_errors_still_raise(monkeypatch):
+    import tscompile.cli as cli
+
+    def broken(args):
+        raise RuntimeError("a bug, not a refusal")
+
+    monkeypatch.setattr(cli, "run", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate"])

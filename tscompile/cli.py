@@ -46,6 +46,14 @@ def prompts_from_args(args: argparse.Namespace) -> list[list[int]]:
     return [parse_prompt_ids(text) for text in args.prompt_ids]
 
 
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """What the sampling op needs of the flags that ``SamplingParams`` passes through as they are."""
+    from tscompile.validation import check_seed
+
+    if args.sampling_seed is not None:
+        check_seed("--sampling-seed", args.sampling_seed)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-tiny", help="preset name (llama-tiny, narrow-tiny, llama-1b, llama-8b)")
     p.add_argument("--attention-backend", default="auto")
@@ -88,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from tscompile.validation import validate_engine_args
 
     prompts = prompts_from_args(args)
+    check_sampling_args(args)
     kwargs = engine_kwargs(args)
     validate_engine_args(**kwargs)  # before the sampling params or the model are built
     params = tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -129,11 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].run(args)
-    except ValueError as e:
-        if str(e).startswith("tscompile:"):
-            print(e, file=sys.stderr)
-            return 2
-        raise
+    except Exception as e:
+        refusal = tscompile_refusal(e)
+        if refusal is None:
+            raise
+        print(str(refusal).splitlines()[0], file=sys.stderr)
+        return 2
+
+
+def tscompile_refusal(exc: BaseException) -> ValueError | None:
+    """The ``ValueError('tscompile: ...')`` behind ``exc``: itself, its explicit cause, or the inner
+    exception torch wraps a backend's error in (``BackendCompilerFailed`` raises ``from None`` and
+    keeps it as ``inner_exception``), so a refusal during the first compile is still one line."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ValueError) and str(exc).startswith("tscompile:"):
+            return exc
+        exc = exc.__cause__ or getattr(exc, "inner_exception", None)
+    return None
 
 
 if __name__ == "__main__":

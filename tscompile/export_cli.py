@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from tscompile.cli import add_generation_args, prompts_from_args
+from tscompile.cli import add_generation_args, check_sampling_args, prompts_from_args
 
 
 def add_parser(sub) -> None:
@@ -81,6 +81,7 @@ def _run_package(args: argparse.Namespace) -> int:
     from tscompile.validation import validate_package_args
 
     prompts = prompts_from_args(args)
+    check_sampling_args(args)
     validate_package_args(device=args.device, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     llm = tscompile.load_package(args.package, device=args.device, max_num_seqs=args.max_num_seqs,
