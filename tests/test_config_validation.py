@@ -18,12 +18,12 @@ from tscompile.config import TscompileConfig, check_piece_compiler_importable
     ("split_sdpa", "yes", "True or False"),
     ("split_narrowing", 1, "True or False"),
     ("cudagraphs", None, "True or False"),
-    ("split_ops", "tscompile::attention", "list or tuple of op names"),
-    ("split_ops", ["tscompile::attention", 3], "list or tuple of op names"),
-    ("token_ladder", (16, 32.0), "list or tuple of ints"),
-    ("token_ladder", (True, 2), "list or tuple of ints"),
-    ("token_ladder", "16,32", "list or tuple of ints"),
-    ("decode_ladder", 8, "list or tuple of ints"),
+    ("split_ops", "tscompile::attention", "sequence of op names"),
+    ("split_ops", ["tscompile::attention", 3], "sequence of op names"),
+    ("token_ladder", (16, 32.0), "sequence of ints"),
+    ("token_ladder", (True, 2), "sequence of ints"),
+    ("token_ladder", "16,32", "sequence of ints"),
+    ("decode_ladder", 8, "sequence of ints"),
     ("decode_ladder", (4, 2), "strictly increasing positive ints"),
     ("decode_ladder", (), "strictly increasing positive ints"),
     ("decode_ladder", (0, 1), "strictly increasing positive ints"),
@@ -40,7 +40,7 @@ def test_option_of_wrong_type_is_refused(option, value, allowed):
 
 
 def test_valid_options_are_kept_and_normalized(tmp_path):
-    config = TscompileConfig.from_options({"split_ops": ["aten::mm"], "token_ladder": [4, 8], "split_sdpa": True,
+    config = TscompileConfig.from_options({"split_ops": ["aten::mm"], "token_ladder": range(4, 12, 4), "split_sdpa": True,
                                            "prefill_graph_max_tokens": 0, "debug_dir": Path(tmp_path)})
     assert config.split_ops == ("aten::mm",) and config.token_ladder == (4, 8)
     assert config.debug_dir == str(tmp_path) and config.prefill_graph_max_tokens == 0

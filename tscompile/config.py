@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_TOKEN_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -113,16 +114,16 @@ def _check_bool(name: str, value) -> None:
 
 def _str_sequence(name: str, value) -> tuple[str, ...]:
     # a bare str is a sequence of one-letter strs: refuse it rather than split "aten::mm" into letters
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or \
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or \
             not all(isinstance(v, str) for v in value):
-        raise ValueError(f"tscompile: {name} must be a list or tuple of op names (str), got {value!r}")
+        raise ValueError(f"tscompile: {name} must be a sequence of op names (str), got {value!r}")
     return tuple(value)
 
 
 def _ladder(name: str, value) -> tuple[int, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or \
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or \
             not all(_is_int(v) for v in value):
-        raise ValueError(f"tscompile: {name} must be a list or tuple of ints, got {value!r}")
+        raise ValueError(f"tscompile: {name} must be a sequence of ints, got {value!r}")
     ladder = tuple(value)
     if not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1:
         raise ValueError(f"tscompile: {name} must be strictly increasing positive ints, got {value!r}")
