@@ -19,6 +19,7 @@ from tscompile.package.integrity import check_package_integrity, file_sha256
 from tscompile.package.record import FORMAT_VERSION, read_package_metadata
 
 MEMBER = "m/data/aotinductor/prefill/wrapper.so"
+WEIGHT_MEMBER = "m/data/weights/weight_0"
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -38,6 +39,8 @@ def _fake_package(path: Path, *, external: bool) -> Path:
         record.update(weights_bytes=wpath.stat().st_size, weights_sha256=file_sha256(wpath))
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
         zf.writestr(MEMBER, bytes(range(256)) * 64)
+        if not external:
+            zf.writestr(WEIGHT_MEMBER, bytes(range(256)) * 64)
         zf.writestr("m/extra/tscompile.json", json.dumps(record))
     return path
 
@@ -67,6 +70,14 @@ def test_flipped_byte_in_a_member_is_refused_naming_the_member(tmp_path):
         read_package_metadata(path)
     # an inspection that opts out of the check still reads the record
     assert read_package_metadata(path, check_integrity=False)["weights"] == "inside"
+
+
+def test_flipped_byte_in_weights_inside_is_caught_only_by_verify(tmp_path):
+    path = _fake_package(tmp_path / "bad.pt2", external=False)
+    _flip(path, _member_offset(path, WEIGHT_MEMBER) + 8000)
+    read_package_metadata(path)  # the default pass skips tensor data: a large model loads without a full read
+    with pytest.raises(ValueError, match=rf"^tscompile: package .* is damaged: member '{WEIGHT_MEMBER}' fails"):
+        read_package_metadata(path, verify=True)
 
 
 def test_damaged_record_member_is_refused(tmp_path):

@@ -23,9 +23,10 @@ def weights_path(package: str | os.PathLike) -> Path:
 def read_package_metadata(path: str | os.PathLike, *, check_integrity: bool = True, verify: bool = False) -> dict:
     """The package's ``tscompile.json`` record, read without loading any program.
 
-    ``check_integrity`` (the default) first reads every archive member against its CRC-32 and, for
-    ``--weights external``, checks the weights file's safetensors header and size; ``verify`` also
-    compares the weights file's SHA-256 with the export's (reads the whole file). Each refusal is a
+    ``check_integrity`` (the default) first reads every program and metadata member against its
+    CRC-32 and, for ``--weights external``, checks the weights file's safetensors header and size;
+    ``verify`` also reads the tensor data (the CRC-32 of weights inside, the SHA-256 of an external
+    file against the export's): slow for a large model. Each refusal is a
     ``ValueError('tscompile: ...')`` naming the damaged member or file."""
     from tscompile.package.integrity import check_archive_crc, check_external_weights
 
@@ -35,7 +36,7 @@ def read_package_metadata(path: str | os.PathLike, *, check_integrity: bool = Tr
     if not zipfile.is_zipfile(path):
         raise ValueError(f"tscompile: {path!r} is not a .pt2 package (not a zip archive)")
     if check_integrity:
-        check_archive_crc(path)
+        check_archive_crc(path, tensors=verify)
     try:
         with zipfile.ZipFile(path) as zf:
             names = [n for n in zf.namelist() if n.endswith(f"extra/{METADATA_FILE}")]
