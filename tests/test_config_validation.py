@@ -40,8 +40,9 @@ def test_option_of_wrong_type_is_refused(option, value, allowed):
 
 
 def test_valid_options_are_kept_and_normalized(tmp_path):
-    config = TscompileConfig.from_options({"split_ops": ["aten::mm"], "token_ladder": range(4, 12, 4), "split_sdpa": True,
-                                           "prefill_graph_max_tokens": 0, "debug_dir": Path(tmp_path)})
+    config = TscompileConfig.from_options({"split_ops": ["aten::mm"], "token_ladder": range(4, 12, 4),
+                                           "split_sdpa": True, "prefill_graph_max_tokens": 0,
+                                           "debug_dir": Path(tmp_path)})
     assert config.split_ops == ("aten::mm",) and config.token_ladder == (4, 8)
     assert config.debug_dir == str(tmp_path) and config.prefill_graph_max_tokens == 0
     hash(config)  # still hashable: sequences became tuples

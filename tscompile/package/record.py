@@ -48,7 +48,8 @@ def read_package_metadata(path: str | os.PathLike, *, check_integrity: bool = Tr
     try:
         record = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"tscompile: package {path!r} is damaged: member {names[0]!r} is not valid JSON ({e})") from None
+        raise ValueError(f"tscompile: package {path!r} is damaged: member {names[0]!r} is not valid JSON "
+                         f"({e})") from None
     if not isinstance(record, dict):
         raise ValueError(f"tscompile: package {path!r} is damaged: member {names[0]!r} is not a JSON object")
     if check_integrity:
