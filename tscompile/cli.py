@@ -18,10 +18,40 @@ COMMANDS: dict[str, str] = {
 
 
 def parse_prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"tscompile: --prompt-ids takes integers, got {text!r}") from None
+    """One ``--prompt-ids`` value: token ids separated by commas or by whitespace (not both), each a
+    non-negative decimal int. An empty item (``"1,,2"``, a trailing comma) is refused, not skipped:
+    it is more likely a lost id than a wish for a shorter prompt."""
+    items = [t.strip() for t in text.split(",")] if "," in text else text.split()
+    if not items:
+        raise ValueError(f"tscompile: --prompt-ids takes one or more token ids such as '1,2,3', got {text!r}")
+    for item in items:
+        if not item:
+            raise ValueError(f"tscompile: --prompt-ids has an empty item in {text!r}; separate ids by one comma")
+        if item.startswith("-") and item[1:].isdigit():
+            raise ValueError(f"tscompile: --prompt-ids token ids must be >= 0, got {item} in {text!r}")
+        if not (item.isascii() and item.isdigit()):
+            raise ValueError(f"tscompile: --prompt-ids takes non-negative integers separated by commas, "
+                             f"got {item!r} in {text!r}")
+    return [int(t) for t in items]
+
+
+DEFAULT_PROMPTS = [[1, 15, 27, 3, 99, 42], [7, 8, 9]]
+
+
+def prompts_from_args(args: argparse.Namespace) -> list[list[int]]:
+    """The prompts of ``--prompt-ids`` (parsed here, so a bad one is a ``tscompile:`` error that
+    ``main`` prints as one line), or the built-in ones."""
+    if not args.prompt_ids:
+        return [list(p) for p in DEFAULT_PROMPTS]
+    return [parse_prompt_ids(text) for text in args.prompt_ids]
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """What the sampling op needs of the flags that ``SamplingParams`` passes through as they are."""
+    from tscompile.validation import check_seed
+
+    if args.sampling_seed is not None:
+        check_seed("--sampling-seed", args.sampling_seed)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +80,7 @@ def add_parser(sub) -> None:
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """Prompts, sampling and output flags shared by ``generate`` and ``run-package``."""
-    p.add_argument("--prompt-ids", type=parse_prompt_ids, action="append",
+    p.add_argument("--prompt-ids", action="append",
                    help='token ids of one prompt, e.g. "1,2,3"; repeat for a batch (default: two built-in prompts)')
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -63,10 +93,15 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import tscompile
 
-    prompts = args.prompt_ids or [[1, 15, 27, 3, 99, 42], [7, 8, 9]]
+    from tscompile.validation import validate_engine_args
+
+    prompts = prompts_from_args(args)
+    check_sampling_args(args)
+    kwargs = engine_kwargs(args)
+    validate_engine_args(**kwargs)  # before the sampling params or the model are built
     params = tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
-    llm = tscompile.LLM(args.model, **engine_kwargs(args))
+    llm = tscompile.LLM(args.model, **kwargs)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     if llm.device.type == "cuda":
@@ -103,11 +138,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].run(args)
-    except ValueError as e:
-        if str(e).startswith("tscompile:"):
-            print(e, file=sys.stderr)
-            return 2
-        raise
+    except Exception as e:
+        refusal = tscompile_refusal(e)
+        if refusal is None:
+            raise
+        print(str(refusal).splitlines()[0], file=sys.stderr)
+        return 2
+
+
+def tscompile_refusal(exc: BaseException) -> ValueError | None:
+    """The ``ValueError('tscompile: ...')`` behind ``exc``: itself, its explicit cause, or the inner
+    exception torch wraps a backend's error in (``BackendCompilerFailed`` raises ``from None`` and
+    keeps it as ``inner_exception``), so a refusal during the first compile is still one line."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ValueError) and str(exc).startswith("tscompile:"):
+            return exc
+        exc = exc.__cause__ or getattr(exc, "inner_exception", None)
+    return None
 
 
 if __name__ == "__main__":

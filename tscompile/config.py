@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_TOKEN_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -52,19 +53,23 @@ class TscompileConfig:
     HASH_IGNORED = frozenset({"debug_dir"})
 
     def __post_init__(self):
-        if self.piece_compiler not in PIECE_COMPILERS:
-            raise ValueError(f"tscompile: piece_compiler {self.piece_compiler!r} unknown; known: {list(PIECE_COMPILERS)}")
+        if not isinstance(self.piece_compiler, str) or self.piece_compiler not in PIECE_COMPILERS:
+            raise ValueError(f"tscompile: piece_compiler must be one of {list(PIECE_COMPILERS)}, "
+                             f"got {self.piece_compiler!r}")
+        for name in ("split_sdpa", "split_narrowing", "cudagraphs"):
+            _check_bool(name, getattr(self, name))
+        object.__setattr__(self, "split_ops", _str_sequence("split_ops", self.split_ops))
         for name in ("token_ladder", "decode_ladder"):
-            ladder = tuple(int(x) for x in getattr(self, name))
-            if not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1:
-                raise ValueError(f"tscompile: {name} must be strictly increasing positive ints, got {ladder}")
-            object.__setattr__(self, name, ladder)
-        object.__setattr__(self, "split_ops", tuple(self.split_ops))
+            object.__setattr__(self, name, _ladder(name, getattr(self, name)))
+        if not _is_int(self.prefill_graph_max_tokens) or self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"tscompile: prefill_graph_max_tokens must be >= 0 (an int; 0: no prefill "
+                             f"graphs), got {self.prefill_graph_max_tokens!r}")
         for name in ("inductor_options", "static_inductor_options"):
             object.__setattr__(self, name, _inductor_pairs(name, getattr(self, name)))
-        if int(self.prefill_graph_max_tokens) < 0:
-            raise ValueError(f"tscompile: prefill_graph_max_tokens must be >= 0 (0: no prefill graphs), "
-                             f"got {self.prefill_graph_max_tokens}")
+        if isinstance(self.debug_dir, os.PathLike):
+            object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
+        if self.debug_dir is not None and not isinstance(self.debug_dir, str):
+            raise ValueError(f"tscompile: debug_dir must be a str path or None, got {self.debug_dir!r}")
 
     @classmethod
     def from_options(cls, options: dict | None = None, mode: str | None = None) -> "TscompileConfig":
@@ -95,6 +100,48 @@ class TscompileConfig:
             if size >= n:
                 return size
         return None
+
+
+def _is_int(value) -> bool:
+    # bool is an int subclass, but True as a size is a typo, not a size
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"tscompile: {name} must be True or False, got {value!r}")
+
+
+def _str_sequence(name: str, value) -> tuple[str, ...]:
+    # a bare str is a sequence of one-letter strs: refuse it rather than split "aten::mm" into letters
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or \
+            not all(isinstance(v, str) for v in value):
+        raise ValueError(f"tscompile: {name} must be a sequence of op names (str), got {value!r}")
+    return tuple(value)
+
+
+def _ladder(name: str, value) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or \
+            not all(_is_int(v) for v in value):
+        raise ValueError(f"tscompile: {name} must be a sequence of ints, got {value!r}")
+    ladder = tuple(value)
+    if not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1:
+        raise ValueError(f"tscompile: {name} must be strictly increasing positive ints, got {value!r}")
+    return ladder
+
+
+def check_piece_compiler_importable(config: TscompileConfig) -> None:
+    """Refuse, at engine construction, a piece compiler whose package cannot be imported here: found
+    at the first compile it would surface wrapped in torch's BackendCompilerFailed."""
+    if config.piece_compiler != "tensorrt":
+        return
+    try:
+        import torch_tensorrt  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as e:  # OSError/RuntimeError: present but its libraries fail
+        raise ValueError(
+            "tscompile: piece_compiler='tensorrt' needs torch-tensorrt, which is not importable "
+            f"({type(e).__name__}: {e}); install tscompile[tensorrt] or use piece_compiler='inductor'"
+        ) from None
 
 
 def _inductor_pairs(name: str, options) -> tuple[tuple[str, object], ...]:

@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from tscompile.cli import add_generation_args
+from tscompile.cli import add_generation_args, check_sampling_args, prompts_from_args
 
 
 def add_parser(sub) -> None:
@@ -46,6 +46,13 @@ def run(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from tscompile.export import export_package
 
+    from tscompile.validation import validate_engine_args
+
+    # the bounds as the engine would see them; export_package adds its own (max_position, >= 4 tokens)
+    validate_engine_args(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                         max_model_len=args.max_model_len, page_size=args.page_size, seed=args.seed)
+    if args.max_num_batched_tokens is not None:
+        validate_engine_args(max_num_batched_tokens=args.max_num_batched_tokens)
     start = time.perf_counter()
     record = export_package(
         args.model, args.out, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -71,9 +78,14 @@ def _run_package(args: argparse.Namespace) -> int:
 
     import tscompile
 
+    from tscompile.validation import validate_package_args
+
+    prompts = prompts_from_args(args)
+    check_sampling_args(args)
+    validate_package_args(device=args.device, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
     llm = tscompile.load_package(args.package, device=args.device, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens)
-    prompts = args.prompt_ids or [[1, 15, 27, 3, 99, 42], [7, 8, 9]]
     params = tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                       top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
     start = time.perf_counter()

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from tscompile.config import TscompileConfig
+from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
 from tscompile.passes.split import SplitPlan
 
@@ -42,13 +42,7 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
     if config.piece_compiler == "eager":
         return gm.forward
     if config.piece_compiler == "tensorrt":
-        try:
-            import torch_tensorrt  # noqa: F401
-        except ImportError as e:
-            raise ValueError(
-                "tscompile: piece_compiler='tensorrt' needs torch-tensorrt, which is not importable "
-                f"({e}); install tscompile[tensorrt] or use piece_compiler='inductor'"
-            ) from None
+        check_piece_compiler_importable(config)
         return torch._dynamo.backends.registry.lookup_backend("tensorrt")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 

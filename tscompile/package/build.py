@@ -11,6 +11,7 @@ import torch
 
 from tscompile.attention import leaf_class
 from tscompile.models import ModelConfig, Transformer, build_model
+from tscompile.package.integrity import file_sha256
 from tscompile.package.programs import PROGRAMS, export_programs, program_ops
 from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, weights_path
 from tscompile.version import __version__
@@ -111,11 +112,14 @@ def export_package(
     from torch.export.pt2_archive._package import package_pt2
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    package_pt2(os.fspath(out), aoti_files=files, extra_files={METADATA_FILE: json.dumps(record, indent=1)})
-    if weights == "external":
+    if weights == "external":  # written first: the record carries its size and hash for the loader's checks
         from safetensors.torch import save_file
 
-        save_file({k: v.cpu() for k, v in tensors.items()}, os.fspath(weights_path(out)),
+        wpath = weights_path(out)
+        save_file({k: v.cpu() for k, v in tensors.items()}, os.fspath(wpath),
                   metadata={"tscompile_package": Path(out).name})
+        record["weights_bytes"] = os.path.getsize(wpath)
+        record["weights_sha256"] = file_sha256(wpath)
+    package_pt2(os.fspath(out), aoti_files=files, extra_files={METADATA_FILE: json.dumps(record, indent=1)})
     return record
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 1
+# 2: the record holds the external weights file's size and SHA-256 (weights_bytes, weights_sha256)
+FORMAT_VERSION = 2
 METADATA_FILE = "tscompile.json"
 
 
@@ -19,19 +20,41 @@ def weights_path(package: str | os.PathLike) -> Path:
     return Path(package).with_suffix(".safetensors")
 
 
-def read_package_metadata(path: str | os.PathLike) -> dict:
-    """The package's ``tscompile.json`` record, read without loading any program."""
+def read_package_metadata(path: str | os.PathLike, *, check_integrity: bool = True, verify: bool = False) -> dict:
+    """The package's ``tscompile.json`` record, read without loading any program.
+
+    ``check_integrity`` (the default) first reads every program and metadata member against its
+    CRC-32 and, for ``--weights external``, checks the weights file's safetensors header and size;
+    ``verify`` also reads the tensor data (the CRC-32 of weights inside, the SHA-256 of an external
+    file against the export's): slow for a large model. Each refusal is a
+    ``ValueError('tscompile: ...')`` naming the damaged member or file."""
+    from tscompile.package.integrity import check_archive_crc, check_external_weights
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"tscompile: no package at {path!r}")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"tscompile: {path!r} is not a .pt2 package (not a zip archive)")
+    if check_integrity:
+        check_archive_crc(path, tensors=verify)
     try:
         with zipfile.ZipFile(path) as zf:
             names = [n for n in zf.namelist() if n.endswith(f"extra/{METADATA_FILE}")]
             if not names:
                 raise ValueError(f"tscompile: {path!r} is not a tscompile package (no extra/{METADATA_FILE})")
-            return json.loads(zf.read(names[0]))
+            text = zf.read(names[0])
     except zipfile.BadZipFile:
         raise ValueError(f"tscompile: {path!r} is not a .pt2 package (not a zip archive)") from None
+    try:
+        record = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"tscompile: package {path!r} is damaged: member {names[0]!r} is not valid JSON "
+                         f"({e})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"tscompile: package {path!r} is damaged: member {names[0]!r} is not a JSON object")
+    if check_integrity:
+        check_external_weights(path, record, verify=verify)
+    return record
 
 
 def _release(version: str) -> tuple[int, int]:

@@ -1,0 +1,64 @@
+"""``TscompileConfig`` refuses every option of the wrong type with a ``tscompile:`` error naming
+the option and the value, and a piece compiler that cannot be imported is refused up front."""
+
+from __future__ import annotations
+
+import builtins
+import re
+from pathlib import Path
+
+import pytest
+
+from tscompile.config import TscompileConfig, check_piece_compiler_importable
+
+
+@pytest.mark.parametrize("option,value,allowed", [
+    ("piece_compiler", "tvm", "one of"),
+    ("piece_compiler", 1, "one of"),
+    ("split_sdpa", "yes", "True or False"),
+    ("split_narrowing", 1, "True or False"),
+    ("cudagraphs", None, "True or False"),
+    ("split_ops", "tscompile::attention", "sequence of op names"),
+    ("split_ops", ["tscompile::attention", 3], "sequence of op names"),
+    ("token_ladder", (16, 32.0), "sequence of ints"),
+    ("token_ladder", (True, 2), "sequence of ints"),
+    ("token_ladder", "16,32", "sequence of ints"),
+    ("decode_ladder", 8, "sequence of ints"),
+    ("decode_ladder", (4, 2), "strictly increasing positive ints"),
+    ("decode_ladder", (), "strictly increasing positive ints"),
+    ("decode_ladder", (0, 1), "strictly increasing positive ints"),
+    ("prefill_graph_max_tokens", -1, ">= 0"),
+    ("prefill_graph_max_tokens", 64.0, ">= 0"),
+    ("prefill_graph_max_tokens", True, ">= 0"),
+    ("debug_dir", 3, "str path or None"),
+    ("inductor_options", 5, "dict of torch._inductor.config names"),
+])
+def test_option_of_wrong_type_is_refused(option, value, allowed):
+    with pytest.raises(ValueError, match=rf"^tscompile: {option} must be .*{re.escape(allowed)}.*"
+                                         rf"{re.escape(repr(value))}"):
+        TscompileConfig.from_options({option: value})
+
+
+def test_valid_options_are_kept_and_normalized(tmp_path):
+    config = TscompileConfig.from_options({"split_ops": ["aten::mm"], "token_ladder": range(4, 12, 4),
+                                           "split_sdpa": True, "prefill_graph_max_tokens": 0,
+                                           "debug_dir": Path(tmp_path)})
+    assert config.split_ops == ("aten::mm",) and config.token_ladder == (4, 8)
+    assert config.debug_dir == str(tmp_path) and config.prefill_graph_max_tokens == 0
+    hash(config)  # still hashable: sequences became tuples
+
+
+def test_tensorrt_refused_up_front_when_not_importable(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_tensorrt(name, *args, **kwargs):
+        if name == "torch_tensorrt":
+            raise ImportError("No module named 'torch_tensorrt'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorrt)
+    config = TscompileConfig.from_options({"piece_compiler": "tensorrt"})  # the option itself is valid
+    with pytest.raises(ValueError, match=r"^tscompile: piece_compiler='tensorrt' needs torch-tensorrt, which is "
+                                         r"not importable \(ImportError"):
+        check_piece_compiler_importable(config)
+    check_piece_compiler_importable(TscompileConfig.from_options({"piece_compiler": "eager"}))
