@@ -176,7 +176,7 @@ def test_external_weights_load_agree_and_are_borrowed(package, eager):
     assert llm.generate(PROMPTS, params) == eager("llama-tiny").generate(PROMPTS, params)
     # the programs read the very tensors loaded from the file (no second copy): zeroing the output
     # projection in place zeroes every logit, so greedy (stable sort) picks token 0 everywhere
-    llm.weights["output.weight"].zero_()
+    llm.package.weights["output.weight"].zero_()
     assert llm.generate(PROMPTS[:2], params) == [[0] * 6, [0] * 6]
 
 

@@ -94,19 +94,20 @@ def _run_package(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     new_tokens = sum(len(o) for o in outputs)
-    rec = llm.record
+    pkg = llm.package
+    rec = pkg.record
     if args.json:
         out = {"package": args.package, "outputs": outputs, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed}
         if args.verbose:
-            out.update(package_bytes=llm.package_bytes, load_seconds=llm.load_seconds, record=rec)
+            out.update(package_bytes=pkg.package_bytes, load_seconds=pkg.load_seconds, record=rec)
         print(json.dumps(out))
         return 0
     for i, o in enumerate(outputs):
         print(f"[{i}] {' '.join(map(str, o))}")
     if args.verbose:
         b = rec["bounds"]
-        print(f"package {args.package}: {llm.package_bytes / 2**20:.2f} MiB (weights {rec['weights']}), "
-              f"loaded in {llm.load_seconds:.3f} s")
+        print(f"package {args.package}: {pkg.package_bytes / 2**20:.2f} MiB (weights {rec['weights']}), "
+              f"loaded in {pkg.load_seconds:.3f} s")
         print(f"built with tscompile {rec['tscompile_version']}, torch {rec['torch_version']} for {rec['device']} "
               f"({rec['dtype']}); model {rec['model'] or 'custom config'}; attention={rec['attention_backend']}; "
               f"page_size={rec['page_size']}; bounds: max_num_seqs={b['max_num_seqs']}, "

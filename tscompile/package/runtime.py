@@ -23,6 +23,7 @@ from tscompile.runtime.readback import PendingTokens
 from tscompile.sampling import SamplingBuffers, SamplingInputs
 from tscompile.step_plan import StepPlan
 from tscompile.utils import resolve_device, resolve_dtype, upload
+from tscompile.validation import validate_package_args
 
 
 def _bounded(name: str, value: int | None, limit: int) -> int:
@@ -144,15 +145,19 @@ def _load_programs(path: str, record: dict, device: torch.device):
 def load_package(path: str | os.PathLike, device: str | torch.device | None = None, *,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, num_pages: int | None = None,
-                 seed: int = 0) -> LLM:
+                 seed: int = 0, verify: bool = False) -> LLM:
     """Load a package written by ``tscompile export``; returns a ``tscompile.LLM`` over its programs
     (``llm.package`` says what was loaded).
 
     ``device`` defaults to the package's device; the runtime limits default to the packaged bounds
     and may only be lowered. Every refusal is a ``ValueError('tscompile: ...')`` raised before any
-    program is loaded."""
+    program is loaded. The package's members are checked against their CRC-32 (external weights:
+    header and size); ``verify=True`` also checks the weights' bytes (slow for large models)."""
     start = time.perf_counter()
-    record = read_package_metadata(path)
+    record = read_package_metadata(path, verify=verify)
+    validate_package_args(device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          max_num_batched_tokens=max_num_batched_tokens, num_pages=num_pages, seed=seed,
+                          pages_per_block=record["pages_per_block"])
     device = resolve_device(device if device is not None else record["device"])
     check_compatible(record, device)
     bounds = record["bounds"]

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from tscompile.config import TscompileConfig
+from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
 from tscompile.models import ModelConfig, Transformer
 from tscompile.runtime.build import EngineParts, build_model_engine
@@ -23,6 +23,7 @@ from tscompile.runtime.scheduler import Request
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
 from tscompile.utils import resolve_device, resolve_dtype
+from tscompile.validation import validate_engine_args
 
 
 @dataclass
@@ -74,8 +75,15 @@ class LLM:
         seed: int = 0,
         async_scheduling: bool = True,
     ):
+        validate_engine_args(
+            model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
+            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
+            compile_options=compile_options, seed=seed, async_scheduling=async_scheduling)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
+        if compile_config is not None:
+            check_piece_compiler_importable(compile_config)  # refused here, not inside the first compile
         parts = build_model_engine(
             model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
