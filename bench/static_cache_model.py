@@ -82,28 +82,3 @@ class StaticCacheModel(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, input_pos, mask)
         return self.output(self.norm(h[:, -1])).float()
-
-
-def greedy_step(model: StaticCacheModel, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """One forward plus argmax: ``[B, S]`` ids at ``input_pos [S]`` -> next ids ``[B, 1]`` int64."""
-    return model(input_ids, input_pos).argmax(dim=-1, keepdim=True)
-
-
-def greedy_generate(model: StaticCacheModel, prompts: torch.Tensor, max_new_tokens: int, *, prefill_fn=greedy_step,
-                    decode_fn=greedy_step, before_step=None) -> torch.Tensor:
-    """Greedy decode ``prompts [B, S]``; returns the new ids ``[B, max_new_tokens]``."""
-    bsz, seqlen = prompts.shape
-    if seqlen + max_new_tokens > model.max_len:
-        raise ValueError(f"tscompile: {seqlen} + {max_new_tokens} tokens exceed the static cache ({model.max_len})")
-    device = prompts.device
-    with torch.no_grad():
-        tok = prefill_fn(model, prompts, torch.arange(seqlen, device=device)).clone()
-        out = [tok]
-        pos = torch.tensor([seqlen], device=device)
-        for _ in range(max_new_tokens - 1):
-            if before_step is not None:
-                before_step()
-            tok = decode_fn(model, tok, pos).clone()
-            out.append(tok)
-            pos = pos + 1
-    return torch.cat(out, dim=1)

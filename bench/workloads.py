@@ -55,7 +55,10 @@ class BatchTiming:
 
 
 # -- the static-cache torch.compile baselines ------------------------------------------------------
+# Two functions with one body on purpose: torch.compile keeps its compiled entries per code object,
+# and the prefill (dynamic) and decode (static, graphed) steps must not share them.
 def prefill_step(model: StaticCacheModel, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """One forward plus argmax: ``[B, S]`` ids at ``input_pos [S]`` -> next ids ``[B, 1]`` int64."""
     return model(input_ids, input_pos).argmax(dim=-1, keepdim=True)
 
 
@@ -65,26 +68,33 @@ def decode_step(model: StaticCacheModel, input_ids: torch.Tensor, input_pos: tor
 
 class StaticCacheRunner:
     """``compile-default``: ``torch.compile`` of prefill and decode; ``compile-reduce-overhead``: the
-    decode step compiled with ``mode="reduce-overhead"`` (CUDA graphs on cuda), prefill as default."""
+    decode step compiled with ``mode="reduce-overhead"`` (CUDA graphs on cuda), prefill as default.
+    ``compiled=False`` runs the same greedy loop without compiling (tests compare its tokens);
+    ``cache_len`` fixes the static cache length (default: each run's prompt plus output length)."""
 
-    def __init__(self, model, mode: str, device: torch.device):
+    def __init__(self, model, mode: str, device: torch.device, *, compiled: bool = True,
+                 cache_len: int | None = None):
         if mode not in STATIC_MODES:
             raise ValueError(f"tscompile: unknown static-cache mode {mode!r}")
         self.model, self.mode, self.device = model, mode, torch.device(device)
-        self.cudagraphs = mode == "compile-reduce-overhead" and self.device.type == "cuda"
+        self.cudagraphs = compiled and mode == "compile-reduce-overhead" and self.device.type == "cuda"
         # prefill lengths and batch sizes vary: dynamic shapes (one graph, modulo 0/1 specialization);
         # reduce-overhead keeps decode static, as gpt-fast does (a CUDA graph per batch size anyway)
-        self.prefill_fn = torch.compile(prefill_step, dynamic=True)
-        if self.mode == "compile-default":
+        self.prefill_fn = torch.compile(prefill_step, dynamic=True) if compiled else prefill_step
+        if not compiled:
+            self.decode_fn = decode_step
+        elif self.mode == "compile-default":
             self.decode_fn = torch.compile(decode_step, dynamic=True)
         else:
             self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
         self._caches: dict[tuple[int, int], StaticCacheModel] = {}
+        self._cache_len = cache_len
         self._decode_len = 0
         self.compile_seconds = 0.0  # filled by the caller from the warm-up excess
         self.capture_seconds = 0.0
 
     def _static(self, batch_size: int, max_len: int) -> StaticCacheModel:
+        max_len = self._cache_len or max_len
         key = (batch_size, max_len)
         if key not in self._caches:
             self._caches.clear()  # one cache at a time: free the previous batch size's buffers first
@@ -104,6 +114,8 @@ class StaticCacheRunner:
         bs, seqlen = len(prompts), len(prompts[0])
         self._decode_len = seqlen + output_len
         sm = self._static(bs, self._decode_len)
+        if self._decode_len > sm.max_len:
+            raise ValueError(f"tscompile: {seqlen} + {output_len} tokens exceed the static cache ({sm.max_len})")
         ids = torch.tensor(prompts, dtype=torch.int64, device=self.device)
         calls: list[float] | None = [] if per_call else None
         with torch.no_grad():

@@ -14,7 +14,8 @@ import torch
 import tscompile
 from tscompile.bench import cli as bench_cli
 from tscompile.bench import roofline
-from tscompile.bench.static_cache_model import StaticCacheModel, greedy_generate
+from tscompile.bench.static_cache_model import StaticCacheModel
+from tscompile.bench.workloads import StaticCacheRunner
 from tscompile.cli import main as tscompile_main
 from tscompile.models import PRESETS, build_model
 
@@ -35,19 +36,21 @@ def test_static_cache_model_greedy_equals_engine(max_len):
     g = torch.Generator().manual_seed(7)
     prompts = torch.randint(0, PRESETS["llama-tiny"].vocab_size, (2, 11), generator=g)
     model = build_model("llama-tiny", dtype=torch.float32, device="cpu", seed=0)
-    static = greedy_generate(StaticCacheModel(model, batch_size=2, max_len=max_len), prompts, 12)
+    runner = StaticCacheRunner(model, "compile-default", torch.device("cpu"), compiled=False, cache_len=max_len)
+    static = runner.run_batch(prompts.tolist(), 12).tokens
     llm = tscompile.LLM("llama-tiny", enforce_eager=True, attention_backend="torch", dtype=torch.float32,
                         device="cpu", seed=0, max_model_len=64)
     ref = llm.generate(prompts.tolist(), tscompile.SamplingParams(max_new_tokens=12))
-    assert static.tolist() == ref
+    assert static == ref
 
 
 def test_static_cache_model_refuses_narrowing_and_overflow():
     with pytest.raises(ValueError, match="narrowing"):
         StaticCacheModel(build_model("narrow-tiny", seed=0), batch_size=1, max_len=16)
-    sm = StaticCacheModel(build_model("llama-tiny", seed=0), batch_size=1, max_len=8)
+    model = build_model("llama-tiny", seed=0)
+    runner = StaticCacheRunner(model, "compile-default", torch.device("cpu"), compiled=False, cache_len=8)
     with pytest.raises(ValueError, match="exceed the static cache"):
-        greedy_generate(sm, torch.zeros(1, 6, dtype=torch.int64), 4)
+        runner.run_batch([[1] * 6], 4)
 
 
 def test_roofline_bytes_llama_tiny_by_hand():

@@ -225,7 +225,7 @@ class Scheduler:
         first_decode = plan.num_tokens - plan.num_decodes  # decode rows follow the extend rows, one each
         for row in rows:
             ids[row] = self._by_id[plan.request_ids[plan.num_extends + row - first_decode]].last_token
-        return dataclasses.replace(plan, input_ids=ids)
+        return plan if np.array_equal(ids, plan.input_ids) else dataclasses.replace(plan, input_ids=ids)
 
     def update(self, plan: StepPlan) -> list[Request]:
         """Advance every request past this step (its tokens need not be known: nothing here depends
