@@ -10,12 +10,19 @@ equals replay, and the op is safe inside a captured graph.
     top_p:       [B] float32     in (0, 1]
     seeds:       [B] int64
     steps:       [B] int64       a per-request counter (the position being sampled)
+    banned:      [B, K] int64    per row, token ids whose logit becomes -inf before greedy argmax or
+                                 sampling (``min_tokens`` keeps stop ids out); -1 pads; K >= 1 is
+                                 fixed per engine so graphs keep one shape. Ids outside [0, V) are
+                                 ignored like -1. A row that bans every id gets token 0 (greedy) or
+                                 an undefined choice (sampled): callers ban a few ids, never all.
     out:         [B] int64       mutated: the sampled token ids (a persistent buffer's slice)
     all_greedy:  a static promise that every row is greedy; the op then takes the argmax without
                  sorting the vocabulary (the same tokens the general path gives greedy rows)
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +37,31 @@ def uniform_from_counter(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tens
         h = ((h ^ (h >> 16)) * 0x45D9F3B) & _MASK32
     h = h ^ (h >> 16)
     return (h >> 8).to(torch.float64) / float(1 << 24)
+
+
+def banned_mask(banned: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` bool, True at each row's banned ids; static shapes, no host reads.
+
+    Padding (-1) and out-of-range ids scatter into a spare column ``vocab`` that is sliced off, so
+    every scattered value is True and repeated indices cannot race a False over a real ban."""
+    valid = (banned >= 0) & (banned < vocab)
+    index = torch.where(valid, banned, vocab)
+    mask = torch.zeros(banned.shape[0], vocab + 1, dtype=torch.bool, device=banned.device)
+    return mask.scatter_(1, index, True)[:, :vocab]
+
+
+def pad_banned(rows: list[Sequence[int]], width: int) -> torch.Tensor:
+    """Host helper: ``[len(rows), width]`` int64 of each row's ids padded with -1 (for ``banned``).
+
+    Refuses a row longer than ``width``: the engine fixes ``width`` and must refuse such a request
+    when it is added, before anything runs."""
+    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, ids in enumerate(rows):
+        if len(ids) > width:
+            raise ValueError(f"tscompile: {len(ids)} banned token ids {list(ids)!r} in row {i}; the engine "
+                             f"masks at most {width} per row")
+        out[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.int64)
+    return out
 
 
 def sample_tokens(logits, temperature, top_k, top_p, seeds, steps) -> torch.Tensor:
@@ -60,9 +92,12 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    banned: torch.Tensor,
     out: torch.Tensor,
     all_greedy: bool = False,
 ) -> None:
+    # masked_fill leaves every unbanned logit bit-identical, so all -1 gives the unmasked tokens
+    logits = logits.masked_fill(banned_mask(banned, logits.shape[-1]), float("-inf"))
     if all_greedy:
         out.copy_(torch.argmax(logits, dim=-1))
     else:
@@ -70,5 +105,5 @@ def sample(
 
 
 @sample.register_fake
-def _(logits, temperature, top_k, top_p, seeds, steps, out, all_greedy=False):
+def _(logits, temperature, top_k, top_p, seeds, steps, banned, out, all_greedy=False):
     return None

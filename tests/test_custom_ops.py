@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tscompile.custom_ops.narrow import kept_row_mask
-from tscompile.custom_ops.sampling import sample_tokens
+from tscompile.custom_ops.sampling import banned_mask, pad_banned, sample_tokens
 from tscompile.kv_cache import kept_rows
 
 
@@ -65,9 +65,16 @@ def _sample_args(b=5, v=50, seed=0):
             torch.rand(b, generator=g) * 0.5 + 0.5, torch.randint(0, 2**40, (b,), generator=g), torch.arange(b) + 3)
 
 
-def test_opcheck_sample():
+def _no_bans(b, k=2):
+    return torch.full((b, k), -1, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("all_greedy", [False, True])
+def test_opcheck_sample(all_greedy):
     args = _sample_args()
-    torch.library.opcheck(torch.ops.tscompile.sample.default, (*args, torch.full((5,), -1, dtype=torch.int64)))
+    banned = torch.tensor([[3, -1], [-1, -1], [0, 49], [7, 7], [-1, 2]])
+    torch.library.opcheck(torch.ops.tscompile.sample.default,
+                          (*args, banned, torch.full((5,), -1, dtype=torch.int64), all_greedy))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -76,14 +83,15 @@ def test_greedy_top_k_one_equals_argmax(seed):
     logits[3, 7] = logits[3, 11] = logits[3].max() + 1  # a tie: argmax picks the first index
     out = torch.full((16,), -1, dtype=torch.int64)
     top_k = torch.ones(16, dtype=torch.int32)
-    torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, out)
+    torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, _no_bans(16), out)
     assert torch.equal(out, logits.argmax(-1))
     out.fill_(-1)  # the all-greedy fast path gives the same tokens without the sort
-    torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, out, True)
+    torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, _no_bans(16), out, True)
     assert torch.equal(out, logits.argmax(-1))
     zero_temp = torch.zeros(16)
     out.fill_(-1)
-    torch.ops.tscompile.sample(logits, zero_temp, torch.zeros(16, dtype=torch.int32), top_p, seeds, steps, out)
+    torch.ops.tscompile.sample(logits, zero_temp, torch.zeros(16, dtype=torch.int32), top_p, seeds, steps,
+                               _no_bans(16), out)
     assert torch.equal(out, logits.argmax(-1))
 
 
@@ -110,3 +118,83 @@ def test_sampling_respects_top_k_and_top_p_and_is_seeded():
     kept = torch.softmax(logits[0, sorted(allowed)], -1)
     freq = torch.tensor([(toks == t).float().mean() for t in sorted(allowed)])
     torch.testing.assert_close(freq, kept, atol=0.03, rtol=0)
+
+
+def _op_sample(logits, temp, top_k, top_p, seeds, steps, banned, all_greedy=False):
+    out = torch.full((logits.shape[0],), -1, dtype=torch.int64)
+    torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, banned, out, all_greedy)
+    return out
+
+
+def test_banned_mask_marks_exactly_the_listed_ids_and_ignores_padding_and_out_of_range():
+    banned = torch.tensor([[0, -1, 0], [-1, -1, -1], [9, 2, 10]])
+    mask = banned_mask(banned, 10)
+    assert mask.shape == (3, 10)
+    assert mask[0].nonzero().flatten().tolist() == [0]  # a -1 never un-bans id 0
+    assert not mask[1].any()
+    assert mask[2].nonzero().flatten().tolist() == [2, 9]
+
+
+def test_pad_banned_pads_with_minus_one_and_refuses_rows_wider_than_the_engine_width():
+    assert pad_banned([[5, 2], [], [7]], 3).tolist() == [[5, 2, -1], [-1, -1, -1], [7, -1, -1]]
+    with pytest.raises(ValueError, match="tscompile: 3 banned token ids .* at most 2"):
+        pad_banned([[1, 2, 3]], 2)
+
+
+@pytest.mark.parametrize("all_greedy", [False, True])
+def test_greedy_never_picks_a_banned_argmax(all_greedy):
+    logits, temp, _, top_p, seeds, steps = _sample_args(b=6, v=100, seed=5)
+    top2 = logits.topk(2, dim=-1).indices
+    banned = torch.full((6, 3), -1, dtype=torch.int64)
+    banned[:, 0] = top2[:, 0]  # the argmax itself
+    banned[2, 1] = top2[2, 1]  # row 2 also loses its runner-up
+    out = _op_sample(logits, temp, torch.ones(6, dtype=torch.int32), top_p, seeds, steps, banned, all_greedy)
+    expect = logits.masked_fill(banned_mask(banned, 100), float("-inf")).argmax(-1)
+    assert torch.equal(out, expect)
+    assert (out != top2[:, 0]).all() and int(out[2]) != int(top2[2, 1])
+    assert torch.equal(out[[0, 1, 3, 4, 5]], top2[[0, 1, 3, 4, 5], 1])  # the next best instead
+
+
+def test_sampling_never_picks_a_banned_id_over_many_seeds():
+    g = torch.Generator().manual_seed(6)
+    v, n = 30, 3000
+    logits = torch.randn(1, v, generator=g).expand(n, v).contiguous()
+    logits[:, 4] += 6.0  # id 4 would take most of the mass
+    ban = torch.tensor([4, 11, 0])
+    banned = ban.expand(n, 3).contiguous()
+    seeds = torch.randint(0, 2**62, (n,), generator=g)
+    toks = _op_sample(logits, torch.ones(n), torch.zeros(n, dtype=torch.int32), torch.ones(n), seeds,
+                      torch.arange(n), banned)
+    assert not torch.isin(toks, ban).any()
+    assert len(set(toks.tolist())) == v - 3  # every other id stays reachable
+    unbanned = _op_sample(logits, torch.ones(n), torch.zeros(n, dtype=torch.int32), torch.ones(n), seeds,
+                          torch.arange(n), _no_bans(n))
+    assert (unbanned == 4).float().mean() > 0.5  # the ban, not the logits, kept id 4 out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("width", [1, 4])
+def test_all_minus_one_bans_give_exactly_the_unmasked_tokens(seed, width):
+    logits, temp, top_k, top_p, seeds, steps = _sample_args(b=64, v=200, seed=seed)
+    temp[::4] = 0.0  # greedy rows among sampled ones
+    out = _op_sample(logits, temp, top_k, top_p, seeds, steps, _no_bans(64, width))
+    assert torch.equal(out, sample_tokens(logits, temp, top_k, top_p, seeds, steps))
+    greedy = _op_sample(logits, temp, top_k, top_p, seeds, steps, _no_bans(64, width), True)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_sample_and_banned_mask_compile_fullgraph_to_the_same_results():
+    logits, temp, top_k, top_p, seeds, steps = _sample_args(b=8, v=64, seed=9)
+    banned = torch.tensor([[1, -1]] * 4 + [[-1, -1]] * 4)
+
+    def step(logits, temp, top_k, top_p, seeds, steps, banned, out):
+        torch.ops.tscompile.sample(logits, temp, top_k, top_p, seeds, steps, banned, out)
+        return out
+
+    eager = step(logits, temp, top_k, top_p, seeds, steps, banned, torch.empty(8, dtype=torch.int64))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        logits, temp, top_k, top_p, seeds, steps, banned, torch.empty(8, dtype=torch.int64))
+    assert torch.equal(eager, compiled)
+    # the mask itself traces whole: no data-dependent shapes, no host reads
+    mask = torch.compile(banned_mask, fullgraph=True, backend="aot_eager")(banned, 64)
+    assert torch.equal(mask, banned_mask(banned, 64))

@@ -103,9 +103,9 @@ def test_pool_too_small_is_refused_and_exhaustion_waits():
 
 
 def test_bad_sampling_params_are_refused():
-    with pytest.raises(ValueError, match="tscompile: top_p must be in"):
+    with pytest.raises(ValueError, match=r"tscompile: top_p=0.0 must be a finite real number in \(0, 1\]"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(ValueError, match="tscompile: max_new_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="tscompile: max_new_tokens=0 must be an int >= 1"):
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="tscompile: unknown attention backend 'nope'; known"):
         make_llm(attention_backend="nope")

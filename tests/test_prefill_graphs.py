@@ -210,7 +210,8 @@ def test_mutated_inputs_finds_in_place_writes_through_views_and_op_schemas():
     def f(a, b, c, tokens, logits, d):
         a[1:].add_(1)  # in-place method on a view of input 0
         torch.ops.tscompile.sample(logits, c, torch.ones(2, dtype=torch.int32), torch.ones(2), torch.zeros(
-            2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), tokens[:2])  # schema marks `out` written
+            2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.full((2, 1), -1, dtype=torch.int64),
+            tokens[:2])  # schema marks `out` written
         return b * 2
 
     gm = torch.fx.symbolic_trace(f)

@@ -66,14 +66,16 @@ class GroupPlan:
 
 @dataclass(frozen=True, eq=False)
 class SamplingRows:
-    """Per request: temperature [B] f32, top_k [B] i32, top_p [B] f32, seed [B] i64 and step [B] i64
-    (the position its token will take, which with the seed fixes its random draw)."""
+    """Per request: temperature [B] f32, top_k [B] i32, top_p [B] f32, seed [B] i64, step [B] i64
+    (the position its token will take, which with the seed fixes its random draw) and banned [B, K]
+    i64 (token ids it may not sample this step: eos and stop ids before ``min_tokens``; -1 pads)."""
 
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
     seeds: np.ndarray
     steps: np.ndarray
+    banned: np.ndarray
     all_greedy: bool  # a host fact: an all-greedy batch skips the vocabulary sort
 
 

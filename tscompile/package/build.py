@@ -14,6 +14,7 @@ from tscompile.models import ModelConfig, Transformer, build_model
 from tscompile.package.integrity import file_sha256
 from tscompile.package.programs import PROGRAMS, export_programs, program_ops
 from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, weights_path
+from tscompile.runtime.scheduler import banned_width_for
 from tscompile.version import __version__
 from tscompile.utils import cdiv, resolve_device, resolve_dtype
 
@@ -95,6 +96,7 @@ def export_package(
         "bounds": {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                    "max_num_batched_tokens": max_num_batched_tokens},
         "attention_backend": backend, "weights": weights, "programs": list(PROGRAMS), "seed": seed,
+        "eos_token_ids": [], "banned_width": banned_width_for(()),
     }
     tensors, aliases = _unique_weights(built)
     record["weight_aliases"] = aliases

@@ -69,17 +69,17 @@ class PrefillProgram(_StepProgram):
     """One extend or mixed step over host-planned metadata (``[g]`` lists hold one entry per group)."""
 
     def forward(self, input_ids, positions, page_tables, seq_lens, qo_indptrs, write_locs, completes,
-                temperature, top_k, top_p, seeds, steps, k_caches, v_caches):
+                temperature, top_k, top_p, seeds, steps, banned, k_caches, v_caches):
         metas = [AttentionMetadata(p, s, q, False) for p, s, q in zip(page_tables, seq_lens, qo_indptrs)]
         return self._run(ForwardMode.EXTEND, input_ids, positions, metas, list(write_locs), completes,
-                         (temperature, top_k, top_p, seeds, steps), k_caches, v_caches)
+                         (temperature, top_k, top_p, seeds, steps, banned), k_caches, v_caches)
 
 
 class DecodeProgram(_StepProgram):
     """One decode step; the decode metadata is refreshed inside the program from block tables."""
 
     def forward(self, input_ids, positions, block_tables, seq_lens, temperature, top_k, top_p, seeds, steps,
-                k_caches, v_caches):
+                banned, k_caches, v_caches):
         bs, dev = input_ids.shape[0], input_ids.device
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev)
         metas, write_locs = [], []
@@ -92,7 +92,7 @@ class DecodeProgram(_StepProgram):
             metas.append(AttentionMetadata(page_table, lens_out, qo_indptr, True))
             write_locs.append(write_loc)
         return self._run(ForwardMode.DECODE, input_ids, positions, metas, write_locs, None,
-                         (temperature, top_k, top_p, seeds, steps), k_caches, v_caches)
+                         (temperature, top_k, top_p, seeds, steps, banned), k_caches, v_caches)
 
 
 
@@ -126,10 +126,11 @@ def _pick(lo: int, hi: int, taken: set[int], prefer: Sequence[int], avoid: froze
     raise ValueError(f"tscompile: no example size in [{lo}, {hi}] apart from {sorted(taken)}; widen the bounds")
 
 
-def _sampling_inputs(n: int, device) -> list[torch.Tensor]:
+def _sampling_inputs(n: int, banned_width: int, device) -> list[torch.Tensor]:
     return [torch.zeros(n, device=device), torch.ones(n, dtype=torch.int32, device=device),
             torch.ones(n, device=device), torch.zeros(n, dtype=torch.int64, device=device),
-            torch.zeros(n, dtype=torch.int64, device=device)]
+            torch.zeros(n, dtype=torch.int64, device=device),
+            torch.full((n, banned_width), -1, dtype=torch.int64, device=device)]
 
 
 def _example_programs(model: Transformer, record: dict, device: torch.device, dtype: torch.dtype):
@@ -139,7 +140,8 @@ def _example_programs(model: Transformer, record: dict, device: torch.device, dt
     specs = model.cache_groups()
     page_size, ppb = record["page_size"], record["pages_per_block"]
     max_pages, max_blocks = record["max_pages"], record["max_blocks"]
-    static = frozenset({max_pages, max_blocks, page_size, cfg.n_kv_heads, cfg.head_dim})
+    banned_width = record["banned_width"]
+    static = frozenset({max_pages, max_blocks, page_size, cfg.n_kv_heads, cfg.head_dim, banned_width})
     taken: set[int] = set()
     nb, nt = _top(b["max_num_seqs"], 3), _top(b["max_num_batched_tokens"], 8)
     bs = _pick(1, nb, taken, [3, 2], static, also=1)
@@ -158,7 +160,7 @@ def _example_programs(model: Transformer, record: dict, device: torch.device, dt
 
     group_of = {lid: g for g, s in enumerate(specs) for lid in s.layer_ids}
     cache_ds = [[{0: page_d[group_of[lid]]} for lid in range(cfg.n_layers)] for _ in "kv"]
-    sampling_ds = [{0: batch_d}] * 5
+    sampling_ds = [{0: batch_d}] * 6
     q_lens = [tokens - bs + 1] + [1] * (bs - 1)
     qo = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
     G = len(specs)
@@ -167,7 +169,7 @@ def _example_programs(model: Transformer, record: dict, device: torch.device, dt
         [torch.zeros(bs, max_pages, dtype=torch.int32, **kw) for _ in specs],
         [torch.tensor(q_lens, dtype=torch.int32, **kw) for _ in specs], [qo.to(device).clone() for _ in specs],
         [torch.zeros(r, dtype=torch.int64, **kw) for r in rows], torch.ones(bs, dtype=torch.bool, **kw),
-        *_sampling_inputs(bs, device), *caches(),
+        *_sampling_inputs(bs, banned_width, device), *caches(),
     )
     prefill_ds = ({0: token_d}, {0: token_d}, [{0: batch_d}] * G, [{0: batch_d}] * G,
                   [{0: batch_d + 1 if batch_d is not None else None}] * G, [{0: d} for d in row_d], {0: batch_d},
@@ -175,7 +177,8 @@ def _example_programs(model: Transformer, record: dict, device: torch.device, dt
     decode_args = (
         torch.zeros(bs, dtype=torch.int64, **kw), torch.arange(bs, **kw),
         [torch.zeros(bs, max_blocks, dtype=torch.int32, **kw) for _ in specs],
-        [torch.ones(bs, dtype=torch.int32, **kw) for _ in specs], *_sampling_inputs(bs, device), *caches(),
+        [torch.ones(bs, dtype=torch.int32, **kw) for _ in specs], *_sampling_inputs(bs, banned_width, device),
+        *caches(),
     )
     decode_ds = ({0: batch_d}, {0: batch_d}, [{0: batch_d}] * G, [{0: batch_d}] * G, *sampling_ds, *cache_ds)
     common = dict(page_size=page_size, pages_per_block=ppb, max_pages=max_pages, backend=record["attention_backend"])

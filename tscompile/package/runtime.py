@@ -56,9 +56,9 @@ class PackageRunner:
     capture_seconds = 0.0
 
     def __init__(self, programs: dict, attention: AttentionRouter, pool: KVCachePool, n_layers: int, *,
-                 max_num_seqs: int, device: torch.device):
+                 max_num_seqs: int, banned_width: int, device: torch.device):
         self.programs, self.attention, self.device = programs, attention, device
-        self.sampling = SamplingBuffers(SamplingInputs.allocate(max_num_seqs, device))
+        self.sampling = SamplingBuffers(SamplingInputs.allocate(max_num_seqs, banned_width, device))
         self.k_caches = [pool.layer_cache(lid)[0] for lid in range(n_layers)]
         self.v_caches = [pool.layer_cache(lid)[1] for lid in range(n_layers)]
         self.launches = 0
@@ -76,8 +76,7 @@ class PackageRunner:
     def execute(self, plan: StepPlan) -> list[int]:
         n = plan.num_requests
         self.sampling.fill(plan.sampling)
-        s = self.sampling.inputs
-        sampling = [s.temperature[:n], s.top_k[:n], s.top_p[:n], s.seeds[:n], s.steps[:n]]
+        sampling = self.sampling.inputs.rows(n)
         ids, pos = upload([plan.input_ids, plan.positions], self.device)
         if plan.mode is ForwardMode.DECODE:
             dev = upload([a for g in plan.groups for a in (g.block_tables, g.seq_lens)], self.device)
@@ -107,8 +106,9 @@ def _package_engine(record: dict, programs: dict, *, device: torch.device, max_n
     pool, scheduler = build_pool_and_scheduler(
         specs, attention, num_pages=num_pages, page_size=page_size, pages_per_block=ppb, dtype=dtype, device=device,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-        vocab_size=config.vocab_size, max_blocks=record["max_blocks"])
-    runner = PackageRunner(programs, attention, pool, config.n_layers, max_num_seqs=max_num_seqs, device=device)
+        vocab_size=config.vocab_size, eos_token_ids=tuple(record["eos_token_ids"]), max_blocks=record["max_blocks"])
+    runner = PackageRunner(programs, attention, pool, config.n_layers, max_num_seqs=max_num_seqs,
+                           banned_width=scheduler.banned_width, device=device)
     return EngineParts(config, device, dtype, attention, pool, scheduler, runner)
 
 

@@ -58,7 +58,8 @@ def default_num_pages(max_num_seqs: int, max_model_len: int, page_size: int, pag
 def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRouter, *, num_pages: int | None,
                              page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
                              max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, vocab_size: int,
-                             max_blocks: int | None = None) -> tuple[KVCachePool, Scheduler]:
+                             eos_token_ids: tuple[int, ...] = (), max_blocks: int | None = None
+                             ) -> tuple[KVCachePool, Scheduler]:
     """The KV pool (bound to ``attention``) and a scheduler over its blocks."""
     if num_pages is None:
         num_pages = default_num_pages(max_num_seqs, max_model_len, page_size, pages_per_block)
@@ -67,14 +68,16 @@ def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRo
     attention.set_cache_pool(pool)
     scheduler = Scheduler(specs, [pool.num_blocks(g) for g in range(len(specs))], block_size=page_size * pages_per_block,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          max_num_batched_tokens=max_num_batched_tokens, vocab_size=vocab_size, max_blocks=max_blocks)
+                          max_num_batched_tokens=max_num_batched_tokens, vocab_size=vocab_size, max_blocks=max_blocks,
+                          eos_token_ids=eos_token_ids)
     return pool, scheduler
 
 
 def build_model_engine(model: str | ModelConfig | Transformer, *, attention_backend: str, max_num_seqs: int,
                        max_model_len: int, page_size: int, pages_per_block: int, num_pages: int | None,
                        max_num_batched_tokens: int, dtype: torch.dtype, device: torch.device,
-                       compile_config: TscompileConfig | None, seed: int) -> EngineParts:
+                       compile_config: TscompileConfig | None, seed: int,
+                       eos_token_ids: tuple[int, ...] = ()) -> EngineParts:
     built = model if isinstance(model, Transformer) else build_model(model, dtype=dtype, device=device, seed=seed)
     cfg = built.config
     if max_model_len > cfg.max_position:
@@ -87,9 +90,10 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     pool, scheduler = build_pool_and_scheduler(
         specs, attention, num_pages=num_pages, page_size=page_size, pages_per_block=pages_per_block, dtype=dtype,
         device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens, vocab_size=cfg.vocab_size)
+        max_num_batched_tokens=max_num_batched_tokens, vocab_size=cfg.vocab_size, eos_token_ids=eos_token_ids)
     built.bind_kv_cache(pool)
-    runner = ModelRunner(built, attention, max_num_seqs=max_num_seqs, max_blocks=scheduler.max_blocks, device=device,
-                         compile_config=compile_config, graph_support=graph_support)
+    runner = ModelRunner(built, attention, max_num_seqs=max_num_seqs, max_blocks=scheduler.max_blocks,
+                         banned_width=scheduler.banned_width, device=device, compile_config=compile_config,
+                         graph_support=graph_support)
     runner.capture_decode_graphs()
     return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built)

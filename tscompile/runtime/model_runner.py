@@ -65,7 +65,8 @@ class ModelRunner:
     """Runs steps of one model over its paged cache: ``launch(plan)``, ``can_chain(plan)``, timings."""
 
     def __init__(self, model: Transformer, attention: AttentionRouter, *, max_num_seqs: int, max_blocks: int,
-                 device: torch.device, compile_config: TscompileConfig | None, graph_support: ResolvedGraphSupport):
+                 banned_width: int, device: torch.device, compile_config: TscompileConfig | None,
+                 graph_support: ResolvedGraphSupport):
         self.model = model
         self.attention = attention
         self.device = device
@@ -73,7 +74,7 @@ class ModelRunner:
         self.config = compile_config
         # persistent buffers: sized by max_num_seqs, used with or without graphs
         attention.allocate_decode_buffers(max_num_seqs)
-        self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, device)
+        self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device)
         self.sampling = SamplingBuffers(self.staging.sampling_inputs)
         self.readback = TokenReadback(max_num_seqs, device)
         self.decode_logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
@@ -218,7 +219,8 @@ class ModelRunner:
         st.prev_rows[:bs].fill_(-1)
         st.positions[:bs].zero_()
         s = st.sampling_inputs
-        for t, value in ((s.temperature, 0.0), (s.top_k, 1), (s.top_p, 1.0), (s.seeds, 0), (s.steps, 0)):
+        for t, value in ((s.temperature, 0.0), (s.top_k, 1), (s.top_p, 1.0), (s.seeds, 0), (s.steps, 0),
+                         (s.banned, -1)):
             t[:bs].fill_(value)
 
     def _guard_roots(self) -> dict:

@@ -24,6 +24,14 @@ from tscompile.sampling import SamplingParams
 from tscompile.step_plan import ON_DEVICE, GroupPlan, SamplingRows, StepPlan
 from tscompile.utils import cdiv
 
+MAX_STOP_IDS_BANNED = 8  # stop_token_ids a request may ban (before min_tokens) besides the model's eos ids
+
+
+def banned_width_for(eos_token_ids: tuple[int, ...]) -> int:
+    """The ban-list width of an engine: the model's eos ids plus room for a request's stop ids. Fixed
+    per engine because the sampling op's ``banned`` input has a static shape inside graphs."""
+    return len(eos_token_ids) + MAX_STOP_IDS_BANNED
+
 
 @dataclass
 class Request:
@@ -75,24 +83,30 @@ class ScheduledBatch:
         return [r for r, _ in self.extends] + self.decodes
 
 
-def _sampling_rows(reqs: list[Request]) -> SamplingRows:
+def _sampling_rows(reqs: list[Request], eos_token_ids: tuple[int, ...], banned_width: int) -> SamplingRows:
     params = [r.params for r in reqs]
+    banned = np.full((len(reqs), banned_width), -1, dtype=np.int64)
+    for i, r in enumerate(reqs):
+        ids = r.params.banned_ids(eos_token_ids, r.num_generated)
+        banned[i, : len(ids)] = ids
     return SamplingRows(
         temperature=np.array([p.temperature for p in params], dtype=np.float32),
         top_k=np.array([p.top_k for p in params], dtype=np.int32),
         top_p=np.array([p.top_p for p in params], dtype=np.float32),
         seeds=np.array([r.seed for r in reqs], dtype=np.int64),
         steps=np.array([len(r.prompt) + r.num_generated for r in reqs], dtype=np.int64),
+        banned=banned,
         all_greedy=all(p.greedy for p in params),
     )
 
 
 def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_tables: list[np.ndarray],
-                    block_size: int) -> StepPlan:
+                    block_size: int, eos_token_ids: tuple[int, ...] = (), banned_width: int = 1) -> StepPlan:
     """The plan of ``batch`` from the requests' state before the step (a pure function).
 
     ``block_tables[g]`` is the scheduler's ``[max_num_seqs, max_blocks]`` table of group ``g``;
-    request ``r`` owns row ``r.slot``."""
+    request ``r`` owns row ``r.slot``. ``eos_token_ids`` are the model's, banned (with each request's
+    stop ids) until it has ``min_tokens`` tokens; ``banned_width`` is the engine's ban-list width."""
     reqs = batch.requests
     ids, pos = [], []
     for r, n in batch.extends:
@@ -120,21 +134,25 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
         mode=batch.mode, request_ids=tuple(r.rid for r in reqs), num_extends=len(batch.extends),
         input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64), query_lens=query_lens,
         prefix_lens=prefix, completes=completes, emits=emits, groups=tuple(groups), logits_rows=logits_rows,
-        sampling=_sampling_rows(reqs),
+        sampling=_sampling_rows(reqs, eos_token_ids, banned_width),
     )
 
 
 class Scheduler:
     def __init__(self, specs: list[CacheGroupSpec], num_blocks: list[int], *, block_size: int, max_num_seqs: int,
-                 max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None):
+                 max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
         """``max_blocks``: the block-table width (default: enough for ``max_model_len``; a package
-        keeps the width its programs were exported with)."""
+        keeps the width its programs were exported with). ``eos_token_ids``: the model's end-of-sequence
+        ids (banned, with a request's stop ids, until it has ``min_tokens`` tokens)."""
         self.specs = specs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.banned_width = banned_width_for(self.eos_token_ids)
         self.allocators = [BlockAllocator(n, s.name) for s, n in zip(specs, num_blocks)]
         self.max_blocks = max_blocks if max_blocks is not None else cdiv(max_model_len, block_size)
         # host block tables, one row per running slot; 0 is the null block
@@ -152,6 +170,11 @@ class Scheduler:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"tscompile: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        banned = params.banned_ids(self.eos_token_ids, 0)
+        if len(banned) > self.banned_width:
+            raise ValueError(f"tscompile: min_tokens={params.min_tokens} would ban {len(banned)} token ids (eos and "
+                             f"stop_token_ids), more than the {self.banned_width} an engine of this model can ban; pass at "
+                             f"most {MAX_STOP_IDS_BANNED} stop_token_ids with min_tokens")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -214,7 +237,8 @@ class Scheduler:
         return self.plan(ScheduledBatch(extends, decodes))
 
     def plan(self, batch: ScheduledBatch) -> StepPlan:
-        return build_step_plan(batch, self.specs, self.block_tables, self.block_size)
+        return build_step_plan(batch, self.specs, self.block_tables, self.block_size, self.eos_token_ids,
+                               self.banned_width)
 
     def resolve_host_tokens(self, plan: StepPlan) -> StepPlan:
         """``plan`` with every ``ON_DEVICE`` input id the host has read since planning filled in."""

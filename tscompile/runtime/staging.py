@@ -34,16 +34,16 @@ class _HostSet:
 
 
 class DecodeStaging:
-    def __init__(self, max_bs: int, num_groups: int, max_blocks: int, device: torch.device):
-        self.max_bs, self.num_groups, self.max_blocks = max_bs, num_groups, max_blocks
+    def __init__(self, max_bs: int, num_groups: int, max_blocks: int, banned_width: int, device: torch.device):
+        self.max_bs, self.num_groups, self.max_blocks, self.banned_width = max_bs, num_groups, max_blocks, banned_width
         pin = device.type == "cuda"
         b = max_bs
-        # int64: ids, positions, seeds, steps, prev_rows
+        # int64: ids, positions, seeds, steps, prev_rows [b] each; banned ids [b, banned_width]
         # int32: per group seq lens [G, b] and block tables [G, b, max_blocks]; top_k [b]
         self._tables_at = num_groups * b
         self._topk_at = self._tables_at + num_groups * b * max_blocks
         # float32: temperature, top_p
-        sizes = (5 * b, self._topk_at + b, 2 * b)
+        sizes = (5 * b + b * banned_width, self._topk_at + b, 2 * b)
         self._sets = [_HostSet(sizes, pin), _HostSet(sizes, pin)]
         self._turn = 0
         first = self._sets[0]
@@ -52,11 +52,12 @@ class DecodeStaging:
         self.input_ids, self.positions = self.d64[:b], self.d64[b:2 * b]
         # row of the sampled-token buffer that holds this row's input token (the previous step's
         # sample, still on the device), or -1: the token is input_ids'
-        self.prev_rows = self.d64[4 * b:]
+        self.prev_rows = self.d64[4 * b:5 * b]
         # the sampling op's inputs are views of this staging: the decode upload writes them
         self.sampling_inputs = SamplingInputs(temperature=self.df[:b], top_k=self.d32[self._topk_at:],
                                               top_p=self.df[b:], seeds=self.d64[2 * b:3 * b],
-                                              steps=self.d64[3 * b:4 * b])
+                                              steps=self.d64[3 * b:4 * b],
+                                              banned=self.d64[5 * b:].view(b, banned_width))
         self._decode_inputs: dict[int, DecodeInputs] = {}
 
     def decode_inputs(self, n: int) -> DecodeInputs:
@@ -86,6 +87,9 @@ class DecodeStaging:
         n64[:n] = n64[:n].clip(min=0)  # an ON_DEVICE id is replaced on the device (prev_rows)
         n64[4 * b: 4 * b + n] = -1 if prev_rows is None else prev_rows
         n64[4 * b + n: 4 * b + bs] = -1
+        k = self.banned_width
+        n64[5 * b: 5 * b + n * k] = rows.banned.reshape(-1)
+        n64[5 * b + n * k: 5 * b + bs * k] = -1
         for g, group in enumerate(plan.groups):
             n32[g * b: g * b + n] = group.seq_lens
             start = self._tables_at + g * b * self.max_blocks
