@@ -250,7 +250,8 @@ def _copy_with_config(src: Path, dst: Path, **changes) -> Path:
     ({"attention_bias": True}, r"attention_bias=true is not supported"),
     ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, r"RoPE type 'yarn'.*llama3"),
-], ids=["architecture", "attention-bias", "activation", "rope-type"])
+    ({"quantization_config": {"quant_method": "awq"}}, r"quantized checkpoints .*'awq'"),
+], ids=["architecture", "attention-bias", "activation", "rope-type", "quantized"])
 def test_unsupported_configs_are_refused(checkpoints, tmp_path, changes, message):
     path = _copy_with_config(checkpoints["mistral"][0], tmp_path, **changes)
     with pytest.raises(ValueError, match=r"^tscompile: .*" + message):

@@ -62,8 +62,8 @@ def is_checkpoint_dir(x) -> bool:
 
 def _checkpoint_root(path) -> Path:
     if not is_checkpoint_dir(path):
-        raise ValueError(f"tscompile: model {str(path)!r} is neither a preset ({', '.join(PRESETS)}) nor an "
-                         "existing directory; pass a local checkpoint directory (config.json + *.safetensors). "
+        raise ValueError(f"tscompile: unknown model preset {str(path)!r} and no such directory; known presets: "
+                         f"{', '.join(PRESETS)}; or pass a local checkpoint directory (config.json + *.safetensors). "
                          "Hub ids are not downloaded: download the checkpoint first and pass its directory")
     root = Path(path)
     if not (root / "config.json").is_file():

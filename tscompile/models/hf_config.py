@@ -74,13 +74,9 @@ def rope_from_hf(raw: dict) -> tuple[float, tuple | None]:
 
 
 def checkpoint_dtype(raw: dict) -> torch.dtype | None:
-    """The dtype the weights were saved in (``dtype`` in transformers 5, ``torch_dtype`` in 4), if stated."""
-    name = raw.get("dtype") or raw.get("torch_dtype")
-    if name is None:
-        return None
-    if name not in _DTYPES:
-        raise ValueError(f"tscompile: checkpoint dtype {name!r} is not supported; supported: {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    """The dtype the weights were saved in (``dtype`` in transformers 5, ``torch_dtype`` in 4), if stated as
+    one of float32/bfloat16/float16; otherwise None and the caller reads the stored tensors' dtype."""
+    return _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"))
 
 
 def active_sliding_window(raw: dict) -> int | None:
@@ -114,6 +110,10 @@ def eos_token_ids(*sources: dict | None) -> tuple[int, ...]:
 def model_config_from_hf(raw: dict) -> ModelConfig:
     """The native config of a supported architecture's ``config.json`` (as a dict)."""
     _, spec = architecture_of(raw)
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"tscompile: quantized checkpoints (quantization_config, quant_method {method!r}) are not "
+                         "supported; pass a float32/bfloat16/float16 checkpoint")
     for flag in spec.must_be_false:
         if raw.get(flag):
             raise ValueError(f"tscompile: {flag}=true is not supported (the native model has no o_proj/MLP "
