@@ -1,8 +1,9 @@
 """A gpt-fast-style static-KV-cache view of a ``tscompile.models.Transformer`` (the torch.compile baselines).
 
-It owns no weights: every ``nn.Linear``/``nn.Embedding``/``RMSNorm`` is the tscompile model's own module,
-and RoPE is the model's ``rope``/``apply_rope``, so its greedy tokens match ``tscompile.LLM``'s. The only
-state it adds is the cache: per layer ``k_cache, v_cache: [B, n_kv_heads, max_len, head_dim]`` buffers,
+It owns no weights: every ``nn.Linear``/``nn.Embedding``/``RMSNorm`` is the tscompile model's own module
+(so q/k/v biases, Qwen3's q/k norms and a free head_dim come with it), and RoPE is the model's
+``rope``/``apply_rope`` (any ``rope_frequencies`` scaling type), so its greedy tokens match
+``tscompile.LLM``'s. The only state it adds is the cache: per layer ``k_cache, v_cache: [B, n_kv_heads, max_len, head_dim]`` buffers,
 written with ``index_copy_`` at ``input_pos`` and read whole by SDPA under a causal mask.
 
 All requests of a batch share positions (equal prompt lengths), as in gpt-fast's batched generate.
@@ -23,6 +24,9 @@ class StaticAttention(nn.Module):
         self.wqkv, self.wo = attn.wqkv, attn.wo
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale = attn.scale
+        self.qk_norm = attn.qk_norm
+        if attn.qk_norm:
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         shape = (batch_size, self.n_kv_heads, max_len, self.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -31,10 +35,14 @@ class StaticAttention(nn.Module):
                 mask: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)  # wqkv carries the q/k/v biases
+        q = q.view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         # apply_rope takes [..., T, H, D] with cos/sin [T, D/2]: [B, S, H, D] broadcasts over B
-        q = apply_rope(q.view(bsz, seqlen, self.n_heads, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(bsz, seqlen, self.n_kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))

@@ -15,7 +15,10 @@ def _dense_attention(attn, x, positions):
     rows = x.shape[0]
     hd, nh, nkv = attn.head_dim, attn.n_heads, attn.n_kv_heads
     q, k, v = attn.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-    return q.view(rows, nh, hd), k.view(rows, nkv, hd), v.view(rows, nkv, hd)
+    q, k = q.view(rows, nh, hd), k.view(rows, nkv, hd)
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v.view(rows, nkv, hd)
 
 
 def _block(block, model, h, positions):

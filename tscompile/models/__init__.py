@@ -1,17 +1,40 @@
-"""Reference models and their presets."""
+"""Reference models, their presets, and local Hugging Face checkpoints."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from tscompile.models.checkpoint import CheckpointInfo, is_checkpoint_dir, load_checkpoint
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config, rope_frequencies
 from tscompile.models.narrow import NarrowingTransformer
 
 
-def build_model(config: ModelConfig | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                seed: int = 0) -> Transformer:
-    """A reference model with seeded random weights, on ``device`` in ``dtype``."""
-    cfg = build_config(config) if isinstance(config, str) else config
+def build_model(config: ModelConfig | str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
+    """A model on ``device`` in ``dtype``: seeded random weights for a preset name or a ``ModelConfig``,
+    the stored weights for a checkpoint directory (see ``load_model`` for its info)."""
+    return load_model(config, dtype=dtype, device=device, seed=seed)[0]
+
+
+def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None, seed: int = 0,
+               max_model_len: int | None = None) -> tuple[Transformer, CheckpointInfo | None]:
+    """The one entry point for a preset name, a ``ModelConfig`` or a local checkpoint directory.
+
+    Returns the model and, for a checkpoint, its ``CheckpointInfo`` (tokenizer directory, eos ids, load
+    GB/s). ``dtype`` None: float32 for a preset, the checkpoint's own on CUDA (float32 on CPU) for a
+    checkpoint. ``seed`` seeds random weights; ``max_model_len`` is checked against a checkpoint's
+    sliding window."""
+    if isinstance(model, ModelConfig) or (isinstance(model, str) and model in PRESETS):
+        cfg = build_config(model) if isinstance(model, str) else model
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return _random_model(cfg, dtype=dtype or torch.float32, device=device, seed=seed), None
+    return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
+
+
+def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> Transformer:
     cls = NarrowingTransformer if cfg.narrow_layer is not None else Transformer
     with torch.device(device):
         model = cls(cfg)
@@ -21,4 +44,5 @@ def build_model(config: ModelConfig | str, *, dtype: torch.dtype = torch.float32
     return model
 
 
-__all__ = ["PRESETS", "ModelConfig", "NarrowingTransformer", "Transformer", "build_config", "build_model"]
+__all__ = ["PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "Transformer", "build_config",
+           "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model"]

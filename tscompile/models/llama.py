@@ -8,7 +8,7 @@ plan lives in the forward context). The KV cache is per-layer module buffers bou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,13 @@ from torch import nn
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.forward_context import get_forward_context
+
+
+# RoPE scaling types and the parameters each needs ("default" is stored as rope_scaling=None)
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "high_freq_factor", "low_freq_factor", "original_max_position"),
+}
 
 
 @dataclass(frozen=True)
@@ -32,35 +39,65 @@ class ModelConfig:
     max_position: int = 4096
     qkv_bias: bool = False
     tie_embeddings: bool = False
-    # llama3 scaling: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position"}
-    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    # sorted (key, value) pairs, hashable: ("rope_type", "linear" | "llama3") plus that type's
+    # ROPE_SCALING_KEYS; a dict is accepted and normalised. A missing rope_type means llama3 (the only
+    # type configs carried before the type was stored).
+    rope_scaling: tuple[tuple[str, float | str], ...] | None = None
     # CED-style narrowing (None: a plain decoder): layers [narrow_layer, n_layers) run on kept rows
     narrow_layer: int | None = None
     narrow_window: int = 4
-    head_dim: int = field(init=False)
+    # None: dim // n_heads. Qwen3 sets it explicitly; q and o projections then use n_heads * head_dim
+    head_dim: int | None = None
+    # per-head RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    qk_norm: bool = False
 
     def __post_init__(self):
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise ValueError(f"tscompile: dim {self.dim}, heads {self.n_heads}, kv heads {self.n_kv_heads} do not divide")
-        object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"tscompile: dim {self.dim} is not divisible by heads {self.n_heads}; "
+                                 "set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"tscompile: head_dim {self.head_dim} must be positive and even (RoPE rotates halves)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"tscompile: heads {self.n_heads} is not a multiple of kv heads {self.n_kv_heads}")
+        object.__setattr__(self, "rope_scaling", _normalise_rope_scaling(self.rope_scaling))
         if self.narrow_layer is not None and not 0 < self.narrow_layer < self.n_layers:
             raise ValueError(f"tscompile: narrow_layer {self.narrow_layer} must be inside (0, {self.n_layers})")
 
+    @property
+    def rope_type(self) -> str:
+        return "default" if self.rope_scaling is None else dict(self.rope_scaling)["rope_type"]
+
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "head_dim"}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        d = {k: v for k, v in d.items() if k != "head_dim"}
-        if d.get("rope_scaling"):
-            d["rope_scaling"] = tuple(sorted(d["rope_scaling"].items()))
+        """Inverse of ``to_dict``; also reads dicts written before head_dim and qk_norm were fields."""
         return cls(**d)
 
 
+def _normalise_rope_scaling(scaling) -> tuple[tuple[str, float | str], ...] | None:
+    if not scaling:
+        return None
+    s = dict(scaling)
+    rope_type = s.pop("rope_type", "llama3")
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ValueError(f"tscompile: rope scaling type {rope_type!r} is not supported; supported: "
+                         f"default, {', '.join(ROPE_SCALING_KEYS)}")
+    want = set(ROPE_SCALING_KEYS[rope_type])
+    if set(s) != want:
+        raise ValueError(f"tscompile: {rope_type} rope scaling takes exactly {sorted(want)}, got {sorted(s)}")
+    return tuple(sorted([(k, float(v)) for k, v in s.items()] + [("rope_type", rope_type)]))
+
+
 _LLAMA3_SCALING = (("factor", 32.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                   ("original_max_position", 8192.0))
+                   ("original_max_position", 8192.0), ("rope_type", "llama3"))
 
 PRESETS: dict[str, ModelConfig] = {
     "llama-tiny": ModelConfig(),
@@ -73,18 +110,30 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float64, with llama3 wavelength-band scaling."""
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    if cfg.rope_scaling is None:
-        return inv
-    s = dict(cfg.rope_scaling)
+def _linear_scaling(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    return inv / s["factor"]  # positions / factor, folded into the frequencies
+
+
+def _llama3_scaling(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    """Long wavelengths divided by factor, short ones kept, the band between interpolated."""
     factor, low, high, orig = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position"]
     wavelen = 2 * math.pi / inv
     smooth = ((orig / wavelen) - low) / (high - low)
     scaled = torch.where(wavelen > orig / low, inv / factor, inv)
     mid = (wavelen <= orig / low) & (wavelen >= orig / high)
     return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+_ROPE_SCALERS = {"linear": _linear_scaling, "llama3": _llama3_scaling}  # keys: ROPE_SCALING_KEYS
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float64, scaled by ``cfg.rope_scaling``'s type."""
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    if cfg.rope_scaling is None:
+        return inv
+    s = dict(cfg.rope_scaling)
+    return _ROPE_SCALERS[s["rope_type"]](inv, s)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,6 +162,10 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.scale = cfg.head_dim ** -0.5
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # weights [head_dim], shared by every head
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         # bound by Transformer.bind_kv_cache: [num_pages, page_size, n_kv_heads, head_dim]
         self.register_buffer("k_cache", torch.empty(0), persistent=False)
         self.register_buffer("v_cache", torch.empty(0), persistent=False)
@@ -122,8 +175,10 @@ class Attention(nn.Module):
         rows = x.shape[0]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(rows, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(rows, self.n_kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(rows, self.n_heads, self.head_dim), k.view(rows, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(rows, self.n_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         ctx.attention.forward(self.layer_id, ctx.attention_mode, q, k, v, self.k_cache, self.v_cache, out, self.scale)

@@ -1,0 +1,237 @@
+"""Load a local Hugging Face checkpoint directory into the native ``Transformer``.
+
+A directory holds ``config.json``, ``model.safetensors`` (or shards named by
+``model.safetensors.index.json``) and optionally ``generation_config.json``. Nothing is downloaded.
+
+Every tensor's name and shape is checked against the native model before any weight is read, and all
+mismatches are reported together. The model is built on the ``meta`` device and materialised empty on the
+target device in the target dtype; each tensor is then read from its memory-mapped file and copied (cast
+and moved in one ``copy_``) into its place, so q/k/v are fused into ``wqkv`` and gate/up into ``w13`` as
+they load and the host never holds more than one tensor of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tscompile.models.hf_config import architecture_of, check_sliding_window, checkpoint_dtype, eos_token_ids, \
+    model_config_from_hf
+from tscompile.models.llama import PRESETS, ModelConfig, Transformer, rope_frequencies
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the caller needs besides the model: tokenizer directory, stop ids, load throughput."""
+
+    path: Path  # the checkpoint directory (the tokenizer files live here too)
+    architecture: str  # e.g. "LlamaForCausalLM"
+    max_position: int  # config.json's max_position_embeddings
+    eos_token_ids: tuple[int, ...]  # generation_config.json's, then config.json's, duplicates dropped
+    checkpoint_dtype: torch.dtype  # the dtype the weights are stored in
+    bytes_read: int  # tensor bytes read from the safetensors files
+    load_seconds: float  # wall time of reading and placing the tensors
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / 1e9 / self.load_seconds if self.load_seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Rows ``[start, stop)`` of a native parameter that one checkpoint tensor fills."""
+
+    param: str
+    start: int
+    stop: int
+
+
+def is_checkpoint_dir(x) -> bool:
+    """True when ``x`` (a str or path) names an existing local directory."""
+    return isinstance(x, (str, os.PathLike)) and os.path.isdir(x)
+
+
+def _checkpoint_root(path) -> Path:
+    if not is_checkpoint_dir(path):
+        raise ValueError(f"tscompile: unknown model preset {str(path)!r} and no such directory; known presets: "
+                         f"{', '.join(PRESETS)}; or pass a local checkpoint directory (config.json + *.safetensors). "
+                         "Hub ids are not downloaded: download the checkpoint first and pass its directory")
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ValueError(f"tscompile: checkpoint directory {str(root)!r} has no config.json")
+    return root
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def tensor_files(root: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        files = {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise ValueError(f"tscompile: shard {file.name!r} named by {index.name} is missing from {str(root)!r}")
+        return files
+    single = root / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"tscompile: {str(root)!r} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def stored_shapes(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Shapes and safetensors dtype names of every stored tensor, read from the file headers only."""
+    shapes, dtypes = {}, {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if files.get(name) == file:
+                    sl = f.get_slice(name)
+                    shapes[name], dtypes[name] = tuple(sl.get_shape()), sl.get_dtype()
+    return shapes, dtypes
+
+
+def weight_plan(cfg: ModelConfig) -> dict[str, _Target]:
+    """Checkpoint tensor name -> where it lands in the native model (the weight names every supported
+    architecture shares). Fused parameters get one entry per part: wqkv = [q; k; v], w13 = [gate; up]."""
+    q, kv, inter = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    plan = {
+        "model.embed_tokens.weight": _Target("tok_embeddings.weight", 0, cfg.vocab_size),
+        "model.norm.weight": _Target("norm.weight", 0, cfg.dim),
+    }
+    if not cfg.tie_embeddings:
+        plan["lm_head.weight"] = _Target("output.weight", 0, cfg.vocab_size)
+    qkv_rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    for i in range(cfg.n_layers):
+        hf, nat = f"model.layers.{i}.", f"layers.{i}."
+        for proj, (start, stop) in qkv_rows.items():
+            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                plan[f"{hf}self_attn.{proj}.{kind}"] = _Target(f"{nat}attention.wqkv.{kind}", start, stop)
+        plan[f"{hf}self_attn.o_proj.weight"] = _Target(f"{nat}attention.wo.weight", 0, cfg.dim)
+        if cfg.qk_norm:
+            plan[f"{hf}self_attn.q_norm.weight"] = _Target(f"{nat}attention.q_norm.weight", 0, cfg.head_dim)
+            plan[f"{hf}self_attn.k_norm.weight"] = _Target(f"{nat}attention.k_norm.weight", 0, cfg.head_dim)
+        plan[f"{hf}mlp.gate_proj.weight"] = _Target(f"{nat}feed_forward.w13.weight", 0, inter)
+        plan[f"{hf}mlp.up_proj.weight"] = _Target(f"{nat}feed_forward.w13.weight", inter, 2 * inter)
+        plan[f"{hf}mlp.down_proj.weight"] = _Target(f"{nat}feed_forward.w2.weight", 0, cfg.dim)
+        plan[f"{hf}input_layernorm.weight"] = _Target(f"{nat}attention_norm.weight", 0, cfg.dim)
+        plan[f"{hf}post_attention_layernorm.weight"] = _Target(f"{nat}ffn_norm.weight", 0, cfg.dim)
+    return plan
+
+
+def _redundant(name: str, cfg: ModelConfig) -> bool:
+    """Stored tensors that carry nothing the model needs: RoPE tables (recomputed from the config) and a
+    tied head (transformers ties it to the embedding, so the stored copy is the embedding)."""
+    return name.endswith(".rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+def check_tensors(plan: dict[str, _Target], params: dict[str, torch.Tensor], found: dict[str, tuple[int, ...]],
+                  cfg: ModelConfig, where: str) -> None:
+    """Refuse missing, unexpected and wrongly shaped tensors, all of them in one message."""
+    def expected(target: _Target) -> tuple[int, ...]:
+        return (target.stop - target.start, *params[target.param].shape[1:])
+
+    problems = []
+    for name, target in plan.items():
+        if name not in found:
+            hint = " (a checkpoint may omit it only with tie_word_embeddings: true)" if name == "lm_head.weight" else ""
+            problems.append(f"missing tensor {name}: expected shape {expected(target)}, found none{hint}")
+        elif found[name] != expected(target):
+            problems.append(f"tensor {name}: expected shape {expected(target)}, found {found[name]}")
+    for name, shape in found.items():
+        if name in plan:
+            continue
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            want = (cfg.vocab_size, cfg.dim)
+            if shape != want:
+                problems.append(f"tensor {name}: expected shape {want}, found {shape}")
+        elif not _redundant(name, cfg):
+            problems.append(f"unexpected tensor {name}: expected none, found shape {shape}")
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise ValueError(f"tscompile: checkpoint {where} does not match its config ({len(problems)} problems):\n  "
+                         f"{shown}")
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
+    """An uninitialised model in ``dtype`` on ``device``; no host copy of the weights is ever made."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty gives each module its own tensor, which unties them
+        model.output.weight = model.tok_embeddings.weight
+    model.inv_freq = rope_frequencies(cfg).float().to(device)  # RoPE stays float32 in any dtype
+    return model.eval()
+
+
+def fill_weights(model: Transformer, plan: dict[str, _Target], files: dict[str, Path]) -> int:
+    """Copy every planned tensor into place, file by file; returns the bytes read."""
+    params = dict(model.named_parameters())
+    covered = {}
+    for target in plan.values():
+        covered[target.param] = covered.get(target.param, 0) + target.stop - target.start
+    assert covered == {n: p.shape[0] for n, p in params.items()}, "the plan must fill every parameter row"
+    by_file: dict[Path, list[str]] = {}
+    for name in plan:
+        by_file.setdefault(files[name], []).append(name)
+    read = 0
+    with torch.no_grad(), tqdm(total=len(plan), desc="loading checkpoint", unit="tensor", disable=None) as bar:
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in names:
+                    src = f.get_tensor(name)
+                    target = plan[name]
+                    params[target.param][target.start:target.stop].copy_(src)
+                    read += src.numel() * src.element_size()
+                    bar.update()
+    return read
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None,
+                    max_model_len: int | None = None) -> tuple[Transformer, CheckpointInfo]:
+    """The native model of a local checkpoint directory, and what else the engine needs from it.
+
+    ``dtype`` defaults to the checkpoint's own on CUDA and float32 on CPU. ``max_model_len`` (default: the
+    config's max_position_embeddings) is the longest sequence the caller will run; an active sliding
+    window shorter than that is refused, since attention here is always full."""
+    root = _checkpoint_root(path)
+    raw = json.loads((root / "config.json").read_text())
+    architecture, _ = architecture_of(raw)
+    cfg = model_config_from_hf(raw)
+    check_sliding_window(raw, cfg.max_position if max_model_len is None else max_model_len)
+    files = tensor_files(root)
+    found, stored_dtypes = stored_shapes(files)
+    plan = weight_plan(cfg)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    stored = checkpoint_dtype(raw) or _SAFETENSORS_DTYPES.get(stored_dtypes.get("model.embed_tokens.weight"),
+                                                              torch.float32)
+    dtype = dtype or (stored if device.type == "cuda" else torch.float32)
+    with torch.device("meta"):
+        params = dict(Transformer(cfg).named_parameters())
+    check_tensors(plan, params, found, cfg, repr(str(root)))
+
+    model = empty_model(cfg, dtype, device)
+    start = time.perf_counter()
+    bytes_read = fill_weights(model, plan, files)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    info = CheckpointInfo(
+        path=root, architecture=architecture, max_position=cfg.max_position,
+        eos_token_ids=eos_token_ids(_read_json(root / "generation_config.json"), raw),
+        checkpoint_dtype=stored, bytes_read=bytes_read, load_seconds=seconds,
+    )
+    return model, info
