@@ -108,3 +108,36 @@ def small_llm(model="llama-tiny", **kw):
     kw.setdefault("device", "cpu")
     kw.setdefault("attention_backend", "torch")
     return tscompile.LLM(model, **kw)
+
+
+def ids(outputs) -> list[list[int]]:
+    """The generated token ids of each ``RequestOutput`` (one completion per request)."""
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+SENTENCES = ["Hello world! The quick brown fox jumps over the lazy dog.", "Café naïve résumé, déjà vu.",
+             "我们喜欢机器学习。你好，世界！", "Emoji time 🎉🚀 and 😀 smiles 👍🏽", "日本語のテキストも少し。"]
+SPECIALS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_tokenizer(path, chat_template=True):
+    """A tiny byte-level BPE trained here (emoji and CJK text included), saved with transformers;
+    nothing is downloaded. Returns ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(SENTENCES * 3, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   clean_up_tokenization_spaces=False)
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path

@@ -18,6 +18,7 @@ from tscompile.bench.static_cache_model import StaticCacheModel
 from tscompile.bench.workloads import StaticCacheRunner
 from tscompile.cli import main as tscompile_main
 from tscompile.models import PRESETS, build_model
+from helpers import ids
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +41,7 @@ def test_static_cache_model_greedy_equals_engine(max_len):
     static = runner.run_batch(prompts.tolist(), 12).tokens
     llm = tscompile.LLM("llama-tiny", enforce_eager=True, attention_backend="torch", dtype=torch.float32,
                         device="cpu", seed=0, max_model_len=64)
-    ref = llm.generate(prompts.tolist(), tscompile.SamplingParams(max_new_tokens=12))
+    ref = ids(llm.generate(prompts.tolist(), tscompile.SamplingParams(max_new_tokens=12)))
     assert static == ref
 
 

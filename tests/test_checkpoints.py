@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tscompile
-from bench.static_cache_model import StaticCacheModel, greedy_generate
+from tscompile.bench.workloads import StaticCacheRunner
 from tscompile.models import ModelConfig, build_model, is_checkpoint_dir, load_checkpoint, load_model
 from tscompile.models.hf_config import eos_token_ids, model_config_from_hf, rope_from_hf
 
@@ -37,7 +37,8 @@ def run_engine(model, prompts, max_new_tokens=NEW_TOKENS):
     try:
         llm = tscompile.LLM(model, enforce_eager=True, device="cpu", attention_backend="torch", max_model_len=64,
                             max_num_seqs=4, page_size=4)
-        tokens = llm.generate(prompts, tscompile.SamplingParams(max_new_tokens=max_new_tokens))
+        tokens = [o.outputs[0].token_ids
+                  for o in llm.generate(prompts, tscompile.SamplingParams(max_new_tokens=max_new_tokens))]
     finally:
         hook.remove()
     assert captured[0].shape[0] == len(prompts), "all prompts must prefill in the first step"
@@ -156,9 +157,9 @@ def test_static_cache_baseline_matches_transformers(checkpoints, family):
     path, hf = checkpoints[family]
     model, _ = load_checkpoint(path, device="cpu")
     prompt = PROMPTS[2]
-    static = StaticCacheModel(model, batch_size=1, max_len=32)
-    got = greedy_generate(static, torch.tensor([prompt]), NEW_TOKENS)
-    assert got[0].tolist() == _hf_greedy(hf, prompt)
+    runner = StaticCacheRunner(model, "compile-default", torch.device("cpu"), compiled=False, cache_len=32)
+    got = runner.run_batch([prompt], NEW_TOKENS).tokens
+    assert got[0] == _hf_greedy(hf, prompt)
 
 
 def test_dtype_override_keeps_rope_float32(checkpoints):

@@ -13,7 +13,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.counters import counters
 from tscompile.passes.split import split_graph
 
-from helpers import PROMPTS, record_modes, small_llm
+from helpers import PROMPTS, record_modes, small_llm, ids
 
 def make_llm(model="llama-tiny", **kw):
     kw.setdefault("dtype", torch.float32)
@@ -117,7 +117,7 @@ def _traced_prefill_graph(model_name):
     from tscompile.backend import tracing_config
     step = torch.compile(llm.runner._extend_forward, backend=capture, dynamic=True)
     llm.runner.extend_step = lambda *a: _call(step, tracing_config, *a)
-    llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=1))
+    ids(llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=1)))
     assert len(graphs) == 1
     return graphs[0]
 
@@ -181,7 +181,7 @@ def test_compiled_equals_eager_in_decode_prefill_mixed_and_chunked_steps(model):
     compiled = make_llm(model, max_num_batched_tokens=6)
     modes = record_modes(compiled)
     eager_logits, compiled_logits = _record_logits(eager), _record_logits(compiled)
-    assert compiled.generate(PROMPTS, params) == eager.generate(PROMPTS, params)
+    assert ids(compiled.generate(PROMPTS, params)) == ids(eager.generate(PROMPTS, params))
     assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)
     assert len(eager_logits) == len(compiled_logits)
     for a, b in zip(eager_logits, compiled_logits):
@@ -192,13 +192,13 @@ def test_no_recompilation_across_steady_decode_and_prefill_steps():
     llm = make_llm(max_num_batched_tokens=8, max_num_seqs=4)
     # warm every variant a batch can take: Dynamo specializes a size of 1 and a batch that fills the
     # max_num_seqs-row buffers, so 1 request, 2 requests and a full batch, in extend, mixed and decode
-    llm.generate(PROMPTS, SamplingParams(max_new_tokens=4))
-    llm.generate([[4] * 3], SamplingParams(max_new_tokens=3))
-    llm.generate([[5] * 7, [6] * 2], SamplingParams(max_new_tokens=3))
-    llm.generate([[i + 1] * 2 for i in range(4)], SamplingParams(max_new_tokens=3))  # decode with 4 rows
+    ids(llm.generate(PROMPTS, SamplingParams(max_new_tokens=4)))
+    ids(llm.generate([[4] * 3], SamplingParams(max_new_tokens=3)))
+    ids(llm.generate([[5] * 7, [6] * 2], SamplingParams(max_new_tokens=3)))
+    ids(llm.generate([[i + 1] * 2 for i in range(4)], SamplingParams(max_new_tokens=3)))  # decode with 4 rows
     graphs, frames = counters["graphs"], dict(torch._dynamo.utils.counters["frames"])
     more = [[9] * 13, [8] * 2, [7] * 30, [6] * 5]
-    llm.generate(more, SamplingParams(max_new_tokens=9))
+    ids(llm.generate(more, SamplingParams(max_new_tokens=9)))
     assert counters["graphs"] == graphs
     assert dict(torch._dynamo.utils.counters["frames"]) == frames
 
@@ -261,7 +261,7 @@ def test_debug_dump_writes_plan_and_pieces(tmp_path, monkeypatch):
     monkeypatch.setenv("TSCOMPILE_DEBUG_DIR", str(tmp_path))
     torch.compiler.reset()  # an earlier test's compiled step would be reused (its guards still hold)
     llm = make_llm("narrow-tiny")
-    llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    ids(llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2)))
     folders = sorted(tmp_path.glob("graph_*"))
     plans = [f / "plan.txt" for f in folders if (f / "split.py").exists()]
     assert plans, list(tmp_path.rglob("*"))
@@ -278,12 +278,12 @@ def test_each_engine_compiles_its_own_steps():
 
     params = SamplingParams(max_new_tokens=2)
     first, second = make_llm(), make_llm()
-    tokens = first.generate(PROMPTS[:2], params)
+    tokens = ids(first.generate(PROMPTS[:2], params))
     own = first.runner.extend_step.__wrapped__.__code__
     shared = type(first.runner)._extend_forward.__code__
     assert own is not shared and own is not second.runner.extend_step.__wrapped__.__code__
     n_first, n_shared = len(entries(own)), len(entries(shared))  # other tests may have traced `shared`
     assert n_first >= 1
-    assert second.generate(PROMPTS[:2], params) == tokens  # same preset and seed: same tokens
+    assert ids(second.generate(PROMPTS[:2], params)) == tokens  # same preset and seed: same tokens
     assert len(entries(own)) == n_first and len(entries(shared)) == n_shared  # nothing landed on either
     assert len(entries(second.runner.extend_step.__wrapped__.__code__)) >= 1

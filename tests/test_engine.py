@@ -7,7 +7,7 @@ import torch
 from tscompile import SamplingParams
 from tscompile.forward_context import ForwardMode
 
-from helpers import PROMPTS, record_modes, small_llm
+from helpers import PROMPTS, record_modes, small_llm, ids
 from reference import dense_greedy
 
 def make_llm(model="llama-tiny", **kw):
@@ -19,7 +19,7 @@ def make_llm(model="llama-tiny", **kw):
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 def test_greedy_matches_dense_reference(model):
     llm = make_llm(model)
-    out = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    out = ids(llm.generate(PROMPTS, SamplingParams(max_new_tokens=6)))
     for prompt, got in zip(PROMPTS, out):
         assert got == dense_greedy(llm.model, prompt, 6)
 
@@ -29,24 +29,24 @@ def test_greedy_matches_dense_reference(model):
                                     SamplingParams(max_new_tokens=7, temperature=0.9, top_k=20, top_p=0.9, seed=3)])
 def test_batched_equals_one_request_at_a_time(model, params):
     llm = make_llm(model, dtype=torch.float32)
-    batched = llm.generate(PROMPTS, params)
-    single = [llm.generate([p], params)[0] for p in PROMPTS]
+    batched = ids(llm.generate(PROMPTS, params))
+    single = [ids(llm.generate([p], params))[0] for p in PROMPTS]
     assert batched == single
     assert all(len(o) == 7 for o in batched)
 
 
 @pytest.mark.parametrize("page_size,pages_per_block", [(1, 1), (4, 2), (16, 1), (64, 1)])
 def test_page_geometry_does_not_change_tokens(page_size, pages_per_block):
-    ref = make_llm(page_size=8).generate(PROMPTS, SamplingParams(max_new_tokens=5))
-    got = make_llm(page_size=page_size, pages_per_block=pages_per_block).generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    ref = ids(make_llm(page_size=8).generate(PROMPTS, SamplingParams(max_new_tokens=5)))
+    got = ids(make_llm(page_size=page_size, pages_per_block=pages_per_block).generate(PROMPTS, SamplingParams(max_new_tokens=5)))
     assert got == ref
 
 
 def test_chunked_prefill_equals_unchunked_and_mixes_steps():
-    unchunked = make_llm().generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    unchunked = ids(make_llm().generate(PROMPTS, SamplingParams(max_new_tokens=6)))
     llm = make_llm(max_num_batched_tokens=5)
     modes = record_modes(llm)
-    chunked = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6))
+    chunked = ids(llm.generate(PROMPTS, SamplingParams(max_new_tokens=6)))
     assert chunked == unchunked
     assert ForwardMode.MIXED in modes and ForwardMode.DECODE in modes and ForwardMode.EXTEND in modes
 
@@ -56,7 +56,7 @@ def test_narrowing_model_chunked_prefill_matches_dense_with_open_chunk_rows():
     from reference import dense_last_logits
     llm = make_llm("narrow-tiny", max_num_batched_tokens=4, max_num_seqs=1)
     prompt = PROMPTS[2]  # 19 tokens -> chunks of 4: open chunks end at 3, 7, 11, 15; the last keeps W=4 rows
-    out = llm.generate([prompt], SamplingParams(max_new_tokens=4))
+    out = ids(llm.generate([prompt], SamplingParams(max_new_tokens=4)))
     kept = [3, 7, 11, 15, 15, 16, 17, 18]
     kept = sorted(set(kept))  # the last chunk (16..18) completes: keeps min(4, 3) rows
     tokens, expect = list(prompt), []
@@ -69,7 +69,7 @@ def test_narrowing_model_chunked_prefill_matches_dense_with_open_chunk_rows():
 
 
 REFUSALS = [
-    ([], SamplingParams(max_new_tokens=2), r"tscompile: empty prompt"),
+    ([], SamplingParams(max_new_tokens=2), r"tscompile: (prompts=\[\] holds no prompt|prompt 1 is empty)"),
     ([1, 2, 512], SamplingParams(max_new_tokens=2), r"tscompile: token id 512 outside the vocabulary \[0, 512\)"),
     ([1, -1], SamplingParams(max_new_tokens=2), r"tscompile: token id -1 outside"),
     ([1] * 60, SamplingParams(max_new_tokens=8), r"tscompile: prompt \(60\) \+ max_new_tokens \(8\) = 68 exceeds max_model_len 64"),
@@ -78,7 +78,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("prompt,params,msg", REFUSALS)
 def test_refusal_leaves_a_concurrent_request_unchanged(prompt, params, msg):
-    alone = make_llm().generate([PROMPTS[0]], SamplingParams(max_new_tokens=6))[0]
+    alone = ids(make_llm().generate([PROMPTS[0]], SamplingParams(max_new_tokens=6)))[0]
     llm = make_llm()
     req = llm.add_request(PROMPTS[0], SamplingParams(max_new_tokens=6))
     llm.step()
@@ -86,7 +86,9 @@ def test_refusal_leaves_a_concurrent_request_unchanged(prompt, params, msg):
     with pytest.raises(ValueError, match=msg):
         llm.add_request(prompt, params)
     with pytest.raises(ValueError, match=msg):
-        llm.generate([PROMPTS[1], prompt], [SamplingParams(max_new_tokens=2), params])
+        ids(llm.generate([PROMPTS[1], prompt], [SamplingParams(max_new_tokens=2), params]))
+    # right after the refusal: nothing of the refused call is queued or running
+    assert not llm.scheduler.waiting and llm.scheduler.running == [req]
     while llm.has_unfinished():
         llm.step()
     assert req.output == alone
@@ -98,8 +100,8 @@ def test_pool_too_small_is_refused_and_exhaustion_waits():
         llm.add_request([1] * 30, SamplingParams(max_new_tokens=8))
     # two requests that each fit alone but not together run one after the other, unchanged
     a, b = [3] * 20, [4] * 18
-    expect = [make_llm().generate([p], SamplingParams(max_new_tokens=6))[0] for p in (a, b)]
-    assert llm.generate([a, b], SamplingParams(max_new_tokens=6)) == expect
+    expect = [ids(make_llm().generate([p], SamplingParams(max_new_tokens=6)))[0] for p in (a, b)]
+    assert ids(llm.generate([a, b], SamplingParams(max_new_tokens=6))) == expect
 
 
 def test_bad_sampling_params_are_refused():
@@ -150,14 +152,14 @@ def test_step_returns_a_request_once_its_last_token_is_read_back():
     assert llm.step() == []  # the last decode launched: scheduling-finished, not read back
     assert req.finished and len(req.output) == 2 and llm.has_unfinished()
     assert llm.step() == [req] and len(req.output) == 3 and not llm.has_unfinished()
-    assert req.output == make_llm(async_scheduling=False).generate([PROMPTS[0]], SamplingParams(max_new_tokens=3))[0]
+    assert req.output == ids(make_llm(async_scheduling=False).generate([PROMPTS[0]], SamplingParams(max_new_tokens=3)))[0]
 
 
 def test_a_failed_launch_loses_no_finished_request_and_a_retry_gives_the_same_tokens():
     """A launch that raises after the step before it was read back: the request that step finished is
     returned by a later step, the scheduler is untouched, and retrying gives the tokens of a clean run."""
     params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=4)]
-    clean = make_llm().generate(PROMPTS[:2], params)
+    clean = ids(make_llm().generate(PROMPTS[:2], params))
     llm = make_llm()
     short = llm.add_request(PROMPTS[0], params[0])
     assert llm.step() == []  # both prefills would fit, but only the first prompt is queued yet
@@ -184,7 +186,7 @@ def test_a_failed_launch_loses_no_finished_request_and_a_retry_gives_the_same_to
 
 def test_a_direct_runner_call_with_a_token_still_on_the_device_is_refused():
     llm = make_llm()
-    llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    ids(llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2)))
     req = llm.add_request(PROMPTS[1], SamplingParams(max_new_tokens=5))
     llm.step()  # the prefill: its token is not read back
     plan = llm.scheduler.schedule()
@@ -202,7 +204,7 @@ def test_a_launch_between_engine_steps_breaks_the_chain_instead_of_reading_the_c
     from tscompile.counters import counters
 
     params = SamplingParams(max_new_tokens=6)
-    clean = make_llm().generate(PROMPTS[:2], params)
+    clean = ids(make_llm().generate(PROMPTS[:2], params))
     llm = make_llm()
     reqs = [llm.add_request(p, params) for p in PROMPTS[:2]]
     for _ in range(3):

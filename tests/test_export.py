@@ -19,7 +19,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.cli import main as cli_main
 from tscompile.export import export_package, read_package_metadata
 
-from helpers import record_modes
+from helpers import record_modes, ids
 
 DEVICE = torch.device(os.environ.get("TSCOMPILE_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -104,15 +104,15 @@ def test_package_greedy_equals_eager_across_batch_sizes(model, package, eager):
     modes = record_modes(llm)
     params = SamplingParams(max_new_tokens=6)
     for batch in BATCHES:
-        got = llm.generate(batch, params)
-        assert got == eager(model).generate(batch, params), f"batch of {len(batch)}"
+        got = ids(llm.generate(batch, params))
+        assert got == ids(eager(model).generate(batch, params)), f"batch of {len(batch)}"
         assert all(len(o) == 6 for o in got)
     assert ForwardMode.MIXED not in modes
     # more requests than max_num_seqs, finishing at different steps: late prompts are admitted while
     # others decode (mixed steps) and chunked by the token budget
     params = [SamplingParams(max_new_tokens=n) for n in (3, 8, 5, 2, 7, 4)]
-    got = llm.generate(PROMPTS[::-1], params)
-    assert got == eager(model).generate(PROMPTS[::-1], params)
+    got = ids(llm.generate(PROMPTS[::-1], params))
+    assert got == ids(eager(model).generate(PROMPTS[::-1], params))
     assert [len(o) for o in got] == [3, 8, 5, 2, 7, 4]
     assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)
     assert not llm.has_unfinished()
@@ -128,13 +128,13 @@ def test_tight_bounds_batch_of_one_and_four_token_steps(tmp_path_factory):
     ref = tscompile.LLM("llama-tiny", device=DEVICE, dtype=torch.float32, enforce_eager=True, **bounds)
     params = SamplingParams(max_new_tokens=5)
     for batch in ([[300]], [PROMPTS[0]], [[1, 2], [3]], [PROMPTS[0], [300], PROMPTS[3]]):
-        assert llm.generate(batch, params) == ref.generate(batch, params)
+        assert ids(llm.generate(batch, params)) == ids(ref.generate(batch, params))
 
 
 def test_package_sampling_equals_eager(package, eager):
     llm = tscompile.load_package(package("llama-tiny"))
     params = [SamplingParams(max_new_tokens=5, temperature=0.9, top_k=20, top_p=0.9, seed=s) for s in range(4)]
-    assert llm.generate(PROMPTS[:4], params) == eager("llama-tiny").generate(PROMPTS[:4], params)
+    assert ids(llm.generate(PROMPTS[:4], params)) == ids(eager("llama-tiny").generate(PROMPTS[:4], params))
 
 
 def _compiled_ops(path, program: str) -> set[str]:
@@ -173,11 +173,11 @@ def test_external_weights_load_agree_and_are_borrowed(package, eager):
     assert os.path.getsize(external) < os.path.getsize(inside) - weight_bytes // 2  # no weights inside
     llm = tscompile.load_package(external)
     params = SamplingParams(max_new_tokens=6)
-    assert llm.generate(PROMPTS, params) == eager("llama-tiny").generate(PROMPTS, params)
+    assert ids(llm.generate(PROMPTS, params)) == ids(eager("llama-tiny").generate(PROMPTS, params))
     # the programs read the very tensors loaded from the file (no second copy): zeroing the output
     # projection in place zeroes every logit, so greedy (stable sort) picks token 0 everywhere
     llm.package.weights["output.weight"].zero_()
-    assert llm.generate(PROMPTS[:2], params) == [[0] * 6, [0] * 6]
+    assert ids(llm.generate(PROMPTS[:2], params)) == [[0] * 6, [0] * 6]
 
 
 def test_tied_weights_are_written_once_with_an_alias():
@@ -230,14 +230,14 @@ def test_refuses_runtime_limits_beyond_package_bounds(package, name, value, limi
 def test_refuses_requests_beyond_package_bounds_and_queues_nothing(package):
     llm = tscompile.load_package(package("llama-tiny"))
     with pytest.raises(ValueError, match=r"^tscompile: .* = 66 exceeds max_model_len 64 \(package bound 64\)"):
-        llm.generate([[1, 2, 3], list(range(60))], SamplingParams(max_new_tokens=6))
+        ids(llm.generate([[1, 2, 3], list(range(60))], SamplingParams(max_new_tokens=6)))
     assert not llm.has_unfinished()
     with pytest.raises(ValueError, match=r"^tscompile: token id 512 outside the vocabulary"):
-        llm.generate([[512]])
+        ids(llm.generate([[512]]))
     small = tscompile.load_package(package("llama-tiny"), max_model_len=16)
     with pytest.raises(ValueError, match=r"^tscompile: .* = 20 exceeds max_model_len 16 \(package bound 64\)"):
-        small.generate([list(range(10))], SamplingParams(max_new_tokens=10))
-    assert len(small.generate([list(range(10))], SamplingParams(max_new_tokens=6))[0]) == 6
+        ids(small.generate([list(range(10))], SamplingParams(max_new_tokens=10)))
+    assert len(ids(small.generate([list(range(10))], SamplingParams(max_new_tokens=6)))[0]) == 6
 
 
 def test_refuses_what_is_not_a_package(tmp_path):
@@ -263,7 +263,7 @@ def test_run_package_cli_prints_ids_size_and_load_time(package, eager, capsys):
     assert cli_main(["run-package", str(path), "--prompt-ids", "5,17,3,99", "--prompt-ids", "300",
                      "--max-new-tokens", "5", "--verbose"]) == 0
     out = capsys.readouterr().out
-    want = eager("narrow-tiny").generate([[5, 17, 3, 99], [300]], SamplingParams(max_new_tokens=5))
+    want = ids(eager("narrow-tiny").generate([[5, 17, 3, 99], [300]], SamplingParams(max_new_tokens=5)))
     assert f"[0] {' '.join(map(str, want[0]))}" in out and f"[1] {' '.join(map(str, want[1]))}" in out
     assert re.search(r"package .*: \d+\.\d+ MiB \(weights inside\), loaded in \d+\.\d+ s", out)
     assert cli_main(["run-package", str(path), "--prompt-ids", "7,8,9", "--max-new-tokens", "3", "--json", "-v"]) == 0

@@ -8,6 +8,7 @@ import tscompile
 from tscompile import SamplingParams
 from tscompile.attention import AttentionMetadata
 from tscompile.runtime.scheduler import ScheduledBatch
+from helpers import ids
 
 pytestmark = pytest.mark.gpu
 
@@ -98,11 +99,11 @@ def test_padded_rows_write_only_the_null_page_with_a_poisoned_pool():
 
 def test_above_ladder_decode_runs_eagerly_and_matches():
     params = SamplingParams(max_new_tokens=6)
-    eager = make(enforce_eager=True).generate(PROMPTS, params)
+    eager = ids(make(enforce_eager=True).generate(PROMPTS, params))
     llm = make(compile_options={"decode_ladder": (1, 2, 4)})
     from tscompile.counters import counters
     before = counters["decode_eager"]
-    assert llm.generate(PROMPTS, params) == eager
+    assert ids(llm.generate(PROMPTS, params)) == eager
     assert counters["decode_eager"] > before  # 7 requests > ladder top 4
 
 
@@ -120,8 +121,8 @@ def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 def test_compiled_graphs_equal_enforce_eager_tokens(model):
     params = SamplingParams(max_new_tokens=8)
-    eager = make(model, enforce_eager=True, max_num_batched_tokens=32).generate(PROMPTS, params)
-    assert make(model, max_num_batched_tokens=32).generate(PROMPTS, params) == eager
+    eager = ids(make(model, enforce_eager=True, max_num_batched_tokens=32).generate(PROMPTS, params))
+    assert ids(make(model, max_num_batched_tokens=32).generate(PROMPTS, params)) == eager
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -132,9 +133,9 @@ def test_async_scheduling_on_graphs_gives_the_tokens_of_synchronous_steps(backen
     from tscompile.counters import counters
     params = [SamplingParams(max_new_tokens=4 + 3 * (i % 4), temperature=0.7 * (i % 2), top_k=50, seed=i)
               for i in range(len(PROMPTS))]
-    sync = make(backend=backend, async_scheduling=False, tuned=True).generate(PROMPTS, params)
+    sync = ids(make(backend=backend, async_scheduling=False, tuned=True).generate(PROMPTS, params))
     counters.clear()
-    assert make(backend=backend, tuned=True).generate(PROMPTS, params) == sync
+    assert ids(make(backend=backend, tuned=True).generate(PROMPTS, params)) == sync
     assert counters["decode_chained"] > 0 and counters["decode_replays"] > 0
 
 
@@ -142,9 +143,9 @@ def test_triton_equals_torch_on_llama_1b_ragged_greedy():
     prompts = [[(13 * i + 7 * j) % 128000 + 1 for j in range(n)] for i, n in enumerate([3, 40, 17, 130, 64])]
     params = SamplingParams(max_new_tokens=12)
     kw = dict(max_model_len=512, max_num_seqs=8, dtype=torch.float32, compile_options={})
-    ref = make("llama-1b", "torch", **kw).generate(prompts, params)
+    ref = ids(make("llama-1b", "torch", **kw).generate(prompts, params))
     torch.cuda.empty_cache()
-    assert make("llama-1b", "triton", **kw).generate(prompts, params) == ref
+    assert ids(make("llama-1b", "triton", **kw).generate(prompts, params)) == ref
 
 
 # -- prefill graphs ---------------------------------------------------------------------------------
@@ -168,8 +169,8 @@ def test_prefill_graph_replay_is_bitwise_the_same_padded_pieces_without_graphs(m
     row plan differs (so a replay that kept the captured metadata would pick the wrong rows)."""
     from tscompile.counters import counters
     llm = make(model, backend, compile_options=PREFILL_LADDER, max_num_batched_tokens=64)
-    llm.generate([[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate(lens)],
-                 SamplingParams(max_new_tokens=2))  # captures this bucket's pieces
+    ids(llm.generate([[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate(lens)],
+                 SamplingParams(max_new_tokens=2)))  # captures this bucket's pieces
     counters.clear()
     for i, n in enumerate(other):
         llm.add_request([(11 * i + 3 * j) % 400 + 1 for j in range(n)], SamplingParams(max_new_tokens=2))
@@ -197,10 +198,10 @@ def test_prefill_graphs_equal_eager_tokens_across_buckets_and_above_them(model):
     params = SamplingParams(max_new_tokens=6)
     prompts = PROMPTS + [[(3 * j) % 300 + 1 for j in range(90)]]  # 90 tokens: above the ladder top 64
     eager = make(model, enforce_eager=True, max_num_batched_tokens=100)
-    expected = [eager.generate(prompts, params), eager.generate(prompts[::-1], params)]
+    expected = [ids(eager.generate(prompts, params)), ids(eager.generate(prompts[::-1], params))]
     counters.clear()
     llm = make(model, compile_options=PREFILL_LADDER, max_num_batched_tokens=100)
-    assert [llm.generate(prompts, params), llm.generate(prompts[::-1], params)] == expected
+    assert [ids(llm.generate(prompts, params)), ids(llm.generate(prompts[::-1], params))] == expected
     assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
     assert counters["prefill_replays"] > counters["prefill_captures"] > 0
     if model == "narrow-tiny":
@@ -229,9 +230,9 @@ def test_narrowing_decoder_above_the_largest_row_bucket_runs_without_graphs_and_
     from tscompile.counters import counters
     params = SamplingParams(max_new_tokens=4)
     prompts = [[(3 * i + j) % 300 + 1 for j in range(9)] for i in range(6)]  # one step keeps 6 * 4 = 24 rows
-    eager = make("narrow-tiny", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params)
+    eager = ids(make("narrow-tiny", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params))
     counters.clear()
     llm = make("narrow-tiny", compile_options=PREFILL_LADDER, max_num_batched_tokens=64)
     llm.runner.prefill_buckets.row_ladder = (16,)  # 24 kept rows exceed it: the decoder stage runs the pieces ungraphed
-    assert llm.generate(prompts, params) == eager
+    assert ids(llm.generate(prompts, params)) == eager
     assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1

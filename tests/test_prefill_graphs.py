@@ -8,7 +8,7 @@ runs the real graphs."""
 import pytest
 import torch
 
-from helpers import PROMPTS, small_llm
+from helpers import PROMPTS, small_llm, ids
 from tscompile import SamplingParams
 from tscompile.counters import counters
 from tscompile.custom_ops.attention import run_attention
@@ -48,10 +48,10 @@ def test_prefill_graphs_equal_eager_across_token_and_row_buckets(model):
                                                                         seed=7)
     runs = [(RAGGED, greedy), (RAGGED[::-1], greedy), (RAGGED, sampled)]  # later runs replay earlier captures
     eager = small_llm(model, dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=20, max_num_seqs=5)
-    expected = [eager.generate(p, params) for p, params in runs]
+    expected = [ids(eager.generate(p, params)) for p, params in runs]
     counters.clear()
     graphed = _graphed_llm(model, max_num_batched_tokens=20, max_num_seqs=5)
-    assert [graphed.generate(p, params) for p, params in runs] == expected
+    assert [ids(graphed.generate(p, params)) for p, params in runs] == expected
     # 20-token chunks run above the ladder (no graph); the smaller tail chunks and mixed steps are graphed
     assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
     assert counters["prefill_replays"] > counters["prefill_captures"] > 0
@@ -67,8 +67,8 @@ def test_prefill_graph_logits_match_eager_with_the_sampler_split_off(model):
     graphed = _graphed_llm(model, max_num_batched_tokens=20, max_num_seqs=5)
     eager_logits, graphed_logits = _record_logits(eager), _record_logits(graphed)
     for prompts in (RAGGED, RAGGED[::-1]):
-        assert graphed.generate(prompts, SamplingParams(max_new_tokens=3)) == eager.generate(
-            prompts, SamplingParams(max_new_tokens=3))
+        assert ids(graphed.generate(prompts, SamplingParams(max_new_tokens=3))) == ids(eager.generate(
+            prompts, SamplingParams(max_new_tokens=3)))
     for a, b in zip(eager_logits, graphed_logits, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
@@ -77,27 +77,27 @@ def test_narrowing_decoder_runs_without_graphs_above_the_largest_row_bucket():
     params = SamplingParams(max_new_tokens=2)
     prompts = [[(3 * i + j) % 300 + 1 for j in range(4)] for i in range(4)]  # 16 tokens, 16 kept rows
     options = {"token_ladder": (4, 8, 16), "prefill_graph_max_tokens": 16}
-    expected = small_llm("narrow-tiny", dtype=torch.float32, enforce_eager=True,
-                         max_num_batched_tokens=16).generate(prompts, params)
+    expected = ids(small_llm("narrow-tiny", dtype=torch.float32, enforce_eager=True,
+                         max_num_batched_tokens=16).generate(prompts, params))
     counters.clear()
     llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options=options, max_num_batched_tokens=16)
     llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
     llm.runner.prefill_buckets.row_ladder = (4, 8)  # the 16 kept rows of the first step exceed it
-    assert llm.generate(prompts, params) == expected
+    assert ids(llm.generate(prompts, params)) == expected
     assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1
 
 
 def test_steps_inside_one_bucket_replay_without_capturing_or_recompiling():
     llm = _graphed_llm("llama-tiny")
     params = SamplingParams(max_new_tokens=1)
-    llm.generate([[7] * 5], params)  # 5 tokens -> bucket 8: first capture
+    ids(llm.generate([[7] * 5], params))  # 5 tokens -> bucket 8: first capture
     captures, graphs = counters["prefill_captures"], counters["graphs"]
     frames = dict(torch._dynamo.utils.counters["frames"])
-    llm.generate([[9] * 6], params)  # 6 and 8 tokens: the same bucket, one request
-    llm.generate([[4] * 8], params)
+    ids(llm.generate([[9] * 6], params))  # 6 and 8 tokens: the same bucket, one request
+    ids(llm.generate([[4] * 8], params))
     assert counters["prefill_captures"] == captures
     assert counters["graphs"] == graphs and dict(torch._dynamo.utils.counters["frames"]) == frames
-    llm.generate([[3] * 12], params)  # bucket 16: new captures, still no recompile
+    ids(llm.generate([[3] * 12], params))  # bucket 16: new captures, still no recompile
     assert counters["prefill_captures"] > captures and counters["graphs"] == graphs
 
 
@@ -232,7 +232,7 @@ def test_prefill_graph_max_tokens_zero_turns_prefill_graphs_off():
     llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options={"prefill_graph_max_tokens": 0})
     llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
     counters.clear()
-    assert llm.generate(RAGGED[:3], SamplingParams(max_new_tokens=2))
+    assert ids(llm.generate(RAGGED[:3], SamplingParams(max_new_tokens=2)))
     assert counters["prefill_eager"] > 0 and counters["prefill_graphed"] == 0
     assert counters["prefill_captures"] == 0 and counters["decoder_rows_graphed"] == 0
 
@@ -241,7 +241,7 @@ def test_a_direct_runner_call_reuses_the_engines_compiled_pieces_and_graphs():
     """Dynamo guards on inference mode: the runner enters it itself, so a step launched outside the
     engine (as the GPU tests do) neither recompiles nor captures again."""
     llm = _graphed_llm("llama-tiny", max_num_batched_tokens=64)
-    llm.generate([[(7 * j) % 400 + 1 for j in range(11)]], SamplingParams(max_new_tokens=2))
+    ids(llm.generate([[(7 * j) % 400 + 1 for j in range(11)]], SamplingParams(max_new_tokens=2)))
     counters.clear()
     llm.add_request([(3 * j) % 400 + 1 for j in range(14)], SamplingParams(max_new_tokens=2))  # same bucket
     assert not torch.is_inference_mode_enabled()

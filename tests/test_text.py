@@ -8,43 +8,20 @@ import random
 
 import pytest
 
+from helpers import SENTENCES, save_tokenizer
 from tscompile.outputs import CompletionOutput, RequestOutput
 from tscompile.prompts import Prompt, check_token_ids, parse_prompts
 from tscompile.sampling import SamplingParams
 from tscompile.text import (CompletionState, IncrementalDetokenizer, StopChecker, apply_chat_template,
                             eos_token_ids, load_tokenizer)
 
-SENTENCES = ["Hello world! The quick brown fox jumps over the lazy dog.", "Café naïve résumé, déjà vu.",
-             "我们喜欢机器学习。你好，世界！", "Emoji time 🎉🚀 and 😀 smiles 👍🏽", "日本語のテキストも少し。"]
-SPECIALS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MIXED = "Hi 🙂 世界, naïve 🚀!"  # 🙂 was never in training text: four byte tokens
-
-
-def _save_tokenizer(path, chat_template):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(SENTENCES * 3, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   clean_up_tokenization_spaces=False)
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    if chat_template:
-        fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory):
-    return (_save_tokenizer(tmp_path_factory.mktemp("chat_tok"), True),
-            _save_tokenizer(tmp_path_factory.mktemp("plain_tok"), False))
+    return (save_tokenizer(tmp_path_factory.mktemp("chat_tok"), True),
+            save_tokenizer(tmp_path_factory.mktemp("plain_tok"), False))
 
 
 @pytest.fixture(scope="module")

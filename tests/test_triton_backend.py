@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tscompile
-from helpers import dense_reference, random_paged_batch, run_attention
+from helpers import dense_reference, random_paged_batch, run_attention, ids
 from tscompile.attention import leaf_class
 from tscompile.attention.triton_backend import TritonAttentionBackend
 from tscompile.custom_ops import triton_attention as ta
@@ -294,7 +294,7 @@ def test_llm_greedy_tokens_match_torch_backend(device):
     for backend, eager in (("torch", True), ("triton", True), ("triton", False)):
         llm = tscompile.LLM("llama-tiny", attention_backend=backend, device=device, dtype="float32",
                             max_model_len=64, max_num_seqs=4, page_size=16, enforce_eager=eager)
-        tokens[backend, eager] = llm.generate(prompts, params)
+        tokens[backend, eager] = ids(llm.generate(prompts, params))
     assert tokens["triton", True] == tokens["torch", True]
     assert tokens["triton", False] == tokens["torch", True]
     assert all(len(t) == 4 for t in tokens["torch", True])
@@ -410,6 +410,6 @@ def test_gpu_llm_greedy_tokens_match_torch_backend():
     for backend, eager in (("torch", True), ("triton", True), ("triton", False)):
         llm = tscompile.LLM("llama-tiny", attention_backend=backend, device="cuda", dtype="float32",
                             max_model_len=512, max_num_seqs=4, page_size=16, enforce_eager=eager)
-        tokens[backend, eager] = llm.generate(prompts, params)
+        tokens[backend, eager] = ids(llm.generate(prompts, params))
     assert tokens["triton", True] == tokens["torch", True]
     assert tokens["triton", False] == tokens["torch", True]

@@ -1,4 +1,4 @@
-"""The ``tscompile`` command line: ``generate`` (and the subcommands later modules add)."""
+"""The ``tscompile`` command line: the subcommands (each in its module) and the flags they share."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 
 # subcommand -> module exposing add_parser(subparsers) and run(args); imported only when used
 COMMANDS: dict[str, str] = {
-    "generate": "tscompile.cli",
+    "generate": "tscompile.generate_cli",
+    "chat": "tscompile.generate_cli",
     "bench": "tscompile.bench.cli",
     "export": "tscompile.export_cli",
     "run-package": "tscompile.export_cli",
@@ -38,12 +39,14 @@ def parse_prompt_ids(text: str) -> list[int]:
 DEFAULT_PROMPTS = [[1, 15, 27, 3, 99, 42], [7, 8, 9]]
 
 
-def prompts_from_args(args: argparse.Namespace) -> list[list[int]]:
-    """The prompts of ``--prompt-ids`` (parsed here, so a bad one is a ``tscompile:`` error that
-    ``main`` prints as one line), or the built-in ones."""
-    if not args.prompt_ids:
+def prompts_from_args(args: argparse.Namespace) -> list:
+    """The prompts of ``--prompt`` (text) and ``--prompt-ids`` (parsed here, so a bad one is a
+    ``tscompile:`` error that ``main`` prints as one line), or the built-in id prompts."""
+    texts = list(getattr(args, "prompt", None) or [])
+    ids = [parse_prompt_ids(text) for text in args.prompt_ids or []]
+    if not texts and not ids:
         return [list(p) for p in DEFAULT_PROMPTS]
-    return [parse_prompt_ids(text) for text in args.prompt_ids]
+    return texts + ids
 
 
 def check_sampling_args(args: argparse.Namespace) -> None:
@@ -55,15 +58,18 @@ def check_sampling_args(args: argparse.Namespace) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-tiny", help="preset name (llama-tiny, narrow-tiny, llama-1b, llama-8b)")
+    p.add_argument("--model", default="llama-tiny",
+                   help="a local Hugging Face checkpoint directory, or a preset name (llama-tiny, narrow-tiny, "
+                        "llama-1b, llama-8b: random weights)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt plus new tokens (default: the checkpoint's maximum; 512 for a preset)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--seed", type=int, default=0, help="weight seed of the preset model")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -72,14 +78,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, seed=args.seed)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate token ids from a preset model")
-    add_engine_args(p)
-    add_generation_args(p)
-
-
 def add_generation_args(p: argparse.ArgumentParser) -> None:
-    """Prompts, sampling and output flags shared by ``generate`` and ``run-package``."""
+    """Prompts, sampling and output flags shared by ``generate``, ``chat`` and ``run-package``."""
+    p.add_argument("--prompt", action="append", help="the text of one prompt (needs a model with a tokenizer); "
+                                                       "repeat for a batch")
     p.add_argument("--prompt-ids", action="append",
                    help='token ids of one prompt, e.g. "1,2,3"; repeat for a batch (default: two built-in prompts)')
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -87,40 +89,32 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
+    p.add_argument("--stop-token-ids", default=None, help='e.g. "128001,128009"')
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--show-ids", action="store_true", help="print token ids, not only text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def run(args: argparse.Namespace) -> int:
+def sampling_params_from_args(args: argparse.Namespace):
     import tscompile
 
-    from tscompile.validation import validate_engine_args
+    stop_ids = parse_prompt_ids(args.stop_token_ids) if args.stop_token_ids else ()
+    return tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed,
+                                    min_tokens=args.min_tokens, stop=tuple(args.stop), stop_token_ids=stop_ids,
+                                    ignore_eos=args.ignore_eos)
 
-    prompts = prompts_from_args(args)
-    check_sampling_args(args)
-    kwargs = engine_kwargs(args)
-    validate_engine_args(**kwargs)  # before the sampling params or the model are built
-    params = tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
-    llm = tscompile.LLM(args.model, **kwargs)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    if llm.device.type == "cuda":
-        import torch
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    compile_s = llm.compile_seconds  # first calls compile; keep that out of the rate
-    run_s = max(elapsed - compile_s, 1e-9)
-    new_tokens = sum(len(o) for o in outputs)
-    if args.json:
-        print(json.dumps({"model": args.model, "outputs": outputs, "seconds": elapsed, "compile_seconds": compile_s,
-                          "tokens_per_s": new_tokens / run_s}))
-        return 0
+
+def print_outputs(outputs, *, show_ids: bool) -> None:
+    """One line per request: its text (ids when it has none), then its ids when asked for."""
     for i, out in enumerate(outputs):
-        print(f"[{i}] {' '.join(map(str, out))}")
-    print(f"{new_tokens} tokens: {new_tokens / run_s:.1f} tokens/s over {run_s:.3f} s, plus {compile_s:.1f} s "
-          f"compiling ({args.model}, {llm.device.type}, {str(llm.dtype).removeprefix('torch.')}, "
-          f"attention={type(llm.attention.leaves[0]).__name__})")
-    return 0
+        c = out.outputs[0]
+        if c.text or not show_ids:
+            print(f"[{i}] {c.text if c.text else ' '.join(map(str, c.token_ids))}")
+        if show_ids:
+            print(f"[{i}] ids: {' '.join(map(str, c.token_ids))} ({c.finish_reason})")
 
 
 def main(argv: list[str] | None = None) -> int:

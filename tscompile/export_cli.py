@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from tscompile.cli import add_generation_args, check_sampling_args, prompts_from_args
+from tscompile.cli import add_generation_args, check_sampling_args, prompts_from_args, print_outputs, sampling_params_from_args
 
 
 def add_parser(sub) -> None:
@@ -86,24 +86,23 @@ def _run_package(args: argparse.Namespace) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens)
     llm = tscompile.load_package(args.package, device=args.device, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens)
-    params = tscompile.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
+    params = sampling_params_from_args(args)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    new_tokens = sum(len(o) for o in outputs)
+    new_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     pkg = llm.package
     rec = pkg.record
     if args.json:
-        out = {"package": args.package, "outputs": outputs, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed}
+        out = {"package": args.package, "outputs": [o.outputs[0].token_ids for o in outputs], "seconds": elapsed,
+               "tokens_per_s": new_tokens / elapsed}
         if args.verbose:
             out.update(package_bytes=pkg.package_bytes, load_seconds=pkg.load_seconds, record=rec)
         print(json.dumps(out))
         return 0
-    for i, o in enumerate(outputs):
-        print(f"[{i}] {' '.join(map(str, o))}")
+    print_outputs(outputs, show_ids=args.show_ids or llm.tokenizer is None)
     if args.verbose:
         b = rec["bounds"]
         print(f"package {args.package}: {pkg.package_bytes / 2**20:.2f} MiB (weights {rec['weights']}), "

@@ -16,12 +16,14 @@ from tscompile.attention.router import AttentionRouter
 from tscompile.config import TscompileConfig
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
-from tscompile.models import ModelConfig, Transformer, build_model
+from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, build_model, load_model
 from tscompile.runtime.model_runner import ModelRunner
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Scheduler
 from tscompile.step_plan import StepPlan
-from tscompile.utils import cdiv
+from tscompile.text import eos_token_ids as text_eos_ids
+from tscompile.text import load_tokenizer
+from tscompile.utils import cdiv, resolve_dtype
 
 
 class StepRunner(Protocol):
@@ -38,7 +40,8 @@ class StepRunner(Protocol):
 
 @dataclass
 class EngineParts:
-    """Everything an engine steps: ``model`` is None for a package (its programs are the model)."""
+    """Everything an engine steps: ``model`` is None for a package (its programs are the model);
+    ``tokenizer`` is None for a model without one (token ids in and out only)."""
 
     config: ModelConfig
     device: torch.device
@@ -48,11 +51,22 @@ class EngineParts:
     scheduler: Scheduler
     runner: StepRunner
     model: Transformer | None = None
+    tokenizer: object | None = None
+    checkpoint: CheckpointInfo | None = None
+
+
+PRESET_MAX_MODEL_LEN = 512  # a random-weight preset's default context (a checkpoint's is its own)
+DEFAULT_POOL_TOKENS_PER_SEQ = 4096  # until the pool is sized from free memory: no 128k-per-sequence pool
 
 
 def default_num_pages(max_num_seqs: int, max_model_len: int, page_size: int, pages_per_block: int) -> int:
-    """Pages per cache group for ``max_num_seqs`` requests of ``max_model_len``, plus the null block."""
-    return (max_num_seqs * cdiv(max_model_len, page_size * pages_per_block) + 1) * pages_per_block
+    """Pages per cache group: ``max_num_seqs`` requests of ``max_model_len`` tokens (at most
+    ``DEFAULT_POOL_TOKENS_PER_SEQ`` each, but always one request of ``max_model_len``), plus the null
+    block. A request that can never fit is refused at admission, naming ``num_pages``."""
+    block = page_size * pages_per_block
+    per_seq = cdiv(min(max_model_len, DEFAULT_POOL_TOKENS_PER_SEQ), block)
+    blocks = max(max_num_seqs * per_seq, cdiv(max_model_len, block))
+    return (blocks + 1) * pages_per_block
 
 
 def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRouter, *, num_pages: int | None,
@@ -74,12 +88,29 @@ def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRo
 
 
 def build_model_engine(model: str | ModelConfig | Transformer, *, attention_backend: str, max_num_seqs: int,
-                       max_model_len: int, page_size: int, pages_per_block: int, num_pages: int | None,
-                       max_num_batched_tokens: int, dtype: torch.dtype, device: torch.device,
-                       compile_config: TscompileConfig | None, seed: int,
-                       eos_token_ids: tuple[int, ...] = ()) -> EngineParts:
-    built = model if isinstance(model, Transformer) else build_model(model, dtype=dtype, device=device, seed=seed)
+                       max_model_len: int | None, page_size: int, pages_per_block: int, num_pages: int | None,
+                       max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
+                       compile_config: TscompileConfig | None, seed: int) -> EngineParts:
+    """``model``: a preset name, a ``ModelConfig``, a built ``Transformer`` or a local checkpoint
+    directory. ``dtype`` None: bf16 on CUDA and float32 on the CPU for a preset, the checkpoint's own
+    on CUDA for a checkpoint. ``max_model_len`` None: the checkpoint's maximum, 512 for a preset."""
+    checkpoint = None
+    if isinstance(model, Transformer):
+        built = model
+    elif isinstance(model, ModelConfig) or model in PRESETS:
+        built = build_model(model, dtype=resolve_dtype(dtype, device), device=device, seed=seed)
+    else:
+        built, checkpoint = load_model(model, dtype=dtype if dtype is None else resolve_dtype(dtype, device),
+                                       device=device, max_model_len=max_model_len)
     cfg = built.config
+    if max_model_len is None:
+        max_model_len = cfg.max_position if checkpoint is not None else min(PRESET_MAX_MODEL_LEN, cfg.max_position)
+    tokenizer, eos_token_ids = None, ()
+    if checkpoint is not None:
+        tokenizer = load_tokenizer(checkpoint.path)
+        eos_token_ids = tuple(dict.fromkeys([*checkpoint.eos_token_ids,
+                                             *(text_eos_ids(tokenizer) if tokenizer is not None else ())]))
+    dtype = built.tok_embeddings.weight.dtype
     if max_model_len > cfg.max_position:
         raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position "
                          f"{cfg.max_position}")
@@ -96,4 +127,4 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                          banned_width=scheduler.banned_width, device=device, compile_config=compile_config,
                          graph_support=graph_support)
     runner.capture_decode_graphs()
-    return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built)
+    return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built, tokenizer, checkpoint)

@@ -10,19 +10,22 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator
 
 import torch
 
 from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
 from tscompile.models import ModelConfig, Transformer
+from tscompile.outputs import RequestOutput
+from tscompile.prompts import Prompt, parse_prompts
 from tscompile.runtime.build import EngineParts, build_model_engine
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
-from tscompile.utils import resolve_device, resolve_dtype
+from tscompile.text import CompletionState, apply_chat_template
+from tscompile.utils import resolve_device
 from tscompile.validation import validate_engine_args
 
 
@@ -33,18 +36,21 @@ class _InFlight:
     plan: StepPlan
     requests: list[Request]
     tokens: PendingTokens
-    finished: list[Request]
     launch: int  # the runner's launch count right after this step: anything launched since breaks a chain
 
 
 class LLM:
-    """Generate with a model: a preset name, a ``ModelConfig`` or a built ``Transformer``
-    (``tscompile.load_package`` builds one over a package).
+    """Generate with a model: a local Hugging Face checkpoint directory (Llama, Mistral, Qwen2,
+    Qwen3), a preset name, a ``ModelConfig`` or a built ``Transformer`` (``tscompile.load_package``
+    builds one over a package).
 
     ``max_num_seqs`` bounds concurrent requests (and the decode buffers); ``max_model_len`` bounds
-    prompt plus new tokens; ``num_pages`` (per cache group) defaults to enough for ``max_num_seqs``
-    requests of ``max_model_len``; ``max_num_batched_tokens`` is the per-step token budget that
-    chunks long prompts.
+    prompt plus new tokens (default: a checkpoint's maximum, 512 for a preset); ``num_pages`` (per
+    cache group) defaults to enough for ``max_num_seqs`` requests of ``max_model_len`` tokens, at
+    most 4096 each; ``max_num_batched_tokens`` is the per-step token budget that chunks long prompts.
+
+    Stop conditions follow vLLM: the model's end-of-sequence ids, ``stop_token_ids`` and ``stop``
+    strings end a request with ``finish_reason="stop"``, ``max_new_tokens`` with ``"length"``.
 
     By default the decode step is compiled whole and the prefill step piecewise by the tscompile
     backend (``compile_options`` are its options, see ``TscompileConfig``), with decode CUDA graphs
@@ -52,10 +58,10 @@ class LLM:
     without compiling.
 
     ``async_scheduling`` (default on) lets a decode step be scheduled, staged and launched while the
-    previous step still runs: nothing the scheduler decides depends on token values (requests stop
-    at ``max_new_tokens``), and a token the host has not read yet is gathered on the device. So
-    ``step()`` returns the requests whose last token it has read back, which can be one step after
-    the step that sampled it; ``sync()`` waits for the step in flight."""
+    previous step still runs: a token the host has not read yet is gathered on the device, and a
+    stop the host reads one step late drops the one token sampled after it (the outputs equal those
+    of synchronous steps). ``step()`` returns the requests finished and read back, which can be one
+    step after the step that sampled their last token; ``sync()`` waits for the step in flight."""
 
     def __init__(
         self,
@@ -63,7 +69,7 @@ class LLM:
         *,
         attention_backend: str = "auto",
         max_num_seqs: int = 8,
-        max_model_len: int = 512,
+        max_model_len: int | None = None,
         page_size: int = 16,
         pages_per_block: int = 1,
         num_pages: int | None = None,
@@ -87,7 +93,7 @@ class LLM:
         parts = build_model_engine(
             model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
-            max_num_batched_tokens=max_num_batched_tokens, dtype=resolve_dtype(dtype, device), device=device,
+            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
             compile_config=compile_config, seed=seed)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling)
 
@@ -111,18 +117,52 @@ class LLM:
         self._ready: list[Request] = []  # finished and read back, not yet returned by step()/sync()
 
     # -- request level ---------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> Request:
-        """Queue one request; a refused request raises ``ValueError`` and changes nothing."""
-        prompt = [int(t) for t in prompt_token_ids]
-        self.scheduler.validate(prompt, sampling_params)  # before drawing a seed: a refusal changes nothing
-        seed = sampling_params.seed if sampling_params.seed is not None else self._rng.getrandbits(63)
-        req = Request(next(self._ids), prompt, sampling_params, seed)
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (transformers'), or None: token ids in and out only."""
+        return self.parts.tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.scheduler.eos_token_ids
+
+    def _new_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        """A validated request, not queued yet: a refusal raises here and changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"tscompile: sampling_params must be a tscompile.SamplingParams, got "
+                             f"{type(params).__name__}")
+        self.scheduler.validate(prompt.token_ids, params)
+        completion = CompletionState(params, self.eos_token_ids, self.tokenizer, prompt.token_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(next(self._ids), list(prompt.token_ids), params, seed)
+        req.completion, req.text_prompt = completion, prompt.text
+        return req
+
+    def _queue(self, req: Request) -> Request:
         self.scheduler.add(req)
         self._requests[req.rid] = req
         return req
 
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> Request:
+        """Queue one request (a prompt as ``generate`` takes it); a refused request raises
+        ``ValueError`` and changes nothing."""
+        parsed = parse_prompts(prompt, self.tokenizer)
+        if len(parsed) != 1:
+            raise ValueError(f"tscompile: add_request takes one prompt, got {len(parsed)}")
+        return self._queue(self._new_request(parsed[0], sampling_params or SamplingParams()))
+
+    def abort(self, request_id: int | str) -> None:
+        """Stop a request now: it is never scheduled again, its blocks are free, and a token of it
+        still in flight is dropped. Its output keeps what was read back (finish reason "abort")."""
+        req = self._requests.pop(int(request_id), None)
+        if req is None:
+            return
+        self.scheduler.remove(req)
+        if not req.completion.finished:
+            req.completion.finish_reason = "abort"
+
     def step(self) -> list[Request]:
-        """Schedule and launch one step; returns the requests whose every token the host now has.
+        """Schedule and launch one step; returns the requests that finished (read back) since.
 
         With ``async_scheduling`` a decode step that follows another step is launched before that
         step's tokens are read, and they are read while it runs; any other step first waits for the
@@ -141,14 +181,16 @@ class LLM:
                 counters["decode_chained"] += 1  # some input token came straight from the device
         else:
             self._read_back()
+            if any(rid not in self._requests for rid in plan.request_ids):
+                return self._take_ready()  # a stop just read back ended a request of this plan: re-plan
             plan = self.scheduler.resolve_host_tokens(plan)  # tokens read since planning
         # a launch that raises leaves the scheduler as it was and the step before it in flight
         tokens = self.runner.launch(plan, prev_rows)
         requests = [self._requests[rid] for rid in plan.request_ids]
-        finished = self.scheduler.update(plan)
+        self.scheduler.update(plan)
         if chain:
             self._read_back()
-        self._inflight = _InFlight(plan, requests, tokens, finished, self.runner.launches)
+        self._inflight = _InFlight(plan, requests, tokens, self.runner.launches)
         if not self.async_scheduling:
             self._read_back()
         return self._take_ready()
@@ -160,15 +202,20 @@ class LLM:
         return self._take_ready()
 
     def _read_back(self) -> None:
+        """Hand the step in flight's tokens to their requests and apply the stop conditions. A token
+        sampled after its request stopped (asynchronous scheduling learns a stop one step late) is
+        dropped, so the outputs equal those of synchronous steps."""
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
         for r, emit, tok in zip(flight.requests, flight.plan.emits, flight.tokens.wait()):
-            if emit:
-                r.output.append(tok)
-        for r in flight.finished:
-            del self._requests[r.rid]
-        self._ready += flight.finished
+            if not emit or r.completion.finished:
+                continue
+            r.output.append(tok)
+            if r.completion.append(tok) is not None:
+                self.scheduler.remove(r)  # a stop before max_new_tokens frees its blocks now
+                self._requests.pop(r.rid, None)
+                self._ready.append(r)
 
     def _take_ready(self) -> list[Request]:
         ready, self._ready = self._ready, []
@@ -194,23 +241,67 @@ class LLM:
         """Requests waiting or running, or tokens not read back yet."""
         return bool(self.scheduler.waiting or self.scheduler.running or self._inflight is not None or self._ready)
 
-    def generate(self, prompt_token_ids: list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
-        """Generate for every prompt; returns the new token ids of each, in prompt order.
+    def _run_until_done(self, reqs: list[Request]) -> None:
+        """Step until every request of ``reqs`` has finished. If a step raises (or the user
+        interrupts), the step in flight is waited for and every unfinished request of ``reqs`` is
+        aborted, so nothing of this call outlives it; the error then propagates."""
+        try:
+            while not all(r.completion.finished for r in reqs):
+                if not self.has_unfinished():
+                    raise RuntimeError("tscompile: the engine drained with requests unfinished")
+                self.step()
+        except BaseException:
+            try:
+                self.sync()
+            finally:
+                for r in reqs:
+                    if not r.completion.finished:
+                        self.abort(r.rid)
+            raise
+
+    def _output(self, r: Request) -> RequestOutput:
+        return RequestOutput(str(r.rid), r.text_prompt, list(r.prompt), [r.completion.output()],
+                             r.completion.finished)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts (a ``str``, a list of token ids, or
+        ``{"prompt_token_ids": [...]}``); returns one ``RequestOutput`` per prompt, in prompt order.
 
         Every prompt is validated before any is queued, so a refused call changes nothing."""
+        parsed = parse_prompts(prompts, self.tokenizer)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_token_ids)
-        if len(params) != len(prompt_token_ids):
-            raise ValueError(f"tscompile: {len(params)} sampling params for {len(prompt_token_ids)} prompts")
-        for prompt, p in zip(prompt_token_ids, params):
-            self.scheduler.validate([int(t) for t in prompt], p)
-        reqs = [self.add_request(prompt, p) for prompt, p in zip(prompt_token_ids, params)]
-        pending = set(r.rid for r in reqs)
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("scheduler drained with requests pending")
-            for r in self.step():
-                pending.discard(r.rid)
-        return [list(r.output) for r in reqs]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(parsed)
+        if len(params) != len(parsed):
+            raise ValueError(f"tscompile: {len(params)} sampling params for {len(parsed)} prompts")
+        reqs = [self._new_request(p, sp) for p, sp in zip(parsed, params)]
+        for r in reqs:
+            self._queue(r)
+        self._run_until_done(reqs)
+        return [self._output(r) for r in reqs]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One reply to ``messages`` (``[{"role": ..., "content": ...}, ...]``), rendered with the
+        checkpoint's chat template."""
+        ids = apply_chat_template(self.tokenizer, messages)
+        return self.generate({"prompt_token_ids": ids}, sampling_params)[0]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield one request's text as it is produced (only text no later stop string can cut).
+        Abandoning the iterator aborts the request and frees its blocks."""
+        req = self.add_request(prompt, sampling_params)
+        shown = 0
+        try:
+            while not req.completion.finished:
+                self.step()
+                text = req.completion.settled_text
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
+            if len(req.completion.text) > shown:
+                yield req.completion.text[shown:]
+        finally:
+            if not req.completion.finished:
+                self.sync()
+                self.abort(req.rid)

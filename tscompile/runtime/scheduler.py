@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,9 @@ class Request:
     params: SamplingParams
     seed: int
     output: list[int] = field(default_factory=list)  # sampled tokens the host has read back
+    stopped: bool = False  # ended before max_new_tokens (a stop condition, an abort): never scheduled again
+    completion: Any = None  # the engine's text and stop state (tscompile.text.CompletionState)
+    text_prompt: str | None = None  # the prompt as the user wrote it, when it was text
     num_generated: int = 0  # tokens sampled so far, including one still on its way to ``output``
     slot: int = -1  # row of the block-table buffers while running
     num_computed: int = 0  # tokens whose KV is in the full group's cache
@@ -52,8 +56,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        """Scheduling-finished (every token sampled); the last may still be on its way to ``output``."""
-        return self.num_generated >= self.params.max_new_tokens
+        """Scheduling-finished (every token sampled, or stopped); the last may still be on its way to
+        ``output``."""
+        return self.stopped or self.num_generated >= self.params.max_new_tokens
 
     @property
     def max_len(self) -> int:
@@ -206,6 +211,16 @@ class Scheduler:
         self.running.append(req)
         self._by_id[req.rid] = req
         return True
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of scheduling for good (a stop the host saw, an abort): its blocks are
+        free at once. A step already launched may still write its pages: it runs before anything
+        later on the stream, so a request given those blocks next cannot see its writes."""
+        req.stopped = True
+        if req.slot >= 0:
+            self.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
 
     def release(self, req: Request) -> None:
         for alloc, table, blocks in zip(self.allocators, self.block_tables, req.blocks):
