@@ -11,7 +11,7 @@ import torch
 from tscompile.models import build_config
 from tscompile.validation import ENGINE_ARGS, validate_engine_args, validate_package_args
 
-INT_ARGS = ["max_num_seqs", "max_model_len", "page_size", "pages_per_block", "max_num_batched_tokens"]
+INT_ARGS = ["max_num_seqs", "page_size", "pages_per_block", "max_num_batched_tokens"]
 
 
 def _refused(name: str, value, what: str):
@@ -29,6 +29,15 @@ def test_sizes_must_be_positive_real_ints(name, value):
 @pytest.mark.parametrize("value", [1, 2**40])
 def test_sizes_accept_positive_ints(value):
     validate_engine_args(**{name: value for name in INT_ARGS})
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 4.0, "4"])
+def test_max_model_len_is_none_or_a_positive_int(value):
+    """None means the model's own maximum (a checkpoint's) or the preset default."""
+    validate_engine_args(max_model_len=None)
+    validate_engine_args(max_model_len=7)
+    with _refused("max_model_len", value, "None or an int >= 1"):
+        validate_engine_args(max_model_len=value)
 
 
 @pytest.mark.parametrize("value", [1, 0, -4, 3.0, True, "8"])

@@ -91,7 +91,7 @@ _ENGINE_CHECKS: dict[str, Callable] = {
     "model": check_model,
     "attention_backend": lambda v: _check_str("attention_backend", v),
     "max_num_seqs": lambda v: check_int("max_num_seqs", v, 1),
-    "max_model_len": lambda v: check_int("max_model_len", v, 1),
+    "max_model_len": lambda v: check_int("max_model_len", v, 1, optional=True),
     "page_size": lambda v: check_int("page_size", v, 1),
     "pages_per_block": lambda v: check_int("pages_per_block", v, 1),
     "num_pages": None,
