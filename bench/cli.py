@@ -96,7 +96,8 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark eager vs torch.compile baselines vs tscompile (decode and prefill)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-tiny", help="preset (llama-tiny, llama-1b, llama-8b)")
+    p.add_argument("--model", default="llama-tiny",
+                   help="a preset (llama-tiny, llama-1b, llama-8b) or a local checkpoint directory")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (default 512 cuda, 32 cpu)")
@@ -147,10 +148,10 @@ def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
 
 class Bench:
     def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth_gbps: float):
-        from tscompile.models import build_config
+        from tscompile.models import model_config
 
         self.args, self.device, self.dtype, self.bw = args, device, dtype, bandwidth_gbps
-        self.cfg = build_config(args.model)
+        self.cfg = model_config(args.model)
         self.max_model_len = cdiv(max(args.input_len + args.output_len, max(args.prefill_lens) + 1), args.page_size) * args.page_size
         self.results: list[dict] = []
         self.prefill: list[dict] = []

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU tests, run the benchmark; logs and JSON to $OUT.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo|compare]
+# compare (two GPUs): GPU 0 runs `pytest -m "gpu and not slow"`; GPU 1 benches llama-1b tscompile-triton
+# on each source tree named in COMPARE_TREES ("name=dir ...", e.g. trees unpacked by `git archive` into
+# a carried folder; "head=." is this checkout), back to back, then `pytest -m "gpu and slow"` while time
+# is left. Each tree is installed into its own folder and run from /tmp, so trees never mix.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -53,5 +57,41 @@ if [ "$what" = duo ]; then
   wait $bench_pid
   cat "$OUT/bench.log"
   tar czf "$OUT/bench_results.tgz" -C "$OUT" r && rm -rf "$OUT/r"
+fi
+if [ "$what" = compare ]; then
+  deadline=$((SECONDS + ${COMPARE_SECONDS:-560}))
+  mkdir -p "$OUT/r"
+  export TSCOMPILE_REPORT_DIR="$OUT/r"
+  CUDA_VISIBLE_DEVICES=0 timeout $((deadline - SECONDS)) python3 -m pytest -q -m "gpu and not slow" tests \
+    ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1 &
+  tests_pid=$!
+  launch='import sys; sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+from tscompile.cli import main; sys.argv[0] = "tscompile"; sys.exit(main())'
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    for tree in ${COMPARE_TREES:-head=.}; do
+      name=${tree%%=*}; src=$(cd "${tree#*=}" && pwd); left=$((deadline - SECONDS))
+      [ $left -lt 90 ] && { echo "skipped $name: ${left}s left"; continue; }
+      echo "== $name ($src, ${left}s left)"
+      python3 -m pip install -q --no-deps --no-build-isolation --target "/tmp/site_$name" "$src" \
+        > "$OUT/r/install_$name.log" 2>&1 || { echo "install of $name failed"; tail -5 "$OUT/r/install_$name.log"; continue; }
+      (cd /tmp && PYTHONPATH="/tmp/site_$name" timeout $left python3 -c "$launch" bench --model llama-1b \
+        --modes tscompile-triton --batch-size 1 32 --input-len 512 --output-len 128 --prefill-lens 32 2048 \
+        --num-iters ${COMPARE_ITERS:-5} --num-iters-warmup 1 --output-json "$OUT/r/bench_$name.json" \
+        --output-md "$OUT/r/bench_$name.md" 2>&1 | tail -20)
+    done
+    left=$((deadline - SECONDS))
+    if [ $left -gt 120 ]; then
+      echo "== pytest -m 'gpu and slow' (${left}s left)"
+      timeout $left python3 -m pytest -q -s -m "gpu and slow" tests 2>&1 | tail -15
+    fi
+  ) > "$OUT/bench.log" 2>&1 &
+  bench_pid=$!
+  wait $tests_pid; rc=$?
+  tail -30 "$OUT/gpu_tests.log"
+  wait $bench_pid
+  cat "$OUT/bench.log"
+  for f in "$OUT"/r/bench_*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
+  tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$OUT/r"
 fi
 exit $rc

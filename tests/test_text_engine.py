@@ -203,3 +203,22 @@ def test_cli_generate_prints_text_streams_it_and_chats(checkpoint, capsys, monke
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello world!\n\n"))
     assert main(["chat", *_cli(path)]) == 0
     assert capsys.readouterr().out == reply + "\n"
+
+
+@pytest.mark.slow
+def test_a_package_exported_from_a_checkpoint_carries_its_tokenizer_and_stop_ids(checkpoint, tmp_path):
+    from tscompile.export import export_package
+
+    path, _, tok, eos = checkpoint
+    out = tmp_path / "tiny.pt2"
+    record = export_package(str(path), out, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4)
+    assert eos in record["eos_token_ids"] and "tokenizer.json" in record["tokenizer_files"]
+    llm = tscompile.load_package(out)
+    assert llm.tokenizer is not None and eos in llm.eos_token_ids
+    params = SamplingParams(max_new_tokens=10)
+    got = llm.generate(TEXTS, params)
+    want = _engine(path).generate(TEXTS, params)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert got[0].outputs[0].finish_reason == "stop"

@@ -12,7 +12,7 @@ from tscompile.cli import add_generation_args, check_sampling_args, prompts_from
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="export a preset model's prefill and decode steps into one .pt2 package")
-    p.add_argument("--model", default="llama-tiny", help="preset name (llama-tiny, narrow-tiny, llama-1b, llama-8b)")
+    p.add_argument("--model", default="llama-tiny", help="a local checkpoint directory or a preset name")
     p.add_argument("--out", required=True, help="package path, ending in .pt2")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")

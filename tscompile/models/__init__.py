@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -34,6 +35,25 @@ def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | N
     return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
 
 
+def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
+    """The native config of a preset, a ``ModelConfig`` or a checkpoint directory (its config.json
+    only: no weight is read)."""
+    import json
+
+    from tscompile.models.hf_config import model_config_from_hf
+
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, str) and model in PRESETS:
+        return build_config(model)
+    if not is_checkpoint_dir(model):
+        return build_config(str(model))  # refuses with the list of presets and the checkpoint hint
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"tscompile: checkpoint directory {str(model)!r} has no config.json")
+    return model_config_from_hf(json.loads(path.read_text()))
+
+
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> Transformer:
     cls = NarrowingTransformer if cfg.narrow_layer is not None else Transformer
     with torch.device(device):
@@ -45,4 +65,4 @@ def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
 
 
 __all__ = ["PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "Transformer", "build_config",
-           "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model"]
+           "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model", "model_config"]

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from tscompile.attention import leaf_class
-from tscompile.models import ModelConfig, Transformer, build_model
+from tscompile.models import ModelConfig, Transformer, load_model
 from tscompile.package.integrity import file_sha256
 from tscompile.package.programs import PROGRAMS, export_programs, program_ops
-from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, weights_path
+from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, TOKENIZER_PREFIX, weights_path
 from tscompile.runtime.scheduler import banned_width_for
 from tscompile.version import __version__
 from tscompile.utils import cdiv, resolve_device, resolve_dtype
@@ -71,8 +71,9 @@ def export_package(
         raise ValueError(f"tscompile: a package path must end in .pt2, got {os.fspath(out)!r}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    built = build_model(model, dtype=dtype, device=device, seed=seed)
+    built, checkpoint = load_model(model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len)
     cfg = built.config
+    tokenizer_files, eos = _tokenizer_files(checkpoint)
     if max_model_len > cfg.max_position:
         raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position {cfg.max_position}")
     if max_num_seqs < 1 or max_model_len < 1 or page_size < 1:
@@ -88,7 +89,7 @@ def export_package(
     record = {
         "format": FORMAT_VERSION, "tscompile_version": __version__, "torch_version": torch.__version__,
         "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-        "model": model if isinstance(model, str) else None, "config": cfg.to_dict(),
+        "model": os.fspath(model) if isinstance(model, (str, os.PathLike)) else None, "config": cfg.to_dict(),
         "cache_groups": [dict(name=s.name, layer_ids=list(s.layer_ids), num_kv_heads=s.num_kv_heads,
                               head_dim=s.head_dim, window=s.window) for s in built.cache_groups()],
         "page_size": page_size, "pages_per_block": pages_per_block,
@@ -96,7 +97,8 @@ def export_package(
         "bounds": {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                    "max_num_batched_tokens": max_num_batched_tokens},
         "attention_backend": backend, "weights": weights, "programs": list(PROGRAMS), "seed": seed,
-        "eos_token_ids": [], "banned_width": banned_width_for(()),
+        "eos_token_ids": list(eos), "banned_width": banned_width_for(eos),
+        "tokenizer_files": sorted(tokenizer_files),
     }
     tensors, aliases = _unique_weights(built)
     record["weight_aliases"] = aliases
@@ -122,6 +124,29 @@ def export_package(
                   metadata={"tscompile_package": Path(out).name})
         record["weights_bytes"] = os.path.getsize(wpath)
         record["weights_sha256"] = file_sha256(wpath)
-    package_pt2(os.fspath(out), aoti_files=files, extra_files={METADATA_FILE: json.dumps(record, indent=1)})
+    extra = {METADATA_FILE: json.dumps(record, indent=1)}
+    extra.update({f"{TOKENIZER_PREFIX}{name}": data for name, data in tokenizer_files.items()})
+    package_pt2(os.fspath(out), aoti_files=files, extra_files=extra)
     return record
+
+
+def _tokenizer_files(checkpoint) -> tuple[dict[str, str], tuple[int, ...]]:
+    """A checkpoint's tokenizer files (name -> text) and its end-of-sequence ids, which a package
+    carries so that ``run-package --prompt`` reads and writes text; nothing for a preset."""
+    if checkpoint is None:
+        return {}, ()
+    from tscompile.text import TOKENIZER_FILES, eos_token_ids, load_tokenizer
+
+    names = [*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja"]
+    files = {}
+    for n in names:  # text files only: the archive's extra files are strings (tokenizer.json suffices)
+        f = checkpoint.path / n
+        if f.is_file():
+            try:
+                files[n] = f.read_text()
+            except UnicodeDecodeError:
+                pass
+    tokenizer = load_tokenizer(checkpoint.path) if files else None
+    eos = tuple(dict.fromkeys([*checkpoint.eos_token_ids, *(eos_token_ids(tokenizer) if tokenizer else ())]))
+    return files, eos
 

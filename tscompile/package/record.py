@@ -13,6 +13,7 @@ import torch
 # 2: the record holds the external weights file's size and SHA-256 (weights_bytes, weights_sha256)
 FORMAT_VERSION = 2
 METADATA_FILE = "tscompile.json"
+TOKENIZER_PREFIX = "tokenizer/"  # extra files of a package exported from a checkpoint: its tokenizer
 
 
 def weights_path(package: str | os.PathLike) -> Path:

@@ -16,7 +16,7 @@ from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import ModelConfig
 from tscompile.package.programs import PROGRAMS
-from tscompile.package.record import check_compatible, read_package_metadata, weights_path
+from tscompile.package.record import TOKENIZER_PREFIX, check_compatible, read_package_metadata, weights_path
 from tscompile.runtime.build import EngineParts, build_pool_and_scheduler
 from tscompile.runtime.engine import LLM
 from tscompile.runtime.readback import PendingTokens
@@ -92,7 +92,8 @@ class PackageRunner:
 
 
 def _package_engine(record: dict, programs: dict, *, device: torch.device, max_num_seqs: int,
-                    max_model_len: int, max_num_batched_tokens: int, num_pages: int | None) -> EngineParts:
+                    max_model_len: int, max_num_batched_tokens: int, num_pages: int | None,
+                    tokenizer=None) -> EngineParts:
     """The engine parts of a loaded package: its cache groups, a pool, a scheduler, its runner."""
     dtype = resolve_dtype(record["dtype"], device)
     config = ModelConfig.from_dict(record["config"])
@@ -109,7 +110,29 @@ def _package_engine(record: dict, programs: dict, *, device: torch.device, max_n
         vocab_size=config.vocab_size, eos_token_ids=tuple(record["eos_token_ids"]), max_blocks=record["max_blocks"])
     runner = PackageRunner(programs, attention, pool, config.n_layers, max_num_seqs=max_num_seqs,
                            banned_width=scheduler.banned_width, device=device)
-    return EngineParts(config, device, dtype, attention, pool, scheduler, runner)
+    return EngineParts(config, device, dtype, attention, pool, scheduler, runner, tokenizer=tokenizer)
+
+
+def _package_tokenizer(path: str, record: dict):
+    """The tokenizer a package carries (exported from a checkpoint), or None."""
+    names = record.get("tokenizer_files") or []
+    if not names:
+        return None
+    import tempfile
+    import zipfile
+
+    from tscompile.text import load_tokenizer
+
+    folder = tempfile.mkdtemp(prefix="tscompile_tokenizer_")
+    with zipfile.ZipFile(path) as zf:
+        members = {m.rsplit(f"extra/{TOKENIZER_PREFIX}", 1)[-1]: m for m in zf.namelist()
+                   if f"extra/{TOKENIZER_PREFIX}" in m}
+        for name in names:
+            if name not in members:
+                raise ValueError(f"tscompile: package {path!r} lacks its tokenizer file {name!r}")
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(zf.read(members[name]))
+    return load_tokenizer(folder)
 
 
 def _load_programs(path: str, record: dict, device: torch.device):
@@ -171,7 +194,7 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
     programs, weights = _load_programs(os.fspath(path), record, device)
     parts = _package_engine(record, programs, device=device, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                            num_pages=num_pages)
+                            num_pages=num_pages, tokenizer=_package_tokenizer(os.fspath(path), record))
     llm = LLM.from_parts(parts, seed=seed, async_scheduling=False)
     size = os.path.getsize(path) + (os.path.getsize(weights_path(path)) if record["weights"] == "external" else 0)
     llm.package = PackageInfo(os.fspath(path), record, weights, time.perf_counter() - start, size)
