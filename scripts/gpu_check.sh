@@ -62,13 +62,18 @@ if [ "$what" = compare ]; then
   deadline=$((SECONDS + ${COMPARE_SECONDS:-560}))
   mkdir -p "$OUT/r"
   export TSCOMPILE_REPORT_DIR="$OUT/r"
-  CUDA_VISIBLE_DEVICES=0 timeout $((deadline - SECONDS)) python3 -m pytest -q -m "gpu and not slow" tests \
-    ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1 &
-  tests_pid=$!
+  bench_gpu=1
+  if [ "${COMPARE_TESTS:-1}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout $((deadline - SECONDS)) python3 -m pytest -q -m "gpu and not slow" tests \
+      ${PYTEST_ARGS:-} > "$OUT/gpu_tests.log" 2>&1 &
+    tests_pid=$!
+  else
+    bench_gpu=0  # one GPU, nothing else running: the benches have an idle machine
+  fi
   launch='import sys; sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 from tscompile.cli import main; sys.argv[0] = "tscompile"; sys.exit(main())'
   (
-    export CUDA_VISIBLE_DEVICES=1
+    export CUDA_VISIBLE_DEVICES=$bench_gpu
     for tree in ${COMPARE_TREES:-head=.}; do
       name=${tree%%=*}; src=$(cd "${tree#*=}" && pwd); left=$((deadline - SECONDS))
       [ $left -lt 90 ] && { echo "skipped $name: ${left}s left"; continue; }
@@ -85,10 +90,17 @@ from tscompile.cli import main; sys.argv[0] = "tscompile"; sys.exit(main())'
       echo "== pytest -m 'gpu and slow' (${left}s left)"
       timeout $left python3 -m pytest -q -s -m "gpu and slow" tests 2>&1 | tail -15
     fi
+    left=$((deadline - SECONDS))
+    if [ "${CHECKPOINT_BENCH:-0}" = 1 ] && [ $left -gt 150 ]; then
+      echo "== bench --model <llama-1b written by transformers> (${left}s left)"
+      python3 scripts/write_checkpoint.py llama-1b /tmp/ckpt_llama1b && timeout $((deadline - SECONDS)) \
+        tscompile bench --model /tmp/ckpt_llama1b --modes tscompile-triton --batch-size 1 32 --input-len 512 \
+        --output-len 128 --prefill-lens 32 2048 --num-iters 2 --num-iters-warmup 1 \
+        --output-json "$OUT/r/bench_checkpoint.json" --output-md "$OUT/r/bench_checkpoint.md" 2>&1 | tail -20
+    fi
   ) > "$OUT/bench.log" 2>&1 &
   bench_pid=$!
-  wait $tests_pid; rc=$?
-  tail -30 "$OUT/gpu_tests.log"
+  if [ -n "${tests_pid:-}" ]; then wait $tests_pid; rc=$?; tail -30 "$OUT/gpu_tests.log"; fi
   wait $bench_pid
   cat "$OUT/bench.log"
   for f in "$OUT"/r/bench_*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done

@@ -334,3 +334,24 @@ def test_qwen3_config_mapping():
            "tie_word_embeddings": True, "attention_bias": False, "sliding_window": None}
     cfg = model_config_from_hf(raw)
     assert (cfg.head_dim, cfg.qk_norm, cfg.qkv_bias, cfg.tie_embeddings, cfg.rope_theta) == (32, True, False, True, 1e6)
+
+
+def test_a_native_model_saved_as_a_transformers_checkpoint_loads_back_identically(tmp_path):
+    """``save_hf_checkpoint`` is the loader's inverse (the GPU tests write the presets with it)."""
+    from tscompile.models.hf_save import save_hf_checkpoint
+
+    cfg = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
+                      max_position=128, tie_embeddings=True,
+                      rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                                    ("original_max_position", 64.0), ("rope_type", "llama3")))
+    model = build_model(cfg, seed=3)
+    hf = save_hf_checkpoint(model, tmp_path)
+    loaded, _ = load_checkpoint(tmp_path, device="cpu")
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        if not name.endswith(("k_cache", "v_cache")):
+            assert torch.equal(a, b), name
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        theirs = hf(ids).logits[0, -1]
+    ours = run_engine(loaded, [PROMPTS[2]], max_new_tokens=1)[1][0]
+    assert (ours - theirs).abs().max() < 1e-4

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tscompile
+import tscompile.version
 from tscompile import SamplingParams
 from tscompile.forward_context import ForwardMode
 from tscompile.cli import main as cli_main
@@ -206,11 +207,11 @@ def test_refuses_other_torch_and_tscompile_releases(package, monkeypatch):
         with pytest.raises(ValueError, match=rf"^tscompile: .*built with torch {built}, this is torch 2\.99\.0"):
             tscompile.load_package(path)
     with monkeypatch.context() as m:
-        m.setattr(tscompile, "__version__", "0.9.0")
+        m.setattr(tscompile.version, "__version__", "0.9.0")
         with pytest.raises(ValueError, match=r"^tscompile: .*built with tscompile 0\.1\.0.*tscompile 0\.9\.0"):
             tscompile.load_package(path)
     with monkeypatch.context() as m:  # a patch release of either is compatible
-        m.setattr(tscompile, "__version__", tscompile.__version__ + ".post1")
+        m.setattr(tscompile.version, "__version__", tscompile.__version__ + ".post1")
         tscompile.load_package(path, max_num_seqs=1)
 
 
@@ -223,7 +224,10 @@ def test_refuses_another_device(package):
 @pytest.mark.parametrize("name,value,limit", [("max_num_seqs", 5, 4), ("max_model_len", 65, 64),
                                               ("max_num_batched_tokens", 33, 32), ("max_num_seqs", 0, 4)])
 def test_refuses_runtime_limits_beyond_package_bounds(package, name, value, limit):
-    with pytest.raises(ValueError, match=rf"^tscompile: {name} {value} is outside the package's bound \[1, {limit}\]"):
+    # a value below 1 is refused by the argument check, a value above the bound by the bound check
+    below = rf"{name} must be None or an int >= 1, got {value}"
+    above = rf"{name} {value} is outside the package's bound \[1, {limit}\]"
+    with pytest.raises(ValueError, match=rf"^tscompile: ({below}|{above})"):
         tscompile.load_package(package("llama-tiny"), **{name: value})
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tscompile.kv_cache import BlockAllocator, expand_block_table, slot_from_block_table, slot_from_page_table
+from tscompile.kv_cache.slots import slot_from_block_rows
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -20,6 +21,10 @@ def test_slot_math_equals_raw_table_slot(page_size, pages_per_block):
     raw = [int(blocks[i, int(p) // block_size]) * block_size + int(p) % block_size for i, p in enumerate(positions)]
     assert via_pages.tolist() == raw
     assert slot_from_block_table(blocks, positions, block_size).tolist() == raw
+    rows = torch.arange(n).repeat_interleave(3)  # the host form, several rows per request
+    pos3 = torch.randint(0, max_blocks * block_size, (3 * n,), generator=g)
+    raw3 = [int(blocks[r, int(p) // block_size]) * block_size + int(p) % block_size for r, p in zip(rows, pos3)]
+    assert slot_from_block_rows(blocks.numpy(), rows.numpy(), pos3.numpy(), block_size).tolist() == raw3
 
 
 def test_empty_block_entries_map_to_page_zero():

@@ -107,14 +107,15 @@ def sampling_params_from_args(args: argparse.Namespace):
                                     ignore_eos=args.ignore_eos)
 
 
-def print_outputs(outputs, *, show_ids: bool) -> None:
-    """One line per request: its text (ids when it has none), then its ids when asked for."""
+def print_outputs(outputs, *, text: bool, show_ids: bool) -> None:
+    """One line per request: its text (``text``: the model has a tokenizer) or else its token ids;
+    with ``show_ids`` and text, the ids on a second line."""
     for i, out in enumerate(outputs):
         c = out.outputs[0]
-        if c.text or not show_ids:
-            print(f"[{i}] {c.text if c.text else ' '.join(map(str, c.token_ids))}")
-        if show_ids:
-            print(f"[{i}] ids: {' '.join(map(str, c.token_ids))} ({c.finish_reason})")
+        ids = " ".join(map(str, c.token_ids))
+        print(f"[{i}] {c.text if text else ids}")
+        if text and show_ids:
+            print(f"[{i}] ids: {ids} ({c.finish_reason})")
 
 
 def main(argv: list[str] | None = None) -> int:

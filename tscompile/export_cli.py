@@ -102,7 +102,7 @@ def _run_package(args: argparse.Namespace) -> int:
             out.update(package_bytes=pkg.package_bytes, load_seconds=pkg.load_seconds, record=rec)
         print(json.dumps(out))
         return 0
-    print_outputs(outputs, show_ids=args.show_ids or llm.tokenizer is None)
+    print_outputs(outputs, text=llm.tokenizer is not None, show_ids=args.show_ids)
     if args.verbose:
         b = rec["bounds"]
         print(f"package {args.package}: {pkg.package_bytes / 2**20:.2f} MiB (weights {rec['weights']}), "

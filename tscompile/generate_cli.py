@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                           "outputs": [{"text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
                                        "finish_reason": o.outputs[0].finish_reason} for o in outputs]}))
         return 0
-    print_outputs(outputs, show_ids=args.show_ids or llm.tokenizer is None)
+    print_outputs(outputs, text=llm.tokenizer is not None, show_ids=args.show_ids)
     print(f"{new_tokens} tokens: {new_tokens / run_s:.1f} tokens/s over {run_s:.3f} s, plus {compile_s:.1f} s "
           f"compiling ({args.model}, {llm.device.type}, {str(llm.dtype).removeprefix('torch.')}, "
           f"attention={type(llm.attention.leaves[0]).__name__})")

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
 
 from tscompile.forward_context import ForwardMode
-from tscompile.kv_cache.slots import slot_from_block_table
+from tscompile.kv_cache.slots import slot_from_block_rows
 
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device
 
@@ -59,9 +58,7 @@ class GroupPlan:
     def write_slots(self) -> np.ndarray:
         """[rows] int64: the KV slot each row writes, ``table[req, pos // block] * block + pos % block``."""
         req = np.repeat(np.arange(self.query_lens.shape[0]), self.query_lens.astype(np.int64))
-        slots = slot_from_block_table(torch.from_numpy(self.block_tables[req]), torch.from_numpy(self.positions),
-                                      self.block_size)
-        return slots.numpy()
+        return slot_from_block_rows(self.block_tables, req, self.positions, self.block_size)
 
 
 @dataclass(frozen=True, eq=False)

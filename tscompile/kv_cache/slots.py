@@ -9,6 +9,7 @@ and page 0 are the reserved null entries, so an empty table entry maps to page 0
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -32,3 +33,12 @@ def slot_from_block_table(block_table: torch.Tensor, positions: torch.Tensor, bl
     """The same slot computed straight from the scheduler's table (used to check the router)."""
     block = block_table.long().gather(1, (positions.long() // block_size)[:, None])[:, 0]
     return block * block_size + positions.long() % block_size
+
+
+def slot_from_block_rows(block_tables: np.ndarray, req: np.ndarray, positions: np.ndarray,
+                         block_size: int) -> np.ndarray:
+    """The host (numpy) form of ``slot_from_block_table`` for many rows per request: row ``i`` is
+    request ``req[i]``'s token at ``positions[i]``. It indexes the table in place (no per-row copy of
+    a table row), so a 2048-token step costs microseconds. Returns int64 slots."""
+    blocks = block_tables[req, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size

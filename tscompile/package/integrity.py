@@ -119,12 +119,15 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def weights_path(package: str | os.PathLike) -> Path:
+    """Where ``--weights external`` keeps the weights: beside the package, ``<name>.safetensors``."""
+    return Path(package).with_suffix(".safetensors")
+
+
 def verify_weights_sha256(package: str | os.PathLike, record: dict) -> None:
     """The ``verify=True`` check: hash the external weights file and compare with the export's hash.
     Reads the whole file, so it is opt-in. A package with its weights inside has nothing to hash:
     its members' CRC-32s already cover them."""
-    from tscompile.package.record import weights_path
-
     if record.get("weights") != "external":
         return
     path = os.fspath(weights_path(package))
@@ -141,8 +144,6 @@ def verify_weights_sha256(package: str | os.PathLike, record: dict) -> None:
 def check_external_weights(path: str | os.PathLike, record: dict, *, verify: bool = False) -> None:
     """For a package exported with ``--weights external``: refuse a missing, truncated or garbled
     weights file (header only); with ``verify``, also one whose SHA-256 differs from the export's."""
-    from tscompile.package.record import weights_path
-
     if record.get("weights") != "external":
         return
     wpath = weights_path(path)

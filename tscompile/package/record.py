@@ -10,15 +10,12 @@ from pathlib import Path
 
 import torch
 
+from tscompile.package.integrity import check_archive_crc, check_external_weights, weights_path  # noqa: F401
+
 # 2: the record holds the external weights file's size and SHA-256 (weights_bytes, weights_sha256)
 FORMAT_VERSION = 2
 METADATA_FILE = "tscompile.json"
 TOKENIZER_PREFIX = "tokenizer/"  # extra files of a package exported from a checkpoint: its tokenizer
-
-
-def weights_path(package: str | os.PathLike) -> Path:
-    """Where ``--weights external`` keeps the weights: beside the package, ``<name>.safetensors``."""
-    return Path(package).with_suffix(".safetensors")
 
 
 def read_package_metadata(path: str | os.PathLike, *, check_integrity: bool = True, verify: bool = False) -> dict:
@@ -29,7 +26,6 @@ def read_package_metadata(path: str | os.PathLike, *, check_integrity: bool = Tr
     ``verify`` also reads the tensor data (the CRC-32 of weights inside, the SHA-256 of an external
     file against the export's): slow for a large model. Each refusal is a
     ``ValueError('tscompile: ...')`` naming the damaged member or file."""
-    from tscompile.package.integrity import check_archive_crc, check_external_weights
 
     path = os.fspath(path)
     if not os.path.isfile(path):

@@ -107,7 +107,8 @@ def _package_engine(record: dict, programs: dict, *, device: torch.device, max_n
     pool, scheduler = build_pool_and_scheduler(
         specs, attention, num_pages=num_pages, page_size=page_size, pages_per_block=ppb, dtype=dtype, device=device,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-        vocab_size=config.vocab_size, eos_token_ids=tuple(record["eos_token_ids"]), max_blocks=record["max_blocks"])
+        vocab_size=config.vocab_size, eos_token_ids=tuple(record["eos_token_ids"]), max_blocks=record["max_blocks"],
+        limit_note=f" (package bound {record['bounds']['max_model_len']})")
     runner = PackageRunner(programs, attention, pool, config.n_layers, max_num_seqs=max_num_seqs,
                            banned_width=scheduler.banned_width, device=device)
     return EngineParts(config, device, dtype, attention, pool, scheduler, runner, tokenizer=tokenizer)
@@ -178,11 +179,11 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
     header and size); ``verify=True`` also checks the weights' bytes (slow for large models)."""
     start = time.perf_counter()
     record = read_package_metadata(path, verify=verify)
-    validate_package_args(device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+    validate_package_args(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens, num_pages=num_pages, seed=seed,
                           pages_per_block=record["pages_per_block"])
+    check_compatible(record, torch.device(device if device is not None else record["device"]))
     device = resolve_device(device if device is not None else record["device"])
-    check_compatible(record, device)
     bounds = record["bounds"]
     max_num_seqs = _bounded("max_num_seqs", max_num_seqs, bounds["max_num_seqs"])
     max_model_len = _bounded("max_model_len", max_model_len, bounds["max_model_len"])

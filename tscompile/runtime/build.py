@@ -72,8 +72,8 @@ def default_num_pages(max_num_seqs: int, max_model_len: int, page_size: int, pag
 def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRouter, *, num_pages: int | None,
                              page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
                              max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, vocab_size: int,
-                             eos_token_ids: tuple[int, ...] = (), max_blocks: int | None = None
-                             ) -> tuple[KVCachePool, Scheduler]:
+                             eos_token_ids: tuple[int, ...] = (), max_blocks: int | None = None,
+                             limit_note: str = "") -> tuple[KVCachePool, Scheduler]:
     """The KV pool (bound to ``attention``) and a scheduler over its blocks."""
     if num_pages is None:
         num_pages = default_num_pages(max_num_seqs, max_model_len, page_size, pages_per_block)
@@ -83,7 +83,7 @@ def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRo
     scheduler = Scheduler(specs, [pool.num_blocks(g) for g in range(len(specs))], block_size=page_size * pages_per_block,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens, vocab_size=vocab_size, max_blocks=max_blocks,
-                          eos_token_ids=eos_token_ids)
+                          eos_token_ids=eos_token_ids, limit_note=limit_note)
     return pool, scheduler
 
 

@@ -146,10 +146,11 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
 class Scheduler:
     def __init__(self, specs: list[CacheGroupSpec], num_blocks: list[int], *, block_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), limit_note: str = ""):
         """``max_blocks``: the block-table width (default: enough for ``max_model_len``; a package
         keeps the width its programs were exported with). ``eos_token_ids``: the model's end-of-sequence
-        ids (banned, with a request's stop ids, until it has ``min_tokens`` tokens)."""
+        ids (banned, with a request's stop ids, until it has ``min_tokens`` tokens). ``limit_note``
+        follows ``max_model_len`` in refusals (a package names its bound)."""
         self.specs = specs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -157,6 +158,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.limit_note = limit_note
         self.banned_width = banned_width_for(self.eos_token_ids)
         self.allocators = [BlockAllocator(n, s.name) for s, n in zip(specs, num_blocks)]
         self.max_blocks = max_blocks if max_blocks is not None else cdiv(max_model_len, block_size)
@@ -184,7 +186,7 @@ class Scheduler:
         if total > self.max_model_len:
             raise ValueError(
                 f"tscompile: prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len}"
+                f"max_model_len {self.max_model_len}{self.limit_note}"
             )
         need = cdiv(total, self.block_size)
         for alloc in self.allocators:
