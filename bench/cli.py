@@ -13,6 +13,7 @@ A mode or a batch size that fails becomes an error row; the others still run.
 """
 
 import argparse
+import statistics
 import gc
 import os
 import sys
@@ -187,10 +188,13 @@ class Bench:
         steps = sum(r.decode_steps for r in runs)
         ttft_s = sum(r.ttft_s for r in runs) / len(runs)
         tpot_s = sum(r.decode_s for r in runs) / steps if steps else None
+        per_run = sorted(r.decode_s / r.decode_steps * 1e3 for r in runs if r.decode_steps)
         row = {"mode": mode, "batch_size": bs, "input_len": a.input_len, "output_len": a.output_len, "error": None,
                "ttft_ms": ttft_s * 1e3, "tpot_ms": tpot_s * 1e3 if tpot_s else None,
                "decode_tokens_per_s": bs / tpot_s if tpot_s else None, "decode_steps_per_iter": steps // len(runs),
                "non_decode_steps": sum(r.other_steps for r in runs), "tokens_req0": runs[-1].tokens[0],
+               "tpot_ms_median": statistics.median(per_run) if per_run else None,
+               "tpot_ms_min": per_run[0] if per_run else None, "tpot_ms_max": per_run[-1] if per_run else None,
                "timed_runs": timed}
         if isinstance(runner, workloads.StaticCacheRunner):
             if warm:
@@ -221,11 +225,14 @@ class Bench:
         for _ in range(a.num_iters_warmup):
             runner.run_prefill(prompt)
         before = dict(counters)
-        secs = sum(runner.run_prefill(prompt) for _ in range(a.num_iters)) / a.num_iters
+        times = sorted(runner.run_prefill(prompt) for _ in range(a.num_iters))
         # what the timed runs did: graphed or not, and whether anything was captured or compiled in them
         steps = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
+        secs = statistics.median(times)  # the median: one slow run (a GC pause, the OS) moves it least
         return {"mode": mode, "prompt_len": length, "error": None, "prefill_ms": secs * 1e3,
-                "prefill_tokens_per_s": length / secs, "timed_runs": steps}
+                "prefill_ms_min": times[0] * 1e3, "prefill_ms_max": times[-1] * 1e3,
+                "prefill_ms_mean": sum(times) / len(times) * 1e3, "prefill_tokens_per_s": length / secs,
+                "timed_runs": steps}
 
     def run_mode(self, mode: str, bar) -> None:
         from tscompile.models import build_model

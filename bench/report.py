@@ -75,7 +75,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-DECODE_HEADER = ["mode", "bs", "TPOT ms", "decode tok/s", "TTFT ms", "compile s", "capture s", "peak GiB",
+DECODE_HEADER = ["mode", "bs", "TPOT ms", "TPOT min-max", "decode tok/s", "TTFT ms", "compile s", "capture s", "peak GiB",
                  "GB/s", "roofline ms", "% roofline", "= eager", "error"]
 
 
@@ -84,7 +84,10 @@ def decode_table(rows: list[dict]) -> str:
     for r in rows:
         err = (r.get("error") or "").replace("|", "/").replace("\n", " ")
         out.append([
-            r["mode"], str(r["batch_size"]), _fmt(r.get("tpot_ms"), ".3f"), _fmt(r.get("decode_tokens_per_s"), ".1f"),
+            r["mode"], str(r["batch_size"]), _fmt(r.get("tpot_ms"), ".3f"),
+            (f"{_fmt(r.get('tpot_ms_min'), '.3f')}-{_fmt(r.get('tpot_ms_max'), '.3f')}"
+             if r.get("tpot_ms_min") is not None else "-"),
+            _fmt(r.get("decode_tokens_per_s"), ".1f"),
             _fmt(r.get("ttft_ms"), ".2f"), _fmt(r.get("compile_s"), ".2f"), _fmt(r.get("capture_s"), ".2f"),
             _fmt(r.get("peak_memory_gib"), ".2f"), _fmt(r.get("achieved_gbps"), ".1f"),
             _fmt(r.get("roofline_ms"), ".4f"), _fmt(r.get("pct_of_roofline"), ".1f"),
@@ -97,9 +100,11 @@ def prefill_table(rows: list[dict]) -> str:
     out = []
     for r in rows:
         err = (r.get("error") or "").replace("|", "/").replace("\n", " ")
-        out.append([r["mode"], str(r["prompt_len"]), _fmt(r.get("prefill_ms"), ".2f"),
+        spread = (f"{_fmt(r.get('prefill_ms_min'), '.2f')}-{_fmt(r.get('prefill_ms_max'), '.2f')}"
+                  if r.get("prefill_ms_min") is not None else "-")
+        out.append([r["mode"], str(r["prompt_len"]), _fmt(r.get("prefill_ms"), ".2f"), spread,
                     _fmt(r.get("prefill_tokens_per_s"), ".1f"), err[:120]])
-    return _table(["mode", "prompt len (bs=1)", "prefill ms", "prefill tok/s", "error"], out)
+    return _table(["mode", "prompt len (bs=1)", "prefill ms (median)", "min-max", "prefill tok/s", "error"], out)
 
 
 def markdown(result: dict) -> str:
@@ -112,7 +117,8 @@ def markdown(result: dict) -> str:
             f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s\n")
     if result.get("complete") is False:
         head += "\n**Partial run**: cut short; the rows below are the ones that finished.\n"
-    notes = ("\nTPOT = mean decode step (decode-only steps); roofline ms = (weights + KV read per step at the mean "
+    notes = ("\nTPOT = mean decode step (decode-only steps), with the fastest and slowest iteration's mean; prefill "
+             "ms = the median of the timed iterations; roofline ms = (weights + KV read per step at the mean "
              "decode context) / copy bandwidth; % roofline = roofline / TPOT; `= eager` = requests whose greedy "
              "tokens equal eager's at the same bs (bf16 may drift on near-ties). Static-cache compile/capture times are the first warm-up "
              "run's excess over the steady state.\n")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tscompile.kv_cache import BlockAllocator, expand_block_table, slot_from_block_table, slot_from_page_table
-from tscompile.kv_cache.slots import slot_from_block_rows
+from tscompile.kv_cache.slots import expand_block_table_rows, slot_from_block_rows
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -16,6 +16,9 @@ def test_slot_math_equals_raw_table_slot(page_size, pages_per_block):
     blocks = (torch.randperm(60, generator=g)[: n * max_blocks] + 1).view(n, max_blocks).to(torch.int32)
     max_pages = max_blocks * pages_per_block
     pages = expand_block_table(blocks, pages_per_block, max_pages)
+    for width in (max_pages, max_pages + 3, max_pages - 1):  # the host form agrees, tables wider or narrower too
+        assert expand_block_table_rows(blocks.numpy(), pages_per_block, width).tolist() == \
+            expand_block_table(blocks, pages_per_block, width).tolist()
     positions = torch.randint(0, max_blocks * block_size, (n,), generator=g)
     via_pages = slot_from_page_table(pages, positions, page_size)
     raw = [int(blocks[i, int(p) // block_size]) * block_size + int(p) % block_size for i, p in enumerate(positions)]

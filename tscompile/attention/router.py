@@ -17,7 +17,7 @@ import torch
 from tscompile.attention.base import AttentionBackend, AttentionMetadata, PagedAttentionBackend, reject_decode_init
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import KVCachePool
-from tscompile.kv_cache.slots import expand_block_table
+from tscompile.kv_cache.slots import expand_block_table_rows
 from tscompile.kv_cache.spec import CacheGeometry, CacheGroupSpec
 from tscompile.step_plan import StepPlan
 from tscompile.utils import upload
@@ -133,12 +133,12 @@ class AttentionRouter(AttentionBackend):
         host = []
         for gid, (group, leaf) in enumerate(zip(plan.groups, self.leaves)):
             geo = self.geometry[gid]
-            pages = expand_block_table(torch.from_numpy(group.block_tables), geo.pages_per_block, leaf.max_pages)
+            pages = expand_block_table_rows(group.block_tables, geo.pages_per_block, leaf.max_pages)
             slots = group.write_slots
             pad = pad_rows.get(gid, 0) - slots.shape[0]
             if pad > 0:
                 slots = np.concatenate([slots, np.zeros(pad, dtype=np.int64)])
-            host += [pages.numpy(), group.seq_lens, group.qo_indptr, slots]
+            host += [pages, group.seq_lens, group.qo_indptr, slots]
         dev = upload(host, self.device)
         write_locs = []
         for gid, (group, leaf) in enumerate(zip(plan.groups, self.leaves)):

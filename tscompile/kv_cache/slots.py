@@ -23,6 +23,18 @@ def expand_block_table(block_table: torch.Tensor, pages_per_block: int, max_page
     return torch.where((blocks > 0) & in_range, pages, 0).to(torch.int32)
 
 
+def expand_block_table_rows(block_table: np.ndarray, pages_per_block: int, max_pages: int) -> np.ndarray:
+    """The host (numpy) form of ``expand_block_table``: ``[n, max_blocks]`` block ids -> ``[n,
+    max_pages]`` page ids (int32), null block -> page 0. Built on the host so a prefill step uploads
+    its page tables instead of launching the expansion on the device."""
+    cols = np.arange(max_pages)
+    in_range = (cols // pages_per_block) < block_table.shape[1]
+    block_col = np.minimum(cols // pages_per_block, block_table.shape[1] - 1)
+    blocks = block_table[:, block_col].astype(np.int64)
+    pages = blocks * pages_per_block + cols % pages_per_block
+    return np.where((blocks > 0) & in_range, pages, 0).astype(np.int32)
+
+
 def slot_from_page_table(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Slot of token ``positions[i]`` of request ``i``: ``page_table[i, pos // P] * P + pos % P``."""
     page = page_table.long().gather(1, (positions.long() // page_size)[:, None])[:, 0]

@@ -245,7 +245,8 @@ class ModelRunner:
         if padded is not None:  # the graphed first piece reads them at a fixed address
             ids = self.prefill_ids[:padded].copy_(ids)
             pos = self.prefill_positions[:padded].copy_(pos)
-        self.sampling.fill(plan.sampling)
+        self.staging.fill_sampling(plan.sampling)  # the sampling op's inputs live in the decode staging
+        self.staging.upload()
         ctx = ForwardContext(plan.mode, self.attention, logits_rows, qo_indptr, completes, prefill_graphs=graphs)
         with forward_context(ctx):
             # the sample lands in sampling.tokens (an input the step writes), where launch reads it

@@ -19,7 +19,7 @@ import torch
 
 from tscompile.attention.router import DecodeInputs
 from tscompile.sampling import SamplingInputs
-from tscompile.step_plan import StepPlan
+from tscompile.step_plan import SamplingRows, StepPlan
 
 
 class _HostSet:
@@ -76,24 +76,41 @@ class DecodeStaging:
         (greedy, token 0, position 0). ``prev_rows`` (default all -1) says which rows take their
         token from the device; a row whose plan id is ``ON_DEVICE`` must have one."""
         n, b = plan.num_requests, self.max_bs
-        host = self._sets[self._turn]
-        if host.used:
-            host.uploaded.synchronize()
-        n64, n32, nf = host.n64, host.n32, host.nf
-        rows = plan.sampling
-        for i, values in enumerate((plan.input_ids, plan.positions, rows.seeds, rows.steps)):
+        host = self._writable_set()
+        n64, n32 = host.n64, host.n32
+        for i, values in enumerate((plan.input_ids, plan.positions)):
             n64[i * b: i * b + n] = values
             n64[i * b + n: i * b + bs] = 0
         n64[:n] = n64[:n].clip(min=0)  # an ON_DEVICE id is replaced on the device (prev_rows)
         n64[4 * b: 4 * b + n] = -1 if prev_rows is None else prev_rows
         n64[4 * b + n: 4 * b + bs] = -1
-        k = self.banned_width
-        n64[5 * b: 5 * b + n * k] = rows.banned.reshape(-1)
-        n64[5 * b + n * k: 5 * b + bs * k] = -1
         for g, group in enumerate(plan.groups):
             n32[g * b: g * b + n] = group.seq_lens
             start = self._tables_at + g * b * self.max_blocks
             n32[start: start + n * self.max_blocks] = group.block_tables.reshape(-1)
+        self._fill_sampling(host, plan.sampling, bs)
+
+    def fill_sampling(self, rows: SamplingRows) -> None:
+        """An extend or mixed step's sampling rows (the sampling op reads these buffers in every
+        step); the next ``upload`` sends them. The step's other decode fields go up stale and unread:
+        every decode step rewrites all of them."""
+        self._fill_sampling(self._writable_set(), rows, rows.seeds.shape[0])
+
+    def _writable_set(self) -> _HostSet:
+        host = self._sets[self._turn]
+        if host.used:
+            host.uploaded.synchronize()
+        return host
+
+    def _fill_sampling(self, host: _HostSet, rows: SamplingRows, bs: int) -> None:
+        """Rows ``[n, bs)`` become padding: greedy, nothing banned."""
+        n, b, k = rows.seeds.shape[0], self.max_bs, self.banned_width
+        n64, n32, nf = host.n64, host.n32, host.nf
+        for i, values in ((2, rows.seeds), (3, rows.steps)):
+            n64[i * b: i * b + n] = values
+            n64[i * b + n: i * b + bs] = 0
+        n64[5 * b: 5 * b + n * k] = rows.banned.reshape(-1)
+        n64[5 * b + n * k: 5 * b + bs * k] = -1
         n32[self._topk_at: self._topk_at + n] = rows.top_k
         n32[self._topk_at + n: self._topk_at + bs] = 1
         nf[:n], nf[n:bs] = rows.temperature, 0.0
