@@ -144,3 +144,16 @@ def test_update_advances_requests_by_the_plan_and_releases_the_finished():
     assert sched.update(plan) == [a]  # a's one token sampled: finished, its blocks freed
     assert a.slot == -1 and b.group_lens == [2, 2] and b.num_generated == 1
     assert all(alloc.num_free == alloc.num_blocks - 1 - 2 for alloc in sched.allocators)  # b reserves 2 blocks
+
+
+def test_upload_keeps_values_shapes_and_aligns_every_view():
+    from tscompile.utils import UPLOAD_ALIGN_BYTES, upload
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-5, 5, (3, 7)).astype(np.int32), np.arange(5, dtype=np.int32), np.zeros(0, dtype=np.int64),
+              rng.integers(0, 9, 11).astype(np.int64), rng.random(3).astype(np.float32), np.array([True, False])]
+    out = upload(arrays, torch.device("cpu"))
+    for a, t in zip(arrays, out):
+        assert tuple(t.shape) == a.shape and t.numpy().tolist() == a.tolist()
+        # each view's offset in its upload is aligned (a CUDA allocation's base is 512-byte aligned)
+        assert t.storage_offset() * t.element_size() % UPLOAD_ALIGN_BYTES == 0
