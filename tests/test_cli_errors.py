@@ -101,3 +101,14 @@ def test_other_errors_still_raise(monkeypatch):
     monkeypatch.setattr(cli, "run", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["generate"])
+
+
+def test_the_cli_shows_tscompile_info_lines(capsys):
+    """The library adds no handler; the CLI shows tscompile's INFO lines on stderr."""
+    import logging
+
+    from tscompile.cli import show_tscompile_logs
+
+    show_tscompile_logs()
+    logging.getLogger("tscompile").info("Graph capturing finished in 1 s, took 0.01 GiB")
+    assert "Graph capturing finished in 1 s" in capsys.readouterr().err

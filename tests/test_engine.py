@@ -226,3 +226,12 @@ def test_token_readback_keeps_a_handles_tokens_when_its_buffer_is_reused():
     values = [torch.randint(0, 1000, (n,)) for n in (5, 3, 8)]
     handles = [rb.start(v) for v in values]  # the third reuses the first's buffer
     assert [h.wait() for h in handles] == [v.tolist() for v in values]
+
+
+def test_a_running_request_no_step_serves_is_an_error_not_a_spin(monkeypatch):
+    llm = make_llm()
+    llm.add_request(PROMPTS[0], SamplingParams(max_new_tokens=4))
+    llm.step()
+    monkeypatch.setattr(llm.scheduler, "schedule", lambda: None)  # a scheduler bug: nothing planned
+    with pytest.raises(RuntimeError, match="tscompile: no step could be scheduled for 1 running request"):
+        llm.step()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 import time
 
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     for mod in dict.fromkeys(modules.values()):
         mod.add_parser(sub)
     args = parser.parse_args(argv)
+    show_tscompile_logs()
     try:
         return modules[args.command].run(args)
     except Exception as e:
@@ -139,6 +141,29 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(str(refusal).splitlines()[0], file=sys.stderr)
         return 2
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged (not the one at creation)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def show_tscompile_logs(level: int = logging.INFO) -> None:
+    """The CLI prints tscompile's INFO lines (graph capture, ...) to stderr; the library itself
+    leaves handlers to its user (``logging.getLogger("tscompile")``)."""
+    log = logging.getLogger("tscompile")
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level)
 
 
 def tscompile_refusal(exc: BaseException) -> ValueError | None:

@@ -4,6 +4,7 @@ matters when its backend is asked for."""
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
@@ -12,6 +13,8 @@ from tscompile.attention.router import AttentionRouter, DecodeInputs
 from tscompile.attention.support import CudaGraphSupport, resolve_cuda_graph_support
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.utils import cdiv
+
+logger = logging.getLogger("tscompile")
 
 # name -> (module, class) of the kernel-facing paged leaf
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -28,13 +31,15 @@ def leaf_class(name: str) -> type[PagedAttentionBackend]:
 
 
 def default_backend_name(device: torch.device | str) -> str:
-    """``auto``: Triton kernels on CUDA when triton imports, the torch oracle elsewhere."""
+    """``auto``: Triton kernels on CUDA when triton imports, the torch oracle elsewhere (on CUDA
+    with a warning: the oracle is slow)."""
     if torch.device(device).type == "cuda":
         try:
             leaf_class("triton")
             return "triton"
-        except ImportError:
-            pass
+        except ImportError as e:
+            logger.warning("tscompile: attention_backend='auto' falls back to the slow torch backend on CUDA: "
+                           "triton does not import (%s)", e)
     return "torch"
 
 

@@ -169,6 +169,9 @@ class LLM:
         step in flight."""
         plan = self.scheduler.schedule()
         if plan is None:
+            if self.scheduler.running:  # never spin: a running request that no step serves is a bug
+                raise RuntimeError(f"tscompile: no step could be scheduled for {len(self.scheduler.running)} "
+                                   f"running request(s)")
             return self.sync()
         prev = self._inflight
         # a chained step reads prev's sample on the device: nothing may have launched in between

@@ -16,6 +16,7 @@ step: compiled pieces (captured per bucket) with eager attention breaks between 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Callable
@@ -39,6 +40,7 @@ from tscompile.step_plan import ON_DEVICE, StepPlan
 from tscompile.utils import upload
 
 StepFn = Callable[..., torch.Tensor]
+logger = logging.getLogger("tscompile")
 
 
 def check_inputs_on_host(plan: StepPlan, prev_rows: list[int] | None) -> None:
@@ -80,6 +82,7 @@ class ModelRunner:
         self.decode_logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
         self.launches = 0
         self.compile_seconds = 0.0
+        self._said_above_ladder = False
         if compile_config is None:
             self.decode_step: StepFn = self._decode_forward
             self.extend_step: StepFn = self._extend_forward
@@ -201,6 +204,10 @@ class ModelRunner:
         if graphed:
             graphs.replay((bs, greedy))
         else:
+            if graphs is not None and graphs.replay_graphs and not self._said_above_ladder:
+                self._said_above_ladder = True
+                logger.info("tscompile: a decode batch of %d runs without a CUDA graph (above the decode ladder "
+                            "%s); later ones say nothing", n, graphs.ladder)
             self._run_decode(bs, greedy)
             counters["decode_eager"] += 1
 
