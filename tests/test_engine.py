@@ -235,3 +235,46 @@ def test_a_running_request_no_step_serves_is_an_error_not_a_spin(monkeypatch):
     monkeypatch.setattr(llm.scheduler, "schedule", lambda: None)  # a scheduler bug: nothing planned
     with pytest.raises(RuntimeError, match="tscompile: no step could be scheduled for 1 running request"):
         llm.step()
+
+
+PREEMPT_PROMPTS = [[(5 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([9, 3, 14, 6, 11, 2])]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=20),
+                                    SamplingParams(max_new_tokens=20, temperature=0.9, top_k=30, seed=5)])
+def test_preemption_gives_the_tokens_of_an_ample_pool(async_scheduling, params):
+    """12 pages of 4 tokens for six requests that grow to 22-34 tokens: blocks run out again and
+    again; the most recently admitted request is preempted and recomputed, and every request still
+    gets exactly the tokens it gets with a pool that holds them all."""
+    ample = make_llm(max_num_seqs=6)
+    want = ids(ample.generate(PREEMPT_PROMPTS, params))
+    assert ample.scheduler.num_preemptions == 0
+    llm = make_llm(max_num_seqs=6, num_pages=12, async_scheduling=async_scheduling)
+    assert ids(llm.generate(PREEMPT_PROMPTS, params)) == want
+    assert llm.scheduler.num_preemptions >= 3
+    assert all(a.num_free == a.num_blocks - 1 for a in llm.scheduler.allocators)
+
+
+def test_blocks_are_allocated_as_requests_grow():
+    llm = make_llm(page_size=4)
+    req = llm.add_request([3] * 9, SamplingParams(max_new_tokens=20))
+    llm.step()  # the prefill: the prompt's 9 tokens and the first new one, 3 blocks (not 29 tokens' 8)
+    assert len(req.blocks[0]) == 3
+    for _ in range(6):
+        llm.step()
+    llm.sync()
+    assert len(req.blocks[0]) == -(-(req.num_computed + 1) // 4)
+
+
+def test_the_narrowing_model_reserves_at_admission_and_is_never_preempted():
+    params = SamplingParams(max_new_tokens=20)
+    want = ids(make_llm("narrow-tiny", max_num_seqs=6).generate(PREEMPT_PROMPTS, params))
+    llm = make_llm("narrow-tiny", max_num_seqs=6, num_pages=20)
+    req = llm.add_request(PREEMPT_PROMPTS[0], params)
+    llm.step()
+    assert len(req.blocks[0]) == -(-(len(PREEMPT_PROMPTS[0]) + 20) // 4)  # every block it can need
+    llm.sync()
+    while llm.has_unfinished():
+        llm.step()
+    assert ids(llm.generate(PREEMPT_PROMPTS, params)) == want and llm.scheduler.num_preemptions == 0

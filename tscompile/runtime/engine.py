@@ -167,6 +167,8 @@ class LLM:
         With ``async_scheduling`` a decode step that follows another step is launched before that
         step's tokens are read, and they are read while it runs; any other step first waits for the
         step in flight."""
+        if self._inflight is not None and self.scheduler.may_preempt():
+            self._read_back()  # a preempted request is recomputed from tokens the host must know
         plan = self.scheduler.schedule()
         if plan is None:
             if self.scheduler.running:  # never spin: a running request that no step serves is a bug

@@ -1,8 +1,13 @@
 """The scheduler: requests, admission, chunked prefill, decode and mixed steps, one plan per step.
 
-It speaks requests and blocks only. A request reserves every block it can ever need (prompt plus
-``max_new_tokens``) when it is admitted, so a running request can never be starved or preempted by
-another, and a refused request never touches anyone's cache.
+It speaks requests and blocks only. KV blocks are allocated as requests grow: a request admitted
+gets the blocks of its prompt (and its first new token), a decode step a block when it crosses into
+one. When the pool runs out, the most recently admitted running request is preempted: its blocks
+are freed and it waits to be recomputed (its prompt and the tokens it generated are prefilled
+again), so every request still produces the tokens it would with an ample pool (the sampler's draws
+depend only on a request's seed and position). A model whose cache keeps rows by chunk boundary (the
+narrowing model's tail group) cannot be recomputed exactly: it reserves a request's every block at
+admission instead and is never preempted. A refused request never touches anyone's cache.
 
 ``schedule()`` decides who runs and returns the step's ``StepPlan`` (``build_step_plan``, a pure
 function of the scheduled batch); ``update(plan)`` advances the requests past it. Runners get the
@@ -47,12 +52,22 @@ class Request:
     num_generated: int = 0  # tokens sampled so far, including one still on its way to ``output``
     slot: int = -1  # row of the block-table buffers while running
     num_computed: int = 0  # tokens whose KV is in the full group's cache
+    resumed: int = 0  # generated tokens folded back into the prompt by a preemption (recomputed)
     group_lens: list[int] = field(default_factory=list)  # KV length per cache group
     blocks: list[list[int]] = field(default_factory=list)  # reserved block ids per cache group
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens a prefill computes: the prompt, plus what was generated before a preemption."""
+        return len(self.prompt) + self.resumed
+
+    def prefill_tokens(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt)
+        return self.prompt[start:stop] + self.output[max(start - n, 0): max(stop - n, 0)]
+
+    @property
     def prefill_done(self) -> bool:
-        return self.num_computed >= len(self.prompt)
+        return self.num_computed >= self.prefill_len
 
     @property
     def finished(self) -> bool:
@@ -115,14 +130,14 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
     reqs = batch.requests
     ids, pos = [], []
     for r, n in batch.extends:
-        ids += r.prompt[r.num_computed: r.num_computed + n]
+        ids += r.prefill_tokens(r.num_computed, r.num_computed + n)
         pos += range(r.num_computed, r.num_computed + n)
     for r in batch.decodes:
         ids.append(r.last_token)
         pos.append(r.num_computed)
     query_lens = np.array([n for _, n in batch.extends] + [1] * len(batch.decodes), dtype=np.int32)
     prefix = np.array([r.num_computed for r in reqs], dtype=np.int32)
-    completes = np.array([r.num_computed + n == len(r.prompt) for r, n in batch.extends]
+    completes = np.array([r.num_computed + n == r.prefill_len for r, n in batch.extends]
                          + [False] * len(batch.decodes), dtype=bool)
     emits = completes.copy()
     emits[len(batch.extends):] = True
@@ -168,6 +183,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._by_id: dict[int, Request] = {}  # running requests
+        # the narrowing model's tail group keeps rows by chunk boundary: no recompute, so reserve
+        self.reserve_at_admission = any(spec.narrowed for spec in specs)
+        self.num_preemptions = 0
 
     # -- admission -------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -201,7 +219,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def _try_admit(self, req: Request) -> bool:
-        need = cdiv(req.max_len, self.block_size)
+        # the prompt (and a recomputed request's tokens) plus the first new token; or everything
+        tokens = req.max_len if self.reserve_at_admission else req.prefill_len + 1
+        need = cdiv(min(tokens, req.max_len), self.block_size)
         if not self.free_slots or any(a.num_free < need for a in self.allocators):
             return False
         req.slot = self.free_slots.pop()
@@ -213,6 +233,42 @@ class Scheduler:
         self.running.append(req)
         self._by_id[req.rid] = req
         return True
+
+    def _blocks_short(self) -> list[Request]:
+        """Running decode requests whose next token starts a block they do not have yet."""
+        if self.reserve_at_admission:
+            return []
+        return [r for r in self.running if r.prefill_done and r.num_computed >= len(r.blocks[0]) * self.block_size]
+
+    def may_preempt(self) -> bool:
+        """Whether the next ``schedule()`` could preempt (more blocks wanted than free): the engine
+        then reads the step in flight back first, so a preempted request's tokens are all known."""
+        short = len(self._blocks_short())
+        return short > 0 and any(a.num_free < short for a in self.allocators)
+
+    def _grow(self) -> None:
+        """Give each decode request crossing into a new block that block, preempting the most
+        recently admitted running requests while the pool is empty."""
+        for r in self._blocks_short():
+            if r.slot < 0:
+                continue  # preempted below for an earlier request's block
+            while any(a.num_free == 0 for a in self.allocators):
+                self._preempt(self.running[-1])
+                if r.slot < 0:
+                    break
+            if r.slot < 0:
+                continue
+            for alloc, table, blocks in zip(self.allocators, self.block_tables, r.blocks):
+                blocks += alloc.allocate(1)
+                table[r.slot, len(blocks) - 1] = blocks[-1]
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s blocks and queue it first, to prefill its prompt and generated tokens again."""
+        assert len(req.output) == req.num_generated, "preempting a request whose last token is in flight"
+        self.release(req)
+        req.num_computed, req.resumed, req.group_lens = 0, req.num_generated, []
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
 
     def remove(self, req: Request) -> None:
         """Take ``req`` out of scheduling for good (a stop the host saw, an abort): its blocks are
@@ -236,7 +292,10 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """Admit what fits, pick this step's rows and return its plan (None: nothing to run)."""
-        while self.waiting and self._try_admit(self.waiting[0]):
+        preempted = self.num_preemptions
+        self._grow()
+        # after a preemption nothing is admitted this step: the freed blocks go to the running
+        while self.waiting and self.num_preemptions == preempted and self._try_admit(self.waiting[0]):
             self.waiting.popleft()
         decodes = [r for r in self.running if r.prefill_done]
         budget = max(self.max_num_batched_tokens - len(decodes), 0)
@@ -244,7 +303,7 @@ class Scheduler:
         for r in self.running:
             if r.prefill_done or budget == 0:
                 continue
-            chunk = min(len(r.prompt) - r.num_computed, budget)
+            chunk = min(r.prefill_len - r.num_computed, budget)
             extends.append((r, chunk))
             budget -= chunk
         if not extends and not decodes:
