@@ -154,9 +154,14 @@ class LLM:
     def abort(self, request_id: int | str) -> None:
         """Stop a request now: it is never scheduled again, its blocks are free, and a token of it
         still in flight is dropped. Its output keeps what was read back (finish reason "abort")."""
-        req = self._requests.pop(int(request_id), None)
+        try:
+            rid = int(request_id)
+        except (TypeError, ValueError):
+            raise ValueError(f"tscompile: request_id {request_id!r} is not a request id (an int, or the "
+                             f"RequestOutput.request_id string)") from None
+        req = self._requests.pop(rid, None)
         if req is None:
-            return
+            return  # finished, aborted already, or never added: nothing to stop
         self.scheduler.remove(req)
         if not req.completion.finished:
             req.completion.finish_reason = "abort"
