@@ -189,6 +189,7 @@ def test_compiled_equals_eager_in_decode_prefill_mixed_and_chunked_steps(model):
 
 
 def test_no_recompilation_across_steady_decode_and_prefill_steps():
+    torch._dynamo.utils.counters["graph_break"].clear()
     llm = make_llm(max_num_batched_tokens=8, max_num_seqs=4)
     # warm every variant a batch can take: Dynamo specializes a size of 1 and a batch that fills the
     # max_num_seqs-row buffers, so 1 request, 2 requests and a full batch, in extend, mixed and decode
@@ -201,6 +202,27 @@ def test_no_recompilation_across_steady_decode_and_prefill_steps():
     ids(llm.generate(more, SamplingParams(max_new_tokens=9)))
     assert counters["graphs"] == graphs
     assert dict(torch._dynamo.utils.counters["frames"]) == frames
+    # every engine step (decode whole, prefill split by the backend) traced as one Dynamo graph
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_hitting_the_recompile_limit_is_an_error_not_a_silent_eager_fallback(monkeypatch):
+    """A step that keeps recompiling must fail loudly: Dynamo would otherwise run it eagerly from
+    then on, without graphs, and nothing would say so."""
+    import tscompile.backend as backend
+    from tscompile.config import TscompileConfig
+
+    monkeypatch.setattr(backend, "RECOMPILE_LIMIT", 2)
+
+    def scaled(x, tag: str):
+        return x * len(tag)  # a str is a constant: every new tag recompiles (ints would stay dynamic)
+
+    step = backend.compile_step(scaled, TscompileConfig(piece_compiler="eager"))
+    x = torch.randn(3)
+    for tag in ("a", "bb"):
+        assert torch.equal(step(x, tag), x * len(tag))
+    with pytest.raises(Exception, match="(?i)recompile"):
+        step(x, "ccc")
 
 
 class _Narrowed(torch.nn.Module):

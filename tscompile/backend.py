@@ -95,6 +95,9 @@ def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers 
     return run
 
 
+RECOMPILE_LIMIT = 64  # Dynamo entries per engine step before a recompile is an error
+
+
 @contextlib.contextmanager
 def tracing_config():
     """Dynamo settings the engine traces under: floats stay constants (no CPU scalar inputs in a
@@ -110,9 +113,11 @@ def tracing_config():
     # An engine's step takes a bounded set of variants (a size of 1 or of the full max_num_seqs
     # buffers is specialized, extend vs mixed, greedy vs sampled): room for all of them.
     known = torch._dynamo.config._config
-    if "fail_on_recompile_limit_hit" in known:
-        dynamo["fail_on_recompile_limit_hit"] = True
-    if "recompile_limit" in known:
-        dynamo["recompile_limit"] = 64
+    missing = [k for k in ("fail_on_recompile_limit_hit", "recompile_limit") if k not in known]
+    if missing:  # without them a recompiling step would fall back to eager silently: refuse instead
+        raise RuntimeError(f"tscompile: torch {torch.__version__} lacks torch._dynamo.config {missing}; "
+                           "tscompile needs torch 2.11 or newer")
+    dynamo["fail_on_recompile_limit_hit"] = True
+    dynamo["recompile_limit"] = RECOMPILE_LIMIT
     with torch._dynamo.config.patch(**dynamo), fx_config.patch(use_duck_shape=False):
         yield
