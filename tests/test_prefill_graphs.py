@@ -8,7 +8,7 @@ runs the real graphs."""
 import pytest
 import torch
 
-from helpers import PROMPTS, small_llm, ids
+from helpers import small_llm, ids
 from tscompile import SamplingParams
 from tscompile.counters import counters
 from tscompile.custom_ops.attention import run_attention

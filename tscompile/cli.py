@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import sys
-import time
 
 # subcommand -> module exposing add_parser(subparsers) and run(args); imported only when used
 COMMANDS: dict[str, str] = {

@@ -17,6 +17,6 @@ from tscompile.package.record import FORMAT_VERSION, check_compatible, read_pack
 from tscompile.package.runtime import PackageInfo, PackageRunner, load_package
 
 __all__ = [
-    "FORMAT_VERSION", "PROGRAMS", "DecodeProgram", "PackageInfo", "PrefillProgram", "check_compatible",
+    "FORMAT_VERSION", "PROGRAMS", "DecodeProgram", "PackageInfo", "PackageRunner", "PrefillProgram", "check_compatible",
     "export_package", "export_programs", "load_package", "program_ops", "read_package_metadata", "weights_path",
 ]

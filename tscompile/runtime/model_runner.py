@@ -36,7 +36,7 @@ from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRunti
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
-from tscompile.step_plan import ON_DEVICE, StepPlan
+from tscompile.step_plan import StepPlan
 from tscompile.utils import upload
 
 StepFn = Callable[..., torch.Tensor]
