@@ -157,3 +157,10 @@ def test_upload_keeps_values_shapes_and_aligns_every_view():
         assert tuple(t.shape) == a.shape and t.numpy().tolist() == a.tolist()
         # each view's offset in its upload is aligned (a CUDA allocation's base is 512-byte aligned)
         assert t.storage_offset() * t.element_size() % UPLOAD_ALIGN_BYTES == 0
+
+
+def test_bucket_is_the_smallest_ladder_entry_that_holds_n():
+    from tscompile.utils import bucket
+
+    ladder = (1, 2, 4, 8, 24)
+    assert [bucket(ladder, n) for n in (1, 2, 3, 8, 9, 24, 25)] == [1, 2, 4, 8, 24, 24, None]

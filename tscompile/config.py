@@ -94,13 +94,6 @@ class TscompileConfig:
             patches.update(self.static_inductor_options)
         return patches
 
-    def bucket(self, ladder: tuple[int, ...], n: int) -> int | None:
-        """The smallest ladder entry >= n, or None above the ladder."""
-        for size in ladder:
-            if size >= n:
-                return size
-        return None
-
 
 def _is_int(value) -> bool:
     # bool is an int subclass, but True as a size is a typo, not a size

@@ -19,6 +19,11 @@ import numpy as np
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.slots import slot_from_block_rows
 
+def row_offsets(lens: np.ndarray) -> np.ndarray:
+    """``[B] -> [B + 1]`` int32 exclusive prefix sums: request b's rows are ``[out[b], out[b + 1])``."""
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device
 
 
@@ -45,7 +50,7 @@ class GroupPlan:
     @cached_property
     def qo_indptr(self) -> np.ndarray:
         """[B + 1] int32: request b's rows are ``qo_indptr[b]:qo_indptr[b + 1]``."""
-        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
+        return row_offsets(self.query_lens)
 
     @cached_property
     def positions(self) -> np.ndarray:
@@ -119,7 +124,7 @@ class StepPlan:
     @cached_property
     def qo_indptr(self) -> np.ndarray:
         """[B + 1] int32 offsets of the requests among the input rows."""
-        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
+        return row_offsets(self.query_lens)
 
     @property
     def tokens_on_device(self) -> np.ndarray:

@@ -13,6 +13,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def bucket(ladder: tuple[int, ...], n: int) -> int | None:
+    """The smallest entry of the sorted ``ladder`` that holds ``n``, or None above the ladder."""
+    return next((size for size in ladder if size >= n), None)
+
+
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """``None`` is CUDA when this torch sees a GPU, else the CPU. A device this torch cannot use is
     refused here, before any tensor is built on it."""

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from tscompile.counters import counters
 from tscompile.runtime import pointer_guard
+from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
 
@@ -50,7 +51,7 @@ class DecodeGraphRunner:
 
     def padded_size(self, actual_bs: int) -> int:
         """The smallest ladder size >= ``actual_bs``; above the ladder, ``actual_bs`` (no graph)."""
-        return next((bs for bs in self.ladder if bs >= actual_bs), actual_bs)
+        return bucket(self.ladder, actual_bs) or actual_bs
 
     def covers(self, bs: int) -> bool:
         """Whether a batch padded to ``bs`` replays a graph (captured now or on first use)."""

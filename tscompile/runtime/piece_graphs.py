@@ -43,6 +43,7 @@ from tscompile.counters import counters
 from tscompile.forward_context import peek_forward_context
 from tscompile.piece_compiler import PieceWrappers
 from tscompile.step_plan import StepPlan
+from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
 
@@ -97,15 +98,11 @@ class PrefillBuckets:
         cap = window * max_num_seqs
         self.row_ladder = tuple(sorted({min(b, cap) for b in token_ladder})) if narrowed is not None else ()
 
-    @staticmethod
-    def _bucket(ladder: tuple[int, ...], n: int) -> int | None:
-        return next((size for size in ladder if size >= n), None)
-
     def plan_for(self, plan: StepPlan) -> PrefillGraphPlan:
-        tokens = self._bucket(self.token_ladder, plan.num_tokens)
+        tokens = bucket(self.token_ladder, plan.num_tokens)
         rows = None
         if self.narrowed is not None:
-            rows = self._bucket(self.row_ladder, plan.groups[self.narrowed].num_rows)
+            rows = bucket(self.row_ladder, plan.groups[self.narrowed].num_rows)
             counters["decoder_rows_graphed" if rows is not None else "decoder_rows_eager"] += 1
         return PrefillGraphPlan(self.runtime, tokens, rows)
 
