@@ -37,6 +37,12 @@ def eos_token_ids(tokenizer) -> tuple[int, ...]:
     return () if eos is None else (int(eos),)
 
 
+def stop_ids_of(checkpoint_eos_ids, tokenizer) -> tuple[int, ...]:
+    """A model's end-of-sequence ids: the checkpoint's (generation_config.json, config.json), then
+    the tokenizer's, each once, in that order."""
+    return tuple(dict.fromkeys([*checkpoint_eos_ids, *(eos_token_ids(tokenizer) if tokenizer is not None else ())]))
+
+
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` (``[{"role": ..., "content": ...}, ...]``) rendered by the tokenizer's
     chat template, ending with the assistant's turn header when ``add_generation_prompt``.

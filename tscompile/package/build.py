@@ -135,7 +135,7 @@ def _tokenizer_files(checkpoint) -> tuple[dict[str, str], tuple[int, ...]]:
     carries so that ``run-package --prompt`` reads and writes text; nothing for a preset."""
     if checkpoint is None:
         return {}, ()
-    from tscompile.text import TOKENIZER_FILES, eos_token_ids, load_tokenizer
+    from tscompile.text import TOKENIZER_FILES, load_tokenizer, stop_ids_of
 
     names = [*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja"]
     files = {}
@@ -147,6 +147,5 @@ def _tokenizer_files(checkpoint) -> tuple[dict[str, str], tuple[int, ...]]:
             except UnicodeDecodeError:
                 pass
     tokenizer = load_tokenizer(checkpoint.path) if files else None
-    eos = tuple(dict.fromkeys([*checkpoint.eos_token_ids, *(eos_token_ids(tokenizer) if tokenizer else ())]))
-    return files, eos
+    return files, stop_ids_of(checkpoint.eos_token_ids, tokenizer)
 

@@ -21,8 +21,7 @@ from tscompile.runtime.model_runner import ModelRunner
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Scheduler
 from tscompile.step_plan import StepPlan
-from tscompile.text import eos_token_ids as text_eos_ids
-from tscompile.text import load_tokenizer
+from tscompile.text import load_tokenizer, stop_ids_of
 from tscompile.utils import cdiv, resolve_dtype
 
 
@@ -108,8 +107,7 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     tokenizer, eos_token_ids = None, ()
     if checkpoint is not None:
         tokenizer = load_tokenizer(checkpoint.path)
-        eos_token_ids = tuple(dict.fromkeys([*checkpoint.eos_token_ids,
-                                             *(text_eos_ids(tokenizer) if tokenizer is not None else ())]))
+        eos_token_ids = stop_ids_of(checkpoint.eos_token_ids, tokenizer)
     dtype = built.tok_embeddings.weight.dtype
     if max_model_len > cfg.max_position:
         raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position "
