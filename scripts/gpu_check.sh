@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU tests, run the benchmark; logs and JSON to $OUT.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo|compare]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo|compare|kernels]
 # compare (two GPUs): GPU 0 runs `pytest -m "gpu and not slow"`; GPU 1 benches llama-1b tscompile-triton
 # on each source tree named in COMPARE_TREES ("name=dir ...", e.g. trees unpacked by `git archive` into
 # a carried folder; "head=." is this checkout), back to back, then `pytest -m "gpu and slow"` while time
@@ -57,6 +57,17 @@ if [ "$what" = duo ]; then
   wait $bench_pid
   cat "$OUT/bench.log"
   tar czf "$OUT/bench_results.tgz" -C "$OUT" r && rm -rf "$OUT/r"
+fi
+if [ "$what" = kernels ]; then
+  # kernel tables of prefill steps per source tree of COMPARE_TREES (one GPU, trees one after another)
+  for tree in ${COMPARE_TREES:-head=.}; do
+    name=${tree%%=*}; src=$(cd "${tree#*=}" && pwd)
+    python3 -m pip install -q --no-deps --no-build-isolation --target "/tmp/site_$name" "$src" > "$OUT/install_$name.log" 2>&1 \
+      || { echo "install of $name failed"; continue; }
+    echo "== tree $name"
+    (cd /tmp && PYTHONPATH="/tmp/site_$name" timeout ${KERNELS_SECONDS:-200} python3 "$OLDPWD/scripts/prefill_kernels.py" \
+      "$OUT/kernels_$name.json" 2>&1 | grep -v -i warn | tee "$OUT/kernels_$name.log")
+  done
 fi
 if [ "$what" = compare ]; then
   deadline=$((SECONDS + ${COMPARE_SECONDS:-560}))
