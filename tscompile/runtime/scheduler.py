@@ -192,9 +192,9 @@ class Scheduler:
         """Refuse what can never run; raises before anything is queued or allocated."""
         if len(prompt) == 0:
             raise ValueError("tscompile: empty prompt; a request needs at least one token id")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"tscompile: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if not (0 <= min(prompt) and max(prompt) < self.vocab_size):  # in C: this runs on every prompt token
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise ValueError(f"tscompile: token id {bad} outside the vocabulary [0, {self.vocab_size})")
         banned = params.banned_ids(self.eos_token_ids, 0)
         if len(banned) > self.banned_width:
             raise ValueError(f"tscompile: min_tokens={params.min_tokens} would ban {len(banned)} token ids (eos and "
