@@ -151,30 +151,43 @@ def write_kv(k, v, k_cache, v_cache, write_loc) -> None:
 def _attend_paged_tile(
     q, q_pos, m_i, l_i, acc, start, hi, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
     stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of the query rows ``q`` over KV positions [start, start + BLOCK_N)
     (those below ``hi``) of one request's paged cache; returns the updated (m_i, l_i, acc).
-    CAUSAL: row r sees only positions <= q_pos[r]. Shared by the decode and extend kernels."""
+    CAUSAL: row r sees only positions <= q_pos[r]. MASKED=False: the caller guarantees the whole
+    tile is below ``hi`` and visible to every row (the bulk of a long prompt), so no mask is built.
+    Shared by the decode and extend kernels."""
     pos = start + tl.arange(0, BLOCK_N)
-    live = pos < hi
     # Per-token page lookup: works for every page size, including P = 1 and P > BLOCK_N.
-    page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=live, other=0).to(tl.int64)
     off = pos % PAGE_SIZE
-    k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
-                + d[None, :] * stride_kcd, mask=live[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [rows, BLOCK_N]
-    if CAUSAL:
-        visible = live[None, :] & (pos[None, :] <= q_pos[:, None])
+    if MASKED:
+        live = pos < hi
+        page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp, mask=live, other=0).to(tl.int64)
+        k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
+                    + d[None, :] * stride_kcd, mask=live[:, None], other=0.0)
     else:
-        visible = live[None, :]
-    s = tl.where(visible, s, float("-inf"))
+        page = tl.load(pt_row + (pos // PAGE_SIZE) * stride_ptp).to(tl.int64)
+        k = tl.load(k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch
+                    + d[None, :] * stride_kcd)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2  # [rows, BLOCK_N]
+    if MASKED:
+        if CAUSAL:
+            visible = live[None, :] & (pos[None, :] <= q_pos[:, None])
+        else:
+            visible = live[None, :]
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
-                + d[None, :] * stride_vcd, mask=live[:, None], other=0.0)
+    if MASKED:
+        v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
+                    + d[None, :] * stride_vcd, mask=live[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch
+                    + d[None, :] * stride_vcd)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -227,7 +240,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_paged_tile(
             q, 0, m_i, l_i, acc, start, hi, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
             stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False, MASKED=True, DOT_PRECISION=DOT_PRECISION)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -311,6 +324,14 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
 # c. extend / prefill: causal attention of ragged query blocks over the paged cache
 
 
+# Extend launch configuration per head_dim: (tile rows = query positions x padded GQA group, keys per
+# tile, warps, software-pipeline stages). Module-level so a sweep (scripts/extend_sweep.py) can try
+# others; the committed values and the sweep that chose them are in bench/results/README.md.
+EXTEND_CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    16: (128, 64, 4, 2), 32: (128, 64, 4, 2), 64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 1),
+}
+
+
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, seq_lens_ptr, qo_indptr_ptr,
@@ -320,32 +341,50 @@ def _extend_kernel(
     stride_kcp, stride_kco, stride_kch, stride_kcd,
     stride_vcp, stride_vco, stride_vch, stride_vcd,
     stride_ptb, stride_ptp,
-    max_kv,
+    max_kv, num_reqs,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, REQS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Grid (B, cdiv(T, BLOCK_M), Hkv). Program (b, mb, kvh) takes query rows
-    [mb * BLOCK_M, (mb + 1) * BLOCK_M) of request b (clipped to its q_len) for all GROUP query heads
-    of KV head kvh, flattened into ROWS = BLOCK_M * GROUP_PAD tile rows (row r: query i = r // GROUP_PAD,
-    head g = r % GROUP_PAD). Query i sits at position kv_len - q_len + i and attends causally to
-    KV positions [0, that position], all read from the paged cache (the new rows were written first).
+    """Grid (cdiv(T, BLOCK_M) + B, Hkv): one program per query block of BLOCK_M positions of one
+    request, for all GROUP query heads of KV head kvh, flattened into ROWS = BLOCK_M * GROUP_PAD tile
+    rows (row r: query i = r // GROUP_PAD, head g = r % GROUP_PAD). The blocks of all requests are
+    numbered one after another (request b has cdiv(q_len_b, BLOCK_M) of them, at most
+    cdiv(T, BLOCK_M) + B - 1 in all), so the grid depends on static shapes only and hardly any
+    program is idle; programs past the last block have an empty loop and store nothing. Within a
+    request the last (longest causal) block comes first, so the long programs start early.
 
-    Blocks past a request's q_len have an empty KV loop and store nothing (no early return needed).
+    Query i sits at position kv_len - q_len + i and attends causally to KV positions [0, that
+    position], all read from the paged cache (the new rows were written first). Keys before the
+    block's first query are seen by every row: those tiles run without masks; only the last tiles,
+    along the diagonal, are masked.
     """
-    b = tl.program_id(0)
-    mb = tl.program_id(1)
-    kvh = tl.program_id(2)
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+
+    # This program's (request, query block), from qo_indptr alone.
+    reqs = tl.arange(0, REQS_PAD)
+    in_batch = reqs < num_reqs
+    lens = tl.load(qo_indptr_ptr + reqs + 1, mask=in_batch, other=0) - tl.load(qo_indptr_ptr + reqs, mask=in_batch,
+                                                                                other=0)
+    blocks = tl.where(in_batch, (lens + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(blocks, 0)
+    b = tl.sum((ends <= tile).to(tl.int32), 0)
+    has_work = b < num_reqs
+    b = tl.minimum(b, num_reqs - 1)
+    first = tl.sum(tl.where(reqs < b, blocks, 0), 0)
+    mb = tl.sum(tl.where(reqs == b, blocks, 0), 0) - 1 - (tile - first)
 
     q_start = tl.load(qo_indptr_ptr + b)
-    q_len = tl.load(qo_indptr_ptr + b + 1) - q_start
+    q_len = tl.where(has_work, tl.load(qo_indptr_ptr + b + 1) - q_start, 0)
     kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)
     prefix = kv_len - q_len  # positions already cached before this forward
 
     r = tl.arange(0, ROWS)
-    qi = mb * BLOCK_M + r // GROUP_PAD  # query index inside the request
+    q_lo = mb * BLOCK_M
+    qi = q_lo + r // GROUP_PAD  # query index inside the request
     g = r % GROUP_PAD
-    row_live = (qi < q_len) & (g < GROUP)
+    row_live = (qi < q_len) & (g < GROUP) & (qi >= 0)
     heads = kvh * GROUP + g
     tok = (q_start + qi).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
@@ -355,20 +394,27 @@ def _extend_kernel(
         q = q.to(tl.float32)  # k, p and v are cast to q's dtype below
     q_pos = prefix + qi  # [ROWS]
 
-    # KV positions this block needs: up to its last live query's position (causal), inclusive.
-    last_q = tl.minimum(mb * BLOCK_M + BLOCK_M, q_len)
-    hi = tl.where(mb * BLOCK_M < q_len, prefix + last_q, 0)
+    # KV positions this block needs: up to its last live query's position (causal), inclusive;
+    # every row sees [0, prefix + q_lo), of which the whole tiles need no mask.
+    busy = (q_lo < q_len) & (q_lo >= 0)
+    hi = tl.where(busy, prefix + tl.minimum(q_lo + BLOCK_M, q_len), 0)
     hi = tl.maximum(tl.minimum(hi, kv_len), 0)
+    bulk = tl.where(busy, (prefix + q_lo) // BLOCK_N * BLOCK_N, 0)
 
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
-    for start in range(0, hi, BLOCK_N):
+    for start in range(0, bulk, BLOCK_N):
         m_i, l_i, acc = _attend_paged_tile(
             q, q_pos, m_i, l_i, acc, start, hi, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
             stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
-            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False, MASKED=False, DOT_PRECISION=DOT_PRECISION)
+    for start in range(bulk, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_paged_tile(
+            q, q_pos, m_i, l_i, acc, start, hi, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
+            stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=True, MASKED=True, DOT_PRECISION=DOT_PRECISION)
 
     # A live row with no visible key (kv_len == 0) keeps l = 0 and gets zeros, like the oracle.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -376,11 +422,10 @@ def _extend_kernel(
              o.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
 
 
-def _extend_blocks(head_dim: int, group_pad: int) -> tuple[int, int]:
-    """(BLOCK_M query positions, BLOCK_N keys): about 64 tile rows (32 for head_dim 256)."""
-    rows = 32 if head_dim >= 256 else 64
-    block_m = max(rows // group_pad, 1)
-    return block_m, (32 if head_dim >= 256 else 64)
+def extend_config(head_dim: int, group_pad: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M query positions, BLOCK_N keys, warps, stages) of the extend kernel."""
+    rows, block_n, warps, stages = EXTEND_CONFIGS[head_dim]
+    return max(rows // group_pad, 1), block_n, warps, stages
 
 
 def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale) -> None:
@@ -392,17 +437,18 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     group_pad = _next_pow2(group)
-    block_m, block_n = _extend_blocks(d, group_pad)
-    # T bounds every request's q_len, so cdiv(T, BLOCK_M) blocks cover the longest one; the grid
-    # depends on shapes only (no host read of qo_indptr).
-    _extend_kernel[(b, triton.cdiv(t, block_m), hkv)](
+    block_m, block_n, warps, stages = extend_config(d, group_pad)
+    # Every request's blocks fit in cdiv(T, BLOCK_M) + B programs (T bounds the sum of q_lens); the
+    # grid depends on shapes only (no host read of qo_indptr).
+    _extend_kernel[(triton.cdiv(t, block_m) + b, hkv)](
         q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr,
         scale * 1.4426950408889634,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
-        page_table.shape[1] * page_size,
+        page_table.shape[1] * page_size, b,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n,
+        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, REQS_PAD=max(_next_pow2(b), 2),
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
+        num_warps=warps, num_stages=stages,
     )
 
 

@@ -94,6 +94,26 @@ def test_extend_long_query_crosses_several_row_blocks(device):
     _compare(batch, decode=False)
 
 
+@pytest.fixture
+def small_extend_tiles(monkeypatch):
+    """8-row, 16-key extend tiles: tiny shapes then span many query blocks per request, unmasked
+    bulk tiles and masked diagonal tiles, and idle programs past the last block."""
+    monkeypatch.setattr(ta, "EXTEND_CONFIGS", {d: (8, 16, 4, 1) for d in (16, 32, 64, 128, 256)})
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_block_numbering_over_ragged_requests(page_size, device, small_extend_tiles):
+    # q_lens 1..37 over prefixes that are and are not multiples of the key tile; a request with
+    # q_len 0 between two others (a mixed step's finished row) must neither shift nor take blocks.
+    g = torch.Generator().manual_seed(11)
+    q_lens = [int(x) for x in torch.randint(1, 38, (6,), generator=g)] + [0, 16]
+    kv_lens = [q + int(p) for q, p in zip(q_lens, torch.randint(0, 40, (8,), generator=g))]
+    kv_lens[6] = max(kv_lens[6], 1)
+    batch = _batch(q_lens, kv_lens, device, page_size=page_size, group=2, seed=9, pad_rows=3)
+    out = _compare(batch, decode=False)
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
 def test_extend_float16_matches_torch(device):
     batch = _batch([4, 1, 9], [4, 20, 30], device, page_size=16, dtype=torch.float16, seed=6, pad_rows=1)
     _compare(batch, decode=False, atol=2e-3, rtol=2e-3)
