@@ -328,7 +328,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
 # tile, warps, software-pipeline stages). Module-level so a sweep (scripts/extend_sweep.py) can try
 # others; the committed values and the sweep that chose them are in bench/results/README.md.
 EXTEND_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    16: (128, 64, 4, 2), 32: (128, 64, 4, 2), 64: (128, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 1),
+    16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 3), 256: (32, 32, 4, 2),
 }
 
 
