@@ -161,21 +161,36 @@ def _restore(llm, state):
         t.copy_(saved)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+# (model, prefill_graph_mode): the narrowing model always runs piecewise prefill graphs
+MODEL_MODES = [("llama-tiny", "whole"), ("llama-tiny", "piecewise"), ("narrow-tiny", "piecewise")]
+
+
+def _ladder(mode):
+    return {**PREFILL_LADDER, "prefill_graph_mode": mode}
+
+
+def _prefill_runtime(llm):
+    """The engine's prefill graph runtime (whole-step or per piece): both have ``replay``."""
+    whole = llm.runner.whole_prefill
+    return whole if whole is not None else llm.runner.piece_graphs
+
+
+@pytest.mark.parametrize("model, mode, backend", [(m, md, b) for m, md in MODEL_MODES for b in ("torch", "triton")
+                                                   if (m, md, b) != ("llama-tiny", "piecewise", "torch")])
 @pytest.mark.parametrize("lens, other", [([11], [14]), ([30, 20, 5, 1], [25, 22, 9, 3])])
-def test_prefill_graph_replay_is_bitwise_the_same_padded_pieces_without_graphs(model, backend, lens, other):
+def test_prefill_graph_replay_is_bitwise_the_same_padded_step_without_graphs(model, mode, backend, lens, other):
     """Capture on one batch, then replay on another of the same bucket and request count whose
     row plan differs (so a replay that kept the captured metadata would pick the wrong rows)."""
     from tscompile.counters import counters
-    llm = make(model, backend, compile_options=PREFILL_LADDER, max_num_batched_tokens=64)
+    llm = make(model, backend, compile_options=_ladder(mode), max_num_batched_tokens=64)
+    assert (llm.runner.whole_prefill is not None) == (mode == "whole")
     ids(llm.generate([[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate(lens)],
                  SamplingParams(max_new_tokens=2)))  # captures this bucket's pieces
     counters.clear()
     for i, n in enumerate(other):
         llm.add_request([(11 * i + 3 * j) % 400 + 1 for j in range(n)], SamplingParams(max_new_tokens=2))
     plan = llm.scheduler.schedule()
-    runtime = llm.runner.piece_graphs
+    runtime = _prefill_runtime(llm)
     before = _pool_state(llm)
     replayed = llm.runner.execute(plan)
     after_replay = _pool_state(llm)
@@ -192,15 +207,15 @@ def test_prefill_graph_replay_is_bitwise_the_same_padded_pieces_without_graphs(m
     assert counters["prefill_captures"] == 0 and counters["prefill_replays"] > 0
 
 
-@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
-def test_prefill_graphs_equal_eager_tokens_across_buckets_and_above_them(model):
+@pytest.mark.parametrize("model, mode", MODEL_MODES)
+def test_prefill_graphs_equal_eager_tokens_across_buckets_and_above_them(model, mode):
     from tscompile.counters import counters
     params = SamplingParams(max_new_tokens=6)
     prompts = PROMPTS + [[(3 * j) % 300 + 1 for j in range(90)]]  # 90 tokens: above the ladder top 64
     eager = make(model, enforce_eager=True, max_num_batched_tokens=100)
     expected = [ids(eager.generate(prompts, params)), ids(eager.generate(prompts[::-1], params))]
     counters.clear()
-    llm = make(model, compile_options=PREFILL_LADDER, max_num_batched_tokens=100)
+    llm = make(model, compile_options=_ladder(mode), max_num_batched_tokens=100)
     assert [ids(llm.generate(prompts, params)), ids(llm.generate(prompts[::-1], params))] == expected
     assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
     assert counters["prefill_replays"] > counters["prefill_captures"] > 0
@@ -208,10 +223,11 @@ def test_prefill_graphs_equal_eager_tokens_across_buckets_and_above_them(model):
         assert counters["decoder_rows_graphed"] > 0
 
 
-def test_prefill_graph_padding_writes_only_the_null_page_with_a_poisoned_pool():
+@pytest.mark.parametrize("mode, backend", [("whole", "triton"), ("whole", "torch"), ("piecewise", "triton")])
+def test_prefill_graph_padding_writes_only_the_null_page_with_a_poisoned_pool(mode, backend):
     from tscompile.counters import counters
     counters.clear()
-    llm = make(compile_options=PREFILL_LADDER)
+    llm = make(backend=backend, compile_options=_ladder(mode))
     llm.pool.fill_(float("nan"))
     req = llm.add_request(list(range(1, 12)), SamplingParams(max_new_tokens=2))  # 11 tokens -> bucket 16
     llm.step()

@@ -247,3 +247,81 @@ def test_a_direct_runner_call_reuses_the_engines_compiled_pieces_and_graphs():
     assert not torch.is_inference_mode_enabled()
     llm.runner.execute(llm.scheduler.schedule())
     assert counters["graphs"] == 0 and counters["prefill_captures"] == 0 and counters["prefill_replays"] > 0
+
+
+# -- whole-step prefill graphs (runtime/prefill_graphs.py), host replay ------------------------------
+
+from tscompile.runtime.prefill_graphs import WholeStepPrefill  # noqa: E402
+
+WHOLE = {"token_ladder": (4, 8, 16), "prefill_graph_max_tokens": 16, "decode_ladder": (1, 2, 4)}
+
+
+@pytest.fixture(scope="module")
+def whole_llm():
+    """One compiled engine for the whole-step tests (each leaves it with nothing queued)."""
+    llm = small_llm("llama-tiny", dtype=torch.float32, compile_options=WHOLE, max_num_batched_tokens=20,
+                    max_num_seqs=5)
+    llm.runner.enable_whole_step_prefill(host_replay=True)
+    return llm
+
+
+def _spy_stage(llm, monkeypatch):
+    staged = []
+    original = llm.runner.whole_prefill.stage
+
+    def spy(size, arrays):
+        out = original(size, arrays)
+        staged.append((size, [t.data_ptr() for t in out], [t.clone() for t in out]))
+        return out
+
+    monkeypatch.setattr(llm.runner.whole_prefill, "stage", spy)
+    return staged
+
+
+def test_whole_step_bucket_is_the_smallest_token_and_request_bucket_that_fit():
+    w = WholeStepPrefill(torch.device("cpu"), (4, 8, 16), (1, 2, 4, 5), host_replay=True)
+    assert w.bucket_of(3, 1) == (4, 1)
+    assert w.bucket_of(5, 3) == (8, 4)
+    assert w.bucket_of(16, 5) == (16, 5)
+    assert w.bucket_of(4, 5) == (4, 4)  # never more request rows than token rows
+    assert w.bucket_of(17, 1) is None and w.bucket_of(8, 6) is None
+
+
+def test_whole_step_prefill_equals_eager_across_buckets_and_above_them(whole_llm):
+    greedy = SamplingParams(max_new_tokens=3)
+    sampled = SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20, seed=7)
+    runs = [(RAGGED, greedy), (RAGGED[::-1], greedy), (RAGGED, sampled)]
+    eager = small_llm(dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=20, max_num_seqs=5)
+    expected = [ids(eager.generate(p, params)) for p, params in runs]
+    counters.clear()
+    assert [ids(whole_llm.generate(p, params)) for p, params in runs] == expected
+    # 20-token chunks run above the token ladder; the tails and the mixed steps are whole-step graphs
+    assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
+    assert counters["prefill_replays"] > counters["prefill_captures"] > 0
+    assert whole_llm.runner.piece_graphs is None  # no per-piece graphs in this mode
+
+
+def test_whole_step_buffers_never_move_and_padded_token_rows_write_the_null_slot(whole_llm, monkeypatch):
+    staged = _spy_stage(whole_llm, monkeypatch)
+    params = SamplingParams(max_new_tokens=1)
+    ids(whole_llm.generate([[5, 6, 7], [8, 9]], params))  # 5 tokens, 2 requests -> bucket (8, 2)
+    ids(whole_llm.generate([[1, 2, 3, 4, 5, 6], [7]], params))  # 7 tokens, 2 requests: the same bucket
+    ids(whole_llm.generate([[4, 4, 4]], params))  # (4, 1)
+    (s1, p1, _), (s2, p2, t2), (s3, _, t3) = staged
+    assert s1 == s2 == (8, 2) and s3 == (4, 1) and p1 == p2
+    ids_, pos, logits_rows, qo, completes, pages, seq_lens, gqo, slots = t2
+    assert ids_.tolist() == [1, 2, 3, 4, 5, 6, 7, 0] and pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    assert logits_rows.tolist() == [5, 6] and qo.tolist() == gqo.tolist() == [0, 6, 7]
+    assert slots[7].item() == 0 and (slots[:7] > 0).all()
+    assert t3[5].shape[0] == 1 and t3[8].tolist()[3] == 0
+
+
+def test_whole_step_pads_request_rows_with_empty_ranges_and_the_null_page(whole_llm, monkeypatch):
+    staged = _spy_stage(whole_llm, monkeypatch)
+    prompts = [[3, 1, 4], [1, 5], [9]]  # 6 tokens, 3 requests -> bucket (8, 4): one padded request
+    params = SamplingParams(max_new_tokens=2)
+    expected = ids(small_llm(dtype=torch.float32, enforce_eager=True, max_num_seqs=5).generate(prompts, params))
+    assert ids(whole_llm.generate(prompts, params)) == expected
+    size, _, (ids_, pos, logits_rows, qo, completes, pages, seq_lens, gqo, slots) = staged[0]
+    assert size == (8, 4) and qo.tolist() == [0, 3, 5, 6, 6] and seq_lens.tolist()[3] == 0
+    assert not pages[3].any() and logits_rows.tolist()[3] == 0 and not completes[3]

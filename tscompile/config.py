@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 DEFAULT_TOKEN_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_DECODE_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 PIECE_COMPILERS = ("inductor", "eager", "tensorrt")
+PREFILL_GRAPH_MODES = ("whole", "piecewise")
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,13 @@ class TscompileConfig:
     decode_ladder: decode batch sizes captured as CUDA graphs; larger batches run the same compiled
         step without a graph.
     cudagraphs: capture CUDA graphs (CUDA only): one torch.cuda.CUDAGraph per decode ladder size
-        around the Inductor-compiled step (one pool), and in the engine's prefill one per compiled
-        piece per token bucket (the narrowing decoder per row bucket; another pool).
+        around the Inductor-compiled step (one pool), and in the engine's prefill as
+        ``prefill_graph_mode`` says (another pool).
+    prefill_graph_mode: "whole": one graph per (token bucket, request bucket) around the whole
+        extend step, attention breaks and sampler included (``runtime/prefill_graphs.py``); a model
+        with the narrowing, or a backend that cannot be captured whole, keeps "piecewise": one
+        graph per compiled piece per token bucket (the narrowing decoder per row bucket) with the
+        attention breaks run eagerly between them.
     inductor_options: ``torch._inductor.config`` patches for every piece Inductor compiles (a dict).
     static_inductor_options: more patches only for graphs whose input sizes are all static. The
         engine's decode step sets ``coordinate_descent_tuning=True`` here on CUDA unless either dict
@@ -43,6 +49,7 @@ class TscompileConfig:
     split_narrowing: bool = True
     token_ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER
     prefill_graph_max_tokens: int = 2048
+    prefill_graph_mode: str = "whole"
     decode_ladder: tuple[int, ...] = DEFAULT_DECODE_LADDER
     cudagraphs: bool = True
     inductor_options: tuple[tuple[str, object], ...] = ()
@@ -56,6 +63,9 @@ class TscompileConfig:
         if not isinstance(self.piece_compiler, str) or self.piece_compiler not in PIECE_COMPILERS:
             raise ValueError(f"tscompile: piece_compiler must be one of {list(PIECE_COMPILERS)}, "
                              f"got {self.piece_compiler!r}")
+        if self.prefill_graph_mode not in PREFILL_GRAPH_MODES:
+            raise ValueError(f"tscompile: prefill_graph_mode must be one of {list(PREFILL_GRAPH_MODES)}, "
+                             f"got {self.prefill_graph_mode!r}")
         for name in ("split_sdpa", "split_narrowing", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         object.__setattr__(self, "split_ops", _str_sequence("split_ops", self.split_ops))

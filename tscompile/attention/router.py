@@ -129,20 +129,39 @@ class AttentionRouter(AttentionBackend):
         ``pad_rows[g]``: the forward runs group ``g``'s layers on that many rows (a CUDA-graph
         bucket; ``{}``: no padding); the write slots of the rows past the live ones are slot 0, in
         the null page."""
+        self.publish_extend_metadata(plan, upload(self.extend_host_arrays(plan, pad_rows), self.device))
+
+    def extend_host_arrays(self, plan: StepPlan, pad_rows: Mapping[int, int], pad_requests: int = 0) -> list:
+        """Per cache group, in order: page table ``[R, max_pages]`` int32, KV lengths ``[R]`` int32,
+        query offsets ``[R + 1]`` int32 and write slots ``[rows]`` int64 of an extend or mixed step.
+
+        ``pad_requests``: R, at least the plan's B (0: B). Request rows past B are padding: a null
+        page-table row, KV length 0 and an empty query range (the offsets repeat their last value),
+        so no kernel gives them work. Token rows past the live ones write slot 0 (``pad_rows``)."""
         reject_decode_init(plan.mode)
         host = []
         for gid, (group, leaf) in enumerate(zip(plan.groups, self.leaves)):
             geo = self.geometry[gid]
             pages = expand_block_table_rows(group.block_tables, geo.pages_per_block, leaf.max_pages)
+            seq_lens, qo_indptr = group.seq_lens, group.qo_indptr
             slots = group.write_slots
             pad = pad_rows.get(gid, 0) - slots.shape[0]
             if pad > 0:
                 slots = np.concatenate([slots, np.zeros(pad, dtype=np.int64)])
-            host += [pages, group.seq_lens, group.qo_indptr, slots]
-        dev = upload(host, self.device)
+            extra = pad_requests - seq_lens.shape[0]
+            if extra > 0:
+                pages = np.concatenate([pages, np.zeros((extra, pages.shape[1]), dtype=pages.dtype)])
+                seq_lens = np.concatenate([seq_lens, np.zeros(extra, dtype=seq_lens.dtype)])
+                qo_indptr = np.concatenate([qo_indptr, np.full(extra, qo_indptr[-1], dtype=qo_indptr.dtype)])
+            host += [pages, seq_lens, qo_indptr, slots]
+        return host
+
+    def publish_extend_metadata(self, plan: StepPlan, arrays: list[torch.Tensor]) -> None:
+        """Hand each leaf its extend metadata: ``arrays`` are ``extend_host_arrays`` on the device
+        (fresh storage, or the persistent buffers of a whole-step prefill graph)."""
         write_locs = []
         for gid, (group, leaf) in enumerate(zip(plan.groups, self.leaves)):
-            page_table, seq_lens, qo_indptr, slots = dev[4 * gid: 4 * gid + 4]
+            page_table, seq_lens, qo_indptr, slots = arrays[4 * gid: 4 * gid + 4]
             leaf.init_forward_metadata(group, AttentionMetadata(page_table, seq_lens, qo_indptr, False))
             write_locs.append(slots)
         self.extend_write_locations = tuple(write_locs)

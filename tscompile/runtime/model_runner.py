@@ -9,9 +9,13 @@ Decode: pad to the smallest ladder size ``bs >= actual_bs`` (above the ladder, o
 captured step for ``bs`` (``decode_graphs.py``) or run the very same compiled step without a
 graph. Rows ``[actual_bs, bs)`` are padding and resolve to the null page.
 
-Extend / mixed: under prefill graphs pad the step to a token bucket (and the narrowing model's
-kept rows to a row bucket, ``piece_graphs.py``), build fresh metadata from the plan, run the split
-step: compiled pieces (captured per bucket) with eager attention breaks between them.
+Extend / mixed, whole-step prefill graphs (the default on CUDA, ``prefill_graphs.py``): pad the
+step to a (token, request) bucket, send its metadata into that bucket's persistent buffers and
+replay the bucket's graph of the whole step. Piecewise (the narrowing model, or
+``prefill_graph_mode="piecewise"``): pad to a token bucket (and the kept rows to a row bucket,
+``piece_graphs.py``), build fresh metadata from the plan, run the split step: compiled pieces
+(captured per bucket) with eager attention breaks between them. Above the token ladder: the split
+step without graphs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tscompile.forward_context import ForwardContext, ForwardMode, forward_conte
 from tscompile.models.llama import Transformer
 from tscompile.runtime.decode_graphs import DecodeGraphRunner
 from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRuntime, PrefillBuckets
+from tscompile.runtime.prefill_graphs import WholeStepPrefill
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
@@ -100,8 +105,12 @@ class ModelRunner:
                 prepare_capture=self._prepare_decode_capture, run_step=self._run_decode,
                 guard_roots=self._guard_roots, compile_seconds=lambda: self.compile_seconds)
         self.prefill_buckets: PrefillBuckets | None = None
+        self.whole_prefill: WholeStepPrefill | None = None
         if graphs_on and graph_support.support.prefill_graph:
-            self.enable_prefill_graphs(PieceGraphRuntime(device))
+            if compile_config.prefill_graph_mode == "whole" and not any(s.narrowed for s in attention.specs):
+                self.enable_whole_step_prefill()
+            else:
+                self.enable_prefill_graphs(PieceGraphRuntime(device))
 
     def enable_prefill_graphs(self, runtime: PieceGraphRuntime) -> None:
         """Pad extend/mixed steps to the token ladder (and narrowed rows to the row ladder) and let
@@ -117,6 +126,15 @@ class ModelRunner:
         self.prefill_ids = torch.zeros(top, dtype=torch.int64, device=self.device)
         self.prefill_positions = torch.zeros(top, dtype=torch.int64, device=self.device)
 
+    def enable_whole_step_prefill(self, *, host_replay: bool = False) -> None:
+        """Pad extend/mixed steps to a (token, request) bucket and run each as one CUDA graph
+        (``prefill_graphs.py``); steps above the token ladder run the compiled pieces without one."""
+        cfg = self.config
+        tokens = tuple(b for b in cfg.token_ladder if b <= cfg.prefill_graph_max_tokens)
+        requests = tuple(sorted({b for b in cfg.decode_ladder if b < self.max_num_seqs} | {self.max_num_seqs}))
+        self.whole_prefill = WholeStepPrefill(self.device, tokens, requests, host_replay=host_replay)
+        self.prefill_buckets = None
+
     @property
     def piece_graphs(self) -> PieceGraphRuntime | None:
         return self.prefill_buckets.runtime if self.prefill_buckets is not None else None
@@ -126,7 +144,8 @@ class ModelRunner:
         """Decode and prefill graph capture, compile time excluded."""
         decode = self.decode_graphs.capture_seconds if self.decode_graphs is not None else 0.0
         prefill = self.piece_graphs.capture_seconds if self.piece_graphs is not None else 0.0
-        return decode + prefill
+        whole = self.whole_prefill.capture_seconds if self.whole_prefill is not None else 0.0
+        return decode + prefill + whole
 
     # Two functions on purpose: Dynamo keys its cache by code object, and the decode step (compiled
     # whole) and the extend step (compiled piecewise) must not share entries.
@@ -240,6 +259,10 @@ class ModelRunner:
 
     # -- extend / mixed ------------------------------------------------------------------------------
     def _extend(self, plan: StepPlan) -> None:
+        size = self.whole_prefill.bucket_of(plan.num_tokens, plan.num_requests) if self.whole_prefill else None
+        if size is not None:
+            self._extend_whole(plan, *size)
+            return
         buckets = self.prefill_buckets
         graphs = buckets.plan_for(plan) if buckets is not None else None
         self.attention.init_forward_metadata(plan, buckets.pad_rows(graphs) if graphs is not None else {})
@@ -259,3 +282,25 @@ class ModelRunner:
             # the sample lands in sampling.tokens (an input the step writes), where launch reads it
             self._timed(self.extend_step, ids, pos, plan.sampling.all_greedy)
         counters["prefill_graphed" if padded is not None else "prefill_eager"] += 1
+
+    def _extend_whole(self, plan: StepPlan, tokens: int, requests: int) -> None:
+        """The step padded to ``tokens`` rows and ``requests`` requests, as one graph."""
+        pad_t, pad_r = tokens - plan.num_tokens, requests - plan.num_requests
+        ids, pos = (np.concatenate([a, np.zeros(pad_t, dtype=a.dtype)]) for a in (plan.input_ids, plan.positions))
+        logits_rows = np.concatenate([plan.logits_rows, np.zeros(pad_r, dtype=plan.logits_rows.dtype)])
+        qo_indptr = np.concatenate([plan.qo_indptr, np.full(pad_r, plan.qo_indptr[-1], dtype=plan.qo_indptr.dtype)])
+        completes = np.concatenate([plan.completes, np.zeros(pad_r, dtype=plan.completes.dtype)])
+        groups = self.attention.extend_host_arrays(plan, {g: tokens for g in range(len(plan.groups))}, requests)
+        dev = self.whole_prefill.stage((tokens, requests), [ids, pos, logits_rows, qo_indptr, completes, *groups])
+        self.attention.publish_extend_metadata(plan, dev[5:])
+        self.staging.fill_sampling(plan.sampling, requests)
+        self.staging.upload()
+        ctx = ForwardContext(plan.mode, self.attention, dev[2], dev[3], dev[4])
+        greedy = plan.sampling.all_greedy
+
+        def step() -> None:
+            with forward_context(ctx):
+                self._timed(self.extend_step, dev[0], dev[1], greedy)
+
+        self.whole_prefill.run((tokens, requests, greedy, plan.mode), step)
+        counters["prefill_graphed"] += 1

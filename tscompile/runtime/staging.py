@@ -90,11 +90,11 @@ class DecodeStaging:
             n32[start: start + n * self.max_blocks] = group.block_tables.reshape(-1)
         self._fill_sampling(host, plan.sampling, bs)
 
-    def fill_sampling(self, rows: SamplingRows) -> None:
+    def fill_sampling(self, rows: SamplingRows, bs: int | None = None) -> None:
         """An extend or mixed step's sampling rows (the sampling op reads these buffers in every
-        step); the next ``upload`` sends them. The step's other decode fields go up stale and unread:
-        every decode step rewrites all of them."""
-        self._fill_sampling(self._writable_set(), rows, rows.seeds.shape[0])
+        step), rows past them up to ``bs`` padding; the next ``upload`` sends them. The step's other
+        decode fields go up stale and unread: every decode step rewrites all of them."""
+        self._fill_sampling(self._writable_set(), rows, rows.seeds.shape[0] if bs is None else bs)
 
     def _writable_set(self) -> _HostSet:
         host = self._sets[self._turn]
