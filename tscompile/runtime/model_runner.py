@@ -9,10 +9,10 @@ Decode: pad to the smallest ladder size ``bs >= actual_bs`` (above the ladder, o
 captured step for ``bs`` (``decode_graphs.py``) or run the very same compiled step without a
 graph. Rows ``[actual_bs, bs)`` are padding and resolve to the null page.
 
-Extend / mixed, whole-step prefill graphs (the default on CUDA, ``prefill_graphs.py``): pad the
-step to a (token, request) bucket, send its metadata into that bucket's persistent buffers and
-replay the bucket's graph of the whole step. Piecewise (the narrowing model, or
-``prefill_graph_mode="piecewise"``): pad to a token bucket (and the kept rows to a row bucket,
+Extend / mixed, whole-step prefill graphs (``prefill_graph_mode="whole"``, ``prefill_graphs.py``):
+pad the step to a (token, request) bucket, send its metadata into that bucket's persistent buffers
+and replay the bucket's graph of the whole step. Piecewise (the default, and always for the
+narrowing model): pad to a token bucket (and the kept rows to a row bucket,
 ``piece_graphs.py``), build fresh metadata from the plan, run the split step: compiled pieces
 (captured per bucket) with eager attention breaks between them. Above the token ladder: the split
 step without graphs.
