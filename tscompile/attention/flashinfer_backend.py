@@ -102,6 +102,7 @@ class _PlanSlot:
         self.last_page_len = torch.zeros(max_bs, dtype=torch.int32, pin_memory=True)
         self.indices = torch.zeros(max_indices, dtype=torch.int32, pin_memory=True)
         self.plan_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.views = tuple(t.numpy() for t in (self.indptr, self.last_page_len, self.indices))  # the host writes
         self.copied = torch.cuda.Event()
         self.used = False
 
@@ -229,9 +230,8 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
                                                          pages_per_block=self.pages_per_block, num_rows=bs)
         nnz = indices.shape[0]
         slot = self._ring.take()
-        slot.indptr.numpy()[: bs + 1] = indptr
-        slot.last_page_len.numpy()[:bs] = last_page_len
-        slot.indices.numpy()[:nnz] = indices
+        host_indptr, host_last, host_indices = slot.views
+        host_indptr[: bs + 1], host_last[:bs], host_indices[:nnz] = indptr, last_page_len, indices
         self._indices[:nnz].copy_(slot.indices[:nnz], non_blocking=True)
         wrapper = self._decode_wrapper(bs)
         wrapper._pin_memory_int_workspace_buffer = slot.plan_workspace
