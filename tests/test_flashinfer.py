@@ -13,8 +13,8 @@ tokens against the Triton backend's with asynchronous scheduling.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
-import math
 import sys
 import types
 from types import SimpleNamespace
@@ -510,8 +510,9 @@ def test_gpu_decode_graph_replay_equals_eager_bitwise():
 def test_gpu_plans_chained_while_the_gpu_is_behind_keep_each_steps_metadata():
     """Asynchronous scheduling's hazard: plan step N + 1 before step N's plan copies ran. With the
     GPU held behind the host, three decode steps are planned and launched back to back; each must
-    attend over its own pages. The third plan reuses the first plan's host buffers, so it must wait
-    (counted) for the first plan's copies, which the held GPU has not run yet."""
+    attend over its own pages. The third plan reuses the first one's host buffers, so it must wait
+    (counted) for the first plan's copies, which the held GPU has not run yet; the second must not
+    wait (plan() itself never waits for the GPU)."""
     routers = _routers(num_blocks=900)
     batches, first_block = [], 1
     for seed, kv_lens in ((5, [1000, 3, 250]), (6, [17, 1900, 640, 2]), (7, [90, 90, 4000 // 16 * 16 - 7])):
@@ -520,6 +521,7 @@ def test_gpu_plans_chained_while_the_gpu_is_behind_keep_each_steps_metadata():
     want = [_decode(*routers["torch"], b, bs=4) for b in batches]
     router, pool = routers["flashinfer"]
     inputs = [_decode_inputs(b) for b in batches]  # uploaded now: a blocking copy would let the GPU catch up
+    _decode(router, pool, batches[0], 4, inputs[0])  # first use (kernel build, allocations) before the hold
     torch.cuda.synchronize()
     waits = counters["flashinfer_plan_waits"]
     torch.cuda._sleep(int(3e8))  # ~0.15 s of GPU time: every copy below queues behind it
@@ -536,6 +538,10 @@ def test_gpu_plans_chained_while_the_gpu_is_behind_keep_each_steps_metadata():
 
 # -- the engine ----------------------------------------------------------------------------------------
 
+# a near tie: about 4x the largest logit error of bf16 llama-tiny against its float32 copy (0.0074,
+# measured on the CPU with the dense reference); its logits have std 0.32, so a wrong token (a
+# paging or metadata bug) lands far below the best
+NEAR_TIE = 0.03
 ENGINE_PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(5 + 23 * i)] for i in range(6)]
 
 
@@ -549,9 +555,14 @@ def _engine(backend, **kw):
 @pytest.mark.gpu
 @needs_flashinfer
 def test_gpu_engine_greedy_tokens_equal_triton_with_chained_decode_steps():
-    """bf16 (FlashInfer has no float32 kernels), so the two backends' attention differs in rounding;
-    greedy tokens of llama-tiny agree regardless (the check is deterministic: fixed weights, prompts
-    and kernels). Requests stop at different steps, so the decode batch and its plan change."""
+    """bf16 (FlashInfer has no float32 kernels): two correct attention kernels round differently,
+    and a greedy pick between two logits closer than that rounding may go either way. So: every
+    FlashInfer token is a greedy token of the float32 model up to bf16 rounding (teacher-forced on
+    its own prefix), and FlashInfer's tokens equal Triton's up to the first place where they part,
+    which must be such a near tie. Requests stop at different steps, so the decode batch, its
+    padded size and its plan change while steps are chained."""
+    from reference import dense_last_logits
+
     params = [tscompile.SamplingParams(max_new_tokens=4 + 5 * (i % 3)) for i in range(len(ENGINE_PROMPTS))]
     want = ids(_engine("triton").generate(ENGINE_PROMPTS, params))
     counters.clear()
@@ -559,9 +570,23 @@ def test_gpu_engine_greedy_tokens_equal_triton_with_chained_decode_steps():
     got = ids(llm.generate(ENGINE_PROMPTS, params))
     assert counters["decode_chained"] > 0 and counters["decode_replays"] > 0, dict(counters)
     assert counters["flashinfer_plan_waits"] == 0, "a chained decode plan waited for the GPU on the hot path"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"request {i}: flashinfer {g} vs triton {w} (first difference at token " \
-                       f"{next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)})"
+    reference = copy.deepcopy(llm.model).float()
+    matched = 0
+    for i, (prompt, g, w) in enumerate(zip(ENGINE_PROMPTS, got, want)):
+        assert len(g) == len(w) == params[i].max_new_tokens
+        for j, token in enumerate(g):
+            logits = dense_last_logits(reference, prompt + g[:j])
+            gap = (logits.max() - logits[token]).item()
+            assert gap <= NEAR_TIE, (f"request {i} token {j}: flashinfer picked {token}, {gap:.4f} below the float32 "
+                                     f"reference's best {int(logits.argmax())}: not a greedy token up to bf16 rounding")
+        split = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        matched += len(g) if split is None else split
+        if split is not None:
+            logits = dense_last_logits(reference, prompt + g[:split])
+            tie = abs(logits[g[split]] - logits[w[split]]).item()
+            assert tie <= NEAR_TIE, (f"request {i}: flashinfer {g} and triton {w} part at token {split} where the "
+                                     f"float32 logits differ by {tie:.4f}: not a near tie")
+    assert matched >= 0.5 * sum(len(w) for w in want), f"only {matched} tokens equal Triton's before a near tie"
 
 
 @pytest.mark.gpu
