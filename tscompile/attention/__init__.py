@@ -9,6 +9,7 @@ import logging
 import torch
 
 from tscompile.attention.base import AttentionBackend, AttentionMetadata, PagedAttentionBackend
+from tscompile.attention.flashinfer_host import FLASHINFER_NEEDS
 from tscompile.attention.router import AttentionRouter, DecodeInputs
 from tscompile.attention.support import CudaGraphSupport, resolve_cuda_graph_support
 from tscompile.kv_cache.spec import CacheGroupSpec
@@ -20,6 +21,7 @@ logger = logging.getLogger("tscompile")
 BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("tscompile.attention.torch_backend", "TorchAttentionBackend"),
     "triton": ("tscompile.attention.triton_backend", "TritonAttentionBackend"),
+    "flashinfer": ("tscompile.attention.flashinfer_backend", "FlashInferAttentionBackend"),
 }
 
 
@@ -27,12 +29,19 @@ def leaf_class(name: str) -> type[PagedAttentionBackend]:
     if name not in BACKENDS:
         raise ValueError(f"tscompile: unknown attention backend {name!r}; known: {sorted(BACKENDS)}")
     module, cls = BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        if name == "flashinfer":  # an optional extra: say how to get it, not just what failed
+            raise ValueError(f"{FLASHINFER_NEEDS}; flashinfer does not import here ({e})") from e
+        raise
 
 
 def default_backend_name(device: torch.device | str) -> str:
     """``auto``: Triton kernels on CUDA when triton imports, the torch oracle elsewhere (on CUDA
-    with a warning: the oracle is slow)."""
+    with a warning: the oracle is slow). Never FlashInfer: it compiles its kernels on first use (a
+    minute and more), cannot be exported, and no measurement here shows it faster than Triton yet;
+    picking it automatically waits for that comparison."""
     if torch.device(device).type == "cuda":
         try:
             leaf_class("triton")

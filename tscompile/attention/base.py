@@ -8,9 +8,13 @@ What every method is for, and when it runs:
 - ``allocate_decode_buffers(max_decode_bs)``: once, when the engine is built: the persistent decode
   metadata buffers, sized by ``max_decode_bs``. Eager decode uses them too, so it runs with or
   without graphs.
+- ``bind_query_heads(num_q_heads)``: once, by the model runner: the query heads per layer, for
+  backends that plan kernels on the host (the KV cache alone says only the KV heads).
 - ``refresh_decode_metadata``: the one decode metadata path. It rewrites the persistent buffers in
   place for eager decode, before every graph replay and (through the router's idle refresh) at
-  capture; rows past the live ones resolve to the null page 0.
+  capture; rows past the live ones resolve to the null page 0. It gets the live rows' block
+  tables and lengths on the device and, where the caller has them, on the host too (a host
+  planner such as FlashInfer's ``plan()`` reads those; the torch and Triton leaves ignore them).
 - ``init_forward_metadata``: extend and mixed steps only, fresh storage each call (no later step
   refills a buffer an earlier one may still read); a pure decode is refused.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from tscompile.attention.support import CudaGraphSupport
@@ -108,6 +113,10 @@ class PagedAttentionBackend(AttentionBackend):
         self._decode_views_by_bs: dict[int, AttentionMetadata] = {}
         self.forward_decode_metadata: AttentionMetadata | None = None
         self.forward_extend_metadata: AttentionMetadata | None = None
+        self.num_q_heads: int | None = None
+
+    def bind_query_heads(self, num_q_heads: int) -> None:
+        self.num_q_heads = num_q_heads
 
     def _publish_cache_pool(self, pool: KVCachePool) -> None:
         geo = pool.geometry(self.group_id)
@@ -138,11 +147,13 @@ class PagedAttentionBackend(AttentionBackend):
         return views
 
     def refresh_decode_metadata(self, bs: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                                write_loc_out: torch.Tensor) -> None:
+                                write_loc_out: torch.Tensor, host_block_table: np.ndarray | None,
+                                host_seq_lens: np.ndarray | None) -> None:
         """Rewrite this group's decode buffers for ``bs`` rows in place.
 
         block_table: [n, max_blocks] int32 and seq_lens: [n] int32 of the n live rows (n <= bs; rows
-        past them are padding, resolved to the null page); write_loc_out: [bs] int64, mutated."""
+        past them are padding, resolved to the null page); write_loc_out: [bs] int64, mutated.
+        host_block_table / host_seq_lens: the same rows on the host (numpy), for host planners."""
         views = self.decode_views(bs)
         # the op when traced (graphs, export); its body directly when run eagerly (the usual case)
         refresh = torch.ops.tscompile.refresh_decode_metadata if torch.compiler.is_compiling() else run_refresh

@@ -26,14 +26,24 @@ from tscompile.utils import upload
 @dataclass(frozen=True)
 class DecodeInputs:
     """What a decode refresh reads, per cache group, for the n live rows (device tensors):
-    block_tables[g]: [n, max_blocks] int32; seq_lens[g]: [n] int32, KV length after this step."""
+    block_tables[g]: [n, max_blocks] int32; seq_lens[g]: [n] int32, KV length after this step.
+
+    host_block_tables / host_seq_lens: the same rows on the host (numpy, same shapes), or None
+    where the caller has no host copy. Leaves that plan on the host (FlashInfer) need them; the
+    device refresh never reads them."""
 
     block_tables: tuple[torch.Tensor, ...]
     seq_lens: tuple[torch.Tensor, ...]
+    host_block_tables: tuple[np.ndarray, ...] | None = None
+    host_seq_lens: tuple[np.ndarray, ...] | None = None
 
     @property
     def num_rows(self) -> int:
         return self.seq_lens[0].shape[0]
+
+    def with_host_rows(self, block_tables: tuple[np.ndarray, ...], seq_lens: tuple[np.ndarray, ...]) -> "DecodeInputs":
+        """These device views with the step's host arrays (the device views are reused, not copied)."""
+        return DecodeInputs(self.block_tables, self.seq_lens, tuple(block_tables), tuple(seq_lens))
 
 
 class AttentionRouter(AttentionBackend):
@@ -84,6 +94,11 @@ class AttentionRouter(AttentionBackend):
         self.decode_write_locations = None
         self.extend_write_locations = None
 
+    def bind_query_heads(self, num_q_heads: int) -> None:
+        """The model's query heads per layer, for leaves that plan kernels on the host."""
+        for leaf in self.leaves:
+            leaf.bind_query_heads(num_q_heads)
+
     # -- decode ----------------------------------------------------------------------------------
     def allocate_decode_buffers(self, max_decode_bs: int) -> None:
         """The persistent decode buffers of every leaf and the write locations, used with or
@@ -92,7 +107,11 @@ class AttentionRouter(AttentionBackend):
         self._decode_write_locs_by_bs = {}
         empty_table = torch.zeros(0, self.max_blocks, dtype=torch.int32, device=self.device)
         empty_lens = torch.zeros(0, dtype=torch.int32, device=self.device)
-        self._idle_inputs = DecodeInputs((empty_table,) * len(self.specs), (empty_lens,) * len(self.specs))
+        groups = len(self.specs)
+        # host placeholders too: a host planner plans the idle refresh like any other
+        self._idle_inputs = DecodeInputs((empty_table,) * groups, (empty_lens,) * groups,
+                                         (np.zeros((0, self.max_blocks), dtype=np.int32),) * groups,
+                                         (np.zeros(0, dtype=np.int32),) * groups)
         for leaf in self.leaves:
             leaf.allocate_decode_buffers(max_decode_bs)
 
@@ -109,12 +128,17 @@ class AttentionRouter(AttentionBackend):
         Never allocates storage."""
         if self._write_loc_stack is None:
             raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
-        if len(inputs.block_tables) != len(self.specs) or len(inputs.seq_lens) != len(self.specs):
+        groups = len(self.specs)
+        if any(arrays is not None and len(arrays) != groups for arrays in
+               (inputs.block_tables, inputs.seq_lens, inputs.host_block_tables, inputs.host_seq_lens)):
             raise ValueError(f"tscompile: decode inputs for {len(inputs.seq_lens)} cache groups, the model has "
-                             f"{len(self.specs)}; every group must be delivered")
+                             f"{groups}; every group must be delivered")
         write_locs = self._decode_write_locs(bs)
+        host_tables, host_lens = inputs.host_block_tables, inputs.host_seq_lens
         for gid, leaf in enumerate(self.leaves):
-            leaf.refresh_decode_metadata(bs, inputs.block_tables[gid], inputs.seq_lens[gid], write_locs[gid])
+            leaf.refresh_decode_metadata(bs, inputs.block_tables[gid], inputs.seq_lens[gid], write_locs[gid],
+                                         None if host_tables is None else host_tables[gid],
+                                         None if host_lens is None else host_lens[gid])
         self.decode_write_locations = write_locs
 
     def refresh_idle_decode_metadata(self, bs: int) -> None:

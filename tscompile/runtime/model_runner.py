@@ -79,6 +79,7 @@ class ModelRunner:
         self.device = device
         self.max_num_seqs = max_num_seqs
         self.config = compile_config
+        attention.bind_query_heads(model.config.n_heads)  # host planners (FlashInfer) size their plans by it
         # persistent buffers: sized by max_num_seqs, used with or without graphs
         attention.allocate_decode_buffers(max_num_seqs)
         self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device)
@@ -219,7 +220,7 @@ class ModelRunner:
             graphs.capture((bs, greedy))  # a first sampled batch at this size: one-time capture
         self.staging.fill(plan, bs, prev_rows)
         self.staging.upload()
-        self.attention.refresh_decode_metadata(bs, self.staging.decode_inputs(n))
+        self.attention.refresh_decode_metadata(bs, self.staging.decode_inputs(n, plan))
         if graphed:
             graphs.replay((bs, greedy))
         else:

@@ -60,8 +60,10 @@ class DecodeStaging:
                                               banned=self.d64[5 * b:].view(b, banned_width))
         self._decode_inputs: dict[int, DecodeInputs] = {}
 
-    def decode_inputs(self, n: int) -> DecodeInputs:
-        """The staged block tables and seq lens of the first ``n`` rows, per group (views)."""
+    def decode_inputs(self, n: int, plan: StepPlan | None = None) -> DecodeInputs:
+        """The staged block tables and seq lens of the first ``n`` rows, per group (views); with
+        ``plan``, also the plan's host arrays of the same rows (host planners read those: FlashInfer).
+        The host arrays are read during the refresh only, so the plan's own arrays serve."""
         inputs = self._decode_inputs.get(n)
         if inputs is None:
             b, mb = self.max_bs, self.max_blocks
@@ -69,7 +71,9 @@ class DecodeStaging:
                            for g in range(self.num_groups))
             lens = tuple(self.d32[g * b: g * b + n] for g in range(self.num_groups))
             inputs = self._decode_inputs[n] = DecodeInputs(tables, lens)
-        return inputs
+        if plan is None:
+            return inputs
+        return inputs.with_host_rows(tuple(g.block_tables for g in plan.groups), tuple(g.seq_lens for g in plan.groups))
 
     def fill(self, plan: StepPlan, bs: int, prev_rows=None) -> None:
         """Host-side writes for the plan's ``n`` decode rows; rows ``[n, bs)`` become padding
