@@ -429,12 +429,15 @@ FAULT_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.gpu
-def test_gpu_illegal_memory_access_kills_the_engine_in_a_subprocess():
+def test_gpu_illegal_memory_access_kills_the_engine_in_a_subprocess(tmp_path):
     """A real illegal address (a Triton store a terabyte out of bounds) during generate, in a child
     process (the fault ends the CUDA context of the whole process)."""
+    script = tmp_path / "fault.py"  # Triton's jit reads its kernel's source from a file
+    script.write_text(FAULT_SCRIPT)
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", FAULT_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
     out = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warm 4" in out and "NO ERROR" not in out, out
