@@ -98,6 +98,29 @@ def test_the_profiling_step_is_the_largest_step_the_scheduler_can_plan(seqs, max
     assert not lengths or max(lengths) - min(lengths) <= 1  # spread over as many requests as may run
 
 
+@pytest.mark.parametrize("options,budget,want", [
+    ({}, 2048, [16, 32, 64, 128, 256, 512, 1024, 2048]),
+    ({}, 300, [16, 32, 64, 128, 256, 512]),  # a full step pads to 512 at most
+    ({"prefill_graph_max_tokens": 200}, 2048, [16, 32, 64, 128]),
+    ({"prefill_graph_max_tokens": 0}, 2048, []),
+    ({"cudagraphs": False}, 2048, []),
+])
+def test_the_prefill_graph_margin_covers_the_buckets_a_step_can_reach(options, budget, want):
+    from types import SimpleNamespace
+
+    from tscompile.config import TscompileConfig
+    from tscompile.runtime.build import prefill_graph_buckets
+    from tscompile.runtime.memory import PREFILL_GRAPH_VARIANTS, prefill_graph_bytes
+
+    support = SimpleNamespace(support=SimpleNamespace(prefill_graph=True))
+    assert prefill_graph_buckets(TscompileConfig.from_options(options), support, budget) == want
+    assert prefill_graph_buckets(None, support, budget) == []  # enforce_eager
+    off = SimpleNamespace(support=SimpleNamespace(prefill_graph=False))
+    assert prefill_graph_buckets(TscompileConfig.from_options(options), off, budget) == []
+    # llama-1b (16 layers, dim 2048, bf16) at the 2048 bucket: measured 0.73 GiB per variant
+    assert 0.73 * GiB < prefill_graph_bytes([2048], 16, 2048, 2) / PREFILL_GRAPH_VARIANTS < 0.8 * GiB
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_bytes_are_the_bytes_of_one_page_of_every_group(model, dtype):

@@ -20,15 +20,16 @@ from tscompile.counters import counters
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, build_model, load_model
-from tscompile.runtime.memory import (GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
-                                      measure_activation_peak, measure_device_memory, pages_for_requests)
+from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
+                                      measure_activation_peak, measure_device_memory, pages_for_requests,
+                                      prefill_graph_bytes)
 from tscompile.runtime.model_runner import ModelRunner
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request, Scheduler
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
 from tscompile.text import load_tokenizer, stop_ids_of
-from tscompile.utils import cdiv, resolve_dtype
+from tscompile.utils import bucket, cdiv, resolve_dtype
 
 
 class StepRunner(Protocol):
@@ -120,8 +121,20 @@ def profile_prompt_lengths(max_num_seqs: int, max_model_len: int, max_num_batche
     return [tokens // n + (i < tokens % n) for i in range(n)]
 
 
+def prefill_graph_buckets(compile_config: TscompileConfig | None, graph_support: ResolvedGraphSupport,
+                          max_num_batched_tokens: int) -> list[int]:
+    """The token buckets an engine may capture prefill graphs for: the ladder up to
+    ``prefill_graph_max_tokens``, and no bucket above the one a full step pads to."""
+    if compile_config is None or not compile_config.cudagraphs or not graph_support.support.prefill_graph:
+        return []
+    ladder = tuple(b for b in compile_config.token_ladder if b <= compile_config.prefill_graph_max_tokens)
+    top = bucket(ladder, max_num_batched_tokens) if ladder else None
+    return [b for b in ladder if top is None or b <= top]
+
+
 def pages_from_device_memory(built: Transformer, attention: AttentionRouter, specs: list[CacheGroupSpec],
-                             graph_support: ResolvedGraphSupport, *, gpu_memory_utilization: float,
+                             graph_support: ResolvedGraphSupport, compile_config: TscompileConfig | None, *,
+                             gpu_memory_utilization: float,
                              page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
                              max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                              eos_token_ids: tuple[int, ...]) -> tuple[int, MemoryProfile]:
@@ -134,7 +147,9 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     compile time. ``used`` is read after that step with the temporary pool freed and the temporary
     runner alive: the runner's persistent buffers (decode staging, sampling, readback, attention
     decode buffers) are those the real runner allocates again, and the kernels and library
-    workspaces the step loaded stay. Counters are left as they were."""
+    workspaces the step loaded stay. The graph margin: ``DECODE_GRAPH_MARGIN_BYTES``, plus
+    ``prefill_graph_bytes`` over ``prefill_graph_buckets`` when prefill graphs are on. Counters are
+    left as they were."""
     block = page_size * pages_per_block
     lengths = profile_prompt_lengths(max_num_seqs, max_model_len, max_num_batched_tokens)
     profile_pages = (sum(cdiv(n + 1, block) for n in lengths) + 1) * pages_per_block
@@ -162,9 +177,13 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     del runner
     gc.collect()
     torch.cuda.empty_cache()
-    profile = MemoryProfile(total, used, peak, GRAPH_MARGIN_BYTES, gpu_memory_utilization)
+    cfg = built.config
+    margin = DECODE_GRAPH_MARGIN_BYTES + prefill_graph_bytes(
+        prefill_graph_buckets(compile_config, graph_support, max_num_batched_tokens), cfg.n_layers, cfg.dim,
+        dtype.itemsize)
+    profile = MemoryProfile(total, used, peak, margin, gpu_memory_utilization)
     pages = kv_cache_pages(
-        total_bytes=total, used_bytes=used, activation_peak_bytes=peak, margin_bytes=GRAPH_MARGIN_BYTES,
+        total_bytes=total, used_bytes=used, activation_peak_bytes=peak, margin_bytes=margin,
         utilization=gpu_memory_utilization, bytes_per_page=KVCachePool.page_bytes(specs, page_size, dtype),
         pages_per_block=pages_per_block, min_pages=pages_for_requests(1, max_model_len, block, pages_per_block),
         max_pages=pages_for_requests(max_num_seqs, max_model_len, block, pages_per_block), max_model_len=max_model_len)
@@ -207,7 +226,7 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     memory = None
     if num_pages is None and device.type == "cuda":
         num_pages, memory = pages_from_device_memory(
-            built, attention, specs, graph_support, gpu_memory_utilization=gpu_memory_utilization,
+            built, attention, specs, graph_support, compile_config, gpu_memory_utilization=gpu_memory_utilization,
             page_size=page_size, pages_per_block=pages_per_block, dtype=dtype, device=device,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_token_ids)

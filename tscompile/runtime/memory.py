@@ -4,7 +4,8 @@ The engine may use ``gpu_memory_utilization * total`` bytes of the device. From 
 what is in use once the model is loaded (``total - free``: this process's weights and buffers, the
 CUDA context, and any other process on the device), the activation peak of the largest step the
 engine can schedule (measured by running one), and a margin for the CUDA graphs captured after the
-pool exists. What is left, in whole blocks, is the KV pool, capped at what ``max_num_seqs``
+pool exists (a constant for the decode graphs, an estimate from the model's width for the prefill
+graphs, which keep their piece outputs). What is left, in whole blocks, is the KV pool, capped at what ``max_num_seqs``
 requests of ``max_model_len`` tokens could ever hold.
 
 ``kv_cache_pages`` is the arithmetic alone (tested on the CPU); ``measure_*`` read the device.
@@ -25,9 +26,22 @@ logger = logging.getLogger(__name__)
 
 # The decode graphs are captured after the pool is allocated, into their own memory pool: per ladder
 # size the step's activations, the logits of bs rows and the sampler's temporaries (a vocabulary
-# sort for the sampled variant). For an 8B model at bs=128 that is a few hundred MiB; this covers it
-# with room for the library handles (cuBLAS workspaces per stream) the graph streams create.
-GRAPH_MARGIN_BYTES = 512 * 2**20
+# sort for the sampled variant), plus the library workspaces of the capture stream. Measured on an
+# H200: llama-1b, decode ladder up to 64, 0.59 GiB; this covers it and larger ladders.
+DECODE_GRAPH_MARGIN_BYTES = 2**30
+
+# Prefill graphs keep every capture's piece outputs for good (``runtime/piece_graphs.py``): per token
+# bucket and per Dynamo variant (greedy or sampled, extend or mixed: each compiles its own pieces),
+# the tensors that cross piece boundaries in every layer (q, k, v, the attention output, the
+# residual stream). Measured on an H200 with llama-1b in bf16: 0.73 GiB per variant at the 2048
+# bucket, 5.8 x dim x 2 bytes per token and layer; 6 x dim rounds it up.
+PREFILL_GRAPH_VARIANTS = 4
+PREFILL_GRAPH_WIDTHS_PER_LAYER = 6
+
+
+def prefill_graph_bytes(buckets: tuple[int, ...] | list[int], n_layers: int, dim: int, itemsize: int) -> int:
+    """What the prefill graphs of every bucket in ``buckets`` and every variant keep once captured."""
+    return PREFILL_GRAPH_VARIANTS * sum(buckets) * n_layers * PREFILL_GRAPH_WIDTHS_PER_LAYER * dim * itemsize
 
 
 def format_bytes(n: int | float) -> str:
