@@ -72,7 +72,8 @@ def test_too_little_memory_for_one_request_is_refused_with_the_numbers(kw, left)
     msg = str(e.value)
     assert msg.startswith(f"tscompile: gpu_memory_utilization {kw.get('utilization', 0.9)} leaves {left} for the "
                           f"KV cache")
-    assert f"one request of max_model_len 4096 needs 0.6 MiB ({kw.get('min_pages', 10)} pages of 0.1 MiB" in msg and "allowed: a fraction in (0, 1]" in msg
+    assert "one request of max_model_len 4096 needs 0.6 MiB (10 pages of 0.1 MiB" in msg
+    assert "allowed: a fraction in (0, 1]" in msg
     assert "80.00 GiB total" in msg and "2.00 GiB activation peak" in msg and "512.0 MiB for CUDA graphs" in msg
 
 

@@ -153,7 +153,8 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     block = page_size * pages_per_block
     lengths = profile_prompt_lengths(max_num_seqs, max_model_len, max_num_batched_tokens)
     profile_pages = (sum(cdiv(n + 1, block) for n in lengths) + 1) * pages_per_block
-    vocab = built.config.vocab_size
+    cfg = built.config
+    vocab = cfg.vocab_size
     pool, scheduler = _pool_and_scheduler(
         specs, attention, num_pages=profile_pages, page_size=page_size, pages_per_block=pages_per_block, dtype=dtype,
         device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -177,7 +178,6 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     del runner
     gc.collect()
     torch.cuda.empty_cache()
-    cfg = built.config
     margin = DECODE_GRAPH_MARGIN_BYTES + prefill_graph_bytes(
         prefill_graph_buckets(compile_config, graph_support, max_num_batched_tokens), cfg.n_layers, cfg.dim,
         dtype.itemsize)
