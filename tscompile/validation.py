@@ -48,6 +48,12 @@ def check_num_pages(value, pages_per_block: int = 1) -> None:
         raise _refuse("num_pages", f"a multiple of pages_per_block ({pages_per_block})", value)
 
 
+def check_fraction(name: str, value) -> None:
+    """A real number in (0, 1] (ints 1 included; bools and NaN refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise _refuse(name, "a float in (0, 1]", value)
+
+
 def check_device(value) -> None:
     """``None`` or a device this torch can use (``resolve_device`` refuses the rest)."""
     if value is None:
@@ -102,6 +108,7 @@ _ENGINE_CHECKS: dict[str, Callable] = {
     "compile_options": _check_compile_options,
     "seed": lambda v: check_seed("seed", v),
     "async_scheduling": lambda v: check_bool("async_scheduling", v),
+    "gpu_memory_utilization": lambda v: check_fraction("gpu_memory_utilization", v),
 }
 ENGINE_ARGS = tuple(_ENGINE_CHECKS)
 

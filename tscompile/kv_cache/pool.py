@@ -79,6 +79,24 @@ class KVCachePool:
             groups[gid] = GroupStorage(geo, n, k, v)
         return cls(groups)
 
+    @staticmethod
+    def page_bytes(specs: list[CacheGroupSpec], page_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one page in every cache group together: K and V of each layer, ``page_size``
+        rows of ``num_kv_heads * head_dim`` (every group holds the same number of pages)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * len(s.layer_ids) * page_size * s.num_kv_heads * s.head_dim * itemsize for s in specs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for g in self.groups.values() for t in [*g.k.values(), *g.v.values()])
+
+    def release(self) -> None:
+        """Free every page's storage now, even where a model or backend still holds the tensors
+        (the profiling pool of ``build.py``, whose holders are rebound to the real pool later)."""
+        for g in self.groups.values():
+            for t in [*g.k.values(), *g.v.values()]:
+                t.untyped_storage().resize_(0)
+
     def geometry(self, gid: int) -> CacheGeometry:
         return self.groups[gid].geometry
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,16 +14,22 @@ import torch
 
 from tscompile.attention import create_attention_router, resolve_cuda_graph_support
 from tscompile.attention.router import AttentionRouter
+from tscompile.attention.support import ResolvedGraphSupport
 from tscompile.config import TscompileConfig
+from tscompile.counters import counters
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, build_model, load_model
+from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
+                                      measure_activation_peak, measure_device_memory, pages_for_requests,
+                                      prefill_graph_bytes)
 from tscompile.runtime.model_runner import ModelRunner
 from tscompile.runtime.readback import PendingTokens
-from tscompile.runtime.scheduler import Scheduler
+from tscompile.runtime.scheduler import Request, Scheduler
+from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
 from tscompile.text import load_tokenizer, stop_ids_of
-from tscompile.utils import cdiv, resolve_dtype
+from tscompile.utils import bucket, cdiv, resolve_dtype
 
 
 class StepRunner(Protocol):
@@ -52,10 +59,11 @@ class EngineParts:
     model: Transformer | None = None
     tokenizer: object | None = None
     checkpoint: CheckpointInfo | None = None
+    memory: MemoryProfile | None = None  # what the pool was sized from (CUDA, num_pages not given)
 
 
 PRESET_MAX_MODEL_LEN = 512  # a random-weight preset's default context (a checkpoint's is its own)
-DEFAULT_POOL_TOKENS_PER_SEQ = 4096  # until the pool is sized from free memory: no 128k-per-sequence pool
+DEFAULT_POOL_TOKENS_PER_SEQ = 4096  # the CPU has no device memory to size from: no 128k-per-sequence pool
 
 
 def default_num_pages(max_num_seqs: int, max_model_len: int, page_size: int, pages_per_block: int) -> int:
@@ -68,14 +76,11 @@ def default_num_pages(max_num_seqs: int, max_model_len: int, page_size: int, pag
     return (blocks + 1) * pages_per_block
 
 
-def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRouter, *, num_pages: int | None,
-                             page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
-                             max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, vocab_size: int,
-                             eos_token_ids: tuple[int, ...] = (), max_blocks: int | None = None,
-                             limit_note: str = "") -> tuple[KVCachePool, Scheduler]:
-    """The KV pool (bound to ``attention``) and a scheduler over its blocks."""
-    if num_pages is None:
-        num_pages = default_num_pages(max_num_seqs, max_model_len, page_size, pages_per_block)
+def _pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRouter, *, num_pages: int,
+                        page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
+                        max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, vocab_size: int,
+                        eos_token_ids: tuple[int, ...] = (), max_blocks: int | None = None,
+                        limit_note: str = "") -> tuple[KVCachePool, Scheduler]:
     pool = KVCachePool.allocate(specs, [num_pages] * len(specs), page_size=page_size,
                                 pages_per_block=pages_per_block, dtype=dtype, device=device)
     attention.set_cache_pool(pool)
@@ -86,13 +91,115 @@ def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRo
     return pool, scheduler
 
 
+def build_pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRouter, *, num_pages: int | None,
+                             page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
+                             max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, vocab_size: int,
+                             eos_token_ids: tuple[int, ...] = (), max_blocks: int | None = None,
+                             limit_note: str = "") -> tuple[KVCachePool, Scheduler]:
+    """The KV pool (bound to ``attention``) and a scheduler over its blocks; logs the pool's size.
+    ``num_pages`` None: ``default_num_pages`` (a model on CUDA is sized from memory before this)."""
+    if num_pages is None:
+        num_pages = default_num_pages(max_num_seqs, max_model_len, page_size, pages_per_block)
+    pool, scheduler = _pool_and_scheduler(
+        specs, attention, num_pages=num_pages, page_size=page_size, pages_per_block=pages_per_block, dtype=dtype,
+        device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
+        max_blocks=max_blocks, limit_note=limit_note)
+    log_kv_cache(pool.num_blocks(0) - 1, page_size * pages_per_block, pool.nbytes, max_model_len)
+    return pool, scheduler
+
+
+def profile_prompt_lengths(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> list[int]:
+    """Prompts of the profiling step: the largest step the scheduler can plan (``max_num_batched_tokens``
+    tokens, each prompt leaving room for one new token), spread over as many requests as may run, so
+    the sampler sees its largest batch too. Empty when no request can ever run."""
+    per_request = max_model_len - 1
+    tokens = min(max_num_batched_tokens, max_num_seqs * per_request)
+    if tokens <= 0:
+        return []
+    n = min(max_num_seqs, tokens)
+    return [tokens // n + (i < tokens % n) for i in range(n)]
+
+
+def prefill_graph_buckets(compile_config: TscompileConfig | None, graph_support: ResolvedGraphSupport,
+                          max_num_batched_tokens: int) -> list[int]:
+    """The token buckets an engine may capture prefill graphs for: the ladder up to
+    ``prefill_graph_max_tokens``, and no bucket above the one a full step pads to."""
+    if compile_config is None or not compile_config.cudagraphs or not graph_support.support.prefill_graph:
+        return []
+    ladder = tuple(b for b in compile_config.token_ladder if b <= compile_config.prefill_graph_max_tokens)
+    top = bucket(ladder, max_num_batched_tokens) if ladder else None
+    return [b for b in ladder if top is None or b <= top]
+
+
+def pages_from_device_memory(built: Transformer, attention: AttentionRouter, specs: list[CacheGroupSpec],
+                             graph_support: ResolvedGraphSupport, compile_config: TscompileConfig | None, *,
+                             gpu_memory_utilization: float,
+                             page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
+                             max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                             eos_token_ids: tuple[int, ...]) -> tuple[int, MemoryProfile]:
+    """Pages per cache group for a CUDA engine whose model is loaded (see ``runtime/memory.py``).
+
+    The activation peak is measured by one eager step of the real runner code over a temporary pool
+    just large enough for it: ``profile_prompt_lengths`` prompts, sampled (not greedy: the sampler
+    then sorts the vocabulary, its larger path). The eager step is the upper bound of the compiled
+    one (Inductor fuses and frees intermediates earlier), and compiling here would only move the
+    compile time. ``used`` is read after that step with the temporary pool freed and the temporary
+    runner alive: the runner's persistent buffers (decode staging, sampling, readback, attention
+    decode buffers) are those the real runner allocates again, and the kernels and library
+    workspaces the step loaded stay. The graph margin: ``DECODE_GRAPH_MARGIN_BYTES``, plus
+    ``prefill_graph_bytes`` over ``prefill_graph_buckets`` when prefill graphs are on. Counters are
+    left as they were."""
+    block = page_size * pages_per_block
+    lengths = profile_prompt_lengths(max_num_seqs, max_model_len, max_num_batched_tokens)
+    profile_pages = (sum(cdiv(n + 1, block) for n in lengths) + 1) * pages_per_block
+    cfg = built.config
+    vocab = cfg.vocab_size
+    pool, scheduler = _pool_and_scheduler(
+        specs, attention, num_pages=profile_pages, page_size=page_size, pages_per_block=pages_per_block, dtype=dtype,
+        device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, vocab_size=vocab, eos_token_ids=eos_token_ids)
+    built.bind_kv_cache(pool)
+    runner = ModelRunner(built, attention, max_num_seqs=max_num_seqs, max_blocks=scheduler.max_blocks,
+                         banned_width=scheduler.banned_width, device=device, compile_config=None,
+                         graph_support=graph_support)
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.9)
+    for rid, n in enumerate(lengths):
+        scheduler.add(Request(rid, [(rid + j) % vocab for j in range(n)], params, seed=rid))
+    saved = counters.copy()
+    try:
+        plan = scheduler.schedule()
+        peak = measure_activation_peak(device, lambda: runner.execute(plan)) if plan is not None else 0
+    finally:
+        counters.clear()
+        counters.update(saved)
+        pool.release()
+    total, used = measure_device_memory(device)
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    margin = DECODE_GRAPH_MARGIN_BYTES + prefill_graph_bytes(
+        prefill_graph_buckets(compile_config, graph_support, max_num_batched_tokens), cfg.n_layers, cfg.dim,
+        dtype.itemsize)
+    profile = MemoryProfile(total, used, peak, margin, gpu_memory_utilization)
+    pages = kv_cache_pages(
+        total_bytes=total, used_bytes=used, activation_peak_bytes=peak, margin_bytes=margin,
+        utilization=gpu_memory_utilization, bytes_per_page=KVCachePool.page_bytes(specs, page_size, dtype),
+        pages_per_block=pages_per_block, min_pages=pages_for_requests(1, max_model_len, block, pages_per_block),
+        max_pages=pages_for_requests(max_num_seqs, max_model_len, block, pages_per_block), max_model_len=max_model_len)
+    return pages, profile
+
+
 def build_model_engine(model: str | ModelConfig | Transformer, *, attention_backend: str, max_num_seqs: int,
                        max_model_len: int | None, page_size: int, pages_per_block: int, num_pages: int | None,
                        max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
-                       compile_config: TscompileConfig | None, seed: int) -> EngineParts:
+                       compile_config: TscompileConfig | None, seed: int,
+                       gpu_memory_utilization: float = 0.9) -> EngineParts:
     """``model``: a preset name, a ``ModelConfig``, a built ``Transformer`` or a local checkpoint
     directory. ``dtype`` None: bf16 on CUDA and float32 on the CPU for a preset, the checkpoint's own
-    on CUDA for a checkpoint. ``max_model_len`` None: the checkpoint's maximum, 512 for a preset."""
+    on CUDA for a checkpoint. ``max_model_len`` None: the checkpoint's maximum, 512 for a preset.
+    ``num_pages`` None: on CUDA sized from ``gpu_memory_utilization`` (``pages_from_device_memory``),
+    on the CPU ``default_num_pages``."""
     checkpoint = None
     if isinstance(model, Transformer):
         built = model
@@ -116,6 +223,13 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     attention = create_attention_router(attention_backend, specs, max_model_len=max_model_len, page_size=page_size,
                                         pages_per_block=pages_per_block, device=device)
     graph_support = resolve_cuda_graph_support(attention)
+    memory = None
+    if num_pages is None and device.type == "cuda":
+        num_pages, memory = pages_from_device_memory(
+            built, attention, specs, graph_support, compile_config, gpu_memory_utilization=gpu_memory_utilization,
+            page_size=page_size, pages_per_block=pages_per_block, dtype=dtype, device=device,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            eos_token_ids=eos_token_ids)
     pool, scheduler = build_pool_and_scheduler(
         specs, attention, num_pages=num_pages, page_size=page_size, pages_per_block=pages_per_block, dtype=dtype,
         device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -125,4 +239,4 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                          banned_width=scheduler.banned_width, device=device, compile_config=compile_config,
                          graph_support=graph_support)
     runner.capture_decode_graphs()
-    return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built, tokenizer, checkpoint)
+    return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built, tokenizer, checkpoint, memory)

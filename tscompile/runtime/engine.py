@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -29,6 +30,35 @@ from tscompile.utils import resolve_device
 from tscompile.validation import validate_engine_args
 
 
+# Errors after which the CUDA context of the process is lost: a kernel fault is sticky, every later
+# CUDA call fails with it, so nothing can be retried, waited for or freed on the device. torch's own
+# checks raise torch.AcceleratorError (torch >= 2.8); Triton launches, cuBLAS and other libraries
+# raise plain RuntimeErrors that quote the CUDA error text, so the text is matched too.
+CUDA_FAULT_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
+                      "misaligned address", "illegal instruction")
+
+
+def is_cuda_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) means the CUDA context is lost. Running
+    out of memory is not such a fault (nothing was corrupted; the step can be retried), nor is a
+    ``KeyboardInterrupt``."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # absent before torch 2.8
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc):
+            return False
+        if accelerator_error is not None and isinstance(exc, accelerator_error):
+            return True
+        if isinstance(exc, Exception) and any(marker in str(exc) for marker in CUDA_FAULT_MARKERS):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+class EngineDeadError(RuntimeError):
+    """A CUDA fault lost the device context: the engine refuses every call that would touch the
+    device; the process must be restarted."""
+
+
 @dataclass
 class _InFlight:
     """A launched step whose tokens the host has not read yet."""
@@ -45,9 +75,16 @@ class LLM:
     builds one over a package).
 
     ``max_num_seqs`` bounds concurrent requests (and the decode buffers); ``max_model_len`` bounds
-    prompt plus new tokens (default: a checkpoint's maximum, 512 for a preset); ``num_pages`` (per
-    cache group) defaults to enough for ``max_num_seqs`` requests of ``max_model_len`` tokens, at
-    most 4096 each; ``max_num_batched_tokens`` is the per-step token budget that chunks long prompts.
+    prompt plus new tokens (default: a checkpoint's maximum, 512 for a preset);
+    ``max_num_batched_tokens`` is the per-step token budget that chunks long prompts. ``num_pages``
+    (per cache group), when given, is the KV pool's size. Otherwise, on CUDA, the pool takes what is
+    left of ``gpu_memory_utilization`` (a fraction in (0, 1]) of the device's total memory once the
+    model is loaded (memory other processes use counts as used), a profiled step's activation peak
+    and a margin for CUDA graphs are set aside, up to what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens could hold (``tscompile/runtime/memory.py``); too little for one request
+    of ``max_model_len`` is refused. On the CPU there is no device memory to measure: the pool holds
+    ``max_num_seqs`` requests of ``max_model_len`` tokens, at most 4096 each, and
+    ``gpu_memory_utilization`` is unused. The engine logs the pool's size once at INFO.
 
     Stop conditions follow vLLM: the model's end-of-sequence ids, ``stop_token_ids`` and ``stop``
     strings end a request with ``finish_reason="stop"``, ``max_new_tokens`` with ``"length"``.
@@ -80,12 +117,14 @@ class LLM:
         compile_options: dict | None = None,
         seed: int = 0,
         async_scheduling: bool = True,
+        gpu_memory_utilization: float = 0.9,
     ):
         validate_engine_args(
             model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
-            compile_options=compile_options, seed=seed, async_scheduling=async_scheduling)
+            compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
+            gpu_memory_utilization=gpu_memory_utilization)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
         if compile_config is not None:
@@ -94,7 +133,7 @@ class LLM:
             model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
-            compile_config=compile_config, seed=seed)
+            compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling)
 
     @classmethod
@@ -115,6 +154,7 @@ class LLM:
         self._requests: dict[int, Request] = {}  # unfinished, or finished and not read back yet
         self._inflight: _InFlight | None = None
         self._ready: list[Request] = []  # finished and read back, not yet returned by step()/sync()
+        self._dead: str | None = None  # set by a CUDA fault: why every later call is refused
 
     # -- request level ---------------------------------------------------------------------------
     @property
@@ -125,6 +165,40 @@ class LLM:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.scheduler.eos_token_ids
+
+    # -- device faults ---------------------------------------------------------------------------
+    def _refuse_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    @contextmanager
+    def _device_work(self):
+        """Around work that touches the device: refused on a dead engine; a CUDA fault inside kills
+        the engine (``EngineDeadError`` raised from the fault), anything else propagates as it is."""
+        self._refuse_if_dead()
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, EngineDeadError) or not is_cuda_fault(exc):
+                raise
+            self._die(exc)
+            raise EngineDeadError(self._dead) from exc
+
+    def _die(self, fault: BaseException) -> None:
+        """Mark the engine dead after ``fault``. The step in flight is dropped unread (waiting on a
+        faulted context fails or hangs) and every request is aborted on the host only."""
+        summary = str(fault).strip().splitlines()[0] if str(fault).strip() else ""
+        self._dead = (f"tscompile: the engine is unusable: a CUDA fault in a step ({type(fault).__name__}: "
+                      f"{summary}) lost the CUDA context of this process; restart the process to generate again")
+        self._inflight = None
+        self._ready = []
+        for rid in list(self._requests):
+            self.abort(rid)
+
+    @property
+    def is_dead(self) -> bool:
+        """True after a CUDA fault: every call that would touch the device raises ``EngineDeadError``."""
+        return self._dead is not None
 
     def _new_request(self, prompt: Prompt, params: SamplingParams) -> Request:
         """A validated request, not queued yet: a refusal raises here and changes nothing."""
@@ -146,6 +220,7 @@ class LLM:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> Request:
         """Queue one request (a prompt as ``generate`` takes it); a refused request raises
         ``ValueError`` and changes nothing."""
+        self._refuse_if_dead()
         parsed = parse_prompts(prompt, self.tokenizer)
         if len(parsed) != 1:
             raise ValueError(f"tscompile: add_request takes one prompt, got {len(parsed)}")
@@ -171,7 +246,12 @@ class LLM:
 
         With ``async_scheduling`` a decode step that follows another step is launched before that
         step's tokens are read, and they are read while it runs; any other step first waits for the
-        step in flight."""
+        step in flight. A CUDA fault kills the engine: ``EngineDeadError``, then and on every later
+        call."""
+        with self._device_work():
+            return self._step()
+
+    def _step(self) -> list[Request]:
         if self._inflight is not None and self.scheduler.may_preempt():
             self._read_back()  # a preempted request is recomputed from tokens the host must know
         plan = self.scheduler.schedule()
@@ -208,7 +288,8 @@ class LLM:
     def sync(self) -> list[Request]:
         """Wait for the step in flight, hand its tokens to its requests; returns the requests finished
         and read back that no ``step()`` has returned yet."""
-        self._read_back()
+        with self._device_work():
+            self._read_back()
         return self._take_ready()
 
     def _read_back(self) -> None:
@@ -254,19 +335,22 @@ class LLM:
     def _run_until_done(self, reqs: list[Request]) -> None:
         """Step until every request of ``reqs`` has finished. If a step raises (or the user
         interrupts), the step in flight is waited for and every unfinished request of ``reqs`` is
-        aborted, so nothing of this call outlives it; the error then propagates."""
+        aborted, so nothing of this call outlives it; the error then propagates unchanged (a
+        ``KeyboardInterrupt`` stays one). After a CUDA fault nothing is waited for: the engine is
+        dead and ``EngineDeadError`` propagates."""
         try:
             while not all(r.completion.finished for r in reqs):
                 if not self.has_unfinished():
                     raise RuntimeError("tscompile: the engine drained with requests unfinished")
                 self.step()
         except BaseException:
-            try:
-                self.sync()
-            finally:
-                for r in reqs:
-                    if not r.completion.finished:
-                        self.abort(r.rid)
+            if self._dead is None:
+                try:
+                    self.sync()
+                finally:
+                    for r in reqs:
+                        if not r.completion.finished:
+                            self.abort(r.rid)
             raise
 
     def _output(self, r: Request) -> RequestOutput:
@@ -279,6 +363,7 @@ class LLM:
         ``{"prompt_token_ids": [...]}``); returns one ``RequestOutput`` per prompt, in prompt order.
 
         Every prompt is validated before any is queued, so a refused call changes nothing."""
+        self._refuse_if_dead()
         parsed = parse_prompts(prompts, self.tokenizer)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -299,7 +384,12 @@ class LLM:
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield one request's text as it is produced (only text no later stop string can cut).
-        Abandoning the iterator aborts the request and frees its blocks."""
+        Abandoning the iterator aborts the request and frees its blocks. The request is queued when
+        iteration starts; a dead engine refuses at once."""
+        self._refuse_if_dead()
+        return self._stream(prompt, sampling_params)
+
+    def _stream(self, prompt, sampling_params: SamplingParams | None) -> Iterator[str]:
         req = self.add_request(prompt, sampling_params)
         shown = 0
         try:
@@ -312,6 +402,8 @@ class LLM:
             if len(req.completion.text) > shown:
                 yield req.completion.text[shown:]
         finally:
-            if not req.completion.finished:
-                self.sync()
-                self.abort(req.rid)
+            if not req.completion.finished:  # a dead engine aborted it already: no device wait
+                try:
+                    self.sync()
+                finally:
+                    self.abort(req.rid)
