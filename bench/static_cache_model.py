@@ -7,6 +7,12 @@ It owns no weights: every ``nn.Linear``/``nn.Embedding``/``RMSNorm`` is the tsco
 written with ``index_copy_`` at ``input_pos`` and read whole by SDPA under a causal mask.
 
 All requests of a batch share positions (equal prompt lengths), as in gpt-fast's batched generate.
+
+Grouped-query attention, two formulations (``gqa``):
+  ``"repeat_interleave"``  gpt-fast's model.py: K and V repeated to one copy per query head, then SDPA
+                           (the straightforward baseline; it copies the whole cache every step)
+  ``"enable_gqa"``         ``F.scaled_dot_product_attention(..., enable_gqa=True)`` (torch >= 2.5) reads
+                           the ``n_kv_heads`` cache as it is
 """
 
 from __future__ import annotations
@@ -18,9 +24,14 @@ from torch import nn
 from tscompile.models.llama import Transformer, apply_rope
 
 
+GQA_FORMULATIONS = ("repeat_interleave", "enable_gqa")
+
+
 class StaticAttention(nn.Module):
-    def __init__(self, attn: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, attn: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 gqa: str = "repeat_interleave"):
         super().__init__()
+        self.gqa = gqa
         self.wqkv, self.wo = attn.wqkv, attn.wo
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale = attn.scale
@@ -46,18 +57,23 @@ class StaticAttention(nn.Module):
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
         self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))
-        group = self.n_heads // self.n_kv_heads
-        keys = self.k_cache.repeat_interleave(group, dim=1)  # q head h reads kv head h // group
-        vals = self.v_cache.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.scale)
+        if self.gqa == "enable_gqa":  # q head h reads kv head h // group inside SDPA
+            y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.n_heads != self.n_kv_heads)
+        else:
+            group = self.n_heads // self.n_kv_heads
+            keys = self.k_cache.repeat_interleave(group, dim=1)  # q head h reads kv head h // group
+            vals = self.v_cache.repeat_interleave(group, dim=1)
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.scale)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
 
 
 class StaticBlock(nn.Module):
-    def __init__(self, block: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, block: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 gqa: str):
         super().__init__()
         self.attention_norm, self.ffn_norm, self.feed_forward = block.attention_norm, block.ffn_norm, block.feed_forward
-        self.attention = StaticAttention(block.attention, batch_size, max_len, dtype, device)
+        self.attention = StaticAttention(block.attention, batch_size, max_len, dtype, device, gqa)
 
     def forward(self, x, cos, sin, input_pos, mask):
         h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask)
@@ -67,9 +83,11 @@ class StaticBlock(nn.Module):
 class StaticCacheModel(nn.Module):
     """``forward(input_ids [B, S], input_pos [S]) -> logits [B, vocab]`` (float32, last row only)."""
 
-    def __init__(self, model: Transformer, batch_size: int, max_len: int):
+    def __init__(self, model: Transformer, batch_size: int, max_len: int, gqa: str = "repeat_interleave"):
         super().__init__()
         cfg = model.config
+        if gqa not in GQA_FORMULATIONS:
+            raise ValueError(f"tscompile: gqa={gqa!r} is not a GQA formulation; allowed: {GQA_FORMULATIONS}")
         if cfg.narrow_layer is not None:
             raise ValueError("tscompile: the static-cache baseline has no narrowing; use a plain Llama preset")
         if max_len > cfg.max_position:
@@ -78,7 +96,7 @@ class StaticCacheModel(nn.Module):
         self.source = [model]  # a list, so the source is not a submodule (its paged buffers stay out)
         weight = model.tok_embeddings.weight
         self.tok_embeddings, self.norm, self.output = model.tok_embeddings, model.norm, model.output
-        self.layers = nn.ModuleList(StaticBlock(b, batch_size, max_len, weight.dtype, weight.device)
+        self.layers = nn.ModuleList(StaticBlock(b, batch_size, max_len, weight.dtype, weight.device, gqa)
                                     for b in model.layers)
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
