@@ -8,8 +8,10 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
   eager                          tscompile.LLM(enforce_eager=True, attention_backend="torch")
   compile-default                torch.compile of the static-KV-cache model (bench/static_cache_model.py)
   compile-reduce-overhead        the same, decode step compiled with mode="reduce-overhead"
-  compile-reduce-overhead-tuned  that, tuned as gpt-fast tunes it: coordinate-descent tuning,
-                                 fullgraph=True, SDPA's enable_gqa instead of a per-head KV copy
+  compile-reduce-overhead-tuned  that, tuned as gpt-fast tunes it (coordinate-descent tuning,
+                                 fullgraph=True), with GQA that reads the KV cache without a per-head
+                                 copy (SDPA's enable_gqa, or the query heads folded into rows where
+                                 enable_gqa with a mask would take SDPA's math kernel)
   tscompile-<backend>            tscompile.LLM(enforce_eager=False, attention_backend=<backend>)
 A mode or a batch size that fails becomes an error row; the others still run.
 
@@ -337,6 +339,8 @@ class Bench:
             info["weights_fingerprint"] = _fingerprint(model)
             runner = self.make_runner(mode, model)
             info["setup_s"] = time.perf_counter() - t0
+            if isinstance(runner, workloads.StaticCacheRunner):
+                info["gqa"], info["gqa_why"] = runner.gqa, runner.gqa_why
         except Exception as e:  # noqa: BLE001
             info["error"] = self._report(mode, "setup", e, bar)
         prev: dict = {}

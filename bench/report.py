@@ -176,6 +176,9 @@ def markdown(result: dict) -> str:
     if any(r.get("roofline_note") and r.get("pct_of_roofline") is None for r in result["results"]):
         notes += ["", "% roofline \"-\": the step's bytes stay in cache (on the CPU always, see "
                   "`roofline.roofline_applies`), so the copy-bandwidth roofline does not bound it."]
+    gqa = [f"{m}: {i['gqa']} ({i['gqa_why']})" for m, i in result.get("modes", {}).items() if i.get("gqa")]
+    if gqa:
+        notes += ["", "Static-cache GQA formulation: " + "; ".join(gqa) + "."]
     if not peak:
         notes += ["", "MFU \"-\": no matmul peak (the CPU has none measured; give --peak-tflops to set one)."]
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",

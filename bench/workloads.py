@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .static_cache_model import StaticCacheModel
+from .static_cache_model import StaticCacheModel, choose_gqa
 
 STATIC_MODES = ("compile-default", "compile-reduce-overhead", "compile-reduce-overhead-tuned")
 TUNED_MODE = "compile-reduce-overhead-tuned"
@@ -83,7 +83,8 @@ class StaticCacheRunner:
     """``compile-default``: ``torch.compile`` of prefill and decode; ``compile-reduce-overhead``: the
     decode step compiled with ``mode="reduce-overhead"`` (CUDA graphs on cuda), prefill as default;
     ``compile-reduce-overhead-tuned``: that, tuned as gpt-fast tunes it (``TUNED_INDUCTOR_CONFIG``,
-    ``fullgraph=True``) and with SDPA's own GQA instead of a per-head copy of the cache.
+    ``fullgraph=True``) and with GQA that reads the cache as it is (``choose_gqa``: SDPA's enable_gqa
+    where a fused kernel takes it, else the query heads folded into rows) instead of a per-head copy.
     ``compiled=False`` runs the same greedy loop without compiling (tests compare its tokens);
     ``cache_len`` fixes the static cache length (default: each run's prompt plus output length)."""
 
@@ -93,7 +94,7 @@ class StaticCacheRunner:
             raise ValueError(f"tscompile: unknown static-cache mode {mode!r}; allowed: {STATIC_MODES}")
         self.model, self.mode, self.device = model, mode, torch.device(device)
         tuned = mode == TUNED_MODE
-        self.gqa = "enable_gqa" if tuned else "repeat_interleave"
+        self.gqa, self.gqa_why = choose_gqa(model) if tuned else ("repeat_interleave", "the straightforward copy")
         self.cudagraphs = compiled and mode != "compile-default" and self.device.type == "cuda"
         # prefill lengths and batch sizes vary: dynamic shapes (one graph, modulo 0/1 specialization);
         # reduce-overhead keeps decode static, as gpt-fast does (a CUDA graph per batch size anyway)

@@ -209,19 +209,21 @@ def test_bench_saves_finished_rows_when_a_run_is_cut_short(tmp_path, monkeypatch
 
 # -- the tuned stock baseline -----------------------------------------------------------------------
 def test_gqa_formulations_give_the_same_logits():
-    """SDPA's enable_gqa reads the n_kv_heads cache as it is; the repeat_interleave copy is the
-    straightforward formulation. Same logits over a prefill and two decode steps (float32)."""
+    """SDPA's enable_gqa and the query heads folded into rows read the n_kv_heads cache as it is; the
+    repeat_interleave copy is the straightforward formulation. Same logits over a prefill and two
+    decode steps (float32)."""
     model = build_model("llama-tiny", dtype=torch.float32, device="cpu", seed=3)
     assert model.config.n_heads != model.config.n_kv_heads  # a real group, or the test proves nothing
     prompt = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     outs = {}
-    for gqa in ("repeat_interleave", "enable_gqa"):
+    for gqa in ("repeat_interleave", "enable_gqa", "grouped_query_rows"):
         sm = StaticCacheModel(model, batch_size=2, max_len=16, gqa=gqa)
         steps = [sm(prompt, torch.arange(9))]
         for pos in (9, 10):
             steps.append(sm(steps[-1].argmax(-1, keepdim=True), torch.tensor([pos])))
         outs[gqa] = torch.stack(steps)
     torch.testing.assert_close(outs["enable_gqa"], outs["repeat_interleave"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["grouped_query_rows"], outs["repeat_interleave"], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="tscompile: gqa='copy' .*allowed"):
         StaticCacheModel(model, batch_size=1, max_len=16, gqa="copy")
 
@@ -250,10 +252,31 @@ def test_tuned_inductor_config_is_set_only_around_the_tuned_modes_calls():
         runner.run_prefill([2, 7, 1, 8])
         assert inductor_config.coordinate_descent_tuning is default
     assert seen["compile-reduce-overhead"] == [False] * 4 and seen["compile-reduce-overhead-tuned"] == [True] * 4
-    assert StaticCacheRunner(model, "compile-reduce-overhead-tuned", torch.device("cpu"), compiled=False).gqa == \
-        "enable_gqa"
+    assert StaticCacheRunner(model, "compile-reduce-overhead-tuned", torch.device("cpu"), compiled=False).gqa in \
+        ("enable_gqa", "grouped_query_rows")
     assert StaticCacheRunner(model, "compile-reduce-overhead", torch.device("cpu"), compiled=False).gqa == \
         "repeat_interleave"
+
+
+def test_choose_gqa_avoids_sdpas_math_fallback(monkeypatch):
+    """enable_gqa where SDPA's dispatcher gives it a fused kernel; where it would take the math kernel
+    (which repeats K/V per head), the query heads folded into rows."""
+    from torch.nn.attention import SDPBackend
+
+    from tscompile.bench.static_cache_model import choose_gqa
+
+    model = build_model("llama-tiny", seed=0)
+    for backend, expected in ((SDPBackend.EFFICIENT_ATTENTION, "enable_gqa"), (SDPBackend.MATH, "grouped_query_rows")):
+        asked = []
+
+        def choice(q, k, v, *, attn_mask, enable_gqa, backend=backend):
+            asked.append((q.shape[1], k.shape[1], q.shape[2], attn_mask.dtype, enable_gqa))
+            return backend.value
+
+        monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+        gqa, why = choose_gqa(model)
+        assert gqa == expected, why
+        assert asked[0] == (4, 2, 1, torch.bool, True)  # the model's heads, a decode row, a boolean mask
 
 
 def test_tuned_mode_runs_and_decodes_eager_tokens_float32(tmp_path):
