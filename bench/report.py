@@ -123,7 +123,7 @@ def compile_table(modes: dict) -> str:
 
 def mfu_header(result: dict) -> str:
     peak, source = result.get("peak_tflops"), result.get("peak_tflops_source")
-    return f"MFU (of {peak:.0f} TFLOP/s, {source})" if peak else "MFU"
+    return f"MFU (of {peak:.4g} TFLOP/s, {source})" if peak else "MFU"
 
 
 def prefill_table(rows: list[dict], mfu_title: str = "MFU") -> str:
@@ -160,7 +160,7 @@ def markdown(result: dict) -> str:
             f"CUDA {env['cuda_version']} · input {args['input_len']} · output {args['output_len']} · "
             f"iters {args['num_iters']} (+{args['num_iters_warmup']} warm-up) · "
             f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s"
-            + (f" · matmul peak {peak:.0f} TFLOP/s ({result.get('peak_tflops_source')})" if peak else "") + "\n")
+            + (f" · matmul peak {peak:.4g} TFLOP/s ({result.get('peak_tflops_source')})" if peak else "") + "\n")
     if result.get("complete") is False:
         head += "\n**Partial run**: cut short; the rows below are the ones that finished.\n"
     notes = ["", "Every timed figure is the median of the timed iterations, with the fastest and slowest. TPOT = one "

@@ -14,7 +14,7 @@ import torch
 
 import tscompile
 from tscompile.bench import cli as bench_cli
-from tscompile.bench import compile_stats, reference, roofline, workloads
+from tscompile.bench import compile_stats, reference, roofline
 from tscompile.bench.reference import Candidates, ReferenceRun
 from tscompile.bench.static_cache_model import StaticCacheModel
 from tscompile.bench.workloads import EngineRunner, StaticCacheRunner
