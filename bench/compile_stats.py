@@ -2,9 +2,10 @@
 
 Dynamo's ``torch._dynamo.utils.counters`` (as read in torch 2.13) has a ``"graph_break"`` table (one
 key per break reason, the count of frame compiles that hit it) and ``"stats"``/``"unique_graphs"``
-(graphs compiled; ``"frames"``/``"ok"`` misses ``fullgraph=True`` compiles), but no ``"recompiles"`` key. A recompile is a compile of a frame that already had a cache entry whose
-guards failed: Dynamo records it as the ``recompile_reason`` of that compile's ``CompilationMetrics``
-(the reason ``TORCH_LOGS=recompiles`` prints), so recompiles are counted from those records.
+(graphs compiled; ``"frames"``/``"ok"`` misses ``fullgraph=True`` compiles), but no ``"recompiles"``
+key. A recompile is a compile of a frame that already had a cache entry whose guards failed: Dynamo
+records it as the ``recompile_reason`` of that compile's ``CompilationMetrics`` (the reason
+``TORCH_LOGS=recompiles`` prints), so recompiles are counted from those records.
 Every figure is a difference between two snapshots: Dynamo's counters are process-wide and
 ``torch._dynamo.reset()`` does not clear them.
 """
