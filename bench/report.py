@@ -75,55 +75,115 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-DECODE_HEADER = ["mode", "bs", "TPOT ms", "TPOT min-max", "decode tok/s", "TTFT ms", "compile s", "capture s", "peak GiB",
-                 "GB/s", "roofline ms", "% roofline", "= eager", "error"]
+def _spread(r: dict, key: str, spec: str) -> str:
+    lo, hi = r.get(f"{key}_min"), r.get(f"{key}_max")
+    return f"{_fmt(lo, spec)}-{_fmt(hi, spec)}" if lo is not None else "-"
+
+
+def _error(r: dict) -> str:
+    return (r.get("error") or "").replace("|", "/").replace("\n", " ")[:120]
+
+
+DECODE_HEADER = ["mode", "bs", "TPOT ms (median)", "TPOT min-max", "decode tok/s", "TTFT ms (median)", "TTFT min-max",
+                 "peak GiB", "GB/s", "roofline ms", "% roofline", "vs f32 reference (req 0)", "error"]
 
 
 def decode_table(rows: list[dict]) -> str:
+    from .reference import describe
+
     out = []
     for r in rows:
-        err = (r.get("error") or "").replace("|", "/").replace("\n", " ")
+        median = r.get("tpot_ms_median")
         out.append([
-            r["mode"], str(r["batch_size"]), _fmt(r.get("tpot_ms"), ".3f"),
-            (f"{_fmt(r.get('tpot_ms_min'), '.3f')}-{_fmt(r.get('tpot_ms_max'), '.3f')}"
-             if r.get("tpot_ms_min") is not None else "-"),
-            _fmt(r.get("decode_tokens_per_s"), ".1f"),
-            _fmt(r.get("ttft_ms"), ".2f"), _fmt(r.get("compile_s"), ".2f"), _fmt(r.get("capture_s"), ".2f"),
+            r["mode"], str(r["batch_size"]), _fmt(median, ".3f"), _spread(r, "tpot_ms", ".3f"),
+            _fmt(r["batch_size"] / median * 1e3 if median else None, ".1f"),
+            _fmt(r.get("ttft_ms_median"), ".2f"), _spread(r, "ttft_ms", ".2f"),
             _fmt(r.get("peak_memory_gib"), ".2f"), _fmt(r.get("achieved_gbps"), ".1f"),
             _fmt(r.get("roofline_ms"), ".4f"), _fmt(r.get("pct_of_roofline"), ".1f"),
-            _fmt(r.get("match_eager")), err[:120] or "",
+            describe(r.get("reference_check")) if not r.get("error") else "-", _error(r),
         ])
     return _table(DECODE_HEADER, out)
 
 
-def prefill_table(rows: list[dict]) -> str:
+COMPILE_HEADER = ["mode", "setup s", "compile s", "capture s", "dynamo graphs", "recompiles", "graph breaks",
+                  "tscompile graphs", "pieces", "breaks", "captures (decode+prefill)", "error"]
+
+
+def compile_table(modes: dict) -> str:
+    out = []
+    for mode, info in modes.items():
+        st = info.get("compile_stats") or {}
+        captures = (st["decode_captures"] + st["prefill_captures"]) if st else None
+        out.append([mode, _fmt(info.get("setup_s"), ".1f"), _fmt(info.get("compile_s"), ".2f"),
+                    _fmt(info.get("capture_s"), ".2f"), _fmt(st.get("graphs_compiled")), _fmt(st.get("recompiles")),
+                    _fmt(st.get("graph_breaks")), _fmt(st.get("graphs")), _fmt(st.get("pieces_compiled")),
+                    _fmt(st.get("breaks")), _fmt(captures), _error(info)])
+    return _table(COMPILE_HEADER, out)
+
+
+def mfu_header(result: dict) -> str:
+    peak, source = result.get("peak_tflops"), result.get("peak_tflops_source")
+    return f"MFU (of {peak:.4g} TFLOP/s, {source})" if peak else "MFU"
+
+
+def prefill_table(rows: list[dict], mfu_title: str = "MFU") -> str:
     out = []
     for r in rows:
-        err = (r.get("error") or "").replace("|", "/").replace("\n", " ")
-        spread = (f"{_fmt(r.get('prefill_ms_min'), '.2f')}-{_fmt(r.get('prefill_ms_max'), '.2f')}"
-                  if r.get("prefill_ms_min") is not None else "-")
-        out.append([r["mode"], str(r["prompt_len"]), _fmt(r.get("prefill_ms"), ".2f"), spread,
-                    _fmt(r.get("prefill_tokens_per_s"), ".1f"), err[:120]])
-    return _table(["mode", "prompt len (bs=1)", "prefill ms (median)", "min-max", "prefill tok/s", "error"], out)
+        mfu = r.get("mfu")
+        out.append([r["mode"], str(r["prompt_len"]), _fmt(r.get("prefill_ms"), ".2f"), _spread(r, "prefill_ms", ".2f"),
+                    _fmt(r.get("prefill_tokens_per_s"), ".1f"), _fmt(r.get("prefill_tflops"), ".3g"),
+                    f"{100 * mfu:.1f}%" if mfu is not None else "-", _error(r)])
+    return _table(["mode", "prompt len (bs=1)", "prefill ms (median)", "min-max", "prefill tok/s", "TFLOP/s",
+                   mfu_title, "error"], out)
+
+
+def _reference_line(result: dict) -> str:
+    ref = result.get("reference") or {}
+    threshold = result["args"].get("margin_threshold")
+    if ref.get("skipped"):
+        return "vs f32 reference: not run (--no-reference)."
+    if ref.get("error"):
+        return f"vs f32 reference: the float32 reference failed ({ref['error']}), no row is checked."
+    return (f"vs f32 reference (req 0) = the first request's greedy tokens against a float32 eager run of the same "
+            f"weights (the static-cache model, uncompiled); where they differ: the first diverging token (0 = the "
+            f"prefill's token) and the reference's top-2 logit margin there. A small margin is a near-tie that "
+            f"{result['dtype']} rounding may flip; **suspicious** = the mode's token trails the reference's by more "
+            f"than {threshold} logits.")
 
 
 def markdown(result: dict) -> str:
     env, args = result["env"], result["args"]
     hw = env.get("gpu_name") or env.get("cpu_name")
+    peak = result.get("peak_tflops")
     head = (f"## tscompile bench: {result['model']} on {hw} ({env['device']}, {result['dtype']})\n\n"
             f"{result['date']} · torch {env['torch_version']} · triton {env['triton_version']} · "
             f"CUDA {env['cuda_version']} · input {args['input_len']} · output {args['output_len']} · "
             f"iters {args['num_iters']} (+{args['num_iters_warmup']} warm-up) · "
-            f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s\n")
+            f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s"
+            + (f" · matmul peak {peak:.4g} TFLOP/s ({result.get('peak_tflops_source')})" if peak else "") + "\n")
     if result.get("complete") is False:
         head += "\n**Partial run**: cut short; the rows below are the ones that finished.\n"
-    notes = ("\nTPOT = mean decode step (decode-only steps), with the fastest and slowest iteration's mean; prefill "
-             "ms = the median of the timed iterations; roofline ms = (weights + KV read per step at the mean "
-             "decode context) / copy bandwidth; % roofline = roofline / TPOT; `= eager` = requests whose greedy "
-             "tokens equal eager's at the same bs (bf16 may drift on near-ties). Static-cache compile/capture times are the first warm-up "
-             "run's excess over the steady state.\n")
+    notes = ["", "Every timed figure is the median of the timed iterations, with the fastest and slowest. TPOT = one "
+             "iteration's decode-only time / its decode steps; TTFT = submit to every request's first token (for "
+             "the static-cache modes: the batched prefill forward); roofline ms = (weights + KV read per step at "
+             "the mean decode context) / copy bandwidth; % roofline = roofline / median TPOT.",
+             "", _reference_line(result),
+             "", "Compile table: Dynamo's graphs compiled, recompiles (compiles whose cache entry's guards failed) "
+             "and graph breaks, and tscompile's own counters, over the mode's whole run. Static-cache compile/"
+             "capture times are the first warm-up run's excess over the steady state.",
+             "", "MFU = prefill FLOPs (2 x linear weights x tokens, the output projection for the last token, causal "
+             "attention 4 x L(L+1)/2 x heads x head_dim per layer) / median prefill time / the matmul peak."]
+    if any(r.get("roofline_note") and r.get("pct_of_roofline") is None for r in result["results"]):
+        notes += ["", "% roofline \"-\": the step's bytes stay in cache (on the CPU always, see "
+                  "`roofline.roofline_applies`), so the copy-bandwidth roofline does not bound it."]
+    gqa = [f"{m}: {i['gqa']} ({i['gqa_why']})" for m, i in result.get("modes", {}).items() if i.get("gqa")]
+    if gqa:
+        notes += ["", "Static-cache GQA formulation: " + "; ".join(gqa) + "."]
+    if not peak:
+        notes += ["", "MFU \"-\": no matmul peak (the CPU has none measured; give --peak-tflops to set one)."]
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
-                      "### Prefill", "", prefill_table(result["prefill"]), notes])
+                      "### Compiles per mode", "", compile_table(result.get("modes", {})), "",
+                      "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, ""])
 
 
 # -- plot ------------------------------------------------------------------------------------------
@@ -138,8 +198,9 @@ def plot(result: dict, path: str | os.PathLike) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     modes = list(dict.fromkeys(r["mode"] for r in result["results"]))
     for mode in modes:
-        pts = [(r["batch_size"], r["tpot_ms"]) for r in result["results"]
-               if r["mode"] == mode and r.get("tpot_ms") is not None]
+        key = "tpot_ms_median" if any(r.get("tpot_ms_median") is not None for r in result["results"]) else "tpot_ms"
+        pts = [(r["batch_size"], r[key]) for r in result["results"]
+               if r["mode"] == mode and r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=mode)
     roof = {r["batch_size"]: r["roofline_ms"] for r in result["results"] if r.get("roofline_ms") is not None}

@@ -1,8 +1,13 @@
-"""The decode roofline: bytes a decode step must read, and the copy bandwidth it is read at.
+"""The decode roofline (bytes a step must read, the copy bandwidth) and the prefill MFU (FLOPs a
+prompt costs, the matmul peak).
 
 A decode step reads every weight once (the embedding table only for its ``bs`` gathered rows, unless
 it is tied to the output projection, which reads it whole) plus the K and V of every cached token
 of every request in every layer. Roofline ms/step = those bytes / the measured copy bandwidth.
+
+A bs=1 prefill of ``L`` tokens multiplies every token through every layer's linears and the last
+token through the output projection (every mode computes logits of the last row only), plus causal
+attention. MFU = those FLOPs / step time / the measured matmul peak.
 """
 
 from __future__ import annotations
@@ -23,6 +28,31 @@ class StepBytes:
     @property
     def total(self) -> int:
         return self.weight_bytes + self.kv_bytes
+
+
+def linear_params_per_layer(cfg: ModelConfig) -> int:
+    """Weights of one layer's matmuls (wqkv, wo, w13, w2); biases and norms are not matmuls."""
+    hd = cfg.head_dim
+    qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+    return cfg.dim * qkv_out + cfg.n_heads * hd * cfg.dim + cfg.dim * 2 * cfg.intermediate_size \
+        + cfg.intermediate_size * cfg.dim
+
+
+def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:
+    """FLOPs of one request's prefill: 2 per multiply-add of the linears over ``prompt_len`` tokens and
+    of the output projection over the last one, plus causal attention (query ``i`` reads ``i + 1``
+    keys: ``L (L + 1) / 2`` score entries per head, 2 FLOPs each for QK^T and again for PV)."""
+    L = prompt_len
+    matmuls = 2 * L * cfg.n_layers * linear_params_per_layer(cfg) + 2 * cfg.vocab_size * cfg.dim
+    attention = cfg.n_layers * 4 * (L * (L + 1) // 2) * cfg.n_heads * cfg.head_dim
+    return matmuls + attention
+
+
+def mfu(flops: int, seconds: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilization (a fraction), None without a peak to compare with."""
+    if not peak_tflops or seconds <= 0:
+        return None
+    return flops / seconds / (peak_tflops * 1e12)
 
 
 def weight_params_per_step(cfg: ModelConfig, batch_size: int) -> int:
@@ -63,6 +93,26 @@ def roofline_ms(step_bytes: int, bandwidth_gbps: float) -> float:
     return step_bytes / (bandwidth_gbps * 1e9) * 1e3
 
 
+def roofline_applies(device: torch.device, step_bytes: int) -> tuple[bool, str]:
+    """Whether "% of roofline" says how close a decode step is to the memory system's limit.
+
+    The roofline assumes every step streams its bytes from DRAM/HBM at the probe's bandwidth, and the
+    probe copies 2 x 256 MiB (1 GiB on cuda), past every cache. On the CPU that assumption fails for
+    the models the CPU runs: llama-tiny's step reads about 5 MB, which stays in L2/L3 between steps,
+    so the step reads at cache bandwidth and the ratio exceeds 100%; a probe sized to the step would
+    fix the bandwidth, but a CPU decode step of such a model is bound by per-op dispatch rather than
+    by bytes, so the ratio would still not be a bandwidth statement. Hence no percentage on the CPU
+    (the bytes, roofline ms and achieved GB/s stay: they are plain facts), and none on a GPU whose
+    L2 holds the whole step (llama-tiny on an H200's 60 MB L2)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, "cpu: the step's bytes stay in the CPU caches; the probe measures DRAM"
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+    if step_bytes <= l2:
+        return False, f"the step's {step_bytes} bytes fit in the {l2}-byte L2"
+    return True, ""
+
+
 def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written per second)."""
     device = torch.device(device)
@@ -88,3 +138,31 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
         seconds = time.perf_counter() - t0
     del src, dst
     return 2 * nbytes * iters / seconds / 1e9
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 10,
+                          warmup: int = 3) -> float:
+    """Achieved TFLOP/s of an ``n x n x n`` matmul in ``dtype`` on random data (zeros would run
+    faster than any model's operands: less switching in the multipliers)."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device, dtype=torch.float32).to(dtype)
+    b = torch.randn(n, n, generator=g, device=device, dtype=torch.float32).to(dtype)
+    for _ in range(warmup):
+        torch.mm(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            torch.mm(a, b)
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b)
+        seconds = time.perf_counter() - t0
+    del a, b
+    return 2 * n ** 3 * iters / seconds / 1e12

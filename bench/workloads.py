@@ -8,15 +8,22 @@ steps after the batched prefill, for ``tscompile.LLM`` the steps the scheduler r
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .static_cache_model import StaticCacheModel
+from .static_cache_model import StaticCacheModel, choose_gqa
 
-STATIC_MODES = ("compile-default", "compile-reduce-overhead")
+STATIC_MODES = ("compile-default", "compile-reduce-overhead", "compile-reduce-overhead-tuned")
+TUNED_MODE = "compile-reduce-overhead-tuned"
+# gpt-fast's generate.py sets these globally before compiling; the tuned baseline sets them only
+# around its own calls (compilation is lazy: it happens inside the first calls, and again at a new
+# batch size), so the other modes compile with the defaults
+TUNED_INDUCTOR_CONFIG = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True,
+                         "fx_graph_cache": True}
 
 
 class Timer:
@@ -55,6 +62,12 @@ class BatchTiming:
 
 
 # -- the static-cache torch.compile baselines ------------------------------------------------------
+def _tuned_inductor_config():
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(TUNED_INDUCTOR_CONFIG)
+
+
 # Two functions with one body on purpose: torch.compile keeps its compiled entries per code object,
 # and the prefill (dynamic) and decode (static, graphed) steps must not share them.
 def prefill_step(model: StaticCacheModel, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
@@ -68,25 +81,31 @@ def decode_step(model: StaticCacheModel, input_ids: torch.Tensor, input_pos: tor
 
 class StaticCacheRunner:
     """``compile-default``: ``torch.compile`` of prefill and decode; ``compile-reduce-overhead``: the
-    decode step compiled with ``mode="reduce-overhead"`` (CUDA graphs on cuda), prefill as default.
+    decode step compiled with ``mode="reduce-overhead"`` (CUDA graphs on cuda), prefill as default;
+    ``compile-reduce-overhead-tuned``: that, tuned as gpt-fast tunes it (``TUNED_INDUCTOR_CONFIG``,
+    ``fullgraph=True``) and with GQA that reads the cache as it is (``choose_gqa``: SDPA's enable_gqa
+    where a fused kernel takes it, else the query heads folded into rows) instead of a per-head copy.
     ``compiled=False`` runs the same greedy loop without compiling (tests compare its tokens);
     ``cache_len`` fixes the static cache length (default: each run's prompt plus output length)."""
 
     def __init__(self, model, mode: str, device: torch.device, *, compiled: bool = True,
                  cache_len: int | None = None):
         if mode not in STATIC_MODES:
-            raise ValueError(f"tscompile: unknown static-cache mode {mode!r}")
+            raise ValueError(f"tscompile: unknown static-cache mode {mode!r}; allowed: {STATIC_MODES}")
         self.model, self.mode, self.device = model, mode, torch.device(device)
-        self.cudagraphs = compiled and mode == "compile-reduce-overhead" and self.device.type == "cuda"
+        tuned = mode == TUNED_MODE
+        self.gqa, self.gqa_why = choose_gqa(model) if tuned else ("repeat_interleave", "the straightforward copy")
+        self.cudagraphs = compiled and mode != "compile-default" and self.device.type == "cuda"
         # prefill lengths and batch sizes vary: dynamic shapes (one graph, modulo 0/1 specialization);
         # reduce-overhead keeps decode static, as gpt-fast does (a CUDA graph per batch size anyway)
-        self.prefill_fn = torch.compile(prefill_step, dynamic=True) if compiled else prefill_step
+        self.prefill_fn = torch.compile(prefill_step, dynamic=True, fullgraph=tuned) if compiled else prefill_step
         if not compiled:
             self.decode_fn = decode_step
         elif self.mode == "compile-default":
             self.decode_fn = torch.compile(decode_step, dynamic=True)
         else:
-            self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
+            self.decode_fn = torch.compile(decode_step, mode="reduce-overhead", dynamic=False, fullgraph=tuned)
+        self._inductor_config = _tuned_inductor_config if tuned else contextlib.nullcontext
         self._caches: dict[tuple[int, int], StaticCacheModel] = {}
         self._cache_len = cache_len
         self._decode_len = 0
@@ -98,7 +117,7 @@ class StaticCacheRunner:
         key = (batch_size, max_len)
         if key not in self._caches:
             self._caches.clear()  # one cache at a time: free the previous batch size's buffers first
-            self._caches[key] = StaticCacheModel(self.model, batch_size, max_len)
+            self._caches[key] = StaticCacheModel(self.model, batch_size, max_len, gqa=self.gqa)
         return self._caches[key]
 
     def _call(self, fn: Callable, sm, ids, pos, per_call: list | None) -> torch.Tensor:
@@ -111,6 +130,10 @@ class StaticCacheRunner:
         return out
 
     def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False) -> BatchTiming:
+        with self._inductor_config():
+            return self._run_batch(prompts, output_len, per_call)
+
+    def _run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool) -> BatchTiming:
         bs, seqlen = len(prompts), len(prompts[0])
         self._decode_len = seqlen + output_len
         sm = self._static(bs, self._decode_len)
@@ -135,7 +158,7 @@ class StaticCacheRunner:
         # a gpt-fast-sized cache (at least the decode run's length): short prompts reuse the bs=1 graphs
         sm = self._static(1, max(len(prompt), self._decode_len))
         ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
-        with torch.no_grad(), Timer(self.device) as t:
+        with self._inductor_config(), torch.no_grad(), Timer(self.device) as t:
             self._call(self.prefill_fn, sm, ids, torch.arange(len(prompt), device=self.device), None)
         return t.seconds
 
@@ -182,7 +205,8 @@ class EngineRunner:
     def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False) -> BatchTiming:
         if self.llm.has_unfinished():
             raise RuntimeError("tscompile: the engine still holds requests from an earlier run")
-        params = self._params(max_new_tokens=output_len, temperature=0.0)
+        # every mode generates output_len tokens: the static-cache loops never stop at an eos id
+        params = self._params(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
         calls: list[float] | None = [] if per_call else None
         # TTFT ends with the stream after the step that sampled every first token (its tokens may
         # still be on their way to the host: the timer's end event is recorded behind it)

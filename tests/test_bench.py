@@ -1,6 +1,7 @@
 """``tscompile bench``: the baselines measure the same model, the roofline byte model, and a CPU smoke run.
 
-No timing is asserted anywhere: only shapes of the output and token agreement.
+No timing is asserted anywhere: only shapes of the output, token agreement, the FLOP and byte models,
+the divergence report and the compile counters.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch
 
 import tscompile
 from tscompile.bench import cli as bench_cli
-from tscompile.bench import roofline
+from tscompile.bench import compile_stats, reference, roofline
+from tscompile.bench.reference import Candidates, ReferenceRun
 from tscompile.bench.static_cache_model import StaticCacheModel
-from tscompile.bench.workloads import StaticCacheRunner
+from tscompile.bench.workloads import EngineRunner, StaticCacheRunner
 from tscompile.cli import main as tscompile_main
 from tscompile.models import PRESETS, build_model
 from helpers import ids
@@ -91,7 +93,7 @@ def test_default_modes_follow_the_device(monkeypatch):
     args = argparse.Namespace(modes=None, attention_backends=None)
     cpu = torch.device("cpu")
     assert bench_cli.resolve_modes(args, cpu) == ["eager", "compile-default", "compile-reduce-overhead",
-                                                  "tscompile-torch"]
+                                                  "compile-reduce-overhead-tuned", "tscompile-torch"]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert "tscompile-triton" in bench_cli.resolve_modes(args, cpu)
     args = argparse.Namespace(modes=["eager", "tscompile"], attention_backends=["torch"])
@@ -101,7 +103,13 @@ def test_default_modes_follow_the_device(monkeypatch):
 
 
 REQUIRED_ROW_KEYS = {"mode", "batch_size", "error", "ttft_ms", "tpot_ms", "decode_tokens_per_s", "compile_s",
-                     "capture_s", "peak_memory_gib", "step_bytes", "roofline_ms", "achieved_gbps", "pct_of_roofline"}
+                     "capture_s", "peak_memory_gib", "step_bytes", "roofline_ms", "achieved_gbps", "pct_of_roofline",
+                     "ttft_ms_median", "ttft_ms_min", "ttft_ms_max", "tpot_ms_median", "tpot_ms_min", "tpot_ms_max",
+                     "reference_check"}
+COMPILE_KEYS = {"recompiles", "graph_breaks", "graphs_compiled", *compile_stats.TSCOMPILE_KEYS}
+NEW_MARKDOWN_COLUMNS = ("| mode | bs | TPOT ms (median) | TPOT min-max | decode tok/s | TTFT ms (median) | TTFT min-max |",
+                        "vs f32 reference (req 0) |", "| dynamo graphs | recompiles | graph breaks | tscompile graphs |",
+                        "| prefill tok/s | TFLOP/s | MFU | error |")
 
 
 def test_bench_cli_cpu_smoke(tmp_path, capsys):
@@ -112,7 +120,8 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
             "--no-progress", "--bandwidth-mib", "16"]
     assert tscompile_main(argv) == 0
     stdout = capsys.readouterr().out
-    assert "| mode | bs | TPOT ms |" in stdout and "| compile-default | 2 |" in stdout
+    assert all(col in stdout for col in NEW_MARKDOWN_COLUMNS), stdout
+    assert "| compile-default | 2 |" in stdout
     assert out_md.read_text().strip() == stdout.strip()
 
     result = json.loads(out_json.read_text())
@@ -130,8 +139,26 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
         assert REQUIRED_ROW_KEYS <= set(r), REQUIRED_ROW_KEYS - set(r)
         assert r["tpot_ms"] > 0 and r["decode_steps_per_iter"] == 3 and r["non_decode_steps"] == 0
         assert r["peak_memory_gib"] is None  # cpu
-        # same weights, float32: the compiled static-cache baseline decodes eager's tokens
+        # same weights, float32: the compiled static-cache baseline decodes eager's tokens, and both
+        # decode the float32 reference's
         assert r["match_eager"] == f"{r['batch_size']}/{r['batch_size']}"
+        assert r["reference_check"] == {"agrees": True, "compared_tokens": 4}
+        assert r["tokens_req0"] == result["reference"]["runs"][str(r["batch_size"])]["tokens"]
+        # every timed figure: median inside [min, max]; TTFT for every mode, not only tscompile's
+        for fig in ("tpot_ms", "ttft_ms"):
+            assert 0 < r[f"{fig}_min"] <= r[f"{fig}_median"] <= r[f"{fig}_max"], (fig, r)
+        # the CPU's caches hold llama-tiny's step: no roofline percentage, the bytes still reported
+        assert r["pct_of_roofline"] is None and r["roofline_note"].startswith("cpu") and r["achieved_gbps"] > 0
+    for mode in ("eager", "compile-default"):
+        stats = result["modes"][mode]["compile_stats"]
+        assert set(stats) == COMPILE_KEYS and all(type(v) is int and v >= 0 for v in stats.values()), stats
+    # eager compiles nothing; the baseline compiles its prefill and decode steps, and a second batch
+    # size under dynamic=True recompiles (0/1 specialization of the batch dimension)
+    assert not any(result["modes"]["eager"]["compile_stats"].values())
+    assert result["modes"]["compile-default"]["compile_stats"]["graphs_compiled"] >= 2
+    assert "| eager | 2 | " in stdout and "| - | agrees (4 tok) |" in stdout
+    assert result["peak_tflops"] is None and all(p["mfu"] is None and p["prefill_tflops"] > 0 for p in result["prefill"])
+    assert "MFU \"-\"" in stdout and "% roofline \"-\"" in stdout
     assert sorted((p["mode"], p["prompt_len"]) for p in result["prefill"]) == [("compile-default", 8), ("eager", 8)]
     assert all(p["error"] is None and p["prefill_ms"] > 0 for p in result["prefill"])
     # the engine counters of the timed runs: eager's steps ran without graphs and compiled nothing;
@@ -178,3 +205,217 @@ def test_bench_saves_finished_rows_when_a_run_is_cut_short(tmp_path, monkeypatch
     assert [(r["mode"], r["batch_size"], r["error"]) for r in result["results"]] == [("eager", 1, None)]
     md = out_md.read_text()
     assert result["results"][0]["tpot_ms"] > 0 and "| eager | 1 |" in md and "**Partial run**" in md
+
+
+# -- the tuned stock baseline -----------------------------------------------------------------------
+def test_gqa_formulations_give_the_same_logits():
+    """SDPA's enable_gqa and the query heads folded into rows read the n_kv_heads cache as it is; the
+    repeat_interleave copy is the straightforward formulation. Same logits over a prefill and two
+    decode steps (float32)."""
+    model = build_model("llama-tiny", dtype=torch.float32, device="cpu", seed=3)
+    assert model.config.n_heads != model.config.n_kv_heads  # a real group, or the test proves nothing
+    prompt = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for gqa in ("repeat_interleave", "enable_gqa", "grouped_query_rows"):
+        sm = StaticCacheModel(model, batch_size=2, max_len=16, gqa=gqa)
+        steps = [sm(prompt, torch.arange(9))]
+        for pos in (9, 10):
+            steps.append(sm(steps[-1].argmax(-1, keepdim=True), torch.tensor([pos])))
+        outs[gqa] = torch.stack(steps)
+    torch.testing.assert_close(outs["enable_gqa"], outs["repeat_interleave"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["grouped_query_rows"], outs["repeat_interleave"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="tscompile: gqa='copy' .*allowed"):
+        StaticCacheModel(model, batch_size=1, max_len=16, gqa="copy")
+
+
+def test_tuned_inductor_config_is_set_only_around_the_tuned_modes_calls():
+    """gpt-fast's Inductor settings hold inside the tuned runner's calls (where it compiles) and are
+    restored after; the untuned runner's calls see the defaults."""
+    import torch._inductor.config as inductor_config
+
+    default = inductor_config.coordinate_descent_tuning
+    assert default is False  # else this test cannot tell the patch from the default
+    model = build_model("llama-tiny", seed=0)
+    seen = {}
+    for mode in ("compile-reduce-overhead", "compile-reduce-overhead-tuned"):
+        runner = StaticCacheRunner(model, mode, torch.device("cpu"), compiled=False)
+        calls = seen[mode] = []
+
+        def spy(fn, calls=calls):
+            def wrapped(*a):
+                calls.append(inductor_config.coordinate_descent_tuning)
+                return fn(*a)
+            return wrapped
+
+        runner.prefill_fn, runner.decode_fn = spy(runner.prefill_fn), spy(runner.decode_fn)
+        runner.run_batch([[3, 1, 4, 1, 5]], 3)
+        runner.run_prefill([2, 7, 1, 8])
+        assert inductor_config.coordinate_descent_tuning is default
+    assert seen["compile-reduce-overhead"] == [False] * 4 and seen["compile-reduce-overhead-tuned"] == [True] * 4
+    assert StaticCacheRunner(model, "compile-reduce-overhead-tuned", torch.device("cpu"), compiled=False).gqa in \
+        ("enable_gqa", "grouped_query_rows")
+    assert StaticCacheRunner(model, "compile-reduce-overhead", torch.device("cpu"), compiled=False).gqa == \
+        "repeat_interleave"
+
+
+def test_choose_gqa_avoids_sdpas_math_fallback(monkeypatch):
+    """enable_gqa where SDPA's dispatcher gives it a fused kernel; where it would take the math kernel
+    (which repeats K/V per head), the query heads folded into rows."""
+    from torch.nn.attention import SDPBackend
+
+    from tscompile.bench.static_cache_model import choose_gqa
+
+    model = build_model("llama-tiny", seed=0)
+    for backend, expected in ((SDPBackend.EFFICIENT_ATTENTION, "enable_gqa"), (SDPBackend.MATH, "grouped_query_rows")):
+        asked = []
+
+        def choice(q, k, v, *, attn_mask, enable_gqa, backend=backend):
+            asked.append((q.shape[1], k.shape[1], q.shape[2], attn_mask.dtype, enable_gqa))
+            return backend.value
+
+        monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+        gqa, why = choose_gqa(model)
+        assert gqa == expected, why
+        assert asked[0] == (4, 2, 1, torch.bool, True)  # the model's heads, a decode row, a boolean mask
+
+
+def test_tuned_mode_runs_and_decodes_eager_tokens_float32(tmp_path):
+    """The tuned baseline, compiled (fullgraph, reduce-overhead decode), decodes eager's and the float32
+    reference's greedy tokens on llama-tiny in float32."""
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--batch-size", "1", "--input-len", "8",
+            "--output-len", "4", "--prefill-lens", "8", "--num-iters", "1", "--num-iters-warmup", "1",
+            "--modes", "eager", "compile-reduce-overhead-tuned", "--output-json", str(out_json), "--no-progress",
+            "--bandwidth-mib", "16"]
+    assert tscompile_main(argv) == 0
+    result = json.loads(out_json.read_text())
+    rows = {r["mode"]: r for r in result["results"]}
+    tuned = rows["compile-reduce-overhead-tuned"]
+    assert tuned["error"] is None and tuned["tpot_ms"] > 0
+    assert tuned["tokens_req0"] == rows["eager"]["tokens_req0"] and tuned["match_eager"] == "1/1"
+    assert tuned["reference_check"]["agrees"] is True
+    stats = result["modes"]["compile-reduce-overhead-tuned"]["compile_stats"]
+    assert stats["graphs_compiled"] >= 2 and stats["graph_breaks"] == 0  # fullgraph: a break would have raised
+    assert [p["error"] for p in result["prefill"]] == [None, None]
+
+
+# -- MFU ------------------------------------------------------------------------------------------
+def test_prefill_flops_llama_tiny_by_hand_and_by_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = PRESETS["llama-tiny"]  # dim 256, 2 layers, 4 heads (head_dim 64), 2 kv heads, ffn 512, vocab 512
+    # linears per layer: wqkv 256*512 + wo 256*256 + w13 256*1024 + w2 512*256 = 589_824
+    assert roofline.linear_params_per_layer(cfg) == 589_824
+    # L=8: 2 * 8 tokens * 2 layers * 589_824 + the last token's output projection 2 * 512 * 256
+    matmuls = 2 * 8 * 2 * 589_824 + 2 * 512 * 256
+    # causal attention: 2 layers * 4 * (8 * 9 / 2 score entries) * 4 heads * 64 dims
+    attention = 2 * 4 * 36 * 4 * 64
+    assert roofline.prefill_flops(cfg, 8) == matmuls + attention == 19_210_240
+    # the matmul part is what torch's own FLOP counter sees in one prefill forward of the model
+    sm = StaticCacheModel(build_model("llama-tiny", seed=0), batch_size=1, max_len=16)
+    with FlopCounterMode(display=False) as fc:
+        sm(torch.arange(8)[None], torch.arange(8))
+    assert sum(fc.get_flop_counts()["Global"].values()) == matmuls
+    # llama-8b at 2048 tokens: 2 * 2048 * 32 layers * 218_103_808 + 2 * 128_256 * 4096, plus attention
+    big = PRESETS["llama-8b"]
+    assert roofline.linear_params_per_layer(big) == 218_103_808
+    assert roofline.prefill_flops(big, 2048) == (2 * 2048 * 32 * 218_103_808 + 2 * 128_256 * 4096
+                                                 + 32 * 4 * (2048 * 2049 // 2) * 32 * 128)
+    assert roofline.mfu(500e12, 1.0, 1000.0) == pytest.approx(0.5)
+    assert roofline.mfu(500e12, 1.0, None) is None
+    assert roofline.measure_matmul_tflops(torch.device("cpu"), torch.float32, n=64, iters=2, warmup=1) > 0
+    assert roofline.roofline_applies(torch.device("cpu"), 10**12)[0] is False
+
+
+# -- the divergence report ------------------------------------------------------------------------
+def _synthetic_logits() -> torch.Tensor:
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(5)) * 0.1  # all below 0.5
+    logits[7], logits[3], logits[50] = 3.0, 2.97, 1.0
+    return logits
+
+
+def test_margin_of_synthetic_logits():
+    cand = reference.top_candidates(_synthetic_logits(), k=8)
+    assert cand.ids[:3] == [7, 3, 50]
+    near_tie = reference.margin_at(cand, 3)
+    assert near_tie["margin"] == pytest.approx(0.03, abs=1e-6) and near_tie["chosen_rank"] == 2
+    assert near_tie["chosen_gap"] == pytest.approx(0.03, abs=1e-6)
+    third = reference.margin_at(cand, 50)
+    assert third["chosen_rank"] == 3 and third["chosen_gap"] == pytest.approx(2.0) \
+        and third["margin"] == pytest.approx(0.03, abs=1e-6)
+    outside = next(i for i in range(300) if i not in cand.ids)
+    far = reference.margin_at(cand, outside)
+    assert far["chosen_rank"] is None and far["chosen_gap"] == pytest.approx(3.0 - cand.logits[-1])
+
+
+def test_compare_names_the_first_diverging_step_and_flags_wide_gaps():
+    cand = reference.top_candidates(_synthetic_logits(), k=8)
+    clear = Candidates(ids=[11, 12], logits=[5.0, 1.0])
+    ref = ReferenceRun(prompt=[1, 2], tokens=[11, 11, 7, 11], steps=[clear, clear, cand, clear])
+    assert reference.compare(ref, [11, 11, 7, 11], 0.5) == {"agrees": True, "compared_tokens": 4}
+    assert reference.describe(reference.compare(ref, [11, 11, 7, 11], 0.5)) == "agrees (4 tok)"
+    tie = reference.compare(ref, [11, 11, 3, 9], 0.5)
+    assert tie["first_divergence"] == 2 and tie["mode_token"] == 3 and tie["suspicious"] is False
+    assert reference.describe(tie) == "diverges at 2 (margin 0.03)"
+    wide = reference.compare(ref, [11, 11, 50, 9], 0.5)
+    assert wide["suspicious"] is True
+    assert reference.describe(wide) == "**suspicious**: diverges at 2 (margin 0.03; took rank 3, gap 2)"
+    bug = reference.compare(ref, [11, 12, 7, 11], 0.5)  # the runner-up of a clear winner
+    assert bug["first_divergence"] == 1 and bug["margin"] == pytest.approx(4.0) and bug["suspicious"] is True
+    short = reference.compare(ref, [11, 11], 0.5)
+    assert short["suspicious"] is True and "2 tokens" in reference.describe(short)
+
+
+def test_bench_reports_a_forced_divergence(tmp_path, monkeypatch):
+    """A mode whose third token is swapped for the reference's runner-up is reported as diverging at
+    step 2 with the reference's margin there (the JSON and the markdown)."""
+    length, output_len = 8, 4
+    model = build_model("llama-tiny", seed=0)
+    prompt = bench_cli._prompts(0, 1, length, model.config.vocab_size)[0]
+    ref = reference.reference_greedy(model, prompt, output_len, torch.device("cpu"))
+    runner_up = ref.steps[2].ids[1]
+    original = EngineRunner.run_batch
+
+    def perturbed(self, prompts, n, per_call=False):
+        timing = original(self, prompts, n, per_call)
+        timing.tokens[0][2] = runner_up
+        return timing
+
+    monkeypatch.setattr(EngineRunner, "run_batch", perturbed)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--batch-size", "1", "--input-len", str(length),
+            "--output-len", str(output_len), "--prefill-lens", "8", "--num-iters", "1", "--num-iters-warmup", "0",
+            "--modes", "eager", "--output-json", str(out_json), "--no-progress", "--bandwidth-mib", "16",
+            "--margin-threshold", "1e-9"]
+    assert tscompile_main(argv) == 0
+    result = json.loads(out_json.read_text())
+    check = result["results"][0]["reference_check"]
+    margin = ref.steps[2].logits[0] - ref.steps[2].logits[1]
+    assert check["first_divergence"] == 2 and check["mode_token"] == runner_up and check["chosen_rank"] == 2
+    assert check["margin"] == pytest.approx(margin) and result["reference"]["runs"]["1"]["margins"][2] == \
+        pytest.approx(margin)
+    assert check["suspicious"] is True  # any gap is above a 1e-9 threshold
+    md = bench_cli.report.markdown(result)
+    assert f"**suspicious**: diverges at 2 (margin {margin:.3g})" in md
+
+
+# -- compile counters -----------------------------------------------------------------------------
+def test_compile_stats_count_dynamo_recompiles_and_graph_breaks():
+    torch._dynamo.reset()
+
+    def f(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    before = compile_stats.snapshot()
+    compiled = torch.compile(f, backend="eager", dynamic=False)
+    compiled(torch.randn(3))
+    first = compile_stats.since(before)
+    compiled(torch.randn(3, dtype=torch.float64))  # a dtype guard fails: both frames recompile
+    stats = compile_stats.since(before)
+    torch._dynamo.reset()
+    assert first["recompiles"] == 0 and first["graph_breaks"] == 1 and first["graphs_compiled"] == 2
+    assert stats["recompiles"] == 2 and stats["graph_breaks"] == 2 and stats["graphs_compiled"] == 4
+    assert all(type(v) is int for v in stats.values())
+    assert all("dtype" in r for r in compile_stats.recompile_reasons(before))

@@ -1,0 +1,68 @@
+"""What each mode compiled: Dynamo's recompiles and graph breaks beside tscompile's own counters.
+
+Dynamo's ``torch._dynamo.utils.counters`` (as read in torch 2.13) has a ``"graph_break"`` table (one
+key per break reason, the count of frame compiles that hit it) and ``"stats"``/``"unique_graphs"``
+(graphs compiled; ``"frames"``/``"ok"`` misses ``fullgraph=True`` compiles), but no ``"recompiles"``
+key. A recompile is a compile of a frame that already had a cache entry whose guards failed: Dynamo
+records it as the ``recompile_reason`` of that compile's ``CompilationMetrics`` (the reason
+``TORCH_LOGS=recompiles`` prints), so recompiles are counted from those records.
+Every figure is a difference between two snapshots: Dynamo's counters are process-wide and
+``torch._dynamo.reset()`` does not clear them.
+"""
+
+from __future__ import annotations
+
+import torch._dynamo.utils as dynamo_utils
+
+from tscompile.counters import counters as tscompile_counters
+
+# tscompile's counters that say what a mode compiled and captured (tscompile/counters.py)
+TSCOMPILE_KEYS = ("graphs", "pieces_compiled", "breaks", "decode_captures", "prefill_captures")
+# compiles kept in Dynamo's record of compilation metrics (its default keeps the last 64)
+METRICS_LIMIT = 100_000
+
+
+def _recompile_records() -> list:
+    get = getattr(dynamo_utils, "get_compilation_metrics", None)
+    if get is None:
+        return []
+    return [m for m in get() if getattr(m, "recompile_reason", None)]
+
+
+def keep_compilation_metrics() -> int | None:
+    """Make room for every compile of a bench run in Dynamo's record; returns the old limit."""
+    deque = getattr(dynamo_utils, "_compilation_metrics", None)
+    setter = getattr(dynamo_utils, "set_compilation_metrics_limit", None)
+    if deque is None or setter is None:
+        return None
+    old = deque.maxlen
+    setter(METRICS_LIMIT)
+    return old
+
+
+def restore_compilation_metrics(old_limit: int | None) -> None:
+    setter = getattr(dynamo_utils, "set_compilation_metrics_limit", None)
+    if old_limit is not None and setter is not None:
+        setter(old_limit)
+
+
+def snapshot() -> dict:
+    dyn = dynamo_utils.counters
+    return {"graph_breaks": sum(dyn["graph_break"].values()), "graphs_compiled": dyn["stats"]["unique_graphs"],
+            "recompile_records": len(_recompile_records()),
+            **{k: tscompile_counters[k] for k in TSCOMPILE_KEYS}}
+
+
+def since(before: dict) -> dict:
+    """Integers: ``recompiles``, ``graph_breaks``, ``graphs_compiled`` (Dynamo) and ``TSCOMPILE_KEYS``."""
+    now = snapshot()
+    out = {"recompiles": now["recompile_records"] - before["recompile_records"]}
+    out.update({k: now[k] - before[k] for k in now if k != "recompile_records"})
+    return out
+
+
+def recompile_reasons(before: dict, limit: int = 5, width: int = 200) -> list[str]:
+    """The first few recompile reasons since ``before`` (for the JSON: why a mode recompiled)."""
+    records = _recompile_records()[before["recompile_records"]:]
+    return [str(m.recompile_reason)[:width] for m in records[:limit]]
+

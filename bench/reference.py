@@ -1,0 +1,119 @@
+"""The correctness reference: a float32 eager greedy run of the same weights, and how far a mode's
+tokens are from it.
+
+Every mode runs in the bench dtype (bf16 on cuda), where a greedy pick between two near-equal logits
+can flip without any bug. So a mode's tokens are compared with a float32 run of the *same* weights
+(the mode's weights upcast, not re-drawn in float32), and where they first differ the reference's
+logits at that step say how close the call was: a top-2 margin of a few hundredths is a near-tie, a
+mode that skipped a clear winner is suspicious.
+
+The reference is the static-cache model run without compiling (``StaticCacheModel``, no torch.compile,
+SDPA in float32), one request at a time; ``tests/test_bench.py`` checks it decodes the eager engine's
+tokens. Its logits at step ``k`` are those of the prefix ``prompt + tokens[:k]``, which is the diverging
+mode's prefix too (the two agree before ``k``): recording them during the greedy run is the rerun over
+that prefix, without a second pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .static_cache_model import StaticCacheModel
+
+TOP_K = 64  # candidates kept per step: a mode that picks a token below them is off by a wide gap anyway
+
+
+@dataclass
+class Candidates:
+    """One step's top reference logits, best first."""
+    ids: list[int]
+    logits: list[float]
+
+
+@dataclass
+class ReferenceRun:
+    prompt: list[int]
+    tokens: list[int]
+    steps: list[Candidates]  # steps[k]: the logits that chose tokens[k]
+
+
+def top_candidates(logits: torch.Tensor, k: int = TOP_K) -> Candidates:
+    """The ``k`` largest entries of one logits row (float32), best first."""
+    vals, ids = logits.float().topk(min(k, logits.shape[-1]))
+    return Candidates(ids.tolist(), vals.tolist())
+
+
+def margin_at(step: Candidates, chosen: int) -> dict:
+    """How close the reference's pick was at one step, and where ``chosen`` (a mode's pick) stood.
+
+    ``margin``: top-1 minus top-2 logit (how near a tie the step is); ``chosen_rank``: 1-based rank of
+    ``chosen`` among the candidates (None: below all of them); ``chosen_gap``: top-1 minus ``chosen``'s
+    logit (a lower bound, the gap to the last candidate, when ``chosen`` is below them)."""
+    top = step.logits[0]
+    margin = top - step.logits[1] if len(step.logits) > 1 else None
+    if chosen in step.ids:
+        rank = step.ids.index(chosen) + 1
+        gap = top - step.logits[rank - 1]
+    else:
+        rank, gap = None, top - step.logits[-1]
+    return {"margin": margin, "chosen_rank": rank, "chosen_gap": gap}
+
+
+def compare(ref: ReferenceRun, got: list[int], threshold: float) -> dict:
+    """A mode's tokens for ``ref.prompt`` against the reference's.
+
+    ``agrees``; else ``first_divergence`` (0-based index of the first differing new token; 0 is the
+    prefill's token), the step's :func:`margin_at` figures and ``suspicious``: the mode's pick trails
+    the reference's by more than ``threshold`` logits (or is not among the candidates)."""
+    n = min(len(ref.tokens), len(got))
+    k = next((i for i in range(n) if ref.tokens[i] != got[i]), None)
+    if k is None:
+        if len(got) == len(ref.tokens):
+            return {"agrees": True, "compared_tokens": n}
+        return {"agrees": False, "compared_tokens": n, "first_divergence": n, "suspicious": True,
+                "reason": f"{len(got)} tokens, the reference has {len(ref.tokens)}"}
+    fig = margin_at(ref.steps[k], got[k])
+    suspicious = fig["chosen_rank"] is None or fig["chosen_gap"] > threshold
+    return {"agrees": False, "compared_tokens": n, "first_divergence": k, "reference_token": ref.tokens[k],
+            "mode_token": got[k], **fig, "suspicious": suspicious}
+
+
+def describe(check: dict | None) -> str:
+    """The markdown cell: "agrees (16 tok)", "diverges at 4 (margin 0.03)", or flagged."""
+    if not check:
+        return "-"
+    if check.get("error"):
+        return "no reference"
+    if check["agrees"]:
+        return f"agrees ({check['compared_tokens']} tok)"
+    if "reason" in check:
+        return f"**suspicious**: {check['reason']}"
+    k, margin = check["first_divergence"], check["margin"]
+    text = f"diverges at {k} (margin {margin:.3g}" if margin is not None else f"diverges at {k} ("
+    rank = check["chosen_rank"]
+    if rank != 2:  # took something other than the runner-up: say how far down
+        text += (f"; took rank {rank}, gap {check['chosen_gap']:.3g}" if rank is not None
+                 else f"; took a token outside the top {TOP_K}, gap > {check['chosen_gap']:.3g}")
+    text += ")"
+    return f"**suspicious**: {text}" if check["suspicious"] else text
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: list[int], output_len: int, device: torch.device) -> ReferenceRun:
+    """Greedy ``output_len`` tokens of one prompt through the float32 static-cache model, uncompiled,
+    keeping each step's top candidates. ``model`` must already be float32."""
+    sm = StaticCacheModel(model, batch_size=1, max_len=len(prompt) + output_len)
+    ids = torch.tensor([prompt], dtype=torch.int64, device=device)
+    pos = torch.arange(len(prompt), device=device)
+    tokens: list[int] = []
+    steps: list[Candidates] = []
+    for _ in range(output_len):
+        logits = sm(ids, pos)[0]
+        cand = top_candidates(logits)
+        steps.append(cand)
+        tokens.append(cand.ids[0])
+        ids = torch.tensor([[cand.ids[0]]], dtype=torch.int64, device=device)
+        pos = pos[-1:] + 1
+    return ReferenceRun(list(prompt), tokens, steps)
