@@ -24,7 +24,7 @@ from tscompile.package.compiler_check import CompilerChoice, compiler_advice, sy
 logger = logging.getLogger("tscompile")
 
 DEFAULT_TIMEOUT_S = 900.0  # a large model's weights load in the child too
-_MAX_GIST_CHARS = 600
+_MAX_GIST_CHARS = 1000
 _LOAD_ONCE = "import sys\nfrom tscompile.package.load_check import load_once\nload_once(sys.argv[1], sys.argv[2])\n"
 
 
@@ -74,11 +74,11 @@ def _gist(stderr: str) -> str:
     parent's message repeats), else its last lines of stderr, on one line."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     refusals = [line for line in lines if "tscompile:" in line]
-    if refusals:
+    if refusals:  # its start says what is wrong: cut the end
         text = refusals[-1][refusals[-1].index("tscompile:") + len("tscompile:"):].strip()
         text = text.split(" To load it, ")[0].rstrip(".")
-    else:
-        text = " | ".join(lines[-3:]) or "no output on stderr"
+        return text if len(text) <= _MAX_GIST_CHARS else text[:_MAX_GIST_CHARS] + "..."
+    text = " | ".join(lines[-3:]) or "no output on stderr"  # a traceback's last lines say the most: cut the start
     return text if len(text) <= _MAX_GIST_CHARS else "..." + text[-_MAX_GIST_CHARS:]
 
 
