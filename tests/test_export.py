@@ -74,12 +74,13 @@ def package(tmp_path_factory):
             path = tmp_path_factory.mktemp("packages") / f"{model}-{weights}.pt2"
             if weights == "external":  # through the CLI, so `tscompile export` is covered too
                 args = ["export", "--model", model, "--out", str(path), "--device", DEVICE.type, "--dtype", "float32",
-                        "--weights", "external"]
+                        "--weights", "external", "--no-verify"]  # the load check: test_package_load_check.py
                 for k, v in BOUNDS.items():
                     args += [f"--{k.replace('_', '-')}", str(v)]
                 assert cli_main(args) == 0
             else:
-                export_package(model, path, device=DEVICE, dtype=torch.float32, weights=weights, **BOUNDS)
+                export_package(model, path, device=DEVICE, dtype=torch.float32, weights=weights, verify=False,
+                               **BOUNDS)
             built[(model, weights)] = path
         return built[(model, weights)]
 
@@ -124,7 +125,7 @@ def test_tight_bounds_batch_of_one_and_four_token_steps(tmp_path_factory):
     (no 0/1 specialization), prompts run in 4-token chunks, the third request waits for a slot."""
     bounds = dict(max_num_seqs=2, max_model_len=24, page_size=4, max_num_batched_tokens=4)
     path = tmp_path_factory.mktemp("tight") / "tight.pt2"
-    export_package("llama-tiny", path, device=DEVICE, dtype=torch.float32, **bounds)
+    export_package("llama-tiny", path, device=DEVICE, dtype=torch.float32, verify=False, **bounds)
     llm = tscompile.load_package(path)
     ref = tscompile.LLM("llama-tiny", device=DEVICE, dtype=torch.float32, enforce_eager=True, **bounds)
     params = SamplingParams(max_new_tokens=5)

@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--weights", choices=["inside", "external"], default="inside",
                    help="inside the package, or beside it as <out>.safetensors (borrowed at load)")
     p.add_argument("--seed", type=int, default=0, help="weight seed of the preset model")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip loading the written package once in a fresh process (and the rebuild with the "
+                        "system g++ when a CXX compiler's package does not load)")
 
     p = sub.add_parser("run-package", help="generate token ids from an exported .pt2 package")
     p.add_argument("package", help="path of a package written by `tscompile export`")
@@ -58,7 +61,7 @@ def _export(args: argparse.Namespace) -> int:
         args.model, args.out, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, page_size=args.page_size,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-        weights=args.weights, seed=args.seed,
+        weights=args.weights, seed=args.seed, verify=args.verify,
     )
     size = os.path.getsize(args.out)
     extra = ""
@@ -69,7 +72,9 @@ def _export(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} ({size / 2**20:.1f} MiB){extra} in {time.perf_counter() - start:.1f} s: "
           f"{args.model}, {record['device']}, {record['dtype']}, attention={record['attention_backend']}, "
           f"max_num_seqs={b['max_num_seqs']}, max_model_len={b['max_model_len']}, "
-          f"max_num_batched_tokens={b['max_num_batched_tokens']}, page_size={record['page_size']}")
+          f"max_num_batched_tokens={b['max_num_batched_tokens']}, page_size={record['page_size']}; "
+          f"C++ compiler {record['compiler']['path'] or record['compiler']['command']}"
+          f"{'; loads (checked in a fresh process)' if args.verify else '; load not checked (--no-verify)'}")
     return 0
 
 

@@ -11,7 +11,9 @@ import torch
 
 from tscompile.attention import leaf_class
 from tscompile.models import ModelConfig, Transformer, load_model
+from tscompile.package.compiler_check import CXX_SYSTEM_RETRY, CompilerChoice, inductor_compiler
 from tscompile.package.integrity import file_sha256
+from tscompile.package.load_check import ensure_package_loads
 from tscompile.package.programs import PROGRAMS, export_programs, program_ops
 from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, TOKENIZER_PREFIX, weights_path
 from tscompile.runtime.scheduler import banned_width_for
@@ -59,10 +61,14 @@ def export_package(
     weights: str = "inside",
     seed: int = 0,
     inductor_configs: dict | None = None,
+    verify: bool = True,
 ) -> dict:
     """Export the prefill and decode steps of a preset (or config) and package both into ``out``.
 
-    Returns the metadata record written into the package."""
+    ``verify`` (the default) then loads the package once in a fresh process and runs one prompt
+    through it (``load_check``): a package that does not load is refused with the C++ compiler that
+    built it, or rebuilt once with the system ``g++`` when the ``CXX`` environment variable chose a
+    compiler whose package does not load. Returns the metadata record written into the package."""
     from tscompile.attention import default_backend_name
 
     if weights not in ("inside", "external"):
@@ -108,12 +114,13 @@ def export_package(
         options["aot_inductor.package_constants_on_disk_format"] = "pickle_weights"
     else:
         record["weights_file"] = weights_path(out).name
+    compiler = inductor_compiler(options)
+    record["compiler"] = compiler.as_record()
     start = time.perf_counter()
     programs = export_programs(built, record, device, dtype)
     record["ops"] = {name: program_ops(ep) for name, (ep, _) in programs.items()}
     files = {name: _aoti_compile(ep, args, options) for name, (ep, args) in programs.items()}
     record["build_seconds"] = round(time.perf_counter() - start, 1)
-    from torch.export.pt2_archive._package import package_pt2
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     if weights == "external":  # written first: the record carries its size and hash for the loader's checks
@@ -124,10 +131,29 @@ def export_package(
                   metadata={"tscompile_package": Path(out).name})
         record["weights_bytes"] = os.path.getsize(wpath)
         record["weights_sha256"] = file_sha256(wpath)
+    _write_package(out, files, record, tokenizer_files)
+    if verify:
+        def rebuild(cxx: str) -> CompilerChoice:
+            # cpp.cxx, not CXX: Inductor read CXX once, when it was imported
+            again = {**options, "cpp.cxx": (cxx,)}
+            choice = inductor_compiler(again, source=CXX_SYSTEM_RETRY)
+            record["compiler"] = choice.as_record()
+            begin = time.perf_counter()
+            rebuilt = {name: _aoti_compile(ep, args, again) for name, (ep, args) in programs.items()}
+            record["build_seconds"] = round(record["build_seconds"] + time.perf_counter() - begin, 1)
+            _write_package(out, rebuilt, record, tokenizer_files)
+            return choice
+
+        ensure_package_loads(out, str(device), compiler, rebuild)
+    return record
+
+
+def _write_package(out, files: dict, record: dict, tokenizer_files: dict[str, str]) -> None:
+    from torch.export.pt2_archive._package import package_pt2
+
     extra = {METADATA_FILE: json.dumps(record, indent=1)}
     extra.update({f"{TOKENIZER_PREFIX}{name}": data for name, data in tokenizer_files.items()})
     package_pt2(os.fspath(out), aoti_files=files, extra_files=extra)
-    return record
 
 
 def _tokenizer_files(checkpoint) -> tuple[dict[str, str], tuple[int, ...]]:

@@ -15,6 +15,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import ModelConfig
+from tscompile.package.compiler_check import refuse_unlinked_cxx_runtime
 from tscompile.package.programs import PROGRAMS
 from tscompile.package.record import TOKENIZER_PREFIX, check_compatible, read_package_metadata, weights_path
 from tscompile.runtime.build import EngineParts, build_pool_and_scheduler
@@ -176,7 +177,9 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
     ``device`` defaults to the package's device; the runtime limits default to the packaged bounds
     and may only be lowered. Every refusal is a ``ValueError('tscompile: ...')`` raised before any
     program is loaded. The package's members are checked against their CRC-32 (external weights:
-    header and size); ``verify=True`` also checks the weights' bytes (slow for large models)."""
+    header and size), and its shared libraries must link the C++ runtime they call (a package
+    compiled elsewhere by a compiler that leaves ``libstdc++`` out crashes while loading);
+    ``verify=True`` also checks the weights' bytes (slow for large models)."""
     start = time.perf_counter()
     record = read_package_metadata(path, verify=verify)
     validate_package_args(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -192,6 +195,8 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
     if record["weights"] == "external" and not weights_path(path).is_file():
         raise ValueError(f"tscompile: package {os.fspath(path)!r} was exported with --weights external, but its "
                          f"weights file {os.fspath(weights_path(path))!r} is missing")
+    # a library built without its C++ runtime can crash the process inside dlopen: judge it first
+    refuse_unlinked_cxx_runtime(path, record)
     programs, weights = _load_programs(os.fspath(path), record, device)
     parts = _package_engine(record, programs, device=device, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
