@@ -11,12 +11,13 @@ tscompile (which registers them) is what a loaded package needs. ``build.py`` ex
 programs borrow the tensors read from it (``user_managed`` constants), so no second copy exists.
 """
 
-from tscompile.package.build import export_package
+from tscompile.package.build import check_exportable_backend, export_package
 from tscompile.package.programs import PROGRAMS, DecodeProgram, PrefillProgram, export_programs, program_ops
 from tscompile.package.record import FORMAT_VERSION, check_compatible, read_package_metadata, weights_path
 from tscompile.package.runtime import PackageInfo, PackageRunner, load_package
 
 __all__ = [
     "FORMAT_VERSION", "PROGRAMS", "DecodeProgram", "PackageInfo", "PackageRunner", "PrefillProgram", "check_compatible",
+    "check_exportable_backend",
     "export_package", "export_programs", "load_package", "program_ops", "read_package_metadata", "weights_path",
 ]

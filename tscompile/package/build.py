@@ -46,6 +46,16 @@ def _unique_weights(model: Transformer) -> tuple[dict[str, torch.Tensor], dict[s
     return tensors, aliases
 
 
+def check_exportable_backend(attention_backend: str) -> None:
+    """Refuse a backend whose metadata a package cannot prepare. FlashInfer plans each decode batch
+    on the host (``plan()``), and a package's decode program refreshes its metadata inside the
+    AOTInductor program, where no host code runs."""
+    if attention_backend == "flashinfer":
+        raise ValueError("tscompile: attention_backend='flashinfer' cannot be exported: a package's decode program "
+                         "refreshes its metadata inside the AOTInductor program, where FlashInfer's host-side plan() "
+                         "cannot run; export with attention_backend='triton', 'torch' or 'auto'")
+
+
 def export_package(
     model: str | ModelConfig = "llama-tiny",
     out: str | os.PathLike = "model.pt2",
@@ -90,6 +100,7 @@ def export_package(
     if max_num_batched_tokens < 4:
         raise ValueError(f"tscompile: max_num_batched_tokens must be at least 4, got {max_num_batched_tokens}")
     backend = default_backend_name(device) if attention_backend == "auto" else attention_backend
+    check_exportable_backend(backend)
     leaf_class(backend)  # unknown or unimportable backends refuse here, before any work
     block_size = page_size * pages_per_block
     record = {

@@ -25,7 +25,7 @@ logger = logging.getLogger("tscompile")
 
 DEFAULT_TIMEOUT_S = 900.0  # a large model's weights load in the child too
 _MAX_GIST_CHARS = 1000
-_LOAD_ONCE = "import sys\nfrom tscompile.package.load_check import load_once\nload_once(sys.argv[1], sys.argv[2])\n"
+_LOAD_ONCE = "import sys\nfrom tscompile.package.load_child import load_once\nload_once(sys.argv[1], sys.argv[2])\n"
 
 
 class PackageLoadError(ValueError):
@@ -42,29 +42,11 @@ def load_command(path: str | os.PathLike, device: str) -> list[str]:
     return [sys.executable, "-c", _LOAD_ONCE, os.fspath(path), str(device)]
 
 
-def load_once(path: str, device: str) -> None:
-    """The child's work: ``load_package`` as a user calls it (with the smallest KV pool), then one
-    token of prompt and two new tokens, so both the prefill and the decode program run."""
-    import tscompile
-    from tscompile.package.record import read_package_metadata
-
-    bounds = read_package_metadata(path, check_integrity=False)["bounds"]
-    max_model_len = min(bounds["max_model_len"], 16)
-    llm = tscompile.load_package(path, device=device, max_num_seqs=1, max_model_len=max_model_len,
-                                 max_num_batched_tokens=min(bounds["max_num_batched_tokens"], 16))
-    if max_model_len >= 3:
-        tokens = llm.generate([[0]], tscompile.SamplingParams(max_new_tokens=2))[0].outputs[0].token_ids
-        if len(tokens) != 2:
-            sys.exit(f"tscompile: the loaded package generated {len(tokens)} tokens where 2 were asked for")
-
-
 def _child_env() -> dict[str, str]:
     """The parent's environment, with this tscompile first on the path (the child must load the
     package with the same code that wrote it, installed or not)."""
-    import tscompile
-
     env = dict(os.environ)
-    root = str(Path(tscompile.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding this tscompile package
     env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env
 
