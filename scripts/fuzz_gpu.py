@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # fuzz_l
 
 import torch  # noqa: E402
 
-from fuzz_lib import PAGE_SIZES, Coverage, Fuzzer, build_engine, pressured_spec, run_batched  # noqa: E402
+from fuzz_lib import PAGE_SIZES, Coverage, Fuzzer, build_engine, pressured_spec, reference_spec, run_batched  # noqa: E402
 from tscompile.counters import counters  # noqa: E402
 
 GPU_MAX_NUM_SEQS = 4  # with decode_ladder (1, 2, 4): a batch of 3 replays the graph padded to 4
@@ -51,7 +51,11 @@ def parse_args(argv=None):
                     help="stop drawing compositions after this long (compile included); the summary says so")
     ap.add_argument("--bf16", action="store_true", help="add a bfloat16 engine for the graph check alone")
     ap.add_argument("--compile", action="store_true", help="compile on the CPU too (on CUDA engines always compile)")
+    ap.add_argument("--eager-reference", action="store_true",
+                    help="run the one-at-a-time references eagerly (half the compiles; the oracle then also "
+                         "spans compiled vs eager kernels, whose float32 rounding may differ)")
     ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES))
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch intra-op threads (the engines are tiny: more threads only spin on a busy host)")
     return ap.parse_args(argv)
@@ -95,22 +99,20 @@ class GraphCheck:
         return None
 
 
-def make_engine_factory(args, dtype, on_cuda):
-    compiled = on_cuda or args.compile
+def make_engine_factory(args, dtype, on_cuda, built: list, *, compiled: bool):
     kw = dict(device=args.device, dtype=dtype, attention_backend="triton" if on_cuda else "torch",
               enforce_eager=not compiled)
     if compiled:
         kw["compile_options"] = COMPILE_OPTIONS
-    built = []
 
     def make(spec):
         start = time.perf_counter()
         llm = build_engine(spec, **kw)
-        llm.fuzz_name = f"{spec.name}/{str(dtype).removeprefix('torch.')}"
+        llm.fuzz_name = f"{spec.name}/{str(dtype).removeprefix('torch.')}{'' if compiled else '/eager'}"
         built.append({"engine": llm.fuzz_name, "build_seconds": round(time.perf_counter() - start, 2)})
         return llm
 
-    return make, built
+    return make
 
 
 def main(argv=None) -> int:
@@ -121,17 +123,20 @@ def main(argv=None) -> int:
     if on_cuda and not torch.cuda.is_available():
         raise SystemExit("fuzz_gpu: --device cuda but no CUDA device; pass --device cpu to run the logic on the CPU")
     graph_check = GraphCheck()
-    make32, built = make_engine_factory(args, torch.float32, on_cuda)
+    compiled = on_cuda or args.compile
+    built = []
+    make32 = make_engine_factory(args, torch.float32, on_cuda, built, compiled=compiled)
+    make_reference = make_engine_factory(args, torch.float32, on_cuda, built,
+                                         compiled=compiled and not args.eager_reference)
     fuzzers = []
-    for p in PAGE_SIZES:
+    for p in args.page_sizes:
         spec = pressured_spec("llama-tiny", p, max_num_seqs=GPU_MAX_NUM_SEQS)
-        fuzzers.append(Fuzzer(spec, make32, extra=graph_check if on_cuda else None))
-    if args.bf16:
-        make16, built16 = make_engine_factory(args, torch.bfloat16, on_cuda)
-        spec = pressured_spec("llama-tiny", 16, max_num_seqs=GPU_MAX_NUM_SEQS)
-        fuzzers.append(Fuzzer(replace(spec, oracle="none"), make16,
+        fuzzers.append(Fuzzer(spec, make32, reference=make_reference(reference_spec("llama-tiny", p)),
                               extra=graph_check if on_cuda else None))
-        built += built16
+    if args.bf16:
+        make16 = make_engine_factory(args, torch.bfloat16, on_cuda, built, compiled=compiled)
+        spec = pressured_spec("llama-tiny", 16, max_num_seqs=GPU_MAX_NUM_SEQS)
+        fuzzers.append(Fuzzer(replace(spec, oracle="none"), make16, extra=graph_check if on_cuda else None))
     setup_seconds = time.perf_counter() - start
     failures, ran, stopped_early = [], 0, False
     for i in range(args.count):

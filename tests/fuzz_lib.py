@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import random
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -334,7 +335,5 @@ class Fuzzer:
                 failure = self.extra(self.llm, comp, got)
             return failure
         except Exception as e:  # an engine error is a finding too: keep the composition with it
-            import traceback
-
             where = comp.describe() if comp is not None else f"composition seed={seed} (not drawn)"
             return f"{type(e).__name__} on engine {self.spec.name}: {e}\n{where}\n{traceback.format_exc()}"

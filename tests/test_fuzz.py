@@ -43,13 +43,15 @@ def run_fuzzers(fuzzers: list[Fuzzer], seeds: range) -> tuple[Coverage, list[str
                 failures.append(f"{failure}\nreplay: Fuzzer(pressured_spec(...) = {fuzzer.spec.name}, "
                                 f"make_engine).check({seed}) after seeds {seeds.start}..{seed - 1} on that engine")
         coverage.merge(fuzzer.coverage)
+    print(f"fuzz coverage ({', '.join(f.spec.name for f in fuzzers)}): {dict(coverage.counts)}")  # shown with -s
     return coverage, failures
 
 
 def fail_with(failures: list[str], total: int) -> None:
     if failures:
+        seeds = [line for f in failures for line in f.splitlines() if line.startswith("composition seed=")]
         pytest.fail(f"{len(failures)} of {total} compositions failed; the first:\n{failures[0]}\n"
-                    f"all failing: " + "; ".join(f.splitlines()[1] for f in failures), pytrace=False)
+                    f"all failing: " + "; ".join(seeds), pytrace=False)
 
 
 def assert_covered(coverage: Coverage, names: list[str]) -> None:
