@@ -40,8 +40,9 @@ def run_fuzzers(fuzzers: list[Fuzzer], seeds: range) -> tuple[Coverage, list[str
         for seed in seeds:
             failure = fuzzer.check(seed)
             if failure is not None:
-                failures.append(f"{failure}\nreplay: Fuzzer(pressured_spec(...) = {fuzzer.spec.name}, "
-                                f"make_engine).check({seed}) after seeds {seeds.start}..{seed - 1} on that engine")
+                # the engine is reused: the exact replay runs the seeds before it on the same engine
+                failures.append(f"{failure}\nreplay (tests/test_fuzz.py): fuzzer = Fuzzer({fuzzer.spec!r}, "
+                                f"make_engine); [fuzzer.check(s) for s in range({seeds.start}, {seed + 1})]")
         coverage.merge(fuzzer.coverage)
     print(f"fuzz coverage ({', '.join(f.spec.name for f in fuzzers)}): {dict(coverage.counts)}")  # shown with -s
     return coverage, failures
@@ -101,7 +102,7 @@ def test_the_fuzz_oracle_catches_a_wrong_token():
 
     def corrupt(plan, prev_rows=None):
         pending = launch(plan, prev_rows)
-        if plan.num_requests > 1 and not corrupted:
+        if plan.num_requests > 1 and plan.emits[0] and not corrupted:  # a sample that becomes a token
             corrupted.append(plan.request_ids)
             fuzzer.llm.runner.sampling.tokens[0] = (fuzzer.llm.runner.sampling.tokens[0] + 1) % 512
             pending = fuzzer.llm.runner.readback.start(fuzzer.llm.runner.sampling.tokens[: plan.num_requests])
