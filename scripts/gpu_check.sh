@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU tests, run the benchmark; logs and JSON to $OUT.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo|compare|kernels]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo|compare|kernels|fuzz|memcheck]
 # compare (two GPUs): GPU 0 runs `pytest -m "gpu and not slow"`; GPU 1 benches llama-1b tscompile-triton
 # on each source tree named in COMPARE_TREES ("name=dir ...", e.g. trees unpacked by `git archive` into
 # a carried folder; "head=." is this checkout), back to back, then `pytest -m "gpu and slow"` while time
@@ -116,5 +116,18 @@ from tscompile.cli import main; sys.argv[0] = "tscompile"; sys.exit(main())'
   cat "$OUT/bench.log"
   for f in "$OUT"/r/bench_*.md; do [ -f "$f" ] && { echo "== $f"; cat "$f"; }; done
   tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$OUT/r"
+fi
+if [ "$what" = fuzz ]; then
+  # the engine fuzz on compiled engines: batched vs one at a time, graph replay vs the same padded step
+  # without graphs (scripts/fuzz_gpu.py; FUZZ_ARGS e.g. "--count 1000 --max-seconds 420 --bf16")
+  timeout ${FUZZ_SECONDS:-560} python3 scripts/fuzz_gpu.py "$OUT/fuzz.json" ${FUZZ_ARGS:-} > "$OUT/fuzz.log" 2>&1
+  rc=$?
+  grep -v -i warn "$OUT/fuzz.log" | tail -80
+fi
+if [ "$what" = memcheck ]; then
+  # a subset of the Triton kernels' device tests under compute-sanitizer memcheck (scripts/memcheck.sh)
+  bash scripts/memcheck.sh "$OUT/memcheck.log" 2>&1 | tail -30
+  rc=${PIPESTATUS[0]}
+  grep -E "Invalid|ERROR SUMMARY|Program hit" "$OUT/memcheck.log" | sort | uniq -c | sort -rn | head -20
 fi
 exit $rc
