@@ -114,8 +114,6 @@ def test_the_fuzz_oracle_catches_a_wrong_token():
     assert "batched and one-at-a-time outputs differ" in messages[0] and "composition seed=" in messages[0]
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: with async_scheduling, generate() returns while the step "
-                   "launched after a stop token is still in flight (has_unfinished() stays True)")
 def test_generate_returns_with_nothing_in_flight_after_a_stop_token():
     llm = make_engine(EngineSpec("async", "llama-tiny", page_size=16, max_model_len=64, max_num_seqs=2,
                                  max_num_batched_tokens=64, num_pages=None, async_scheduling=True))

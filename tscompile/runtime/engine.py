@@ -343,6 +343,10 @@ class LLM:
                 if not self.has_unfinished():
                     raise RuntimeError("tscompile: the engine drained with requests unfinished")
                 self.step()
+            if self._inflight is not None and not (self.scheduler.waiting or self.scheduler.running):
+                # a stop seen one step late leaves a step in flight that serves finished requests
+                # only: wait for it, so the call leaves nothing behind
+                self.sync()
         except BaseException:
             if self._dead is None:
                 try:
