@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU tests, run the benchmark; logs and JSON to $OUT.
-# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo|compare|kernels|fuzz|memcheck]
+# Usage (device tool): bash scripts/gpu_check.sh [tests|probe|bench|all|package|duo|compare|kernels|fuzz|memcheck|verify]
 # compare (two GPUs): GPU 0 runs `pytest -m "gpu and not slow"`; GPU 1 benches llama-1b tscompile-triton
 # on each source tree named in COMPARE_TREES ("name=dir ...", e.g. trees unpacked by `git archive` into
 # a carried folder; "head=." is this checkout), back to back, then `pytest -m "gpu and slow"` while time
@@ -129,5 +129,36 @@ if [ "$what" = memcheck ]; then
   bash scripts/memcheck.sh "$OUT/memcheck.log" 2>&1 | tail -30
   rc=${PIPESTATUS[0]}
   grep -E "Invalid|ERROR SUMMARY|Program hit" "$OUT/memcheck.log" | sort | uniq -c | sort -rn | head -20
+fi
+if [ "$what" = verify ]; then
+  # two GPUs (nvidia-h200-x2), one call for everything that needs a GPU's proof: GPU 0 runs
+  # `pytest -m gpu` (FlashInfer's tests too when its wheels were carried in .whl/); GPU 1 runs the
+  # export load check with this machine's own CXX, the fuzz and the memcheck subset, one after another
+  deadline=$((SECONDS + ${VERIFY_SECONDS:-570}))
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout $((deadline - SECONDS)) python3 -m pytest -q -m gpu tests ${PYTEST_ARGS:-} \
+    > "$OUT/gpu_tests.log" 2>&1 &
+  tests_pid=$!
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    echo "== export with CXX=${CXX:-<unset>}"
+    timeout 240 tscompile export --model llama-tiny --out "$OUT/tiny-cuda.pt2" --device cuda --max-num-seqs 4 \
+      --max-model-len 64 2>&1 | tail -6
+    timeout 60 tscompile run-package "$OUT/tiny-cuda.pt2" --prompt-ids 1,15,27,3 --max-new-tokens 8 2>&1 | tail -3
+    rm -f "$OUT"/tiny-cuda.*
+    left=$((deadline - SECONDS - 200))
+    echo "== fuzz (${left}s)"
+    timeout $left python3 scripts/fuzz_gpu.py "$OUT/fuzz.json" --max-seconds $((left - 30)) ${FUZZ_ARGS:-} \
+      > "$OUT/fuzz.log" 2>&1; echo "fuzz rc=$?"; tail -5 "$OUT/fuzz.log"
+    echo "== memcheck"
+    MEMCHECK_SECONDS=$((deadline - SECONDS - 10)) bash scripts/memcheck.sh "$OUT/memcheck.log" 2>&1 | tail -8
+  ) > "$OUT/side.log" 2>&1 &
+  side_pid=$!
+  wait $tests_pid; rc=$?
+  tail -30 "$OUT/gpu_tests.log"
+  wait $side_pid
+  cat "$OUT/side.log"
 fi
 exit $rc
