@@ -122,20 +122,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
     dst = torch.empty_like(src)
     for _ in range(2):
         dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize(device)
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dst.copy_(src)
-        seconds = time.perf_counter() - t0
+    seconds = _seconds(lambda: dst.copy_(src), iters, device)
     del src, dst
     return 2 * nbytes * iters / seconds / 1e9
 
@@ -150,19 +137,23 @@ def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 819
     b = torch.randn(n, n, generator=g, device=device, dtype=torch.float32).to(dtype)
     for _ in range(warmup):
         torch.mm(a, b)
+    seconds = _seconds(lambda: torch.mm(a, b), iters, device)
+    del a, b
+    return 2 * n ** 3 * iters / seconds / 1e12
+
+
+def _seconds(fn, iters: int, device: torch.device) -> float:
+    """Wall time of ``iters`` calls of ``fn``: CUDA events on a GPU, the host clock elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            torch.mm(a, b)
+            fn()
         end.record()
         torch.cuda.synchronize(device)
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            torch.mm(a, b)
-        seconds = time.perf_counter() - t0
-    del a, b
-    return 2 * n ** 3 * iters / seconds / 1e12
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return time.perf_counter() - t0

@@ -117,6 +117,27 @@ class PrefillBuckets:
         return out
 
 
+def capture_graph(fn: Callable, device: torch.device, stream: torch.cuda.Stream, pool, what: str):
+    """``(graph, outputs)``: ``fn`` run once on ``stream`` as a warm-up (first launches load kernels,
+    set up library handles, compile a new shape), then captured into ``pool``; the current stream
+    waits for it. A failure raises naming ``what``."""
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            fn()
+            graph.capture_begin(pool=pool)
+            try:
+                outputs = fn()
+            finally:
+                graph.capture_end()
+    except Exception as e:
+        raise RuntimeError(f"tscompile: capturing {what} failed: {e}") from e
+    current.wait_stream(stream)
+    return graph, outputs
+
+
 def current_plan() -> PrefillGraphPlan | None:
     ctx = peek_forward_context()
     return None if ctx is None else ctx.prefill_graphs
@@ -182,21 +203,8 @@ class GraphedPiece:
             outputs = self.fn(*args)
             return _Captured(None, outputs, copied, fixed, lambda: self.fn(*args))
         start = time.perf_counter()
-        current = torch.cuda.current_stream(runtime.device)
-        runtime.stream.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(runtime.stream):
-                self.fn(*args)  # warm-up: first launches load kernels and set up library handles
-                graph.capture_begin(pool=runtime.pool)
-                try:
-                    outputs = self.fn(*args)
-                finally:
-                    graph.capture_end()
-        except Exception as e:
-            raise RuntimeError(f"tscompile: capturing prefill piece {self.name} for sizes {_signature(args)} "
-                               f"failed: {e}") from e
-        current.wait_stream(runtime.stream)
+        graph, outputs = capture_graph(lambda: self.fn(*args), runtime.device, runtime.stream, runtime.pool,
+                                       f"prefill piece {self.name} for sizes {_signature(args)}")
         runtime.capture_seconds += time.perf_counter() - start
         return _Captured(graph, outputs, copied, fixed, None)
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tscompile.counters import counters
+from tscompile.runtime.piece_graphs import capture_graph
 from tscompile.utils import UPLOAD_ALIGN_BYTES, bucket
 
 logger = logging.getLogger("tscompile")
@@ -142,20 +143,7 @@ class WholeStepPrefill:
 
     def _capture(self, key: GraphKey, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(self.stream):
-                step()  # warm-up: compiles on a new shape, loads kernels; outside the capture
-                graph.capture_begin(pool=self.pool)
-                try:
-                    step()
-                finally:
-                    graph.capture_end()
-        except Exception as e:
-            raise RuntimeError(f"tscompile: capturing the whole prefill step {key} failed: {e}") from e
-        current.wait_stream(self.stream)
+        graph, _ = capture_graph(step, self.device, self.stream, self.pool, f"the whole prefill step {key}")
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
         if len(self.graphs) == 0:
