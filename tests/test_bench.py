@@ -14,6 +14,7 @@ import torch
 
 import tscompile
 from tscompile.bench import cli as bench_cli
+from tscompile.bench import runner as bench_runner
 from tscompile.bench import compile_stats, reference, roofline
 from tscompile.bench.reference import Candidates, ReferenceRun
 from tscompile.bench.static_cache_model import StaticCacheModel
@@ -371,7 +372,7 @@ def test_bench_reports_a_forced_divergence(tmp_path, monkeypatch):
     step 2 with the reference's margin there (the JSON and the markdown)."""
     length, output_len = 8, 4
     model = build_model("llama-tiny", seed=0)
-    prompt = bench_cli._prompts(0, 1, length, model.config.vocab_size)[0]
+    prompt = bench_runner._prompts(0, 1, length, model.config.vocab_size)[0]
     ref = reference.reference_greedy(model, prompt, output_len, torch.device("cpu"))
     runner_up = ref.steps[2].ids[1]
     original = EngineRunner.run_batch

@@ -1,0 +1,296 @@
+"""``tscompile bench``'s measurement: one ``Bench`` runs every mode's decode and prefill rows over
+the same seeded weights, with a float32 reference of the same model for the correctness column."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from tscompile.counters import counters
+from tscompile.utils import cdiv
+
+from . import compile_stats, reference, roofline, workloads
+
+# engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
+# without them, or captured/compiled something (which would inflate the time)
+TIMED_COUNTERS = ("graphs", "prefill_graphed", "prefill_eager", "prefill_captures", "decode_replays", "decode_eager",
+                  "decode_captures")
+
+def backend_available(name: str, device: torch.device) -> tuple[bool, str]:
+    """Whether backend ``name``'s leaf class imports and can run on ``device`` (and why not)."""
+    from tscompile.attention import leaf_class
+
+    try:
+        cls = leaf_class(name)
+    except Exception as e:  # noqa: BLE001  (a missing kernel package is just "unavailable")
+        return False, f"{type(e).__name__}: {e}"
+    impl = getattr(cls, "impl", name)
+    if device.type == "cuda" or impl == "torch":
+        return True, ""
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        return True, ""
+    return False, f"the {name} backend needs CUDA" + (" (or TRITON_INTERPRET=1)" if impl == "triton" else "")
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+
+
+def _cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _fingerprint(model) -> float:
+    with torch.no_grad():
+        return float(model.output.weight[:64].float().sum() + model.layers[0].attention.wqkv.weight[:64].float().sum())
+
+
+def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed * 100003 + n * 1009 + length)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def _spread_ms(seconds: list[float]) -> dict:
+    """Median, fastest and slowest of per-iteration times, in ms (None without iterations)."""
+    if not seconds:
+        return {"median": None, "min": None, "max": None}
+    ms = sorted(x * 1e3 for x in seconds)
+    return {"median": statistics.median(ms), "min": ms[0], "max": ms[-1]}
+
+
+@contextlib.contextmanager
+def _float32_matmuls():
+    """The reference's float32 means float32: no TF32 in its matmuls, whatever the process set."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth_gbps: float,
+                 peak_tflops: float | None = None):
+        from tscompile.models import model_config
+
+        self.args, self.device, self.dtype, self.bw = args, device, dtype, bandwidth_gbps
+        self.peak_tflops = peak_tflops
+        self.cfg = model_config(args.model)
+        self.max_model_len = cdiv(max(args.input_len + args.output_len, max(args.prefill_lens) + 1), args.page_size) * args.page_size
+        self.results: list[dict] = []
+        self.prefill: list[dict] = []
+        self.modes: dict[str, dict] = {}
+        self.tokens: dict[tuple[str, int], list[list[int]]] = {}
+        self.references: dict[int, reference.ReferenceRun] = {}  # batch size -> its first request's run
+        self.reference_info: dict = {"error": None, "skipped": bool(getattr(args, "no_reference", False))}
+        self.on_row = lambda: None  # called after every row: the caller saves what is measured so far
+
+    # -- the float32 reference ---------------------------------------------------------------------
+    def run_reference(self, bar) -> None:
+        """Greedy tokens (and each step's top logits) of every batch size's first prompt, float32."""
+        from tscompile.models import build_model
+
+        a = self.args
+        if self.reference_info["skipped"]:
+            return
+        t0 = time.perf_counter()
+        model = None
+        try:
+            bar.set_postfix_str("float32 reference")
+            # the modes' own weights (drawn in the bench dtype), upcast: the reference differs from a
+            # mode in arithmetic only, not in weight rounding
+            model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed).float()
+            self.reference_info["weights_fingerprint"] = _fingerprint(model)
+            with _float32_matmuls():
+                for bs in a.batch_size:
+                    prompt = _prompts(a.seed, bs, a.input_len, self.cfg.vocab_size)[0]
+                    self.references[bs] = reference.reference_greedy(model, prompt, a.output_len, self.device)
+                    bar.update(1)
+        except Exception as e:  # noqa: BLE001  (no reference: the rows say so, the modes still run)
+            self.reference_info["error"] = self._report("float32 reference", "run", e, bar)
+            bar.update(len(a.batch_size) - len(self.references))
+        self.reference_info["seconds"] = time.perf_counter() - t0
+        self.reference_info["runs"] = {
+            str(bs): {"tokens": r.tokens, "margins": [reference.margin_at(c, c.ids[0])["margin"] for c in r.steps]}
+            for bs, r in self.references.items()}
+        del model
+        _cleanup(self.device)
+
+    # -- one mode ----------------------------------------------------------------------------------
+    def make_runner(self, mode: str, model):
+        a = self.args
+        if mode in workloads.STATIC_MODES:
+            return workloads.StaticCacheRunner(model, mode, self.device)
+        backend = "torch" if mode == "eager" else mode.removeprefix("tscompile-")
+        if mode != "eager":
+            ok, why = backend_available(backend, self.device)
+            if not ok:
+                raise RuntimeError(f"backend {backend!r} unavailable: {why}")
+        budget = a.max_num_batched_tokens or max(max(a.batch_size) * a.input_len, max(a.prefill_lens), 2048)
+        return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=mode == "eager",
+                                      device=self.device, dtype=self.dtype, max_num_seqs=max(a.batch_size),
+                                      max_model_len=self.max_model_len, page_size=a.page_size,
+                                      max_num_batched_tokens=budget, seed=a.seed)
+
+    def decode_row(self, mode: str, runner, bs: int, prev: dict) -> dict:
+        a = self.args
+        prompts = _prompts(a.seed, bs, a.input_len, self.cfg.vocab_size)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        warm = [runner.run_batch(prompts, a.output_len, per_call=(i == 0)) for i in range(a.num_iters_warmup)]
+        before, compiled_before = dict(counters), compile_stats.snapshot()
+        runs = [runner.run_batch(prompts, a.output_len) for _ in range(a.num_iters)]
+        timed = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
+        # a compile inside the timed runs would inflate them: Dynamo's side of that, beside the engine's
+        compiled = compile_stats.since(compiled_before)
+        timed.update(dynamo_graphs_compiled=compiled["graphs_compiled"], dynamo_recompiles=compiled["recompiles"])
+        self.tokens[(mode, bs)] = runs[-1].tokens
+        steps = sum(r.decode_steps for r in runs)
+        ttft_s = sum(r.ttft_s for r in runs) / len(runs)
+        tpot_s = sum(r.decode_s for r in runs) / steps if steps else None
+        ttft = _spread_ms([r.ttft_s for r in runs])
+        tpot = _spread_ms([r.decode_s / r.decode_steps for r in runs if r.decode_steps])
+        row = {"mode": mode, "batch_size": bs, "input_len": a.input_len, "output_len": a.output_len, "error": None,
+               "ttft_ms": ttft_s * 1e3, "ttft_ms_median": ttft["median"], "ttft_ms_min": ttft["min"],
+               "ttft_ms_max": ttft["max"], "tpot_ms": tpot_s * 1e3 if tpot_s else None,
+               "decode_tokens_per_s": bs / tpot_s if tpot_s else None, "decode_steps_per_iter": steps // len(runs),
+               "non_decode_steps": sum(r.other_steps for r in runs), "tokens_req0": runs[-1].tokens[0],
+               "tpot_ms_median": tpot["median"], "tpot_ms_min": tpot["min"], "tpot_ms_max": tpot["max"],
+               "timed_runs": timed}
+        if isinstance(runner, workloads.StaticCacheRunner):
+            if warm:
+                row["compile_s"], row["capture_s"] = workloads.compile_excess(warm[0], ttft_s, tpot_s or 0.0,
+                                                                              runner.cudagraphs)
+            else:
+                row["compile_s"] = row["capture_s"] = None
+        else:
+            for key, attr in (("compile_s", "compile_seconds"), ("capture_s", "capture_seconds")):
+                cur = getattr(runner, attr)
+                if cur is None and mode == "eager":
+                    cur = 0.0
+                row[key] = None if cur is None else cur - prev.get(key, 0.0)
+                prev[key] = cur or 0.0
+        row["peak_memory_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None)
+        ctx = roofline.mean_decode_context(a.input_len, a.output_len)
+        nbytes = roofline.decode_step_bytes(self.cfg, bs, ctx, self.dtype.itemsize)
+        row.update(context_len=ctx, weight_bytes=nbytes.weight_bytes, kv_bytes=nbytes.kv_bytes,
+                   step_bytes=nbytes.total, roofline_ms=roofline.roofline_ms(nbytes.total, self.bw))
+        applies, why = roofline.roofline_applies(self.device, nbytes.total)
+        row["roofline_note"] = why or None
+        if tpot["median"]:
+            # against the median step, the figure the table shows
+            row["achieved_gbps"] = nbytes.total / (tpot["median"] / 1e3) / 1e9
+            row["pct_of_roofline"] = 100.0 * row["roofline_ms"] / tpot["median"] if applies else None
+        return row
+
+    def prefill_row(self, mode: str, runner, length: int) -> dict:
+        a = self.args
+        prompt = _prompts(a.seed, 1, length, self.cfg.vocab_size)[0]
+        for _ in range(a.num_iters_warmup):
+            runner.run_prefill(prompt)
+        before = dict(counters)
+        times = sorted(runner.run_prefill(prompt) for _ in range(a.num_iters))
+        # what the timed runs did: graphed or not, and whether anything was captured or compiled in them
+        steps = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
+        secs = statistics.median(times)  # the median: one slow run (a GC pause, the OS) moves it least
+        flops = roofline.prefill_flops(self.cfg, length)
+        return {"mode": mode, "prompt_len": length, "error": None, "prefill_ms": secs * 1e3,
+                "prefill_ms_min": times[0] * 1e3, "prefill_ms_max": times[-1] * 1e3,
+                "prefill_ms_mean": sum(times) / len(times) * 1e3, "prefill_tokens_per_s": length / secs,
+                "prefill_flops": flops, "prefill_tflops": flops / secs / 1e12,
+                "mfu": roofline.mfu(flops, secs, self.peak_tflops), "timed_runs": steps}
+
+    def run_mode(self, mode: str, bar) -> None:
+        from tscompile.models import build_model
+
+        a = self.args
+        info: dict = {"error": None}
+        self.modes[mode] = info
+        torch._dynamo.reset()
+        compiled_before = compile_stats.snapshot()
+
+        def note_compiles() -> None:  # after every row, so a run cut short keeps them too
+            info["compile_stats"] = compile_stats.since(compiled_before)
+            info["recompile_reasons"] = compile_stats.recompile_reasons(compiled_before)
+
+        runner = model = None
+        try:
+            t0 = time.perf_counter()
+            model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
+            info["weights_fingerprint"] = _fingerprint(model)
+            runner = self.make_runner(mode, model)
+            info["setup_s"] = time.perf_counter() - t0
+            if isinstance(runner, workloads.StaticCacheRunner):
+                info["gqa"], info["gqa_why"] = runner.gqa, runner.gqa_why
+        except Exception as e:  # noqa: BLE001
+            info["error"] = self._report(mode, "setup", e, bar)
+        prev: dict = {}
+        for bs in a.batch_size:
+            bar.set_postfix_str(f"{mode} bs={bs}")
+            try:
+                if runner is None:
+                    raise RuntimeError(info["error"])
+                self.results.append(self.decode_row(mode, runner, bs, prev))
+            except Exception as e:  # noqa: BLE001
+                self.results.append({"mode": mode, "batch_size": bs, "error": self._report(mode, f"bs={bs}", e, bar)})
+                _cleanup(self.device)
+            note_compiles()
+            self.on_row()
+            bar.update(1)
+        for length in a.prefill_lens:
+            bar.set_postfix_str(f"{mode} prefill {length}")
+            try:
+                if runner is None:
+                    raise RuntimeError(info["error"])
+                self.prefill.append(self.prefill_row(mode, runner, length))
+            except Exception as e:  # noqa: BLE001
+                self.prefill.append({"mode": mode, "prompt_len": length,
+                                     "error": self._report(mode, f"prefill {length}", e, bar)})
+                _cleanup(self.device)
+            note_compiles()
+            self.on_row()
+            bar.update(1)
+        for key in ("compile_s", "capture_s"):
+            vals = [r.get(key) for r in self.results if r["mode"] == mode and not r.get("error")]
+            info[key] = sum(vals) if vals and None not in vals else None
+        if runner is not None:
+            runner.close()
+        del runner, model
+        torch._dynamo.reset()
+        _cleanup(self.device)
+
+    def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
+        msg = _error_text(e)
+        bar.write(f"bench: {mode} {where} failed: {msg}", file=sys.stderr)
+        if self.args.verbose:
+            bar.write(traceback.format_exc(), file=sys.stderr)
+        return msg
+
+    def mark_agreement(self) -> None:
+        """``reference_check``: the first request's greedy tokens against the float32 reference's
+        (``reference.compare``); ``match_eager``: how many requests' tokens equal eager's at the same
+        batch size (a consistency figure, not a correctness check: eager is bf16 too)."""
+        threshold = self.args.margin_threshold
+        for row in self.results:
+            got = self.tokens.get((row["mode"], row["batch_size"]))
+            if got is None:
+                continue
+            ref = self.references.get(row["batch_size"])
+            if ref is not None:
+                row["reference_check"] = reference.compare(ref, got[0], threshold)
+            elif self.reference_info.get("error"):
+                row["reference_check"] = {"error": self.reference_info["error"]}
+            eager = self.tokens.get(("eager", row["batch_size"]))
+            if eager is not None:
+                row["match_eager"] = f"{sum(x == y for x, y in zip(got, eager))}/{len(eager)}"
