@@ -171,15 +171,20 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     assert result["modes"]["eager"]["weights_fingerprint"] == result["modes"]["compile-default"]["weights_fingerprint"]
 
 
-def test_bench_failed_mode_is_an_error_row(tmp_path, capsys):
-    """narrow-tiny has no static-cache formulation: compile-default rows carry the error, eager still runs."""
+def _small_bench(tmp_path, model: str, modes: list[str], *, length: int, new_tokens: int, warmup: int) -> dict:
+    """One CPU bench run at bs=1 (prompt and prefill of ``length`` tokens); its JSON result."""
     out_json = tmp_path / "bench.json"
-    argv = ["bench", "--model", "narrow-tiny", "--device", "cpu", "--batch-size", "1", "--input-len", "6",
-            "--output-len", "3", "--prefill-lens", "6", "--num-iters", "1", "--num-iters-warmup", "0",
-            "--modes", "eager", "compile-default", "--output-json", str(out_json), "--no-progress",
+    argv = ["bench", "--model", model, "--device", "cpu", "--batch-size", "1", "--input-len", str(length),
+            "--output-len", str(new_tokens), "--prefill-lens", str(length), "--num-iters", "1",
+            "--num-iters-warmup", str(warmup), "--modes", *modes, "--output-json", str(out_json), "--no-progress",
             "--bandwidth-mib", "16"]
     assert tscompile_main(argv) == 0
-    result = json.loads(out_json.read_text())
+    return json.loads(out_json.read_text())
+
+
+def test_bench_failed_mode_is_an_error_row(tmp_path, capsys):
+    """narrow-tiny has no static-cache formulation: compile-default rows carry the error, eager still runs."""
+    result = _small_bench(tmp_path, "narrow-tiny", ["eager", "compile-default"], length=6, new_tokens=3, warmup=0)
     by_mode = {r["mode"]: r for r in result["results"]}
     assert by_mode["eager"]["error"] is None and by_mode["eager"]["tpot_ms"] > 0
     assert "narrowing" in by_mode["compile-default"]["error"]
@@ -283,13 +288,8 @@ def test_choose_gqa_avoids_sdpas_math_fallback(monkeypatch):
 def test_tuned_mode_runs_and_decodes_eager_tokens_float32(tmp_path):
     """The tuned baseline, compiled (fullgraph, reduce-overhead decode), decodes eager's and the float32
     reference's greedy tokens on llama-tiny in float32."""
-    out_json = tmp_path / "bench.json"
-    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--batch-size", "1", "--input-len", "8",
-            "--output-len", "4", "--prefill-lens", "8", "--num-iters", "1", "--num-iters-warmup", "1",
-            "--modes", "eager", "compile-reduce-overhead-tuned", "--output-json", str(out_json), "--no-progress",
-            "--bandwidth-mib", "16"]
-    assert tscompile_main(argv) == 0
-    result = json.loads(out_json.read_text())
+    result = _small_bench(tmp_path, "llama-tiny", ["eager", "compile-reduce-overhead-tuned"], length=8, new_tokens=4,
+                          warmup=1)
     rows = {r["mode"]: r for r in result["results"]}
     tuned = rows["compile-reduce-overhead-tuned"]
     assert tuned["error"] is None and tuned["tpot_ms"] > 0

@@ -122,3 +122,7 @@ def test_generate_returns_with_nothing_in_flight_after_a_stop_token():
     out = llm.generate([prompt], SamplingParams(max_new_tokens=4, stop_token_ids=[free[0]]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == [free[0]]
     assert not llm.has_unfinished()
+    # the same through stream: exhausting the iterator leaves nothing in flight either
+    for _ in llm.stream(prompt, SamplingParams(max_new_tokens=4, stop_token_ids=[free[0]])):
+        pass
+    assert not llm.has_unfinished()

@@ -332,6 +332,12 @@ class LLM:
         """Requests waiting or running, or tokens not read back yet."""
         return bool(self.scheduler.waiting or self.scheduler.running or self._inflight is not None or self._ready)
 
+    def _settle(self) -> None:
+        """A stop seen one step late leaves a step in flight that serves finished requests only: wait
+        for it when nothing else runs, so a finished call leaves nothing behind."""
+        if self._inflight is not None and not (self.scheduler.waiting or self.scheduler.running):
+            self.sync()
+
     def _run_until_done(self, reqs: list[Request]) -> None:
         """Step until every request of ``reqs`` has finished. If a step raises (or the user
         interrupts), the step in flight is waited for and every unfinished request of ``reqs`` is
@@ -343,10 +349,7 @@ class LLM:
                 if not self.has_unfinished():
                     raise RuntimeError("tscompile: the engine drained with requests unfinished")
                 self.step()
-            if self._inflight is not None and not (self.scheduler.waiting or self.scheduler.running):
-                # a stop seen one step late leaves a step in flight that serves finished requests
-                # only: wait for it, so the call leaves nothing behind
-                self.sync()
+            self._settle()
         except BaseException:
             if self._dead is None:
                 try:
@@ -403,6 +406,7 @@ class LLM:
                 if len(text) > shown:
                     yield text[shown:]
                     shown = len(text)
+            self._settle()
             if len(req.completion.text) > shown:
                 yield req.completion.text[shown:]
         finally:
