@@ -10,7 +10,9 @@ what=${1:-all}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+# SKIP_INSTALL=1: a second mode started beside a first in the same call (one install, no race)
+[ "${SKIP_INSTALL:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 rc=0
@@ -131,34 +133,55 @@ if [ "$what" = memcheck ]; then
   grep -E "Invalid|ERROR SUMMARY|Program hit" "$OUT/memcheck.log" | sort | uniq -c | sort -rn | head -20
 fi
 if [ "$what" = verify ]; then
-  # two GPUs (nvidia-h200-x2), one call for everything that needs a GPU's proof: GPU 0 runs
-  # `pytest -m gpu` (FlashInfer's tests too when its wheels were carried in .whl/); GPU 1 runs the
-  # export load check with this machine's own CXX, the fuzz and the memcheck subset, one after another
-  deadline=$((SECONDS + ${VERIFY_SECONDS:-570}))
+  # two GPUs (nvidia-h200-x2), one call for everything that needs a GPU's proof. GPU 0 runs the test
+  # files of VERIFY_TESTS0, GPU 1 those of VERIFY_TESTS1 (FlashInfer's too when its wheels were carried
+  # in .whl/) and then the side jobs of VERIFY_SIDE: the export load check with this machine's own
+  # CXX, the fuzz and the memcheck subset. SIGINT at the deadline so pytest still prints its summary.
+  deadline=$((SECONDS + ${VERIFY_SECONDS:-560}))
   if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout $((deadline - SECONDS)) python3 -m pytest -q -m gpu tests ${PYTEST_ARGS:-} \
-    > "$OUT/gpu_tests.log" 2>&1 &
+  # an empty VERIFY_TESTS0 leaves GPU 0 free (e.g. for an idle bench started beside this mode)
+  tests0=${VERIFY_TESTS0-"tests/test_gpu_graphs.py tests/test_memory_and_faults.py tests/test_gpu_checkpoints.py"}
+  tests1=${VERIFY_TESTS1-"tests/test_triton_backend.py tests/test_flashinfer.py"}
+  [ -n "$tests0" ] && CUDA_VISIBLE_DEVICES=0 timeout -s INT $((deadline - SECONDS)) python3 -m pytest -v --tb=short -rfE \
+    --durations=12 -m gpu $tests0 ${PYTEST_ARGS:-} > "$OUT/gpu_tests0.log" 2>&1 &
   tests_pid=$!
+  [ -n "$tests0" ] || tests_pid=
   (
     export CUDA_VISIBLE_DEVICES=1
-    echo "== export with CXX=${CXX:-<unset>}"
-    timeout 240 tscompile export --model llama-tiny --out "$OUT/tiny-cuda.pt2" --device cuda --max-num-seqs 4 \
-      --max-model-len 64 2>&1 | tail -6
-    timeout 60 tscompile run-package "$OUT/tiny-cuda.pt2" --prompt-ids 1,15,27,3 --max-new-tokens 8 2>&1 | tail -3
-    rm -f "$OUT"/tiny-cuda.*
-    left=$((deadline - SECONDS - 200))
-    echo "== fuzz (${left}s)"
-    timeout $left python3 scripts/fuzz_gpu.py "$OUT/fuzz.json" --max-seconds $((left - 30)) ${FUZZ_ARGS:-} \
-      > "$OUT/fuzz.log" 2>&1; echo "fuzz rc=$?"; tail -5 "$OUT/fuzz.log"
-    echo "== memcheck"
-    MEMCHECK_SECONDS=$((deadline - SECONDS - 10)) bash scripts/memcheck.sh "$OUT/memcheck.log" 2>&1 | tail -8
+    if [ -n "$tests1" ]; then
+      timeout -s INT $((deadline - SECONDS - ${VERIFY_SIDE_RESERVE:-150})) python3 -m pytest -v --tb=short -rfE \
+        --durations=12 -m gpu $tests1 ${PYTEST_ARGS:-} > "$OUT/gpu_tests1.log" 2>&1
+      echo "tests1 rc=$?"
+    fi
+    for job in ${VERIFY_SIDE:-export fuzz memcheck}; do
+      left=$((deadline - SECONDS - 10))
+      [ $left -lt 40 ] && { echo "== $job skipped: ${left}s left"; continue; }
+      case $job in
+        export)
+          echo "== export with CXX=${CXX:-<unset>} (${left}s left)"
+          timeout 240 tscompile export --model llama-tiny --out "$OUT/tiny-cuda.pt2" --device cuda --max-num-seqs 4 \
+            --max-model-len 64 2>&1 | tail -8
+          timeout 60 tscompile run-package "$OUT/tiny-cuda.pt2" --prompt-ids 1,15,27,3 --max-new-tokens 8 2>&1 | tail -3
+          rm -f "$OUT"/tiny-cuda.* ;;
+        fuzz)
+          [ $left -gt ${VERIFY_FUZZ_SECONDS:-100000} ] && left=$VERIFY_FUZZ_SECONDS  # leave memcheck its time
+          echo "== fuzz (${left}s)"
+          timeout $left python3 scripts/fuzz_gpu.py "$OUT/fuzz.json" --max-seconds $((left - 30)) ${FUZZ_ARGS:-} \
+            > "$OUT/fuzz.log" 2>&1; echo "fuzz rc=$?"; tail -5 "$OUT/fuzz.log" ;;
+        memcheck)
+          echo "== memcheck (${left}s left)"
+          MEMCHECK_SECONDS=$((left - 60)) bash scripts/memcheck.sh "$OUT/memcheck.log" 2>&1 | tail -8 ;;
+      esac
+    done
   ) > "$OUT/side.log" 2>&1 &
   side_pid=$!
-  wait $tests_pid; rc=$?
-  tail -30 "$OUT/gpu_tests.log"
+  [ -n "$tests_pid" ] && { wait $tests_pid; rc=$?; }
   wait $side_pid
+  for f in "$OUT/gpu_tests0.log" "$OUT/gpu_tests1.log"; do
+    [ -f "$f" ] && { echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -25; }
+  done
   cat "$OUT/side.log"
 fi
 exit $rc
