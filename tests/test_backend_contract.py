@@ -205,7 +205,25 @@ def test_support_resolution_logs_culprits_and_downgrades(caplog):
     assert "decode CUDA graph disabled by _NoGraphLeaf" in text
     assert "prefill CUDA graph disabled by _NoPrefillGraphLeaf" in text
     clean, _ = make_tree()
-    assert resolve_cuda_graph_support(clean).support == CudaGraphSupport(True, True)
+    assert resolve_cuda_graph_support(clean).support == CudaGraphSupport(True, True, whole_prefill_graph=False)
+
+
+def test_whole_step_prefill_falls_back_to_piecewise_for_a_backend_with_a_host_driven_extend(caplog):
+    """The torch backend's extend reads its lengths on the host (measured on the H200: capturing it
+    failed with a CPU->CUDA copy); Triton's reads device tensors only."""
+    from tscompile.attention.triton_backend import TritonAttentionBackend
+    from tscompile.runtime.model_runner import whole_step_prefill_possible
+    specs = [CacheGroupSpec("full", (0, 1, 2), 2, 16)]  # no narrowing (that falls back for its own reason)
+    for leaf_cls, possible in ((TorchAttentionBackend, False), (TritonAttentionBackend, True)):
+        router = AttentionRouter(specs, [leaf_cls(0, max_pages=4, device="cpu")], max_blocks=4, device="cpu")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tscompile"):
+            resolved = resolve_cuda_graph_support(router)
+            assert whole_step_prefill_possible(router, resolved) is possible
+        assert resolved.support.prefill_graph  # the piecewise graphs stay on either way
+        assert resolved.whole_prefill_culprits == (() if possible else ("TorchAttentionBackend",))
+        assert ("TorchAttentionBackend cannot launch its extend attention inside a captured graph" in caplog.text) \
+            is not possible
 
 
 def test_rejected_rebind_changes_nothing():

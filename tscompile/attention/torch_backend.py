@@ -14,4 +14,5 @@ from tscompile.attention.support import CudaGraphSupport
 class TorchAttentionBackend(PagedAttentionBackend):
     impl = "torch"
     refresh_impl = "torch"
-    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True)
+    # its extend loops over the batch on the host (``.tolist()`` of the lengths): never inside a graph
+    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, whole_prefill_graph=False)

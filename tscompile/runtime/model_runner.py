@@ -59,6 +59,22 @@ def check_inputs_on_host(plan: StepPlan, prev_rows: list[int] | None) -> None:
                                "LLM.sync() before running the runner directly")
 
 
+def whole_step_prefill_possible(attention: AttentionRouter, graph_support: ResolvedGraphSupport) -> bool:
+    """``prefill_graph_mode="whole"`` falls back to the piecewise graphs (said once in the log) when the
+    narrowing model runs (its row ladder lives in the piecewise path) or an attention backend cannot
+    launch its extend inside a graph."""
+    if any(s.narrowed for s in attention.specs):
+        logger.info("tscompile: prefill_graph_mode='whole' runs piecewise prefill graphs: the narrowing model "
+                    "pads its rows per bucket in the piecewise path")
+        return False
+    if not graph_support.support.whole_prefill_graph:
+        logger.warning("tscompile: prefill_graph_mode='whole' runs piecewise prefill graphs: %s cannot launch "
+                       "its extend attention inside a captured graph (cuda_graph_support.whole_prefill_graph="
+                       "False)", ", ".join(graph_support.whole_prefill_culprits))
+        return False
+    return True
+
+
 def decode_static_inductor_options(config: TscompileConfig, device: torch.device) -> dict:
     """The decode step's patches for its static-size (bs=1) graph: the user's, plus coordinate-descent
     tuning on CUDA, so one-row matmuls become fused GEMV reductions (the gpt-fast setting)."""
@@ -108,7 +124,7 @@ class ModelRunner:
         self.prefill_buckets: PrefillBuckets | None = None
         self.whole_prefill: WholeStepPrefill | None = None
         if graphs_on and graph_support.support.prefill_graph:
-            if compile_config.prefill_graph_mode == "whole" and not any(s.narrowed for s in attention.specs):
+            if compile_config.prefill_graph_mode == "whole" and whole_step_prefill_possible(attention, graph_support):
                 self.enable_whole_step_prefill()
             else:
                 self.enable_prefill_graphs(PieceGraphRuntime(device))
