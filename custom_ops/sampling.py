@@ -96,6 +96,11 @@ def sample(
     out: torch.Tensor,
     all_greedy: bool = False,
 ) -> None:
+    if all_greedy and logits.is_cuda and out.is_contiguous():
+        # the same tokens as the argmax below, in two kernels with no [B, V] mask (custom_ops/greedy.py)
+        from tscompile.custom_ops.greedy import greedy_tokens_with_bans
+        greedy_tokens_with_bans(logits, banned, out)
+        return
     # masked_fill leaves every unbanned logit bit-identical, so all -1 gives the unmasked tokens
     logits = logits.masked_fill(banned_mask(banned, logits.shape[-1]), float("-inf"))
     if all_greedy:

@@ -198,3 +198,51 @@ def test_sample_and_banned_mask_compile_fullgraph_to_the_same_results():
     # the mask itself traces whole: no data-dependent shapes, no host reads
     mask = torch.compile(banned_mask, fullgraph=True, backend="aot_eager")(banned, 64)
     assert torch.equal(mask, banned_mask(banned, 64))
+
+
+def _greedy_cases(vocab, rows, width, dtype, device, seed):
+    """Random logits with forced ties, bans (some on the argmax, -1 pads, out-of-range, repeats), a
+    row banning its whole top, a row of -inf and a row with NaN."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    logits[:, vocab // 3] = logits[:, 7] = logits.max() + 1  # a tie between two chunks' entries
+    banned = torch.full((rows, width), -1, dtype=torch.int64)
+    for r in range(rows):
+        n = int(torch.randint(0, width + 1, (1,), generator=g))
+        ids = torch.randint(-3, vocab + 5, (n,), generator=g)
+        banned[r, :n] = ids
+    banned[0, 0] = 7  # bans the first of the tied maxima: the second must win
+    banned[1, : min(2, width)] = torch.tensor([7, vocab // 3])[: min(2, width)]
+    logits[2] = float("-inf")  # all -inf: token 0, as torch.argmax gives
+    logits[3, vocab - 5] = float("nan")  # NaN wins at its first position
+    logits[3, vocab // 2] = float("nan")
+    return logits.to(device), banned.to(device)
+
+
+@pytest.mark.parametrize("vocab, dtype", [(9000, torch.float32), (4096, torch.bfloat16), (130, torch.float32)])
+@pytest.mark.parametrize("seed", range(2))
+def test_greedy_kernel_equals_argmax_over_the_masked_logits(vocab, dtype, seed):
+    """Under the Triton interpreter here; on the GPU the same comparison runs at 128k ids below."""
+    from tscompile.custom_ops.greedy import greedy_tokens_with_bans
+    logits, banned = _greedy_cases(vocab, rows=6, width=3, dtype=dtype, device="cpu", seed=seed)
+    expected = torch.argmax(logits.masked_fill(banned_mask(banned, vocab), float("-inf")), dim=-1)
+    out = torch.full((6,), -7, dtype=torch.int64)
+    greedy_tokens_with_bans(logits, banned, out)
+    assert out.tolist() == expected.tolist()
+    assert out[0] == vocab // 3 and out[2] == 0 and out[3] == min(vocab // 2, vocab - 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_greedy_op_equals_argmax_over_the_masked_logits(rows, dtype):
+    vocab = 128256
+    for seed in range(3):  # fresh inputs per check
+        logits, banned = _greedy_cases(vocab, rows=max(rows, 4), width=9, dtype=dtype, device="cuda", seed=seed)
+        logits, banned = logits[:rows], banned[:rows]
+        expected = torch.argmax(logits.masked_fill(banned_mask(banned, vocab), float("-inf")), dim=-1)
+        zeros = torch.zeros(rows, dtype=torch.float32, device="cuda")
+        out = torch.full((rows,), -7, dtype=torch.int64, device="cuda")
+        torch.ops.tscompile.sample(logits, zeros, zeros.int(), zeros + 1, zeros.long(), zeros.long(), banned, out,
+                                   True)
+        assert out.tolist() == expected.tolist()
