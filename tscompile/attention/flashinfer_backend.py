@@ -62,7 +62,6 @@ import contextlib
 import logging
 import math
 import time
-from functools import partial
 from typing import Callable, Iterator
 
 import flashinfer  # missing: leaf_class turns the ImportError into the tscompile refusal
@@ -235,14 +234,17 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
         self._indices[:nnz].copy_(slot.indices[:nnz], non_blocking=True)
         wrapper = self._decode_wrapper(bs)
         wrapper._pin_memory_int_workspace_buffer = slot.plan_workspace
-        uri = partial(flashinfer.jit.get_batch_decode_uri, self.dtype, self.dtype, self.dtype, torch.int32,
-                      head_dim, head_dim, 0, False, False)  # posenc NONE, no sliding window, no soft cap
-        with self._first_use("decode", uri):
+        with self._first_use("decode", self._decode_uri):
             wrapper.plan(slot.indptr[: bs + 1], self._indices[:nnz], slot.last_page_len[:bs], num_q_heads,
                          num_kv_heads, head_dim, page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
                          non_blocking=True)
         _PlanRing.copies_enqueued(slot, self.device)
         self._planned_decode = (bs, wrapper)
+
+    def _decode_uri(self) -> str:
+        """The library the decode plan loads: posenc NONE, no sliding window, no soft cap."""
+        return flashinfer.jit.get_batch_decode_uri(self.dtype, self.dtype, self.dtype, torch.int32, self.head_dim,
+                                                   self.head_dim, 0, False, False)
 
     def run_decode(self, q, k_cache, v_cache, out, scale: float) -> None:
         planned = self._planned_decode
