@@ -51,7 +51,8 @@ The kernels run inside ``tscompile::attention`` (impl ``flashinfer/<key>``, ``cu
 flashinfer_attention.py``), so Dynamo and Inductor trace through them. FlashInfer compiles its
 kernels on first use (on an H200 about 10 s for decode, 75 s for paged prefill, per dtype and
 head_dim); a warning says so and where they are cached (``FLASHINFER_WORKSPACE_BASE``, default the
-home directory, ``.cache/flashinfer/``), so a second process starts warm. Exported packages refuse
+home directory, ``.cache/flashinfer/``), so a second process starts warm (``scripts/
+flashinfer_start.py`` measures both; the CLI prints the warning and the build time). Exported packages refuse
 this backend: their decode program refreshes metadata inside the AOTInductor program, where
 ``plan()`` cannot run.
 """
