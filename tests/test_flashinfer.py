@@ -725,7 +725,8 @@ def test_gpu_llama_1b_float16_matches_the_torch_backend_and_decodes_above_the_la
     Logits: the first step's logits (a ragged prefill, multi-page contexts) of FlashInfer and of the
     torch backend differ by no more than twice what float16 itself costs, measured here as the torch
     backend's float16 logits against its float32 ones (err_ref). A page or metadata bug moves
-    logits by O(1), far above that.
+    logits by O(1), far above that: on the CPU, two of these prompts gave err_ref 0.015 with logits
+    of std 0.9 and top-2 gaps of 0.1 to 0.2.
 
     Tokens: greedy tokens of FlashInfer, eagerly and with decode graphs, against the torch
     backend's. Two logits lists within 2 * err_ref of each other can only pick different tokens where
@@ -738,7 +739,8 @@ def test_gpu_llama_1b_float16_matches_the_torch_backend_and_decodes_above_the_la
     "eager": compiling llama-1b would take a minute); the Inductor path over FlashInfer is the
     llama-tiny engine tests' part."""
     prompts, params = LLAMA_1B_PROMPTS, LLAMA_1B_PARAMS
-    _, want32 = _tokens_and_first_step_logits(_llama_1b("torch", "float32", enforce_eager=True), prompts, params)
+    one_token = [tscompile.SamplingParams(max_new_tokens=1)] * len(prompts)  # only its logits are used
+    _, want32 = _tokens_and_first_step_logits(_llama_1b("torch", "float32", enforce_eager=True), prompts, one_token)
     torch.cuda.empty_cache()
     reference = _llama_1b("torch", "float16", enforce_eager=True)
     want, want16 = _tokens_and_first_step_logits(reference, prompts, params)
