@@ -51,7 +51,8 @@ The kernels run inside ``tscompile::attention`` (impl ``flashinfer/<key>``, ``cu
 flashinfer_attention.py``), so Dynamo and Inductor trace through them. FlashInfer compiles its
 kernels on first use (on an H200 about 10 s for decode, 75 s for paged prefill, per dtype and
 head_dim); a warning says so and where they are cached (``FLASHINFER_WORKSPACE_BASE``, default the
-home directory, ``.cache/flashinfer/``), so a second process starts warm. Exported packages refuse
+home directory, ``.cache/flashinfer/``), so a second process starts warm (``scripts/
+flashinfer_start.py`` measures both; the CLI prints the warning and the build time). Exported packages refuse
 this backend: their decode program refreshes metadata inside the AOTInductor program, where
 ``plan()`` cannot run.
 """
@@ -62,7 +63,6 @@ import contextlib
 import logging
 import math
 import time
-from functools import partial
 from typing import Callable, Iterator
 
 import flashinfer  # missing: leaf_class turns the ImportError into the tscompile refusal
@@ -235,14 +235,17 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
         self._indices[:nnz].copy_(slot.indices[:nnz], non_blocking=True)
         wrapper = self._decode_wrapper(bs)
         wrapper._pin_memory_int_workspace_buffer = slot.plan_workspace
-        uri = partial(flashinfer.jit.get_batch_decode_uri, self.dtype, self.dtype, self.dtype, torch.int32,
-                      head_dim, head_dim, 0, False, False)  # posenc NONE, no sliding window, no soft cap
-        with self._first_use("decode", uri):
+        with self._first_use("decode", self._decode_uri):
             wrapper.plan(slot.indptr[: bs + 1], self._indices[:nnz], slot.last_page_len[:bs], num_q_heads,
                          num_kv_heads, head_dim, page_size, q_data_type=self.dtype, kv_data_type=self.dtype,
                          non_blocking=True)
         _PlanRing.copies_enqueued(slot, self.device)
         self._planned_decode = (bs, wrapper)
+
+    def _decode_uri(self) -> str:
+        """The library the decode plan loads: posenc NONE, no sliding window, no soft cap."""
+        return flashinfer.jit.get_batch_decode_uri(self.dtype, self.dtype, self.dtype, torch.int32, self.head_dim,
+                                                   self.head_dim, 0, False, False)
 
     def run_decode(self, q, k_cache, v_cache, out, scale: float) -> None:
         planned = self._planned_decode
