@@ -195,8 +195,9 @@ def test_requests_beyond_the_bounds_are_refused_and_lower_limits_hold(narrow_pat
     small = tscompile.load_package(narrow_path, max_model_len=16, max_num_seqs=2)
     with pytest.raises(ValueError, match=r"^tscompile: .* = 20 exceeds max_model_len 16 \(package bound 64\)"):
         small.generate([list(range(1, 11))], SamplingParams(max_new_tokens=10))
-    got = ids(small.generate(_prompts(512)[:3], SamplingParams(max_new_tokens=4)))
-    assert [len(t) for t in got] == [4, 4, 4]  # three requests through two slots
+    short = [p for p in _prompts(512) if len(p) + 4 <= 16][:3]
+    got = ids(small.generate(short, SamplingParams(max_new_tokens=4)))
+    assert len(short) == 3 and [len(t) for t in got] == [4, 4, 4]  # three requests through two slots
 
 
 def test_other_releases_and_the_cpu_are_refused(narrow_path, monkeypatch):
