@@ -79,7 +79,8 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
     if min(args.batch_size + args.prefill_lens + [args.input_len, args.output_len, args.num_iters]) < 1:
         raise ValueError("tscompile: batch sizes, lengths and --num-iters must be >= 1")
     if getattr(args, "package", None) and not os.path.isfile(args.package):
-        raise ValueError(f"tscompile: --package {args.package!r} is not a file; give a .pt2 written by tscompile export")
+        raise ValueError(f"tscompile: --package {args.package!r} is not a file; "
+                         f"give a .pt2 written by tscompile export")
     for name in ("peak_tflops", "margin_threshold"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -103,8 +104,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-iters", type=int, default=None, help="measured runs per point (default 5 cuda, 2 cpu)")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="warm-up runs per point (compile, capture)")
     p.add_argument("--modes", nargs="+", default=None,
-                   help=f"subset of {', '.join(FIXED_MODES)}, tscompile-<backend>, tscompile, package (default: all but "
-                        f"package)")
+                   help=f"subset of {', '.join(FIXED_MODES)}, tscompile-<backend>, tscompile, package "
+                        f"(default: all but package)")
     p.add_argument("--attention-backends", nargs="+", default=None,
                    help="backends of the tscompile-* modes (default: every one available on the device)")
     p.add_argument("--package", default=None, metavar="PATH.pt2",
