@@ -13,6 +13,9 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
                                  copy (SDPA's enable_gqa, or the query heads folded into rows where
                                  enable_gqa with a mask would take SDPA's math kernel)
   tscompile-<backend>            tscompile.LLM(enforce_eager=False, attention_backend=<backend>)
+  package                        the model exported by tscompile export (or --package PATH), loaded with
+                                 tscompile.load_package; only when named in --modes or given --package.
+                                 Its programs run without CUDA graphs. Also reports load to first token.
 A mode or a batch size that fails becomes an error row; the others still run.
 
 Correctness: each batch size's first request is decoded once by a float32 eager reference of the
@@ -21,13 +24,14 @@ step and the reference's top-2 logit margin there (a near-tie, or a suspicious g
 """
 
 import argparse
+import os
 import sys
 
 import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import compile_stats, report, roofline
+from . import compile_stats, package_mode, report, roofline
 from .runner import Bench, backend_available
 
 FIXED_MODES = ("eager", "compile-default", "compile-reduce-overhead", "compile-reduce-overhead-tuned")
@@ -45,9 +49,11 @@ def resolve_modes(args: argparse.Namespace, device: torch.device) -> list[str]:
     else:
         backends = [b for b in BACKENDS if backend_available(b, device)[0]]
     engine_modes = [f"tscompile-{b}" for b in backends]
+    # the package mode exports the model first (minutes on a GPU): it runs when asked for
+    given = [package_mode.PACKAGE_MODE] if getattr(args, "package", None) else []
     if not args.modes:
-        return list(FIXED_MODES) + engine_modes
-    known = set(FIXED_MODES) | {f"tscompile-{b}" for b in BACKENDS}
+        return list(FIXED_MODES) + engine_modes + given
+    known = set(FIXED_MODES) | {f"tscompile-{b}" for b in BACKENDS} | {package_mode.PACKAGE_MODE}
     modes: list[str] = []
     for m in args.modes:
         expanded = engine_modes if m == "tscompile" else [m]
@@ -56,7 +62,7 @@ def resolve_modes(args: argparse.Namespace, device: torch.device) -> list[str]:
                 raise ValueError(f"tscompile: unknown bench mode {e!r}; known: {sorted(known)} or 'tscompile'")
             if e not in modes:
                 modes.append(e)
-    return modes
+    return modes + [m for m in given if m not in modes]
 
 
 def fill_defaults(args: argparse.Namespace) -> torch.device:
@@ -72,6 +78,9 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
     args.num_iters = args.num_iters if args.num_iters is not None else (5 if gpu else 2)
     if min(args.batch_size + args.prefill_lens + [args.input_len, args.output_len, args.num_iters]) < 1:
         raise ValueError("tscompile: batch sizes, lengths and --num-iters must be >= 1")
+    if getattr(args, "package", None) and not os.path.isfile(args.package):
+        raise ValueError(f"tscompile: --package {args.package!r} is not a file; "
+                         f"give a .pt2 written by tscompile export")
     for name in ("peak_tflops", "margin_threshold"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -95,9 +104,13 @@ def add_parser(sub) -> None:
     p.add_argument("--num-iters", type=int, default=None, help="measured runs per point (default 5 cuda, 2 cpu)")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="warm-up runs per point (compile, capture)")
     p.add_argument("--modes", nargs="+", default=None,
-                   help=f"subset of {', '.join(FIXED_MODES)}, tscompile-<backend>, tscompile (default: all)")
+                   help=f"subset of {', '.join(FIXED_MODES)}, tscompile-<backend>, tscompile, package "
+                        f"(default: all but package)")
     p.add_argument("--attention-backends", nargs="+", default=None,
                    help="backends of the tscompile-* modes (default: every one available on the device)")
+    p.add_argument("--package", default=None, metavar="PATH.pt2",
+                   help="the package the package mode measures (default: export the bench model, with the bench's "
+                        "dtype, seed, page size and limits as its bounds); adds the package mode")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -170,6 +183,8 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mod
             "modes": bench.modes, "results": bench.results, "prefill": bench.prefill,
         }
         md = report.markdown(result)
+        section = package_mode.markdown_section(bench.modes)
+        md += ("\n" + section) if section else ""
         if args.output_md:
             with open(args.output_md, "w") as f:
                 f.write(md + "\n")

@@ -18,6 +18,7 @@ from tscompile.counters import counters
 from tscompile.utils import cdiv
 
 from . import compile_stats, reference, roofline, workloads
+from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
 # without them, or captured/compiled something (which would inflate the time)
@@ -132,12 +133,17 @@ class Bench:
         a = self.args
         if mode in workloads.STATIC_MODES:
             return workloads.StaticCacheRunner(model, mode, self.device)
+        budget = a.max_num_batched_tokens or max(max(a.batch_size) * a.input_len, max(a.prefill_lens), 2048)
+        if mode == PACKAGE_MODE:
+            return PackageRunner(a.model, self.cfg, package=getattr(a, "package", None), device=self.device,
+                                 dtype=self.dtype, max_num_seqs=max(a.batch_size), max_model_len=self.max_model_len,
+                                 page_size=a.page_size, max_num_batched_tokens=budget, seed=a.seed,
+                                 first_prompt=_prompts(a.seed, 1, a.input_len, self.cfg.vocab_size)[0])
         backend = "torch" if mode == "eager" else mode.removeprefix("tscompile-")
         if mode != "eager":
             ok, why = backend_available(backend, self.device)
             if not ok:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
-        budget = a.max_num_batched_tokens or max(max(a.batch_size) * a.input_len, max(a.prefill_lens), 2048)
         return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=mode == "eager",
                                       device=self.device, dtype=self.dtype, max_num_seqs=max(a.batch_size),
                                       max_model_len=self.max_model_len, page_size=a.page_size,
@@ -227,12 +233,15 @@ class Bench:
         runner = model = None
         try:
             t0 = time.perf_counter()
-            model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
-            info["weights_fingerprint"] = _fingerprint(model)
+            if mode != PACKAGE_MODE:  # a package brings its own weights (exported from the same seed)
+                model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
+                info["weights_fingerprint"] = _fingerprint(model)
             runner = self.make_runner(mode, model)
             info["setup_s"] = time.perf_counter() - t0
             if isinstance(runner, workloads.StaticCacheRunner):
                 info["gqa"], info["gqa_why"] = runner.gqa, runner.gqa_why
+            if isinstance(runner, PackageRunner):
+                info.update(runner.info())
         except Exception as e:  # noqa: BLE001
             info["error"] = self._report(mode, "setup", e, bar)
         prev: dict = {}

@@ -33,9 +33,25 @@ torch.testing.assert_close(torch._inductor.aoti_load_package(path)(x), m(x))
 """
 
 
+SYSTEM_GXX = "/usr/bin/g++"
+
+
+def _loadable_cxx() -> str | None:
+    """The system g++ when ``CXX`` names another compiler: the GPU machine's ``CXX`` builds
+    libraries without ``libstdc++`` that crash when loaded (``tscompile.package.compiler_check``),
+    and these tests export with ``verify=False``, so nothing would rebuild them."""
+    import shutil
+
+    cxx = os.environ.get("CXX")
+    if not cxx or not os.path.exists(SYSTEM_GXX):
+        return None
+    named = shutil.which(cxx) or cxx
+    return None if os.path.realpath(named) == os.path.realpath(SYSTEM_GXX) else SYSTEM_GXX
+
+
 def _aoti_loads_here(tmp: str) -> tuple[bool, str]:
-    """Whether this machine can load any AOTInductor package on DEVICE (a subprocess: the known
-    failure is a segfault, seen on the H200 machine with torch 2.11.0+cu130 for a bare nn.Linear)."""
+    """Whether this machine can load any AOTInductor package on DEVICE (a subprocess: a package
+    that does not load segfaults)."""
     import subprocess
     import sys
 
@@ -44,13 +60,24 @@ def _aoti_loads_here(tmp: str) -> tuple[bool, str]:
     return run.returncode == 0, f"rc {run.returncode}: {run.stderr.strip()[-300:]}"
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def aoti_usable(tmp_path_factory):
-    if DEVICE.type == "cpu":
-        return  # CI's device: packages load in-process and are tested directly
-    ok, why = _aoti_loads_here(str(tmp_path_factory.mktemp("aoti_probe")))
-    if not ok:
-        pytest.skip(f"AOTInductor cannot load even an nn.Linear package on {DEVICE} here ({why})")
+    """This module's packages build with a compiler whose libraries load (the system g++ when
+    ``CXX`` names another: in the environment for child processes, and as Inductor's ``cpp.cxx``
+    here, since Inductor read ``CXX`` when it was imported); on a GPU, a probe package must load."""
+    import torch._inductor.config as inductor_config
+
+    gxx = _loadable_cxx()
+    with pytest.MonkeyPatch.context() as patch, inductor_config.patch({"cpp.cxx": (gxx,)} if gxx else {}):
+        if gxx:
+            patch.setenv("CXX", gxx)
+        if DEVICE.type != "cpu":  # CI's device, the CPU, loads packages in-process and tests them directly
+            ok, why = _aoti_loads_here(str(tmp_path_factory.mktemp("aoti_probe")))
+            if not ok:
+                pytest.skip(f"AOTInductor cannot load even an nn.Linear package on {DEVICE} here ({why})")
+        yield
+
+
 OTHER_DEVICE = "cpu" if DEVICE.type == "cuda" else "cuda"
 BOUNDS = dict(max_num_seqs=4, max_model_len=64, page_size=4, max_num_batched_tokens=32)
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],

@@ -1,0 +1,242 @@
+"""Start-up time of one model, to its first token: cold, warm and from a package.
+
+    python scripts/startup.py --model llama-1b --output-json startup.json --output-md startup.md
+
+Each start runs in a fresh Python process (imports included), timed from the moment the parent
+spawns it:
+  cold     tscompile.LLM with empty compiler caches (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in
+           a new temporary folder)
+  warm     the same again, on the caches the cold start filled
+  package  tscompile.load_package of a package (--package, or one exported here first) and one token
+Each is split into imports, weight loading, compilation, graph capture and the rest (for the engine:
+pool sizing and the first prefill's own run; for a package: reading its libraries and the first
+call of its programs). The engine figures come from the runner's own compile and capture counters
+(``LLM.compile_seconds``, ``LLM.capture_seconds``); a package compiles and captures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_MARK = "STARTUP_JSON "
+TARGETS = {  # the start-up targets on an H200 (the project's issue 16), in seconds
+    "cold": "decode ladder compiled and captured in <= 40 s (llama-8b)",
+    "warm": "<= 10 s plus weight loading",
+    "package": "<= 5 s plus weight loading",
+}
+
+
+# -- the children ----------------------------------------------------------------------------------
+def _since_spawn() -> float:
+    return time.time() - float(os.environ["STARTUP_SPAWNED_AT"])
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _child_engine(args) -> dict:
+    started = _since_spawn()
+    t0 = time.perf_counter()
+    import torch
+
+    import tscompile
+    from tscompile.cli import show_tscompile_logs
+    from tscompile.models import load_model
+    from tscompile.utils import resolve_dtype
+
+    show_tscompile_logs()
+    imports = time.perf_counter() - t0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
+    model, _ = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device,
+                          seed=0, max_model_len=args.max_model_len)
+    _sync(device)
+    weights = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    engine = time.perf_counter() - t0
+    compile_init, capture_init = llm.compile_seconds, llm.capture_seconds
+    t0 = time.perf_counter()
+    llm.generate([list(range(1, args.prompt_len + 1))], tscompile.SamplingParams(max_new_tokens=1))
+    _sync(device)
+    first = time.perf_counter() - t0
+    compile_s, capture_s = llm.compile_seconds, llm.capture_seconds
+    total = _since_spawn()
+    return {"total_s": total, "process_s": started, "imports_s": imports, "weights_s": weights,
+            "compile_s": compile_s, "capture_s": capture_s,
+            "other_s": total - started - imports - weights - compile_s - capture_s,
+            "engine_init_s": engine, "init_compile_s": compile_init, "init_capture_s": capture_init,
+            "first_token_s": first, "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or [])}
+
+
+def _child_package(args) -> dict:
+    started = _since_spawn()
+    t0 = time.perf_counter()
+    import safetensors.torch
+    import torch
+
+    import tscompile
+    from tscompile.cli import show_tscompile_logs
+    from tscompile.package import runtime
+
+    show_tscompile_logs()
+    imports = time.perf_counter() - t0
+    spent = {"programs": 0.0, "weights_file": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            begin = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - begin
+        return wrapper
+
+    # AOTInductor's libraries and the weights inside them load together; external weights are one
+    # safetensors read inside that
+    runtime._load_programs = timed("programs", runtime._load_programs)
+    safetensors.torch.load_file = timed("weights_file", safetensors.torch.load_file)
+    t0 = time.perf_counter()
+    llm = tscompile.load_package(args.package)
+    load = time.perf_counter() - t0
+    device = llm.device
+    t0 = time.perf_counter()
+    llm.generate([list(range(1, args.prompt_len + 1))], tscompile.SamplingParams(max_new_tokens=1))
+    _sync(device)
+    first = time.perf_counter() - t0
+    total = _since_spawn()
+    external = llm.package.record["weights"] == "external"
+    # weights inside the archive load with the libraries, in one call: no split (None), in "other"
+    weights = spent["weights_file"] if external else None
+    return {"total_s": total, "process_s": started, "imports_s": imports, "weights_s": weights,
+            "compile_s": 0.0, "capture_s": 0.0, "other_s": total - started - imports - (weights or 0.0),
+            "load_package_s": load, "programs_s": spent["programs"], "first_token_s": first,
+            "weights": llm.package.record["weights"], "package_bytes": llm.package.package_bytes,
+            "device": str(device), "torch_threads": torch.get_num_threads()}
+
+
+def _child_export(args) -> dict:
+    import tscompile.export
+    from tscompile.cli import show_tscompile_logs
+
+    show_tscompile_logs()
+    t0 = time.perf_counter()
+    record = tscompile.export.export_package(args.model, args.package, device=args.device, dtype=args.dtype,
+                                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                             weights=args.weights)
+    return {"export_s": time.perf_counter() - t0, "build_s": record["build_seconds"], "compiler": record["compiler"]}
+
+
+CHILDREN = {"engine": _child_engine, "package": _child_package, "export": _child_export}
+
+
+# -- the parent ------------------------------------------------------------------------------------
+def _spawn(kind: str, args, env: dict) -> dict:
+    argv = [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", args.model,
+            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
+            "--prompt-len", str(args.prompt_len), "--weights", args.weights]
+    for flag in ("device", "dtype", "package"):
+        if getattr(args, flag):
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    env = {**env, "STARTUP_SPAWNED_AT": repr(time.time())}
+    print(f"== {kind}", file=sys.stderr, flush=True)
+    run = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)  # stderr (logs, bars) passes through
+    lines = [line for line in run.stdout.splitlines() if line.startswith(_MARK)]
+    if run.returncode != 0 or not lines:
+        return {"error": f"the {kind} process exited with {run.returncode}"}
+    return json.loads(lines[-1][len(_MARK):])
+
+
+def _row(name: str, r: dict) -> str:
+    if r.get("error"):
+        return f"| {name} | {r['error']} | | | | | | |"
+    cells = [r[k] for k in ("total_s", "process_s", "imports_s", "weights_s", "compile_s", "capture_s", "other_s")]
+    return f"| {name} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + f" | {TARGETS[name]} |"
+
+
+def markdown(result: dict) -> str:
+    a = result["args"]
+    lines = [f"## Start-up: {a['model']} ({result['env']})", "",
+             f"max_num_seqs {a['max_num_seqs']}, max_model_len {a['max_model_len']}, a {a['prompt_len']}-token "
+             f"prompt to its first token; seconds, each start a fresh process.", "",
+             "| start | to first token | process start | imports | weights | compile | capture | other | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [_row(name, result["starts"][name]) for name in ("cold", "warm", "package") if name in result["starts"]]
+    export = result.get("export")
+    if export and not export.get("error"):
+        lines += ["", f"Package exported in {export['export_s']:.1f} s (AOTInductor build {export['build_s']:.1f} s, "
+                      f"C++ by {export['compiler'].get('path') or export['compiler'].get('command')})."]
+    lines += ["", "other = pool sizing and the profiled step, the first prefill's own run, and for a package its "
+                  "libraries and the first call of its programs (``programs_s`` in the JSON: libraries and "
+                  "weights together; weights \"-\": a package with its weights inside loads them with its "
+                  "libraries, in one call)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="128: the whole default decode ladder")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--package", default=None, help="measure this package (default: export one first)")
+    p.add_argument("--weights", default="external", choices=("inside", "external"), help="of the exported package")
+    p.add_argument("--skip", nargs="*", default=[], choices=("cold", "warm", "package"))
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-md", default=None)
+    p.add_argument("--child", default=None, choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(_MARK + json.dumps(CHILDREN[args.child](args)), flush=True)
+        return 0
+
+    result = {"args": vars(args), "starts": {}, "env": ""}
+    with tempfile.TemporaryDirectory(prefix="tscompile_startup_") as tmp:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
+               "TRITON_CACHE_DIR": os.path.join(tmp, "triton")}
+        for name in ("cold", "warm"):  # warm: the caches the cold start just filled
+            if name not in args.skip:
+                result["starts"][name] = _spawn("engine", args, env)
+        if "package" not in args.skip:
+            if args.package is None:
+                args.package = os.path.join(tmp, "startup.pt2")
+                result["export"] = _spawn("export", args, env)
+            if not result.get("export", {}).get("error"):
+                result["starts"]["package"] = _spawn("package", args, env)
+            if args.package.startswith(tmp):
+                args.package = None  # gone with the folder
+    result["env"] = _environment(args.device)
+    md = markdown(result)
+    print(md)
+    if args.output_md:
+        with open(args.output_md, "w") as f:
+            f.write(md)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0 if all(not r.get("error") for r in result["starts"].values()) else 1
+
+
+def _environment(device: str | None) -> str:
+    import torch
+
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"cpu, torch {torch.__version__}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

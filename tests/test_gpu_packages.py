@@ -1,0 +1,214 @@
+"""Exported packages on a GPU: package tokens equal engine tokens (llama-1b and the narrowing model,
+float32, greedy and seeded sampling), external weights used in place, and the limits and release
+refusals. Skipped without CUDA.
+
+An export costs minutes on a GPU (two AOTInductor programs), so each model is exported once per
+module, with small bounds, and shared. The exports build with the system ``g++`` where it exists:
+a ``CXX`` that names a compiler whose libraries do not link ``libstdc++`` (the GPU machine has
+one) makes packages that crash when loaded, and the export's own rebuild would double its time.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+
+import pytest
+import torch
+
+import tscompile
+import tscompile.version
+from tscompile import SamplingParams
+from tscompile.export import export_package, read_package_metadata
+from tscompile.forward_context import ForwardMode
+from helpers import ids, record_modes
+
+pytestmark = pytest.mark.gpu
+
+SYSTEM_GXX = "/usr/bin/g++"
+BOUNDS = dict(max_num_seqs=4, max_model_len=64, page_size=16, max_num_batched_tokens=64)
+NEW_TOKENS = 8
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Six ragged prompts (1 to 40 tokens) of ids spread over the vocabulary."""
+    lengths = [9, 1, 40, 3, 17, 2]
+    return [[(97 * i + 31 * j + 5) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def _export(tmp_path_factory, model: str, *, weights: str, verify: bool):
+    """One float32 CUDA package of ``model``; built with the system g++ when there is one."""
+    path = tmp_path_factory.mktemp(f"gpu-package-{model}") / f"{model}.pt2"
+    options = {}
+    with pytest.MonkeyPatch.context() as patch:
+        if os.path.exists(SYSTEM_GXX):
+            # CXX for the load check's child process; Inductor read CXX when it was imported, so
+            # this process's builds get the compiler through cpp.cxx
+            patch.setenv("CXX", SYSTEM_GXX)
+            options["cpp.cxx"] = (SYSTEM_GXX,)
+        export_package(model, path, device="cuda", dtype=torch.float32, weights=weights, verify=verify,
+                       inductor_configs=options, **BOUNDS)
+    return path
+
+
+def _free_device_memory() -> int:
+    """Free bytes on the device, with this process's cached blocks given back first: a load that
+    allocates (through torch or cudaMalloc) shows as a drop."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+@pytest.fixture(scope="module")
+def llama_1b(tmp_path_factory):
+    """The llama-1b package (external weights) loaded once, and the device memory its load took."""
+    path = _export(tmp_path_factory, "llama-1b", weights="external", verify=False)
+    free_before = _free_device_memory()
+    llm = tscompile.load_package(path)
+    torch.cuda.synchronize()
+    taken = free_before - torch.cuda.mem_get_info()[0]
+    yield llm, taken
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def narrow_path(tmp_path_factory):
+    # the one GPU export that pays the load check: it proves on this machine that the export's own
+    # subprocess check passes a package built by the system g++
+    return _export(tmp_path_factory, "narrow-tiny", weights="inside", verify=True)
+
+
+def _engine(model: str):
+    """The eager engine the packages are compared with: the same seeded weights, bounds and
+    attention backend (auto: triton on CUDA), float32."""
+    return tscompile.LLM(model, device="cuda", dtype=torch.float32, enforce_eager=True, **BOUNDS)
+
+
+@pytest.fixture(scope="module")
+def llama_1b_engine():
+    llm = _engine("llama-1b")
+    yield llm
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _greedy_batches(vocab: int):
+    """(prompts, params) pairs: one prompt, a ragged full batch, and more requests than
+    max_num_seqs finishing at different steps (late prompts join running ones: mixed steps)."""
+    p = _prompts(vocab)
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS)
+    staggered = [SamplingParams(max_new_tokens=n) for n in (3, 8, 5, 2, 7, 4)]
+    return [(p[1:2], greedy), (p[:4], greedy), (p[::-1], staggered)]
+
+
+def _seeded(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, top_k=50, top_p=0.9, seed=100 + s)
+            for s in range(n)]
+
+
+def _assert_package_equals_engine(package, engine, vocab: int) -> None:
+    modes = record_modes(package)
+    for prompts, params in _greedy_batches(vocab):
+        got = ids(package.generate(prompts, params))
+        assert got == ids(engine.generate(prompts, params)), f"{len(prompts)} prompts"
+        wanted = [q.max_new_tokens for q in params] if isinstance(params, list) else [NEW_TOKENS] * len(prompts)
+        assert [len(t) for t in got] == wanted
+    assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)  # both programs ran
+    prompts = _prompts(vocab)[:4]
+    sampled = ids(package.generate(prompts, _seeded(4)))
+    assert sampled == ids(engine.generate(prompts, _seeded(4)))
+    greedy = ids(engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS)))
+    assert sampled != greedy  # the sampler drew, or the seeded comparison proves nothing more
+    assert not package.has_unfinished()
+
+
+def test_llama_1b_package_tokens_equal_engine_greedy_and_seeded(llama_1b, llama_1b_engine):
+    llm, _ = llama_1b
+    assert llm.device.type == "cuda" and llm.package.record["device"] == "cuda"
+    assert llm.package.record["dtype"] == "float32" and llm.package.record["attention_backend"] == "triton"
+    _assert_package_equals_engine(llm, llama_1b_engine, tscompile.models.PRESETS["llama-1b"].vocab_size)
+
+
+def test_narrowing_package_tokens_equal_engine_greedy_and_seeded(narrow_path):
+    record = read_package_metadata(narrow_path)
+    assert [g["name"] for g in record["cache_groups"]] == ["full", "tail"]
+    assert "tscompile::narrow_rows" in record["ops"]["prefill"]
+    if os.path.exists(SYSTEM_GXX):  # the compiler the record names is the one the export was given
+        assert record["compiler"]["command"] == SYSTEM_GXX
+    llm = tscompile.load_package(narrow_path)
+    _assert_package_equals_engine(llm, _engine("narrow-tiny"), tscompile.models.PRESETS["narrow-tiny"].vocab_size)
+
+
+def test_external_weights_are_used_in_place(llama_1b):
+    """The programs borrow the tensors read from the weights file: every constant they need is one
+    of them, tied weights share one storage, loading took one copy's worth of device memory (a
+    second copy of llama-1b's 4.9 GB would double it), and a change made in place to one of those
+    tensors changes what the programs compute."""
+    llm, taken = llama_1b
+    weights = llm.package.weights
+    assert llm.package.record["weights"] == "external" and weights
+    programs = llm.runner.programs
+    for name, program in programs.items():
+        wanted = {f.removeprefix("model.") for f in program.get_constant_fqns()}
+        assert wanted and wanted <= set(weights), (name, sorted(wanted - set(weights))[:3])
+    assert all(t.device.type == "cuda" for t in weights.values())
+    assert weights["output.weight"].data_ptr() == weights["tok_embeddings.weight"].data_ptr()  # tied, once
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in weights.values()}
+    weight_bytes = sum(unique.values())
+    assert weight_bytes > 4 << 30  # llama-1b in float32: the bound below can tell one copy from two
+    assert 0.9 * weight_bytes <= taken <= weight_bytes + (768 << 20), (taken, weight_bytes)
+
+    prompts = _prompts(tscompile.models.PRESETS["llama-1b"].vocab_size)[:2]
+    params = SamplingParams(max_new_tokens=4)
+    before = ids(llm.generate(prompts, params))
+    norm = weights["norm.weight"]
+    saved = norm.clone()
+    try:
+        norm.zero_()  # the final norm's output is zero: every logit is zero, one token wins everywhere
+        zeroed = ids(llm.generate(prompts, params))
+    finally:
+        norm.copy_(saved)
+    assert len({t for seq in zeroed for t in seq}) == 1 and zeroed != before
+    assert ids(llm.generate(prompts, params)) == before  # restored in place, as it was
+
+
+@pytest.mark.parametrize("name,value,limit", [("max_num_seqs", 5, 4), ("max_model_len", 65, 64),
+                                              ("max_num_batched_tokens", 65, 64)])
+def test_limits_beyond_the_package_bounds_are_refused(narrow_path, name, value, limit):
+    with pytest.raises(ValueError, match=rf"^tscompile: {name} {value} is outside the package's bound "
+                                         rf"\[1, {limit}\]"):
+        tscompile.load_package(narrow_path, **{name: value})
+
+
+def test_requests_beyond_the_bounds_are_refused_and_lower_limits_hold(narrow_path):
+    llm = tscompile.load_package(narrow_path)
+    with pytest.raises(ValueError, match=r"^tscompile: .* = 66 exceeds max_model_len 64 \(package bound 64\)"):
+        llm.generate([[1, 2, 3], list(range(1, 61))], SamplingParams(max_new_tokens=6))
+    assert not llm.has_unfinished()
+    with pytest.raises(ValueError, match=r"^tscompile: token id 512 outside the vocabulary"):
+        llm.generate([[512]])
+    small = tscompile.load_package(narrow_path, max_model_len=16, max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"^tscompile: .* = 20 exceeds max_model_len 16 \(package bound 64\)"):
+        small.generate([list(range(1, 11))], SamplingParams(max_new_tokens=10))
+    short = [p for p in _prompts(512) if len(p) + 4 <= 16][:3]
+    got = ids(small.generate(short, SamplingParams(max_new_tokens=4)))
+    assert len(short) == 3 and [len(t) for t in got] == [4, 4, 4]  # three requests through two slots
+
+
+def test_other_releases_and_the_cpu_are_refused(narrow_path, monkeypatch):
+    built = re.escape(torch.__version__)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "2.99.0")
+        with pytest.raises(ValueError, match=rf"^tscompile: .*built with torch {built}, this is torch 2\.99\.0"):
+            tscompile.load_package(narrow_path)
+    with monkeypatch.context() as m:
+        m.setattr(tscompile.version, "__version__", "0.9.0")
+        with pytest.raises(ValueError, match=r"^tscompile: .*built with tscompile .*, this is tscompile 0\.9\.0"):
+            tscompile.load_package(narrow_path)
+    with pytest.raises(ValueError, match=r"^tscompile: package was built for device 'cuda', cannot load it on 'cpu'"):
+        tscompile.load_package(narrow_path, device="cpu")
