@@ -35,25 +35,39 @@ logger = logging.getLogger("tscompile")
 def tscompile_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None,
                       options: dict | None = None) -> Callable:
     config = TscompileConfig.from_options(options, mode)
-    return compile_graph(gm, example_inputs, config)
+    # The config's cudagraphs default is the engine's; a torch.compile user opts in, as with stock
+    # torch.compile: mode="reduce-overhead" or options={"cudagraphs": True}.
+    user_graphs = mode == "reduce-overhead" or (options or {}).get("cudagraphs") is True
+    return compile_graph(gm, example_inputs, config, user_graphs=user_graphs)
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig,
-                  wrappers: PieceWrappers | None = None) -> Callable:
+                  wrappers: PieceWrappers | None = None, user_graphs: bool = False) -> Callable:
     """Compile one Dynamo graph: whole when it has no break, else split and compiled piece by
-    piece (``wrappers`` wraps the pieces, e.g. the engine's per-bucket CUDA graphs)."""
+    piece (``wrappers`` wraps the pieces, e.g. the engine's per-bucket CUDA graphs).
+
+    ``user_graphs`` (a torch.compile user's cudagraphs): a graph without breaks is captured whole by
+    Inductor's CUDA-graph trees, like stock reduce-overhead; a split graph gets per-bucket piece
+    graphs with the breaks run eagerly between them (``user_graphs.py``)."""
     counters["graphs"] += 1
     if not has_breaks(gm, config.split_ops, config.split_sdpa, config.split_narrowing):
         if config.debug_dir:
             dump_split(config.debug_dir, gm, None, None)
-        return compile_piece(gm, example_inputs, config)
+        return compile_piece(gm, example_inputs, config, cudagraph_trees=user_graphs and config.cudagraphs)
     split, plan = split_graph(gm, split_ops=config.split_ops, split_sdpa=config.split_sdpa,
                               split_narrowing=config.split_narrowing)
     counters["breaks"] += plan.num_breaks
     if config.debug_dir:
         folder = dump_split(config.debug_dir, gm, split, plan)
         logger.info("tscompile: split plan and pieces written to %s", folder)
-    return compile_split_module(split, plan, example_inputs, config, wrappers).forward
+    split = compile_split_module(split, plan, example_inputs, config, wrappers)
+    if user_graphs and config.cudagraphs and wrappers is None:
+        from tscompile.piece_compiler import mutated_inputs
+        from tscompile.user_graphs import wrap_split
+
+        ladder = tuple(b for b in config.token_ladder if b <= config.prefill_graph_max_tokens)
+        return wrap_split(split, plan, example_inputs, ladder, mutated_inputs)
+    return split.forward
 
 
 def _reset() -> None:

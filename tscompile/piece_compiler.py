@@ -36,8 +36,10 @@ class PieceWrappers:
     narrow: Callable[[str, Callable, list[bool], list[bool]], Callable]
 
 
-def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig) -> Callable:
-    """One graph -> one callable with the configured piece compiler."""
+def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig,
+                  cudagraph_trees: bool = False) -> Callable:
+    """One graph -> one callable with the configured piece compiler. ``cudagraph_trees``: Inductor
+    captures the graph itself (stock ``mode="reduce-overhead"``); only for a graph compiled whole."""
     counters["pieces_compiled"] += 1
     if config.piece_compiler == "eager":
         return gm.forward
@@ -48,7 +50,7 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
 
     static = all(not isinstance(s, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
                  for s in t.shape) and not any(isinstance(t, torch.SymInt) for t in example_inputs)
-    patches = {**config.inductor_patches(static), "triton.cudagraphs": False}
+    patches = {**config.inductor_patches(static), "triton.cudagraphs": cudagraph_trees}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -70,6 +72,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         self.fake_mode = fake_mode
         self.compiled: dict[str, Callable] = {}
         self.fake_outputs: dict[str, object] = {}
+        self.fake_args: dict[str, tuple] = {}
 
     def run(self, *args):
         fake_args = [self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -79,6 +82,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
     def call_module(self, target, args, kwargs):
         out = super().call_module(target, args, kwargs)
         self.fake_outputs[target] = out
+        self.fake_args[target] = tuple(args)
         if target in self.compile_names:
             self.compiled[target] = compile_piece(self.fetch_attr(target), list(args), self.config)
         else:
@@ -114,7 +118,9 @@ def compile_split_module(split: torch.fx.GraphModule, plan: SplitPlan, example_i
     if fake_mode is None:
         raise RuntimeError("tscompile: no fake mode found for the traced graph")
     interp = _PieceCompileInterpreter(split, names, config, fake_mode)
-    interp.run(*example_inputs)
+    fake_result = interp.run(*example_inputs)
+    # what the pieces saw while compiling, for wrappers that need the symbolic shapes (user_graphs.py)
+    split.meta["tscompile_fake"] = (interp.fake_args, interp.fake_outputs, fake_result)
     for piece in plan.pieces:
         # nn.Module.__setattr__ would refuse a plain callable; the split module's code only calls it
         if piece.kind == "compiled":

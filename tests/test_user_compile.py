@@ -1,0 +1,161 @@
+"""torch.compile users of backend="tscompile" on a stock transformers Llama (CPU): one compile
+across prompt lengths, split pieces equal eager, padding to token buckets never visible, options
+validated. The CUDA-graph replay itself is tested in test_user_compile_gpu.py."""
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+from tscompile.config import TscompileConfig
+from tscompile.counters import counters
+from tscompile import user_graphs
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = (17, 32, 100, 512)
+
+
+def tiny_llama(layers=1):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def unique_graphs() -> int:
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def run_lengths(fwd, model, lengths=LENGTHS):
+    """Each length's compiled logits against eager; the compiled logits are poisoned first."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n in lengths:
+            ids = torch.randint(0, 96, (1, n))
+            out = torch.full((1, n, 96), float("nan"))
+            out.copy_(fwd(input_ids=ids, use_cache=False).logits)
+            ref = model(input_ids=ids, use_cache=False).logits
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"length {n}")
+
+
+@pytest.mark.parametrize("split_sdpa", [True, False])
+def test_dynamic_true_compiles_once_for_every_length(split_sdpa):
+    torch.compiler.reset()
+    model = tiny_llama()
+    before = unique_graphs()
+    fwd = torch.compile(model.forward, backend="tscompile", dynamic=True, options={"split_sdpa": split_sdpa})
+    run_lengths(fwd, model)
+    assert unique_graphs() - before == 1
+
+
+def test_default_dynamic_compiles_twice_at_most_and_mark_dynamic_once():
+    """dynamic=None (the default): Dynamo compiles the first length static and, at the second
+    length, once more with the length dynamic (automatic dynamic shapes); never again after that.
+    Marking the token dim dynamic before the first call makes it one compile."""
+    torch.compiler.reset()
+    model = tiny_llama()
+    opts = {"split_sdpa": True, "piece_compiler": "eager"}  # Dynamo's guards do not depend on it
+    before = unique_graphs()
+    run_lengths(torch.compile(model.forward, backend="tscompile", options=opts), model)
+    assert unique_graphs() - before == 2
+
+    torch.compiler.reset()
+    before = unique_graphs()
+    fwd = torch.compile(model.forward, backend="tscompile", options=opts)
+    with torch.no_grad():
+        for n in LENGTHS:
+            ids = torch.randint(0, 96, (1, n))
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch.testing.assert_close(fwd(input_ids=ids, use_cache=False).logits,
+                                       model(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    assert unique_graphs() - before == 1
+
+
+def test_padding_to_buckets_is_invisible_and_pieces_run_at_the_bucket(monkeypatch):
+    torch.compiler.reset()
+    model = tiny_llama(layers=2)
+    resized = []
+    orig = user_graphs._Shapes.resize
+
+    def spy(self, args, rows, pad):
+        resized.append((rows, pad))
+        return orig(self, args, rows, pad)
+
+    monkeypatch.setattr(user_graphs._Shapes, "resize", spy)
+    opts = {"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 64, 128)}
+    fwd = torch.compile(model.forward, backend="tscompile", dynamic=True, options=opts)
+    before = dict(counters)
+    with user_graphs.pad_without_graphs():
+        run_lengths(fwd, model, (17, 32, 100, 200))
+    padded = counters["user_padded_runs"] - before.get("user_padded_runs", 0)
+    assert counters["user_padded_pieces"] - before.get("user_padded_pieces", 0) >= 2  # the layers' pieces
+    assert padded >= 2 * 3  # every padded piece ran at the three lengths within the ladder
+    assert {r for r, pad in resized if pad} == {32, 128}  # 17 -> 32, 32 stays, 100 -> 128; 200 above
+    assert {r for r, pad in resized if not pad} >= {17, 100}  # sliced back at breaks and outputs
+    assert counters["user_above_ladder"] - before.get("user_above_ladder", 0) == 1
+
+
+def test_without_the_switch_a_cpu_graph_runs_unpadded():
+    torch.compiler.reset()
+    model = tiny_llama()
+    before = counters["user_padded_runs"]
+    fwd = torch.compile(model.forward, backend="tscompile", dynamic=True,
+                        options={"split_sdpa": True, "cudagraphs": True, "piece_compiler": "eager"})
+    run_lengths(fwd, model, (17, 40))
+    assert counters["user_padded_runs"] == before  # no graphs on the CPU: padding would only cost
+
+
+def test_generate_under_padding_gives_eager_greedy_tokens():
+    torch.compiler.reset()
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+        model.forward = torch.compile(model.forward, backend="tscompile", dynamic=True,
+                                      options={"split_sdpa": True, "cudagraphs": True, "piece_compiler": "eager"})
+        with user_graphs.pad_without_graphs():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.tolist() == ref.tolist()
+
+
+def test_a_piece_reading_rows_from_the_end_runs_live():
+    """x[:, -1:] after a break reads the last row, a padded one once padded: that piece must run
+    at the live rows (and the answer stay eager's)."""
+
+    class LastRow(torch.nn.Module):
+        def forward(self, q):
+            a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return (a * 2)[:, :, -1:, :] + 1
+
+    torch.compiler.reset()
+    before = counters["user_live_pieces"]
+    m = LastRow()
+    fwd = torch.compile(m, backend="tscompile", options={"split_sdpa": True, "cudagraphs": True,
+                                                         "piece_compiler": "eager", "token_ladder": (16,)})
+    with user_graphs.pad_without_graphs():
+        for n in (5, 11):
+            q = torch.randn(1, 2, n, 8)
+            torch._dynamo.mark_dynamic(q, 2)  # only the token dim: other dynamic sizes turn graphs off
+            torch.testing.assert_close(fwd(q), m(q))
+    assert counters["user_live_pieces"] - before == 1
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"cudagraphs": "yes"}, "cudagraphs must be True or False"),
+    ({"token_ladder": [0, 32]}, "token_ladder must be strictly increasing positive ints"),
+    ({"token_ladder": "32"}, "token_ladder must be a sequence of ints"),
+    ({"split_sdpa": 1}, "split_sdpa must be True or False"),
+    ({"bucket_ladder": (32,)}, "unknown option(s) ['bucket_ladder']"),
+])
+def test_options_are_validated(options, needle):
+    with pytest.raises(ValueError, match="^tscompile: ") as e:
+        TscompileConfig.from_options(options)
+    assert needle in str(e.value)
+    with pytest.raises(Exception) as e:  # through torch.compile: Dynamo wraps the backend's error
+        torch.compile(torch.nn.Linear(4, 4), backend="tscompile", options=options)(torch.randn(2, 4))
+    chain, err = [], e.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or getattr(err, "inner_exception", None)
+    assert any(isinstance(x, ValueError) and str(x).startswith("tscompile: ") and needle in str(x) for x in chain)
