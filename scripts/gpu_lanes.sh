@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Two lanes of jobs on nvidia-h200-x2, one per GPU, each job run in turn until the call's deadline.
+#   LANE0="compare pkgtests" LANE1="tests:custom_ops tests:prefill prefill_modes" bash scripts/gpu_lanes.sh
+# Jobs (each writes under $OUT; pytest jobs append to $OUT/lane<N>_tests.log, with SIGINT at the
+# deadline so pytest still prints its summary):
+#   compare        llama-1b tscompile-triton, base tree .gpu_trees/base vs this tree (gpu_check.sh compare)
+#   fibench        llama-1b bench, tscompile-triton next to tscompile-flashinfer, bs 1 8 32 64
+#   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
+#   tests:NAME     one of the pytest selections in tests_for() below
+# FlashInfer's wheels are installed from .whl/ when carried.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+deadline=$((SECONDS + ${LANES_SECONDS:-570}))
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+tests_for() {
+  case $1 in
+    custom_ops) echo "tests/test_custom_ops.py" ;;
+    prefill) echo "tests/test_gpu_graphs.py -k prefill_graph" ;;
+    flashinfer_new) echo "tests/test_flashinfer.py -k 64_or_first_use_or_llama_1b" ;;
+    flashinfer) echo "tests/test_flashinfer.py" ;;
+    user_compile) echo "tests/test_user_compile_gpu.py" ;;
+    packages) echo "tests/test_gpu_packages.py" ;;
+    all) echo "tests" ;;
+    *) echo "tests/test_$1.py" ;;
+  esac
+}
+
+run_job() {  # lane job
+  local lane=$1 job=$2 left=$((deadline - SECONDS - 5))
+  [ $left -lt 30 ] && { echo "== $job skipped: ${left}s left"; return; }
+  echo "== $job (${left}s left, $(date +%T))"
+  case $job in
+    compare)
+      OUT=/tmp/compare SKIP_INSTALL=1 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
+        bash scripts/gpu_check.sh compare > /tmp/compare.out 2>&1
+      grep -A40 "== /tmp/compare/r/bench_" /tmp/compare.out | grep -E "^== |^\| tscompile" ; cp /tmp/compare/results.tgz "$OUT/compare.tgz" ;;
+    fibench)
+      timeout $left tscompile bench --model llama-1b --modes tscompile-triton tscompile-flashinfer \
+        --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 2048 --num-iters 3 \
+        --num-iters-warmup 1 --output-json "$OUT/fibench.json" --output-md "$OUT/fibench.md" 2>&1 | tail -30 ;;
+    prefill_modes)
+      timeout $left python3 scripts/prefill_modes.py "$OUT/prefill_modes.json" --iters 10 2>&1 | grep -v -i warn | tail -14 ;;
+    tests:*)
+      local sel; sel=$(tests_for "${job#tests:}")
+      local files=${sel%% -k *} k=""
+      [ "$files" != "$sel" ] && k=${sel#* -k }
+      timeout -s INT $left python3 -m pytest -v --tb=short -rfE --durations=8 -m gpu $files ${k:+-k "${k//_or_/ or }"} \
+        >> "$OUT/lane${lane}_tests.log" 2>&1
+      echo "rc=$?"; grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/lane${lane}_tests.log" | tail -12 ;;
+    *) echo "unknown job $job" ;;
+  esac
+}
+
+lane() {
+  export CUDA_VISIBLE_DEVICES=$1
+  for job in $2; do run_job "$1" "$job"; done
+}
+
+lane 0 "${LANE0:-compare}" > "$OUT/lane0.log" 2>&1 &
+pid0=$!
+lane 1 "${LANE1:-tests:custom_ops}" > "$OUT/lane1.log" 2>&1 &
+pid1=$!
+wait $pid0 $pid1
+[ -s "$OUT/install.log" ] || rm -f "$OUT/install.log"
+for n in 0 1; do echo "######## lane $n"; cat "$OUT/lane$n.log"; done
