@@ -28,6 +28,11 @@ def split_graphs(model):
                          options={"split_sdpa": True, "cudagraphs": True, "token_ladder": LADDER})
 
 
+def graph_counters():
+    """For failure messages: why pieces did or did not get graphs."""
+    return {k: v for k, v in counters.items() if k.startswith("user")}
+
+
 def logits(fwd, ids):
     return fwd(input_ids=ids, use_cache=False).logits
 
@@ -50,7 +55,7 @@ def test_piece_graphs_replay_bitwise_equal_to_padded_pieces_and_close_to_eager()
             assert torch.equal(replayed, padded), f"length {n}"
             assert torch.equal(replayed, replayed_again), f"length {n}: the first call's output was overwritten"
             torch.testing.assert_close(replayed.float(), eager.float(), rtol=3e-2, atol=3e-2, msg=f"length {n}")
-    assert counters["user_replays"] > replays
+    assert counters["user_replays"] > replays, graph_counters()
 
 
 def test_no_capture_or_recompile_inside_a_bucket_and_none_above_the_ladder():
@@ -61,7 +66,7 @@ def test_no_capture_or_recompile_inside_a_bucket_and_none_above_the_ladder():
         logits(fwd, torch.randint(0, 256, (1, 33), device="cuda"))  # compiles, captures bucket 64
         graphs, captures, replays = dynamo_utils.counters["stats"]["unique_graphs"], counters["user_captures"], \
             counters["user_replays"]
-        assert captures > 0
+        assert captures > 0, graph_counters()
         for n in (40, 64, 50):  # the same bucket
             logits(fwd, torch.randint(0, 256, (1, n), device="cuda"))
         assert counters["user_captures"] == captures
@@ -102,4 +107,4 @@ def test_generate_under_piece_graphs_gives_eager_greedy_tokens():
         out_again = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.tolist() == ref.tolist()
     assert out_again.tolist() == ref.tolist()
-    assert counters["user_captures"] > captures  # the prompt's pieces ran as graphs
+    assert counters["user_captures"] > captures, graph_counters()  # the prompt's pieces ran as graphs

@@ -339,7 +339,8 @@ def wrap_split(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: lis
         return _wrap(split, plan, example_inputs, ladder, mutated)
     except Unsupported as e:
         counters["user_graphs_refused"] += 1
-        logger.info("tscompile: this graph runs without CUDA graphs: %s", e)
+        # the user asked for graphs: say why there are none where they will see it
+        logger.warning("tscompile: this graph runs without CUDA graphs: %s", e)
         return split.forward
 
 
