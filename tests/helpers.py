@@ -141,3 +141,31 @@ def save_tokenizer(path, chat_template=True):
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     return path
+
+
+def assert_other_releases_refused(path, monkeypatch):
+    """``load_package`` refuses a package built by another torch or tscompile release, naming both."""
+    import re
+
+    import pytest
+
+    import tscompile.version
+    built = re.escape(torch.__version__)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "2.99.0")
+        with pytest.raises(ValueError, match=rf"^tscompile: .*built with torch {built}, this is torch 2\.99\.0"):
+            tscompile.load_package(path)
+    with monkeypatch.context() as m:
+        m.setattr(tscompile.version, "__version__", "0.9.0")
+        with pytest.raises(ValueError, match=rf"^tscompile: .*built with tscompile {re.escape(tscompile.__version__)}"
+                                             r".*tscompile 0\.9\.0"):
+            tscompile.load_package(path)
+
+
+def one_thread_fixture():
+    """A tiny model gains nothing from intra-op threads, and on a shared host they only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+

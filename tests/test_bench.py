@@ -21,16 +21,10 @@ from tscompile.bench.static_cache_model import StaticCacheModel
 from tscompile.bench.workloads import EngineRunner, StaticCacheRunner
 from tscompile.cli import main as tscompile_main
 from tscompile.models import PRESETS, build_model
-from helpers import ids
+from helpers import ids, one_thread_fixture
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A tiny model gains nothing from intra-op threads, and on a shared host they only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True)(one_thread_fixture)
 
 
 @pytest.mark.parametrize("max_len", [24, 40])

@@ -18,16 +18,12 @@ from tscompile.bench import package_mode
 from tscompile.cli import main as tscompile_main
 from tscompile.export import export_package
 from tscompile.models import PRESETS
+from helpers import one_thread_fixture
 
 PACKAGE_BOUNDS = dict(max_num_seqs=2, max_model_len=32, page_size=16, max_num_batched_tokens=2048)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True)(one_thread_fixture)
 
 
 @pytest.fixture(scope="module")

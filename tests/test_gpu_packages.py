@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import tscompile.version
 from tscompile import SamplingParams
 from tscompile.export import export_package, read_package_metadata
 from tscompile.forward_context import ForwardMode
-from helpers import ids, record_modes
+from helpers import assert_other_releases_refused, ids, record_modes
 
 pytestmark = pytest.mark.gpu
 
@@ -201,14 +200,6 @@ def test_requests_beyond_the_bounds_are_refused_and_lower_limits_hold(narrow_pat
 
 
 def test_other_releases_and_the_cpu_are_refused(narrow_path, monkeypatch):
-    built = re.escape(torch.__version__)
-    with monkeypatch.context() as m:
-        m.setattr(torch, "__version__", "2.99.0")
-        with pytest.raises(ValueError, match=rf"^tscompile: .*built with torch {built}, this is torch 2\.99\.0"):
-            tscompile.load_package(narrow_path)
-    with monkeypatch.context() as m:
-        m.setattr(tscompile.version, "__version__", "0.9.0")
-        with pytest.raises(ValueError, match=r"^tscompile: .*built with tscompile .*, this is tscompile 0\.9\.0"):
-            tscompile.load_package(narrow_path)
+    assert_other_releases_refused(narrow_path, monkeypatch)
     with pytest.raises(ValueError, match=r"^tscompile: package was built for device 'cuda', cannot load it on 'cpu'"):
         tscompile.load_package(narrow_path, device="cpu")
