@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 
 from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
@@ -76,7 +77,10 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
 
     def run(self, *args):
         fake_args = [self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        with self.fake_mode:
+        # as Dynamo propagates fake values: with the Python dispatcher, composite ops (matmul) read
+        # symbolic sizes; without it torch 2.11 lowers their size queries to ints, which guards the
+        # token count to the first call's value and recompiles the frame for every new length
+        with self.fake_mode, enable_python_dispatcher():
             return super().run(*fake_args)
 
     def call_module(self, target, args, kwargs):
