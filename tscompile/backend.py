@@ -62,11 +62,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
         logger.info("tscompile: split plan and pieces written to %s", folder)
     split = compile_split_module(split, plan, example_inputs, config, wrappers)
     if user_graphs and config.cudagraphs and wrappers is None:
-        from tscompile.piece_compiler import mutated_inputs
         from tscompile.user_graphs import wrap_split
 
         ladder = tuple(b for b in config.token_ladder if b <= config.prefill_graph_max_tokens)
-        return wrap_split(split, plan, example_inputs, ladder, mutated_inputs)
+        return wrap_split(split, plan, example_inputs, ladder)
     return split.forward
 
 

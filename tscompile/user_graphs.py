@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 
 from tscompile.counters import counters
 from tscompile.passes.split import SDPA_TARGETS, SplitPlan, op_name
+from tscompile.piece_compiler import mutated_inputs
 from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
@@ -331,12 +332,12 @@ class LiveBreak:
         return self.fn(*self.shapes.resize(args, rt.live, pad=False))
 
 
-def wrap_split(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: list, ladder: tuple[int, ...],
-               mutated: Callable[[torch.fx.GraphModule], frozenset[int]]) -> Callable:
+def wrap_split(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: list,
+               ladder: tuple[int, ...]) -> Callable:
     """The forward of ``split`` (its pieces already compiled, ``compile_split_module``) run padded to
     the ladder's buckets with per-bucket graphs; ``split.forward`` itself where padding is unsound."""
     try:
-        return _wrap(split, plan, example_inputs, ladder, mutated)
+        return _wrap(split, plan, example_inputs, ladder)
     except Unsupported as e:
         counters["user_graphs_refused"] += 1
         # the user asked for graphs: say why there are none where they will see it
@@ -344,7 +345,7 @@ def wrap_split(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: lis
         return split.forward
 
 
-def _wrap(split, plan, example_inputs, ladder, mutated) -> Callable:
+def _wrap(split, plan, example_inputs, ladder) -> Callable:
     if not ladder:
         raise Unsupported("the token ladder is empty (prefill_graph_max_tokens=0)")
     fake_args, _fake_outputs, fake_result = split.meta["tscompile_fake"]
@@ -366,9 +367,10 @@ def _wrap(split, plan, example_inputs, ladder, mutated) -> Callable:
         fn = split.__dict__.get(piece.name, module)
         why = check_row_wise(module, sym) if piece.kind == "compiled" else piece.kind
         if piece.kind == "compiled" and why is None:
-            if any(shapes.where[i] for i in mutated(module)):
+            written = mutated_inputs(module)
+            if any(shapes.where[i] for i in written):
                 raise Unsupported(f"piece {piece.name} writes in place to a token-shaped input")
-            split.__dict__[piece.name] = PaddedPiece(piece.name, fn, shapes, mutated(module), runtime)
+            split.__dict__[piece.name] = PaddedPiece(piece.name, fn, shapes, written, runtime)
             padded += 1
         else:
             if piece.kind == "compiled":
