@@ -24,6 +24,7 @@ tests_for() {
     custom_ops) echo "tests/test_custom_ops.py" ;;
     prefill) echo "tests/test_gpu_graphs.py -k prefill_graph" ;;
     flashinfer_new) echo "tests/test_flashinfer.py -k 64_or_first_use_or_llama_1b" ;;
+    flashinfer_rest) echo "tests/test_flashinfer.py -k first_use_or_llama_1b" ;;
     flashinfer) echo "tests/test_flashinfer.py" ;;
     user_compile) echo "tests/test_user_compile_gpu.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
