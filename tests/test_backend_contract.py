@@ -224,6 +224,11 @@ def test_whole_step_prefill_falls_back_to_piecewise_for_a_backend_with_a_host_dr
         assert resolved.whole_prefill_culprits == (() if possible else ("TorchAttentionBackend",))
         assert ("TorchAttentionBackend cannot launch its extend attention inside a captured graph" in caplog.text) \
             is not possible
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tscompile"):  # the default "auto" says it without a warning
+            assert whole_step_prefill_possible(router, resolved, asked=False) is possible
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert ("prefill_graph_mode='auto' runs piecewise prefill graphs" in caplog.text) is not possible
 
 
 def test_rejected_rebind_changes_nothing():

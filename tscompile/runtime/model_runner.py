@@ -59,18 +59,22 @@ def check_inputs_on_host(plan: StepPlan, prev_rows: list[int] | None) -> None:
                                "LLM.sync() before running the runner directly")
 
 
-def whole_step_prefill_possible(attention: AttentionRouter, graph_support: ResolvedGraphSupport) -> bool:
-    """``prefill_graph_mode="whole"`` falls back to the piecewise graphs (said once in the log) when the
+def whole_step_prefill_possible(attention: AttentionRouter, graph_support: ResolvedGraphSupport,
+                                asked: bool = True) -> bool:
+    """Whole-step prefill graphs fall back to the piecewise graphs (said once in the log) when the
     narrowing model runs (its row ladder lives in the piecewise path) or an attention backend cannot
-    launch its extend inside a graph."""
+    launch its extend inside a graph. A fallback the user asked against (``asked``: the mode "whole"
+    rather than "auto") is a warning."""
+    mode = "'whole'" if asked else "'auto'"
     if any(s.narrowed for s in attention.specs):
-        logger.info("tscompile: prefill_graph_mode='whole' runs piecewise prefill graphs: the narrowing model "
-                    "pads its rows per bucket in the piecewise path")
+        logger.info("tscompile: prefill_graph_mode=%s runs piecewise prefill graphs: the narrowing model "
+                    "pads its rows per bucket in the piecewise path", mode)
         return False
     if not graph_support.support.whole_prefill_graph:
-        logger.warning("tscompile: prefill_graph_mode='whole' runs piecewise prefill graphs: %s cannot launch "
-                       "its extend attention inside a captured graph (cuda_graph_support.whole_prefill_graph="
-                       "False)", ", ".join(graph_support.whole_prefill_culprits))
+        (logger.warning if asked else logger.info)(
+            "tscompile: prefill_graph_mode=%s runs piecewise prefill graphs: %s cannot launch its extend "
+            "attention inside a captured graph (cuda_graph_support.whole_prefill_graph=False)",
+            mode, ", ".join(graph_support.whole_prefill_culprits))
         return False
     return True
 
@@ -124,7 +128,8 @@ class ModelRunner:
         self.prefill_buckets: PrefillBuckets | None = None
         self.whole_prefill: WholeStepPrefill | None = None
         if graphs_on and graph_support.support.prefill_graph:
-            if compile_config.prefill_graph_mode == "whole" and whole_step_prefill_possible(attention, graph_support):
+            mode = compile_config.prefill_graph_mode
+            if mode != "piecewise" and whole_step_prefill_possible(attention, graph_support, asked=mode == "whole"):
                 self.enable_whole_step_prefill()
             else:
                 self.enable_prefill_graphs(PieceGraphRuntime(device))
