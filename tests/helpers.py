@@ -143,6 +143,70 @@ def save_tokenizer(path, chat_template=True):
     return path
 
 
+TEXTS = ["Hello world! The quick", "Café naïve 我们喜欢", "Emoji time 🎉"]
+
+
+def write_text_checkpoint(path):
+    """A tiny Llama checkpoint written by transformers beside ``save_tokenizer``'s tokenizer, whose
+    end-of-sequence id is a token the model really produces: the 4th greedy token of ``TEXTS[0]``
+    (transformers, CPU, float32), so a run of that prompt stops there. Returns ``(path, the
+    transformers model, its tokenizer, that eos id)``; nothing is downloaded."""
+    import transformers
+
+    save_tokenizer(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    ids = tok(TEXTS[0], return_tensors="pt").input_ids
+    out = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    eos = int(out[0, ids.shape[1] + 3])
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    return path, model, tok, eos
+
+
+def assert_text_package_stops_like_engine(package, engine, tok, eos: int, max_new_tokens: int = 10) -> None:
+    """A package exported from ``write_text_checkpoint``'s checkpoint against the engine on that
+    checkpoint: it carries the checkpoint's tokenizer and stop ids, encodes text prompts and decodes
+    its outputs with that tokenizer, and stops where the engine stops, token for token: at the eos
+    id, past it under ``min_tokens`` (the packaged sampler masks it), and at a requested stop id."""
+    from tscompile import SamplingParams
+
+    record = package.package.record
+    assert "tokenizer.json" in record["tokenizer_files"] and package.tokenizer is not None
+    assert tuple(record["eos_token_ids"]) == package.eos_token_ids == engine.eos_token_ids
+    assert eos in package.eos_token_ids and tok.eos_token_id in package.eos_token_ids
+    full = engine.generate(TEXTS[0], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))[0].outputs[0]
+    assert eos in full.token_ids[:-1], "the checkpoint's eos must be a token this prompt produces early"
+    first_eos = min(i for i, t in enumerate(full.token_ids) if t in package.eos_token_ids)
+    stop_id = next(t for t in full.token_ids if t not in package.eos_token_ids)
+    prompts = [*TEXTS, TEXTS[0], TEXTS[0]]
+    params = [SamplingParams(max_new_tokens=max_new_tokens)] * len(TEXTS) + [
+        SamplingParams(max_new_tokens=max_new_tokens, min_tokens=first_eos + 1),
+        SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, stop_token_ids=[stop_id])]
+    got, want = package.generate(prompts, params), engine.generate(prompts, params)
+    for g, w, text in zip(got, want, prompts):
+        assert g.prompt == text and g.prompt_token_ids == w.prompt_token_ids == tok(text).input_ids
+        c, d = g.outputs[0], w.outputs[0]
+        assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == \
+               (d.token_ids, d.text, d.finish_reason, d.stop_reason), text
+        kept = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids  # a stop id is not in the text
+        assert c.text == tok.decode(kept, skip_special_tokens=True)
+    by_eos, masked, by_id = (o.outputs[0] for o in got[0:1] + got[-2:])
+    assert by_eos.token_ids == full.token_ids[:first_eos + 1]
+    assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None
+    assert masked.token_ids[:first_eos] == full.token_ids[:first_eos]
+    assert not set(masked.token_ids[:first_eos + 1]) & set(package.eos_token_ids)
+    assert by_id.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1] and by_id.stop_reason == stop_id
+
+
 def assert_other_releases_refused(path, monkeypatch):
     """``load_package`` refuses a package built by another torch or tscompile release, naming both."""
     import re

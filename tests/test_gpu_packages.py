@@ -1,6 +1,8 @@
 """Exported packages on a GPU: package tokens equal engine tokens (llama-1b and the narrowing model,
-float32, greedy and seeded sampling), external weights used in place, and the limits and release
-refusals. Skipped without CUDA.
+float32, greedy and seeded sampling), a bf16 package's logits equal the engine's within what bf16
+costs (its tokens may part from the engine's at a near-tie: the two are different graphs), a package
+exported from a Hugging Face checkpoint carries its tokenizer and stop ids, external weights are used
+in place, and the limits and release refusals. Skipped without CUDA.
 
 An export costs minutes on a GPU (two AOTInductor programs), so each model is exported once per
 module, with small bounds, and shared. The exports build with the system ``g++`` where it exists:
@@ -21,7 +23,9 @@ import tscompile.version
 from tscompile import SamplingParams
 from tscompile.export import export_package, read_package_metadata
 from tscompile.forward_context import ForwardMode
-from helpers import assert_other_releases_refused, ids, record_modes
+from helpers import (assert_other_releases_refused, assert_text_package_stops_like_engine, ids, record_modes,
+                     write_text_checkpoint)
+from package_logits import assert_bf16_package_logits_match_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -36,9 +40,12 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[(97 * i + 31 * j + 5) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(lengths)]
 
 
-def _export(tmp_path_factory, model: str, *, weights: str, verify: bool):
-    """One float32 CUDA package of ``model``; built with the system g++ when there is one."""
-    path = tmp_path_factory.mktemp(f"gpu-package-{model}") / f"{model}.pt2"
+def _export(tmp_path_factory, model: str, *, weights: str, verify: bool, dtype: torch.dtype = torch.float32,
+            name: str | None = None):
+    """One CUDA package of ``model`` (a preset or a checkpoint directory, then ``name`` names the
+    file); built with the system g++ when there is one."""
+    name = name or model
+    path = tmp_path_factory.mktemp(f"gpu-package-{name}") / f"{name}.pt2"
     options = {}
     with pytest.MonkeyPatch.context() as patch:
         if os.path.exists(SYSTEM_GXX):
@@ -46,7 +53,7 @@ def _export(tmp_path_factory, model: str, *, weights: str, verify: bool):
             # this process's builds get the compiler through cpp.cxx
             patch.setenv("CXX", SYSTEM_GXX)
             options["cpp.cxx"] = (SYSTEM_GXX,)
-        export_package(model, path, device="cuda", dtype=torch.float32, weights=weights, verify=verify,
+        export_package(model, path, device="cuda", dtype=dtype, weights=weights, verify=verify,
                        inductor_configs=options, **BOUNDS)
     return path
 
@@ -81,10 +88,10 @@ def narrow_path(tmp_path_factory):
     return _export(tmp_path_factory, "narrow-tiny", weights="inside", verify=True)
 
 
-def _engine(model: str):
+def _engine(model: str, dtype: torch.dtype = torch.float32):
     """The eager engine the packages are compared with: the same seeded weights, bounds and
-    attention backend (auto: triton on CUDA), float32."""
-    return tscompile.LLM(model, device="cuda", dtype=torch.float32, enforce_eager=True, **BOUNDS)
+    attention backend (auto: triton on CUDA), float32 unless asked."""
+    return tscompile.LLM(model, device="cuda", dtype=dtype, enforce_eager=True, **BOUNDS)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,21 @@ def llama_1b_engine():
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def llama_tiny_bf16_path(tmp_path_factory):
+    # the smallest model with the whole decoder (norms, GQA, RoPE, MLP, LM head) in bf16
+    return _export(tmp_path_factory, "llama-tiny", weights="inside", verify=False, dtype=torch.bfloat16,
+                   name="llama-tiny-bf16")
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint with a tokenizer trained here (offline) and an eos id its first text
+    produces: ``(path, transformers model, tokenizer, eos id)``."""
+    pytest.importorskip("transformers")
+    return write_text_checkpoint(tmp_path_factory.mktemp("gpu-text-checkpoint"))
 
 
 def _greedy_batches(vocab: int):
@@ -141,6 +163,31 @@ def test_narrowing_package_tokens_equal_engine_greedy_and_seeded(narrow_path):
         assert record["compiler"]["command"] == SYSTEM_GXX
     llm = tscompile.load_package(narrow_path)
     _assert_package_equals_engine(llm, _engine("narrow-tiny"), tscompile.models.PRESETS["narrow-tiny"].vocab_size)
+
+
+def test_bf16_package_logits_equal_engine_within_what_bf16_costs(llama_tiny_bf16_path):
+    """Prefill and three decode steps of the package, teacher forced: the engine walks the package's
+    own greedy tokens, so both compute logits of the same sequences; the tolerance is the engine's
+    bf16 error against its float32 logits on those sequences (package_logits.py)."""
+    llm = tscompile.load_package(llama_tiny_bf16_path)
+    assert llm.package.record["dtype"] == "bfloat16" and llm.package.record["attention_backend"] == "triton"
+    prompts = _prompts(tscompile.models.PRESETS["llama-tiny"].vocab_size)[:3]  # 9, 1 and 40 tokens: one prefill each
+    modes = record_modes(llm)
+    worst = assert_bf16_package_logits_match_engine(llm, _engine("llama-tiny", torch.bfloat16), _engine("llama-tiny"),
+                                                    prompts, steps=4)
+    assert modes.count(ForwardMode.EXTEND) == len(prompts) and modes.count(ForwardMode.DECODE) == 3 * len(prompts)
+    print(f"bf16 logits, max relative L2 error: {worst}")
+
+
+def test_checkpoint_package_carries_its_tokenizer_and_stops_like_the_engine(tmp_path_factory, text_checkpoint):
+    """Exported on CUDA in float32 (token equality with the engine needs the same arithmetic), from a
+    checkpoint whose tokenizer was trained here and whose eos id its first text produces
+    (``helpers.write_text_checkpoint``, shared with the CPU test in test_text_engine.py)."""
+    path, _, tok, eos = text_checkpoint
+    package = _export(tmp_path_factory, str(path), weights="inside", verify=False, name="text-checkpoint")
+    llm = tscompile.load_package(package)
+    assert llm.device.type == "cuda" and llm.package.record["dtype"] == "float32"
+    assert_text_package_stops_like_engine(llm, _engine(str(path)), tok, eos)
 
 
 def test_external_weights_are_used_in_place(llama_1b):

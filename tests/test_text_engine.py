@@ -7,37 +7,16 @@ import pytest
 import torch
 
 import tscompile
-from helpers import save_tokenizer
+from helpers import TEXTS, assert_text_package_stops_like_engine, write_text_checkpoint
 from tscompile import SamplingParams
 from tscompile.text import apply_chat_template
 
 transformers = pytest.importorskip("transformers")
 
-TEXTS = ["Hello world! The quick", "Café naïve 我们喜欢", "Emoji time 🎉"]
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A checkpoint whose end-of-sequence id is a token the model really produces: the 4th greedy
-    token of the first prompt, so transformers and tscompile both stop there."""
-    path = tmp_path_factory.mktemp("tiny_llama_text")
-    save_tokenizer(path)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    ids = tok(TEXTS[0], return_tensors="pt").input_ids
-    out = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
-    eos = int(out[0, ids.shape[1] + 3])
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(path)
-    return path, model, tok, eos
+    return write_text_checkpoint(tmp_path_factory.mktemp("tiny_llama_text"))
 
 
 def _engine(path, **kw):
@@ -211,15 +190,5 @@ def test_a_package_exported_from_a_checkpoint_carries_its_tokenizer_and_stop_ids
 
     path, _, tok, eos = checkpoint
     out = tmp_path / "tiny.pt2"
-    record = export_package(str(path), out, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4,
-                            verify=False)
-    assert eos in record["eos_token_ids"] and "tokenizer.json" in record["tokenizer_files"]
-    llm = tscompile.load_package(out)
-    assert llm.tokenizer is not None and eos in llm.eos_token_ids
-    params = SamplingParams(max_new_tokens=10)
-    got = llm.generate(TEXTS, params)
-    want = _engine(path).generate(TEXTS, params)
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].text == w.outputs[0].text
-        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
-    assert got[0].outputs[0].finish_reason == "stop"
+    export_package(str(path), out, device="cpu", max_num_seqs=2, max_model_len=64, page_size=4, verify=False)
+    assert_text_package_stops_like_engine(tscompile.load_package(out), _engine(path), tok, eos)
