@@ -311,11 +311,23 @@ class HFBench:
         return row
 
     def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+        msg = _error_text(e)
         bar.write(f"bench: {mode} {where} failed: {msg}", file=sys.stderr)
         if self.args.verbose:
             bar.write(traceback.format_exc(), file=sys.stderr)
         return msg
+
+
+def _error_text(e: BaseException) -> str:
+    """One line: the exception, and the backend's own error where torch wraps it (Dynamo's
+    ``BackendCompilerFailed`` says only "backend=... raised:" on its first line)."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        parts.append(f"{type(e).__name__}: {first}".strip())
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return " <- ".join(parts)
 
 
 def _compare_tokens(tokens: list[int], eager: list[int] | None) -> str | None:
