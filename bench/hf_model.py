@@ -16,6 +16,7 @@ compiled call is dropped after the mode.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -169,18 +170,22 @@ def counter_delta(before: dict, after: dict) -> dict:
 
 
 # -- one mode --------------------------------------------------------------------------------------
-class _TokenClock:
+def _token_clock():
     """A ``generate`` streamer that timestamps every ``put``: the prompt's (before the prefill),
     then one per new token. ``put`` gets CPU tensors (transformers copies, which synchronizes)."""
+    from transformers.generation.streamers import BaseStreamer
 
-    def __init__(self):
-        self.times: list[float] = []
+    class TokenClock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
 
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
 
-    def end(self) -> None:
-        pass
+        def end(self) -> None:
+            pass
+
+    return TokenClock()
 
 
 def _spread(ms: list[float]) -> dict:
@@ -242,9 +247,9 @@ class HFBench:
         diffs = [e["max_abs_diff_vs_eager"] for e in row["lengths"].values() if e["max_abs_diff_vs_eager"] is not None]
         row["max_abs_diff_vs_eager"] = max(diffs) if diffs else None
 
-    def _generate(self, ids: torch.Tensor) -> tuple[list[int], _TokenClock, float]:
+    def _generate(self, ids: torch.Tensor) -> tuple[list[int], object, float]:
         n = self.args.hf_generate_tokens
-        clock = _TokenClock()
+        clock = _token_clock()
         t0 = time.perf_counter()
         # disable_compile: transformers would otherwise compile the static-cache decode itself (on
         # CUDA), and eager would not be eager; min_new_tokens: a checkpoint's eos does not cut a run short
@@ -304,6 +309,7 @@ class HFBench:
         finally:
             self.model._compiled_call_impl = None  # back to eager for the next mode
             torch._dynamo.reset()
+            gc.collect()  # the compiled pieces and their CUDA graphs (memory pools) go with the mode
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
