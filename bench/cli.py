@@ -131,12 +131,29 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", default=None, metavar="PATH.png", help="decode ms/step vs batch size (matplotlib)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed modes")
+    hf = p.add_argument_group("torch.compile users' bench (a stock transformers model instead of the engine modes)")
+    hf.add_argument("--hf-model", default=None, metavar="DIR|PRESET",
+                    help="a transformers causal-LM checkpoint directory, or a preset shape as a LlamaConfig with "
+                         "seeded random weights (llama-tiny, llama-1b, llama-8b); runs eager, stock torch.compile "
+                         "and backend='tscompile' on it (bench/hf_model.py) instead of the engine modes")
+    hf.add_argument("--hf-lens", type=int, nargs="+", default=None,
+                    help="bs=1 forward prompt lengths (default 32 512 2048 cuda, 16 40 cpu)")
+    hf.add_argument("--hf-generate-tokens", type=int, default=None,
+                    help="new tokens of the static-cache generate (default 64 cuda, 16 cpu)")
+    hf.add_argument("--hf-modes", nargs="+", default=None,
+                    help="subset of eager, compile-default, compile-reduce-overhead, tscompile, tscompile-split "
+                         "(default: all; eager always runs, as the reference)")
 
 
 # -- orchestration ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from . import hf_model
+
+    if args.hf_model:
+        return hf_model.run(args)
+    hf_model.check_hf_flags_unused(args)
     device = fill_defaults(args)
     dtype = resolve_dtype(args.dtype, device)
     modes = resolve_modes(args, device)

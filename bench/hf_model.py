@@ -1,0 +1,409 @@
+"""``tscompile bench --hf-model DIR|PRESET``: a stock transformers causal LM under eager, stock
+``torch.compile`` and ``torch.compile(backend="tscompile")`` (the torch.compile users' path,
+docs/torch_compile_users.md), one process, a fresh Dynamo state per mode.
+
+Per mode: the forward over one bs=1 prompt (``use_cache=False``) at every ``--hf-lens`` length, the
+first call's wall time (the compile) apart; Dynamo's compiles, recompiles and graph breaks after the
+first call and after every length, with tscompile's ``user_*`` counters; transformers ``generate``
+with a static cache (greedy) timed per new token and compared with eager's tokens; and the last
+logits row of every length against eager's.
+
+All modes share one model object: ``nn.Module.compile`` (what ``torch.compile(model, ...)`` does,
+but in place) so that ``generate``, which calls ``self(...)``, runs the compiled forward too; the
+compiled call is dropped after the mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from . import compile_stats, hf_report, report
+from .workloads import Timer
+
+HF_MODES = ("eager", "compile-default", "compile-reduce-overhead", "tscompile", "tscompile-split")
+# torch.compile keyword arguments of each mode (None: not compiled)
+MODE_COMPILE_KWARGS: dict[str, dict | None] = {
+    "eager": None,
+    "compile-default": {"dynamic": True},
+    "compile-reduce-overhead": {"mode": "reduce-overhead", "dynamic": True},
+    "tscompile": {"backend": "tscompile", "mode": "reduce-overhead", "dynamic": True},
+    "tscompile-split": {"backend": "tscompile", "dynamic": True, "options": {"split_sdpa": True, "cudagraphs": True}},
+}
+# modes whose outputs live in the memory of Inductor's CUDA-graph trees: a later replay overwrites
+# them unless the caller marks a new step (torch.compiler.cudagraph_mark_step_begin) first
+GRAPH_TREE_MODES = ("compile-reduce-overhead", "tscompile")
+GENERATE_PROMPT_LEN = 32
+# Inductor's CUDA-graph trees run a new size once without a graph and record it on the next call:
+# two warm-ups per length, so the timed calls replay
+MIN_WARMUPS = 2
+TSCOMPILE_USER_KEYS = ("user_captures", "user_replays", "user_padded_pieces", "user_padded_runs", "user_live_pieces",
+                       "user_above_ladder", "user_graphs_refused", "graphs", "pieces_compiled", "breaks")
+
+
+# -- arguments -------------------------------------------------------------------------------------
+def hf_presets() -> list[str]:
+    """The tscompile presets transformers' ``LlamaConfig`` can express (no narrowing layer)."""
+    from tscompile.models import PRESETS
+
+    return sorted(name for name, cfg in PRESETS.items() if cfg.narrow_layer is None and not cfg.qk_norm
+                  and not cfg.qkv_bias)
+
+
+def check_model_spec(spec: str) -> str:
+    """``"preset"`` or ``"checkpoint"``; refuses a directory without config.json and an unknown name."""
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ValueError(f"tscompile: --hf-model {spec!r} is a directory without config.json; give a "
+                             f"transformers checkpoint directory or a preset ({', '.join(hf_presets())})")
+        return "checkpoint"
+    if spec not in hf_presets():
+        raise ValueError(f"tscompile: --hf-model {spec!r} is neither a checkpoint directory nor a preset; "
+                         f"presets: {', '.join(hf_presets())}")
+    return "preset"
+
+
+def resolve_modes(requested: list[str] | None) -> list[str]:
+    """The modes to run, in ``HF_MODES`` order; eager always runs first (the tokens and logits
+    columns compare every mode with it)."""
+    if not requested:
+        return list(HF_MODES)
+    unknown = [m for m in requested if m not in HF_MODES]
+    if unknown:
+        raise ValueError(f"tscompile: unknown --hf-modes {unknown}; allowed: {', '.join(HF_MODES)}")
+    return [m for m in HF_MODES if m in requested or m == "eager"]
+
+
+def fill_defaults(args: argparse.Namespace) -> torch.device:
+    """Checks the ``--hf-*`` arguments and fills their device-dependent defaults; returns the device."""
+    from tscompile.utils import resolve_device, resolve_dtype
+
+    if getattr(args, "modes", None):
+        raise ValueError(f"tscompile: --modes {args.modes} picks the engine bench's modes; with --hf-model use "
+                         f"--hf-modes ({', '.join(HF_MODES)})")
+    args.hf_model_kind = check_model_spec(args.hf_model)
+    device = resolve_device(args.device)
+    args.device = str(device)
+    gpu = device.type == "cuda"
+    args.dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    args.hf_modes = resolve_modes(args.hf_modes)
+    args.hf_lens = args.hf_lens or ([32, 512, 2048] if gpu else [16, 40])
+    bad = [n for n in args.hf_lens if n < 1]
+    if bad:
+        raise ValueError(f"tscompile: --hf-lens {args.hf_lens} has lengths < 1 ({bad}); give prompt lengths >= 1")
+    args.hf_generate_tokens = args.hf_generate_tokens if args.hf_generate_tokens is not None else (64 if gpu else 16)
+    if args.hf_generate_tokens < 1:
+        raise ValueError(f"tscompile: --hf-generate-tokens {args.hf_generate_tokens} must be >= 1")
+    args.num_iters = args.num_iters if args.num_iters is not None else (5 if gpu else 2)
+    if args.num_iters < 1:
+        raise ValueError(f"tscompile: --num-iters {args.num_iters} must be >= 1")
+    args.hf_warmups = max(args.num_iters_warmup, MIN_WARMUPS)
+    return device
+
+
+def check_hf_flags_unused(args: argparse.Namespace) -> None:
+    """The engine bench refuses ``--hf-*`` flags given without ``--hf-model`` (they would do nothing)."""
+    given = [f"--{k.replace('_', '-')}" for k in ("hf_lens", "hf_generate_tokens", "hf_modes")
+             if getattr(args, k, None) is not None]
+    if given:
+        raise ValueError(f"tscompile: {', '.join(given)} need --hf-model (a checkpoint directory or a preset)")
+
+
+# -- the model -------------------------------------------------------------------------------------
+def load_hf_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int):
+    """A transformers causal LM on ``device`` in ``dtype``, SDPA attention (``split_sdpa`` breaks at
+    it): a checkpoint directory's weights, or a preset's shape as a ``LlamaConfig`` with weights drawn
+    by transformers' own initialisation under ``seed``."""
+    import transformers
+
+    if check_model_spec(spec) == "checkpoint":
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa")
+        return model.to(device).eval()
+    from tscompile.models import build_config
+    from tscompile.models.hf_save import hf_llama_config
+
+    cfg = hf_llama_config(build_config(spec))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # drawn in the bench dtype: no float32 copy of a large model
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def _prompt(seed: int, length: int, vocab: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100003 + length)
+    return torch.randint(0, vocab, (1, length), generator=g).to(device)
+
+
+# -- counters --------------------------------------------------------------------------------------
+def counter_snapshot() -> dict:
+    """Dynamo's process-wide counters (graphs, frames, recompiles, breaks, CUDA-graph skips) beside
+    tscompile's; figures are differences of two snapshots (``counter_delta``)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from tscompile.counters import counters as ts
+
+    dyn = dynamo_utils.counters
+    base = compile_stats.snapshot()
+    return {"graphs_compiled": base["graphs_compiled"], "recompile_records": base["recompile_records"],
+            "graph_breaks": base["graph_breaks"], "frames_total": dyn["frames"]["total"],
+            "frames_ok": dyn["frames"]["ok"], "cudagraph_skips": dyn["inductor"]["cudagraph_skips"],
+            **{k: ts[k] for k in TSCOMPILE_USER_KEYS}}
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    out = {k: after[k] - before[k] for k in after if k != "recompile_records"}
+    out["recompiles"] = after["recompile_records"] - before["recompile_records"]
+    return out
+
+
+# -- one mode --------------------------------------------------------------------------------------
+def _token_clock():
+    """A ``generate`` streamer that timestamps every ``put``: the prompt's (before the prefill),
+    then one per new token. ``put`` gets CPU tensors (transformers copies, which synchronizes)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class TokenClock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    return TokenClock()
+
+
+def _spread(ms: list[float]) -> dict:
+    ms = sorted(ms)
+    return {"median": statistics.median(ms), "min": ms[0], "max": ms[-1]}
+
+
+class HFBench:
+    def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, model):
+        self.args, self.device, self.dtype, self.model = args, device, dtype, model
+        self.vocab = model.config.vocab_size
+        self.rows: list[dict] = []
+        self.eager_last_logits: dict[int, torch.Tensor] = {}  # length -> eager's last logits row (float32, cpu)
+        self.eager_tokens: list[int] | None = None
+
+    def _forward(self, call, ids: torch.Tensor, mode: str) -> torch.Tensor:
+        if mode in GRAPH_TREE_MODES:
+            # stock reduce-overhead (and tscompile's unsplit graph under the same trees): the previous
+            # call's outputs are dead, so the trees may replay into their memory
+            torch.compiler.cudagraph_mark_step_begin()
+        return call(input_ids=ids, use_cache=False).logits
+
+    def forward_rows(self, mode: str, row: dict, bar) -> None:
+        a, model = self.args, self.model
+        row["lengths"] = {}
+        snap0 = counter_snapshot()
+        with torch.no_grad():
+            for i, length in enumerate(a.hf_lens):
+                bar.set_postfix_str(f"{mode} forward {length}")
+                ids = _prompt(a.seed, length, self.vocab, self.device)
+                for w in range(a.hf_warmups):
+                    t0 = time.perf_counter()
+                    with Timer(self.device):
+                        logits = self._forward(model, ids, mode)
+                        last = logits[0, -1].float().cpu()  # copied out before any later call overwrites it
+                    if i == 0 and w == 0:
+                        row["first_call_s"] = time.perf_counter() - t0
+                        row["counters_first_call"] = counter_delta(snap0, counter_snapshot())
+                        snap1 = counter_snapshot()
+                del logits
+                times = []
+                for _ in range(a.num_iters):
+                    with Timer(self.device) as timer:
+                        self._forward(model, ids, mode)
+                    times.append(timer.seconds * 1e3)
+                entry = {f"ms_{k}": v for k, v in _spread(times).items()}
+                # the last warm-up's row: under the trees, the call that recorded the graph
+                if mode == "eager":
+                    self.eager_last_logits[length] = last
+                ref = self.eager_last_logits.get(length)
+                entry["max_abs_diff_vs_eager"] = float((last - ref).abs().max()) if ref is not None else None
+                row["lengths"][str(length)] = entry
+                bar.update(1)
+        snap2 = counter_snapshot()
+        row["counters_after_first_call"] = counter_delta(snap1, snap2)
+        row["counters_forward"] = counter_delta(snap0, snap2)
+        row["recompiles_after_first_call"] = row["counters_after_first_call"]["recompiles"]
+        row["graphs_after_first_call"] = row["counters_after_first_call"]["graphs_compiled"]
+        diffs = [e["max_abs_diff_vs_eager"] for e in row["lengths"].values() if e["max_abs_diff_vs_eager"] is not None]
+        row["max_abs_diff_vs_eager"] = max(diffs) if diffs else None
+
+    def _generate(self, ids: torch.Tensor) -> tuple[list[int], object, float]:
+        n = self.args.hf_generate_tokens
+        clock = _token_clock()
+        t0 = time.perf_counter()
+        # disable_compile: transformers would otherwise compile the static-cache decode itself (on
+        # CUDA), and eager would not be eager; min_new_tokens: a checkpoint's eos does not cut a run short
+        out = self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  cache_implementation="static", disable_compile=True, streamer=clock)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return out[0, ids.shape[1]:].tolist(), clock, time.perf_counter() - t0
+
+    def generate_row(self, mode: str, row: dict, bar) -> None:
+        a = self.args
+        bar.set_postfix_str(f"{mode} generate")
+        ids = _prompt(a.seed + 1, GENERATE_PROMPT_LEN, self.vocab, self.device)
+        snap0 = counter_snapshot()
+        with torch.no_grad():
+            tokens, _, row["generate_first_call_s"] = self._generate(ids)
+            snap1 = counter_snapshot()
+            per_token, first_token, totals = [], [], []
+            for _ in range(a.num_iters):
+                again, clock, total = self._generate(ids)
+                if again != tokens:
+                    raise RuntimeError("greedy generate gave different tokens on a repeated call")
+                t = clock.times
+                first_token.append((t[1] - t[0]) * 1e3)
+                totals.append(total * 1e3)
+                if len(t) > 2:  # the decode steps only: from the first new token to the last
+                    per_token.append((t[-1] - t[1]) / (len(t) - 2) * 1e3)
+        row["counters_generate_first_call"] = counter_delta(snap0, snap1)
+        row["counters_generate_timed"] = counter_delta(snap1, counter_snapshot())
+        row["generate_tokens"] = tokens
+        row["generate_ms_per_token"] = statistics.median(per_token) if per_token else None
+        row["generate_ms_per_token_spread"] = _spread(per_token) if per_token else None
+        row["generate_first_token_ms"] = statistics.median(first_token)
+        row["generate_total_ms"] = statistics.median(totals)
+        if mode == "eager":
+            self.eager_tokens = tokens
+        row["tokens_vs_eager"] = _compare_tokens(tokens, self.eager_tokens)
+        bar.update(1)
+
+    def run_mode(self, mode: str, bar) -> dict:
+        row: dict = {"mode": mode, "error": None, "compile_kwargs": MODE_COMPILE_KWARGS[mode]}
+        self.rows.append(row)
+        torch._dynamo.reset()
+        errors = []
+        try:
+            kwargs = MODE_COMPILE_KWARGS[mode]
+            if kwargs is not None:
+                self.model.compile(**kwargs)
+            for part, fn, steps in (("forward", self.forward_rows, len(self.args.hf_lens)),
+                                    ("generate", self.generate_row, 1)):
+                done = bar.n
+                try:
+                    fn(mode, row, bar)
+                except Exception as e:  # noqa: BLE001  (a failed part is an error in the row; the rest runs)
+                    errors.append(f"{part}: {self._report(mode, part, e, bar)}")
+                    bar.update(steps - (bar.n - done))
+        finally:
+            self.model._compiled_call_impl = None  # back to eager for the next mode
+            torch._dynamo.reset()
+            gc.collect()  # the compiled pieces and their CUDA graphs (memory pools) go with the mode
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        row["error"] = "; ".join(errors) or None
+        return row
+
+    def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
+        msg = _error_text(e)
+        bar.write(f"bench: {mode} {where} failed: {msg}", file=sys.stderr)
+        if self.args.verbose:
+            bar.write(traceback.format_exc(), file=sys.stderr)
+        return msg
+
+
+def _error_text(e: BaseException) -> str:
+    """One line: the exception, and the backend's own error where torch wraps it (Dynamo's
+    ``BackendCompilerFailed`` says only "backend=... raised:" on its first line)."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        parts.append(f"{type(e).__name__}: {first}".strip())
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return " <- ".join(parts)
+
+
+def _compare_tokens(tokens: list[int], eager: list[int] | None) -> str | None:
+    """"same", "differs at step K" (0 = the first new token), or None without eager's tokens."""
+    if eager is None:
+        return None
+    for k, (x, y) in enumerate(zip(tokens, eager)):
+        if x != y:
+            return f"differs at step {k}"
+    return "same" if len(tokens) == len(eager) else f"differs at step {min(len(tokens), len(eager))}"
+
+
+# -- orchestration ---------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from tscompile.utils import resolve_dtype
+
+    device = fill_defaults(args)
+    dtype = resolve_dtype(args.dtype, device)
+    threads = torch.get_num_threads()
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    metrics_limit = compile_stats.keep_compilation_metrics()
+    try:
+        return _run(args, device, dtype, tqdm)
+    finally:
+        compile_stats.restore_compilation_metrics(metrics_limit)
+        torch.set_num_threads(threads)
+
+
+def _environment(device: torch.device) -> dict:
+    import transformers
+
+    return {**report.environment(device), "transformers_version": transformers.__version__,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, tqdm) -> int:
+    import tscompile  # noqa: F401  (registers backend="tscompile" in this process, entry point or not)
+
+    env = _environment(device)
+    t0 = time.perf_counter()
+    model = load_hf_model(args.hf_model, dtype, device, args.seed)
+    load_s = time.perf_counter() - t0
+    bench = HFBench(args, device, dtype, model)
+    modes = args.hf_modes
+
+    def save(complete: bool) -> tuple[dict, str]:
+        result = {"date": report.now_iso(), "kind": "hf-model", "hf_model": args.hf_model,
+                  "hf_model_kind": args.hf_model_kind, "model_config": model.config.to_dict(),
+                  "model_class": type(model).__name__, "device": str(device), "dtype": args.dtype,
+                  "gpu_name": env.get("gpu_name"), "torch_version": torch.__version__,
+                  "transformers_version": env["transformers_version"], "env": env, "load_s": load_s,
+                  "args": {k: v for k, v in vars(args).items() if not callable(v)}, "modes_run": modes,
+                  "complete": complete, "rows": bench.rows}
+        md = hf_report.markdown(result)
+        if args.output_md:
+            with open(args.output_md, "w") as f:
+                f.write(md + "\n")
+        if args.output_json:
+            report.write_json(result, args.output_json)
+        return result, md
+
+    total = len(modes) * (len(args.hf_lens) + 1)
+    with torch._dynamo.config.patch(cache_size_limit=64), \
+            tqdm(total=total, desc="bench --hf-model", disable=args.no_progress, file=sys.stderr) as bar:
+        for mode in modes:
+            bench.run_mode(mode, bar)
+            save(complete=False)  # a run cut short keeps the modes it finished
+    _, md = save(complete=True)
+    print(md)
+    return 0 if any(not r["error"] for r in bench.rows) else 1
