@@ -4,7 +4,8 @@
 # Jobs (each writes under $OUT; pytest jobs append to $OUT/lane<N>_tests.log, with SIGINT at the
 # deadline so pytest still prints its summary):
 #   compare        llama-1b tscompile-triton, base tree .gpu_trees/base vs this tree (gpu_check.sh compare)
-#   fibench        llama-1b bench, tscompile-triton next to tscompile-flashinfer, bs 1 8 32 64
+#   fibench[:M]    bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32 64
+#   hfbench        a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
 # FlashInfer's wheels are installed from .whl/ when carried.
@@ -26,7 +27,7 @@ tests_for() {
     flashinfer_new) echo "tests/test_flashinfer.py -k 64_or_first_use_or_llama_1b" ;;
     flashinfer_rest) echo "tests/test_flashinfer.py -k first_use_or_llama_1b" ;;
     flashinfer) echo "tests/test_flashinfer.py" ;;
-    user_compile) echo "tests/test_user_compile_gpu.py" ;;
+    user_compile) echo "tests/test_user_compile_gpu.py tests/test_bench_hf_model.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
@@ -42,10 +43,16 @@ run_job() {  # lane job
       OUT=/tmp/compare SKIP_INSTALL=1 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
         bash scripts/gpu_check.sh compare > /tmp/compare.out 2>&1
       grep -A40 "== /tmp/compare/r/bench_" /tmp/compare.out | grep -E "^== |^\| tscompile" ; cp /tmp/compare/results.tgz "$OUT/compare.tgz" ;;
-    fibench)
-      timeout $left tscompile bench --model llama-1b --modes tscompile-triton tscompile-flashinfer \
-        --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 2048 --num-iters 3 \
-        --num-iters-warmup 1 --output-json "$OUT/fibench.json" --output-md "$OUT/fibench.md" 2>&1 | tail -30 ;;
+    fibench|fibench:*)
+      local model=${job#fibench}; model=${model#:}; model=${model:-llama-1b}
+      timeout $left tscompile bench --model $model --modes tscompile-triton tscompile-flashinfer \
+        --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 2048 --num-iters 5 \
+        --num-iters-warmup 1 --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
+        --no-progress 2>&1 | tail -40 ;;
+    hfbench)
+      timeout $left tscompile bench --hf-model llama-1b --device cuda --dtype bfloat16 --hf-lens 32 512 2048 \
+        --hf-generate-tokens 32 --num-iters 5 --no-progress --verbose --output-json "$OUT/hfbench_llama-1b.json" \
+        --output-md "$OUT/hfbench_llama-1b.md" 2> "$OUT/hfbench.log"; echo "rc=$?"; cat "$OUT/hfbench_llama-1b.md" ;;
     prefill_modes)
       timeout $left python3 scripts/prefill_modes.py "$OUT/prefill_modes.json" --iters 10 2>&1 | grep -v -i warn | tail -14 ;;
     tests:*)
