@@ -68,7 +68,8 @@ def _child_engine(args) -> dict:
     t0 = time.perf_counter()
     llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     engine = time.perf_counter() - t0
-    compile_init, capture_init, prefill_capture_init = llm.compile_seconds, llm.capture_seconds, llm.prefill_capture_seconds
+    compile_init, capture_init = llm.compile_seconds, llm.capture_seconds
+    prefill_capture_init = llm.prefill_capture_seconds
     t0 = time.perf_counter()
     llm.generate([list(range(1, args.prompt_len + 1))], tscompile.SamplingParams(max_new_tokens=1))
     _sync(device)
@@ -123,7 +124,8 @@ def _child_package(args) -> dict:
     # weights inside the archive load with the libraries, in one call: no split (None), in "other"
     weights = spent["weights_file"] if external else None
     return {"total_s": total, "process_s": started, "imports_s": imports, "weights_s": weights,
-            "compile_s": 0.0, "capture_s": 0.0, "prefill_capture_s": 0.0, "other_s": total - started - imports - (weights or 0.0),
+            "compile_s": 0.0, "capture_s": 0.0, "prefill_capture_s": 0.0,
+            "other_s": total - started - imports - (weights or 0.0),
             "load_package_s": load, "programs_s": spent["programs"], "first_token_s": first,
             "weights": llm.package.record["weights"], "package_bytes": llm.package.package_bytes,
             "device": str(device), "torch_threads": torch.get_num_threads()}

@@ -278,7 +278,8 @@ class ModelRunner:
         if cuda:
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]
-        start, compiled_before, captured_before = time.perf_counter(), self.compile_seconds, self.prefill_capture_seconds
+        start = time.perf_counter()
+        compiled_before, captured_before = self.compile_seconds, self.prefill_capture_seconds
         saved = {k: counters[k] for k in STEP_COUNTERS}
         try:
             for plan in tqdm(plans, desc="Capturing CUDA graphs (prefill)", disable=None):
