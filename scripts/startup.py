@@ -11,7 +11,10 @@ spawns it:
 Each is split into imports, weight loading, compilation, graph capture and the rest (for the engine:
 pool sizing and the first prefill's own run; for a package: reading its libraries and the first
 call of its programs). The engine figures come from the runner's own compile and capture counters
-(``LLM.compile_seconds``, ``LLM.capture_seconds``); a package compiles and captures nothing.
+(``LLM.compile_seconds``, ``LLM.capture_seconds``); capture includes the prefill graphs, captured
+while the engine starts (``prefill_capture="startup"``, the default) or by the first prompt ("lazy"),
+and its prefill part is reported apart (``prefill_capture_s``, ``init_prefill_capture_s``); a package
+compiles and captures nothing.
 """
 
 from __future__ import annotations
@@ -66,16 +69,18 @@ def _child_engine(args) -> dict:
     llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     engine = time.perf_counter() - t0
     compile_init, capture_init = llm.compile_seconds, llm.capture_seconds
+    prefill_capture_init = llm.prefill_capture_seconds
     t0 = time.perf_counter()
     llm.generate([list(range(1, args.prompt_len + 1))], tscompile.SamplingParams(max_new_tokens=1))
     _sync(device)
     first = time.perf_counter() - t0
-    compile_s, capture_s = llm.compile_seconds, llm.capture_seconds
+    compile_s, capture_s, prefill_capture_s = llm.compile_seconds, llm.capture_seconds, llm.prefill_capture_seconds
     total = _since_spawn()
     return {"total_s": total, "process_s": started, "imports_s": imports, "weights_s": weights,
-            "compile_s": compile_s, "capture_s": capture_s,
+            "compile_s": compile_s, "capture_s": capture_s, "prefill_capture_s": prefill_capture_s,
             "other_s": total - started - imports - weights - compile_s - capture_s,
             "engine_init_s": engine, "init_compile_s": compile_init, "init_capture_s": capture_init,
+            "init_prefill_capture_s": prefill_capture_init,
             "first_token_s": first, "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or [])}
 
 
@@ -119,7 +124,8 @@ def _child_package(args) -> dict:
     # weights inside the archive load with the libraries, in one call: no split (None), in "other"
     weights = spent["weights_file"] if external else None
     return {"total_s": total, "process_s": started, "imports_s": imports, "weights_s": weights,
-            "compile_s": 0.0, "capture_s": 0.0, "other_s": total - started - imports - (weights or 0.0),
+            "compile_s": 0.0, "capture_s": 0.0, "prefill_capture_s": 0.0,
+            "other_s": total - started - imports - (weights or 0.0),
             "load_package_s": load, "programs_s": spent["programs"], "first_token_s": first,
             "weights": llm.package.record["weights"], "package_bytes": llm.package.package_bytes,
             "device": str(device), "torch_threads": torch.get_num_threads()}
@@ -159,8 +165,9 @@ def _spawn(kind: str, args, env: dict) -> dict:
 
 def _row(name: str, r: dict) -> str:
     if r.get("error"):
-        return f"| {name} | {r['error']} | | | | | | |"
-    cells = [r[k] for k in ("total_s", "process_s", "imports_s", "weights_s", "compile_s", "capture_s", "other_s")]
+        return f"| {name} | {r['error']} | | | | | | | |"
+    cells = [r[k] for k in ("total_s", "process_s", "imports_s", "weights_s", "compile_s", "capture_s")]
+    cells += [r.get("prefill_capture_s"), r["other_s"]]
     return f"| {name} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + f" | {TARGETS[name]} |"
 
 
@@ -169,14 +176,17 @@ def markdown(result: dict) -> str:
     lines = [f"## Start-up: {a['model']} ({result['env']})", "",
              f"max_num_seqs {a['max_num_seqs']}, max_model_len {a['max_model_len']}, a {a['prompt_len']}-token "
              f"prompt to its first token; seconds, each start a fresh process.", "",
-             "| start | to first token | process start | imports | weights | compile | capture | other | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| start | to first token | process start | imports | weights | compile | capture | of which prefill | "
+             "other | target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [_row(name, result["starts"][name]) for name in ("cold", "warm", "package") if name in result["starts"]]
     export = result.get("export")
     if export and not export.get("error"):
         lines += ["", f"Package exported in {export['export_s']:.1f} s (AOTInductor build {export['build_s']:.1f} s, "
                       f"C++ by {export['compiler'].get('path') or export['compiler'].get('command')})."]
-    lines += ["", "other = pool sizing and the profiled step, the first prefill's own run, and for a package its "
+    lines += ["", "capture = decode and prefill graphs, compiling apart; \"of which prefill\" = the prefill "
+                  "graphs (captured at start-up by default, so the first prompt of each size captures nothing).",
+              "", "other = pool sizing and the profiled step, the first prefill's own run, and for a package its "
                   "libraries and the first call of its programs (``programs_s`` in the JSON: libraries and "
                   "weights together; weights \"-\": a package with its weights inside loads them with its "
                   "libraries, in one call)."]

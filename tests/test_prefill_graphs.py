@@ -70,7 +70,9 @@ def test_prefill_graph_logits_match_eager_with_the_sampler_split_off(model):
         assert ids(graphed.generate(prompts, SamplingParams(max_new_tokens=3))) == ids(eager.generate(
             prompts, SamplingParams(max_new_tokens=3)))
     for a, b in zip(eager_logits, graphed_logits, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        # a graphed step pads its logits rows to a request bucket: the live rows come first
+        assert b.shape[0] >= a.shape[0]
+        torch.testing.assert_close(b[: a.shape[0]], a, rtol=1e-4, atol=1e-4)
 
 
 def test_narrowing_decoder_runs_without_graphs_above_the_largest_row_bucket():

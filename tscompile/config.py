@@ -13,6 +13,7 @@ DEFAULT_TOKEN_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_DECODE_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 PIECE_COMPILERS = ("inductor", "eager", "tensorrt")
 PREFILL_GRAPH_MODES = ("auto", "whole", "piecewise")
+PREFILL_CAPTURE_MODES = ("startup", "lazy")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class TscompileConfig:
         per token bucket (the narrowing decoder per row bucket) with the attention breaks run eagerly
         between them. Measured on the H200 (llama-1b, bf16, Triton): one prompt's first token in
         2.20 / 3.33 / 9.07 ms whole vs 5.93 / 4.69 / 10.20 ms piecewise at 32 / 512 / 2048 tokens.
+    prefill_capture: when the engine captures its prefill graphs (only where it has them: CUDA with
+        ``cudagraphs``). "lazy" (the default): each graph is captured by the first real step that
+        needs it. "startup": while the engine is built, after the decode ladder, one placeholder
+        step per graph key (token bucket, request bucket, the narrowing model's row bucket; extend
+        and mixed steps, greedy) that writes only the null page, so the first request of each size
+        pays no compile or capture; sampled steps still capture on first use, as decode does. Not
+        yet the default: its memory on llama-1b/8b has not been measured against the pool's margin.
     inductor_options: ``torch._inductor.config`` patches for every piece Inductor compiles (a dict).
     static_inductor_options: more patches only for graphs whose input sizes are all static. The
         engine's decode step sets ``coordinate_descent_tuning=True`` here on CUDA unless either dict
@@ -53,14 +61,16 @@ class TscompileConfig:
     token_ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER
     prefill_graph_max_tokens: int = 2048
     prefill_graph_mode: str = "auto"
+    prefill_capture: str = "lazy"
     decode_ladder: tuple[int, ...] = DEFAULT_DECODE_LADDER
     cudagraphs: bool = True
     inductor_options: tuple[tuple[str, object], ...] = ()
     static_inductor_options: tuple[tuple[str, object], ...] = ()
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("TSCOMPILE_DEBUG_DIR") or None)
 
-    # fields that change where artifacts are written, not what is compiled
-    HASH_IGNORED = frozenset({"debug_dir"})
+    # fields that change where artifacts are written or when they are built, not what is compiled:
+    # prefill_capture only moves the prefill compiles and captures to start-up (the same graphs)
+    HASH_IGNORED = frozenset({"debug_dir", "prefill_capture"})
 
     def __post_init__(self):
         if not isinstance(self.piece_compiler, str) or self.piece_compiler not in PIECE_COMPILERS:
@@ -69,6 +79,9 @@ class TscompileConfig:
         if self.prefill_graph_mode not in PREFILL_GRAPH_MODES:
             raise ValueError(f"tscompile: prefill_graph_mode must be one of {list(PREFILL_GRAPH_MODES)}, "
                              f"got {self.prefill_graph_mode!r}")
+        if not isinstance(self.prefill_capture, str) or self.prefill_capture not in PREFILL_CAPTURE_MODES:
+            raise ValueError(f"tscompile: prefill_capture must be one of {list(PREFILL_CAPTURE_MODES)}, "
+                             f"got {self.prefill_capture!r}")
         for name in ("split_sdpa", "split_narrowing", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         object.__setattr__(self, "split_ops", _str_sequence("split_ops", self.split_ops))

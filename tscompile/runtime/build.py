@@ -24,6 +24,7 @@ from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, 
                                       measure_activation_peak, measure_device_memory, pages_for_requests,
                                       prefill_graph_bytes)
 from tscompile.runtime.model_runner import ModelRunner
+from tscompile.runtime.prefill_capture import startup_plans
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request, Scheduler
 from tscompile.sampling import SamplingParams
@@ -239,4 +240,5 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                          banned_width=scheduler.banned_width, device=device, compile_config=compile_config,
                          graph_support=graph_support)
     runner.capture_decode_graphs()
+    runner.capture_prefill_graphs(startup_plans(runner, scheduler))  # none under prefill_capture="lazy"
     return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built, tokenizer, checkpoint, memory)

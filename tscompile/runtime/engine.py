@@ -328,6 +328,12 @@ class LLM:
         """Decode and prefill graph capture so far (compile time apart)."""
         return self.runner.capture_seconds
 
+    @property
+    def prefill_capture_seconds(self) -> float:
+        """The prefill part of ``capture_seconds``: start-up placeholder steps and captures on first use
+        (0 for a runner without prefill graphs, a package's)."""
+        return getattr(self.runner, "prefill_capture_seconds", 0.0)
+
     def has_unfinished(self) -> bool:
         """Requests waiting or running, or tokens not read back yet."""
         return bool(self.scheduler.waiting or self.scheduler.running or self._inflight is not None or self._ready)

@@ -15,7 +15,11 @@ and replay the bucket's graph of the whole step. Piecewise (the default, and alw
 narrowing model): pad to a token bucket (and the kept rows to a row bucket,
 ``piece_graphs.py``), build fresh metadata from the plan, run the split step: compiled pieces
 (captured per bucket) with eager attention breaks between them. Above the token ladder: the split
-step without graphs.
+step without graphs. The last piece's logits rows (one per request) are padded to a request
+bucket, so that piece captures per request bucket rather than per request count.
+
+Start-up (``prefill_capture="startup"``): ``capture_prefill_graphs`` runs placeholder steps
+(``prefill_capture.py``) that capture every graph a greedy step up to the largest bucket needs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from tscompile.attention.router import AttentionRouter
 from tscompile.attention.support import ResolvedGraphSupport
@@ -37,6 +42,7 @@ from tscompile.forward_context import ForwardContext, ForwardMode, forward_conte
 from tscompile.models.llama import Transformer
 from tscompile.runtime.decode_graphs import DecodeGraphRunner
 from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRuntime, PrefillBuckets
+from tscompile.runtime.prefill_capture import request_ladder
 from tscompile.runtime.prefill_graphs import WholeStepPrefill
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
@@ -45,6 +51,8 @@ from tscompile.step_plan import StepPlan
 from tscompile.utils import upload
 
 StepFn = Callable[..., torch.Tensor]
+# what counts steps run, not graphs: start-up placeholder steps leave these as they were
+STEP_COUNTERS = ("prefill_graphed", "prefill_eager", "decoder_rows_graphed", "decoder_rows_eager")
 logger = logging.getLogger("tscompile")
 
 
@@ -108,6 +116,7 @@ class ModelRunner:
         self.decode_logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
         self.launches = 0
         self.compile_seconds = 0.0
+        self.prefill_warmup_seconds = 0.0  # start-up placeholder steps, their captures and compiles apart
         self._said_above_ladder = False
         if compile_config is None:
             self.decode_step: StepFn = self._decode_forward
@@ -143,7 +152,8 @@ class ModelRunner:
         ladder = tuple(b for b in cfg.token_ladder if b <= cfg.prefill_graph_max_tokens)
         self.prefill_buckets = PrefillBuckets(runtime, ladder, num_groups=len(specs), narrowed=narrowed,
                                               window=specs[narrowed].window if narrowed is not None else 0,
-                                              max_num_seqs=self.max_num_seqs)
+                                              max_num_seqs=self.max_num_seqs,
+                                              request_ladder=request_ladder(cfg.decode_ladder, self.max_num_seqs))
         top = ladder[-1] if ladder else 0
         self.prefill_ids = torch.zeros(top, dtype=torch.int64, device=self.device)
         self.prefill_positions = torch.zeros(top, dtype=torch.int64, device=self.device)
@@ -153,7 +163,7 @@ class ModelRunner:
         (``prefill_graphs.py``); steps above the token ladder run the compiled pieces without one."""
         cfg = self.config
         tokens = tuple(b for b in cfg.token_ladder if b <= cfg.prefill_graph_max_tokens)
-        requests = tuple(sorted({b for b in cfg.decode_ladder if b < self.max_num_seqs} | {self.max_num_seqs}))
+        requests = request_ladder(cfg.decode_ladder, self.max_num_seqs)
         self.whole_prefill = WholeStepPrefill(self.device, tokens, requests, host_replay=host_replay)
         self.prefill_buckets = None
 
@@ -162,12 +172,21 @@ class ModelRunner:
         return self.prefill_buckets.runtime if self.prefill_buckets is not None else None
 
     @property
+    def decode_capture_seconds(self) -> float:
+        return self.decode_graphs.capture_seconds if self.decode_graphs is not None else 0.0
+
+    @property
+    def prefill_capture_seconds(self) -> float:
+        """Prefill graph capture, at start-up (the placeholder steps' whole time, compiles apart) and
+        on first use."""
+        pieces = self.piece_graphs.capture_seconds if self.piece_graphs is not None else 0.0
+        whole = self.whole_prefill.capture_seconds if self.whole_prefill is not None else 0.0
+        return pieces + whole + self.prefill_warmup_seconds
+
+    @property
     def capture_seconds(self) -> float:
         """Decode and prefill graph capture, compile time excluded."""
-        decode = self.decode_graphs.capture_seconds if self.decode_graphs is not None else 0.0
-        prefill = self.piece_graphs.capture_seconds if self.piece_graphs is not None else 0.0
-        whole = self.whole_prefill.capture_seconds if self.whole_prefill is not None else 0.0
-        return decode + prefill + whole
+        return self.decode_capture_seconds + self.prefill_capture_seconds
 
     # Two functions on purpose: Dynamo keys its cache by code object, and the decode step (compiled
     # whole) and the extend step (compiled piecewise) must not share entries.
@@ -226,6 +245,64 @@ class ModelRunner:
         """Capture the whole decode ladder now (start-up), rather than on first use."""
         if self.decode_graphs is not None:
             self.decode_graphs.capture_ladder()
+
+    # -- start-up prefill capture ------------------------------------------------------------------
+    def prefill_graph_keys(self, plan: StepPlan) -> frozenset:
+        """The prefill graphs a step of ``plan``'s shape replays (empty: it runs without graphs)."""
+        if self.whole_prefill is not None:
+            size = self.whole_prefill.bucket_of(plan.num_tokens, plan.num_requests)
+            if size is not None:
+                return frozenset({("whole", *size, plan.sampling.all_greedy, plan.mode)})
+            return frozenset()
+        return self.prefill_buckets.graph_keys(plan) if self.prefill_buckets is not None else frozenset()
+
+    @property
+    def prefill_token_ladder(self) -> tuple[int, ...]:
+        """The token buckets of this runner's prefill graphs (empty: none)."""
+        if self.whole_prefill is not None:
+            return self.whole_prefill.token_ladder
+        return self.prefill_buckets.token_ladder if self.prefill_buckets is not None else ()
+
+    @property
+    def prefill_request_ladder(self) -> tuple[int, ...]:
+        if self.whole_prefill is not None:
+            return self.whole_prefill.request_ladder
+        return self.prefill_buckets.request_ladder if self.prefill_buckets is not None else ()
+
+    @property
+    def prefill_capture_at_startup(self) -> bool:
+        return self.config is not None and self.config.prefill_capture == "startup" and bool(self.prefill_token_ladder)
+
+    def capture_prefill_graphs(self, plans: list[StepPlan]) -> None:
+        """Run the placeholder steps ``plans`` (``prefill_capture.py``), capturing what they reach;
+        logs one line as the decode ladder does. The counters of steps run (graphed, eager, decoder
+        rows) are left as they were: these are not steps; captures, replays and compiles count."""
+        if not plans:
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        compiled_before, captured_before = self.compile_seconds, self.prefill_capture_seconds
+        saved = {k: counters[k] for k in STEP_COUNTERS}
+        try:
+            for plan in tqdm(plans, desc="Capturing CUDA graphs (prefill)", disable=None):
+                self.execute(plan)
+        finally:
+            for k, v in saved.items():
+                counters[k] = v
+        took = 0.0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            took = (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30
+        elapsed = time.perf_counter() - start
+        # the steps around the captures exist only to capture: all of it but compiling is capture time
+        captured = self.prefill_capture_seconds - captured_before
+        compiled = self.compile_seconds - compiled_before
+        self.prefill_warmup_seconds += max(elapsed - compiled - captured, 0.0)
+        logger.info("Prefill graph capturing finished in %.0f s (%d steps, compiling %.0f s apart), took %.2f GiB",
+                    elapsed - compiled, len(plans), compiled, took)
 
     # -- decode --------------------------------------------------------------------------------------
     def decode_bucket(self, actual_bs: int) -> int:
@@ -289,15 +366,22 @@ class ModelRunner:
         graphs = buckets.plan_for(plan) if buckets is not None else None
         self.attention.init_forward_metadata(plan, buckets.pad_rows(graphs) if graphs is not None else {})
         padded = graphs.encoder_tokens if graphs is not None else None
-        ids, pos = plan.input_ids, plan.positions
+        requests = None
+        if graphs is not None:
+            requests = buckets.padded_requests(plan.num_requests, graphs.decoder_rows if buckets.narrowed is not None
+                                               else graphs.encoder_tokens)
+        ids, pos, logits_rows = plan.input_ids, plan.positions, plan.logits_rows
         if padded is not None:  # padded rows: token 0 at position 0, writing to the null page
             ids, pos = (np.concatenate([a, np.zeros(padded - a.shape[0], dtype=a.dtype)]) for a in (ids, pos))
+        if requests is not None:  # padded logits rows read row 0; their samples land in rows nobody reads
+            logits_rows = np.concatenate([logits_rows, np.zeros(requests - plan.num_requests, dtype=logits_rows.dtype)])
         ids, pos, logits_rows, qo_indptr, completes = upload(
-            [ids, pos, plan.logits_rows, plan.qo_indptr, plan.completes], self.device)
+            [ids, pos, logits_rows, plan.qo_indptr, plan.completes], self.device)
         if padded is not None:  # the graphed first piece reads them at a fixed address
             ids = self.prefill_ids[:padded].copy_(ids)
             pos = self.prefill_positions[:padded].copy_(pos)
-        self.staging.fill_sampling(plan.sampling)  # the sampling op's inputs live in the decode staging
+        # the sampling op's inputs live in the decode staging; rows past the live ones are padding
+        self.staging.fill_sampling(plan.sampling, requests)
         self.staging.upload()
         ctx = ForwardContext(plan.mode, self.attention, logits_rows, qo_indptr, completes, prefill_graphs=graphs)
         with forward_context(ctx):

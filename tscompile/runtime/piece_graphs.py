@@ -87,24 +87,62 @@ class PrefillBuckets:
     token_ladder: token buckets (the config's, up to ``prefill_graph_max_tokens``); a step with
     more tokens runs its pieces without graphs. row_ladder: the narrowing model's decoder-row
     buckets, the token ladder clipped to ``window * max_num_seqs`` (the most rows a step keeps);
-    ``narrowed`` is the index of the narrowed cache group (None: a plain model)."""
+    ``narrowed`` is the index of the narrowed cache group (None: a plain model). request_ladder:
+    the request counts the last piece's logits rows are padded to (the LM head and the sampler
+    run on one row per request, so without padding that piece would capture once per count)."""
 
     def __init__(self, runtime: PieceGraphRuntime, token_ladder: tuple[int, ...], *, num_groups: int,
-                 narrowed: int | None, window: int, max_num_seqs: int):
+                 narrowed: int | None, window: int, max_num_seqs: int, request_ladder: tuple[int, ...] = ()):
         self.runtime = runtime
         self.token_ladder = token_ladder
+        self.request_ladder = request_ladder
         self.num_groups = num_groups
         self.narrowed = narrowed
+        self.max_num_seqs = max_num_seqs
         cap = window * max_num_seqs
         self.row_ladder = tuple(sorted({min(b, cap) for b in token_ladder})) if narrowed is not None else ()
 
-    def plan_for(self, plan: StepPlan) -> PrefillGraphPlan:
+    def sizes_of(self, plan: StepPlan) -> tuple[int | None, int | None, int | None]:
+        """``(tokens, rows, requests)`` a step is padded to: its token bucket and (narrowing model) row
+        bucket, None above a ladder, and the rows of its last piece's logits (``padded_requests``)."""
         tokens = bucket(self.token_ladder, plan.num_tokens)
-        rows = None
+        rows = bucket(self.row_ladder, plan.groups[self.narrowed].num_rows) if self.narrowed is not None else None
+        return tokens, rows, self.padded_requests(plan.num_requests, rows if self.narrowed is not None else tokens)
+
+    def padded_requests(self, num_requests: int, last_rows: int | None) -> int | None:
+        """The logits rows of a step whose last piece runs on ``last_rows`` rows (None: ungraphed,
+        not padded): the request bucket, never more than those rows."""
+        if last_rows is None or not self.request_ladder:
+            return None
+        return min(bucket(self.request_ladder, num_requests) or num_requests, last_rows)
+
+    def plan_for(self, plan: StepPlan) -> PrefillGraphPlan:
+        tokens, rows, _ = self.sizes_of(plan)
         if self.narrowed is not None:
-            rows = bucket(self.row_ladder, plan.groups[self.narrowed].num_rows)
             counters["decoder_rows_graphed" if rows is not None else "decoder_rows_eager"] += 1
         return PrefillGraphPlan(self.runtime, tokens, rows)
+
+    def graph_keys(self, plan: StepPlan) -> frozenset:
+        """What a step of ``plan``'s shape captures when nothing is captured yet, one key per group
+        of pieces that capture together. Dynamo compiles a variant per greedy/sampled, extend/mixed
+        and request-count classes (see ``variant``), each with pieces of its own; the
+        stage before the narrowing (every piece but the last for a plain model) is keyed by the
+        token bucket, the decoder's by the row bucket, the last piece also by the request bucket."""
+        tokens, rows, requests = self.sizes_of(plan)
+        # a size of 1 specializes both the logits rows (padded) and the per-request inputs the
+        # narrowing reads (not padded); logits rows as many as the sampled-token buffer's (max_num_seqs)
+        # get one symbol with it (Dynamo's duck sizing), a guard the other counts fail
+        variant = (plan.mode, plan.sampling.all_greedy, plan.num_requests == 1, requests == 1,
+                   requests == self.max_num_seqs)
+        keys = set()
+        if tokens is not None:
+            keys.add(("encoder", tokens, *variant))
+        last_rows = tokens if self.narrowed is None else rows
+        if self.narrowed is not None and rows is not None:
+            keys.add(("decoder", rows, *variant))
+        if last_rows is not None:
+            keys.add(("last", last_rows, requests, *variant))
+        return frozenset(keys)
 
     def pad_rows(self, graphs: PrefillGraphPlan) -> dict[int, int]:
         """Rows each cache group's layers run on: the row bucket for the narrowed group, the token
