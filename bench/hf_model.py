@@ -37,6 +37,20 @@ MODE_COMPILE_KWARGS: dict[str, dict | None] = {
     "tscompile": {"backend": "tscompile", "mode": "reduce-overhead", "dynamic": True},
     "tscompile-split": {"backend": "tscompile", "dynamic": True, "options": {"split_sdpa": True, "cudagraphs": True}},
 }
+HF_PARTS = ("forward", "generate")
+
+
+def generate_compile_kwargs(mode: str) -> dict | None:
+    """The mode's ``torch.compile`` arguments for the static-cache ``generate``: the forward's without
+    ``dynamic=True``, as transformers' static-cache recipe compiles it (a static cache has fixed
+    sizes; Dynamo's automatic dynamic shapes handle the prompt's length against the decode step's).
+    Measured on the H200 (torch 2.11, transformers 5.17): with ``dynamic=True`` under
+    ``mode="reduce-overhead"`` Inductor fails to lower the static cache's lazy initialisation
+    ("indices must be int64, byte or bool. Got [torch.float64]"), stock and tscompile alike."""
+    kwargs = MODE_COMPILE_KWARGS[mode]
+    return None if kwargs is None else {k: v for k, v in kwargs.items() if k != "dynamic"}
+
+
 # modes whose outputs live in the memory of Inductor's CUDA-graph trees: a later replay overwrites
 # them unless the caller marks a new step (torch.compiler.cudagraph_mark_step_begin) first
 GRAPH_TREE_MODES = ("compile-reduce-overhead", "tscompile")
@@ -81,6 +95,15 @@ def resolve_modes(requested: list[str] | None) -> list[str]:
     return [m for m in HF_MODES if m in requested or m == "eager"]
 
 
+def resolve_parts(requested: list[str] | None) -> list[str]:
+    if not requested:
+        return list(HF_PARTS)
+    unknown = [p for p in requested if p not in HF_PARTS]
+    if unknown:
+        raise ValueError(f"tscompile: unknown --hf-parts {unknown}; allowed: {', '.join(HF_PARTS)}")
+    return [p for p in HF_PARTS if p in requested]
+
+
 def fill_defaults(args: argparse.Namespace) -> torch.device:
     """Checks the ``--hf-*`` arguments and fills their device-dependent defaults; returns the device."""
     from tscompile.utils import resolve_device, resolve_dtype
@@ -94,6 +117,7 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
     gpu = device.type == "cuda"
     args.dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     args.hf_modes = resolve_modes(args.hf_modes)
+    args.hf_parts = resolve_parts(getattr(args, "hf_parts", None))
     args.hf_lens = args.hf_lens or ([32, 512, 2048] if gpu else [16, 40])
     bad = [n for n in args.hf_lens if n < 1]
     if bad:
@@ -110,7 +134,7 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
 
 def check_hf_flags_unused(args: argparse.Namespace) -> None:
     """The engine bench refuses ``--hf-*`` flags given without ``--hf-model`` (they would do nothing)."""
-    given = [f"--{k.replace('_', '-')}" for k in ("hf_lens", "hf_generate_tokens", "hf_modes")
+    given = [f"--{k.replace('_', '-')}" for k in ("hf_lens", "hf_generate_tokens", "hf_modes", "hf_parts")
              if getattr(args, k, None) is not None]
     if given:
         raise ValueError(f"tscompile: {', '.join(given)} need --hf-model (a checkpoint directory or a preset)")
@@ -290,18 +314,19 @@ class HFBench:
         bar.update(1)
 
     def run_mode(self, mode: str, bar) -> dict:
-        row: dict = {"mode": mode, "error": None, "compile_kwargs": MODE_COMPILE_KWARGS[mode]}
+        row: dict = {"mode": mode, "error": None, "compile_kwargs": MODE_COMPILE_KWARGS[mode],
+                     "generate_compile_kwargs": generate_compile_kwargs(mode)}
         self.rows.append(row)
         torch._dynamo.reset()
         errors = []
         try:
-            kwargs = MODE_COMPILE_KWARGS[mode]
-            if kwargs is not None:
-                self.model.compile(**kwargs)
-            for part, fn, steps in (("forward", self.forward_rows, len(self.args.hf_lens)),
-                                    ("generate", self.generate_row, 1)):
+            parts = {"forward": (self.forward_rows, len(self.args.hf_lens), MODE_COMPILE_KWARGS[mode]),
+                     "generate": (self.generate_row, 1, generate_compile_kwargs(mode))}
+            for part in self.args.hf_parts:
+                fn, steps, kwargs = parts[part]
                 done = bar.n
                 try:
+                    self._compile(kwargs)
                     fn(mode, row, bar)
                 except Exception as e:  # noqa: BLE001  (a failed part is an error in the row; the rest runs)
                     errors.append(f"{part}: {self._report(mode, part, e, bar)}")
@@ -315,6 +340,13 @@ class HFBench:
                 torch.cuda.empty_cache()
         row["error"] = "; ".join(errors) or None
         return row
+
+    def _compile(self, kwargs: dict | None) -> None:
+        """Each part compiles afresh: its own ``torch.compile`` arguments, no graphs of the other part."""
+        self.model._compiled_call_impl = None
+        torch._dynamo.reset()
+        if kwargs is not None:
+            self.model.compile(**kwargs)
 
     def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
         msg = _error_text(e)
@@ -398,7 +430,7 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, tqd
             report.write_json(result, args.output_json)
         return result, md
 
-    total = len(modes) * (len(args.hf_lens) + 1)
+    total = len(modes) * (len(args.hf_lens) * ("forward" in args.hf_parts) + ("generate" in args.hf_parts))
     with torch._dynamo.config.patch(cache_size_limit=64), \
             tqdm(total=total, desc="bench --hf-model", disable=args.no_progress, file=sys.stderr) as bar:
         for mode in modes:

@@ -5,7 +5,7 @@
 # deadline so pytest still prints its summary):
 #   compare        llama-1b tscompile-triton, base tree .gpu_trees/base vs this tree (gpu_check.sh compare)
 #   fibench[:M]    bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32 64
-#   hfbench        a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
+#   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
 # FlashInfer's wheels are installed from .whl/ when carried.
@@ -49,10 +49,12 @@ run_job() {  # lane job
         --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 2048 --num-iters 5 \
         --num-iters-warmup 1 --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
         --no-progress 2>&1 | tail -40 ;;
-    hfbench)
+    hfbench|hfbench:*)
+      local parts=${job#hfbench}; parts=${parts#:}; parts=${parts:-forward generate}; local tag=${parts// /_}
       timeout $left tscompile bench --hf-model llama-1b --device cuda --dtype bfloat16 --hf-lens 32 512 2048 \
-        --hf-generate-tokens 32 --num-iters 5 --no-progress --verbose --output-json "$OUT/hfbench_llama-1b.json" \
-        --output-md "$OUT/hfbench_llama-1b.md" 2> "$OUT/hfbench.log"; echo "rc=$?"; cat "$OUT/hfbench_llama-1b.md" ;;
+        --hf-generate-tokens 32 --num-iters 5 --hf-parts $parts --no-progress --verbose \
+        --output-json "$OUT/hfbench_llama-1b_$tag.json" --output-md "$OUT/hfbench_llama-1b_$tag.md" \
+        2> "$OUT/hfbench_$tag.log"; echo "rc=$?"; cat "$OUT/hfbench_llama-1b_$tag.md" ;;
     prefill_modes)
       timeout $left python3 scripts/prefill_modes.py "$OUT/prefill_modes.json" --iters 10 2>&1 | grep -v -i warn | tail -14 ;;
     tests:*)

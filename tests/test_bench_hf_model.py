@@ -139,7 +139,32 @@ def test_checkpoint_directory(tmp_path):
     assert result["rows"][0]["error"] is None and len(result["rows"][0]["generate_tokens"]) == NEW_TOKENS
 
 
+def test_generate_part_alone_compiles_afresh_without_dynamic(tmp_path, monkeypatch, eager_pieces):
+    """``--hf-parts generate``: no forward rows; the static-cache generate compiles with the mode's
+    arguments less ``dynamic=True`` (on the H200 that flag broke Inductor's lowering of the static
+    cache under reduce-overhead) and still gives eager's greedy tokens."""
+    seen = []
+    original = torch.nn.Module.compile
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    rc, result, md = run_cli(tmp_path, extra=("--hf-parts", "generate"))
+    assert rc == 0 and result["args"]["hf_parts"] == ["generate"]
+    rows = {r["mode"]: r for r in result["rows"]}
+    split = rows["tscompile-split"]
+    assert split["error"] is None and "lengths" not in split and split["generate_ms_per_token"] > 0
+    assert split["tokens_vs_eager"] == "same"
+    assert seen == [{"backend": "tscompile", "options": {"split_sdpa": True, "cudagraphs": True,
+                                                          "piece_compiler": "eager"}}]
+    assert split["generate_compile_kwargs"] == seen[0]
+    assert "parts: generate" in md
+
+
 @pytest.mark.parametrize("extra, needle", [
+    (["--hf-model", "llama-tiny", "--hf-parts", "decode"], "unknown --hf-parts ['decode']"),
     (["--hf-model", "llama-tiny", "--hf-modes", "fast"], "unknown --hf-modes ['fast']"),
     (["--hf-model", "llama-tiny", "--hf-lens", "16", "0"], "--hf-lens [16, 0] has lengths < 1"),
     (["--hf-model", "llama-tiny", "--hf-generate-tokens", "0"], "--hf-generate-tokens 0 must be >= 1"),
