@@ -141,8 +141,7 @@ def add_parser(sub) -> None:
     hf.add_argument("--hf-generate-tokens", type=int, default=None,
                     help="new tokens of the static-cache generate (default 64 cuda, 16 cpu)")
     hf.add_argument("--hf-parts", nargs="+", default=None,
-                    help="forward, generate or both (default both): the forward over each length compiled with "
-                         "dynamic=True; the static-cache generate compiled afresh without it")
+                    help="forward, generate or both (default both); each part compiles afresh")
     hf.add_argument("--hf-modes", nargs="+", default=None,
                     help="subset of eager, compile-default, compile-reduce-overhead, tscompile, tscompile-split "
                          "(default: all; eager always runs, as the reference)")

@@ -41,14 +41,16 @@ HF_PARTS = ("forward", "generate")
 
 
 def generate_compile_kwargs(mode: str) -> dict | None:
-    """The mode's ``torch.compile`` arguments for the static-cache ``generate``: the forward's without
-    ``dynamic=True``, as transformers' static-cache recipe compiles it (a static cache has fixed
-    sizes; Dynamo's automatic dynamic shapes handle the prompt's length against the decode step's).
-    Measured on the H200 (torch 2.11, transformers 5.17): with ``dynamic=True`` under
-    ``mode="reduce-overhead"`` Inductor fails to lower the static cache's lazy initialisation
-    ("indices must be int64, byte or bool. Got [torch.float64]"), stock and tscompile alike."""
-    kwargs = MODE_COMPILE_KWARGS[mode]
-    return None if kwargs is None else {k: v for k, v in kwargs.items() if k != "dynamic"}
+    """The mode's ``torch.compile`` arguments for the static-cache ``generate``, compiled afresh (no
+    graph of the forward part is reused): the forward's own, ``dynamic=True`` included.
+
+    Measured on the H200 (torch 2.11, transformers 5.17), stock and tscompile alike: under
+    ``mode="reduce-overhead"``, ``dynamic=True`` fails to lower the static cache's lazy
+    initialisation ("indices must be int64, byte or bool. Got [torch.float64]": an error row), and
+    without ``dynamic=True`` the process crashed with a segmentation fault after Inductor skipped the
+    prompt's graph for its mutated inputs (the cache's ``cumulative_length.add_``), taking every
+    later mode with it. So the arguments stay the forward's, whose failure is an error row."""
+    return MODE_COMPILE_KWARGS[mode]
 
 
 # modes whose outputs live in the memory of Inductor's CUDA-graph trees: a later replay overwrites

@@ -56,7 +56,7 @@ def markdown(result: dict) -> str:
             f"{result['date']} · torch {result['torch_version']} · transformers {result['transformers_version']} · "
             f"triton {env.get('triton_version')} · bs=1 forward, use_cache=False · iters {args['num_iters']} "
             f"(+{args['hf_warmups']} warm-up) · generate: {args['hf_generate_tokens']} new tokens, static cache, "
-            f"greedy, compiled without dynamic=True · parts: {', '.join(args.get('hf_parts') or ['forward', 'generate'])}\n")
+            f"greedy, compiled afresh · parts: {', '.join(args.get('hf_parts') or ['forward', 'generate'])}\n")
     if result.get("complete") is False:
         head += "\n**Partial run**: cut short; the rows below are the modes that finished.\n"
     notes = [

@@ -29,6 +29,7 @@ tests_for() {
     flashinfer) echo "tests/test_flashinfer.py" ;;
     user_compile) echo "tests/test_user_compile_gpu.py tests/test_bench_hf_model.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
+    gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
   esac

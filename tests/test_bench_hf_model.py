@@ -139,10 +139,9 @@ def test_checkpoint_directory(tmp_path):
     assert result["rows"][0]["error"] is None and len(result["rows"][0]["generate_tokens"]) == NEW_TOKENS
 
 
-def test_generate_part_alone_compiles_afresh_without_dynamic(tmp_path, monkeypatch, eager_pieces):
-    """``--hf-parts generate``: no forward rows; the static-cache generate compiles with the mode's
-    arguments less ``dynamic=True`` (on the H200 that flag broke Inductor's lowering of the static
-    cache under reduce-overhead) and still gives eager's greedy tokens."""
+def test_generate_part_alone_compiles_afresh(tmp_path, monkeypatch, eager_pieces):
+    """``--hf-parts generate``: no forward rows; the static-cache generate compiles afresh with the
+    mode's arguments and still gives eager's greedy tokens."""
     seen = []
     original = torch.nn.Module.compile
 
@@ -157,8 +156,7 @@ def test_generate_part_alone_compiles_afresh_without_dynamic(tmp_path, monkeypat
     split = rows["tscompile-split"]
     assert split["error"] is None and "lengths" not in split and split["generate_ms_per_token"] > 0
     assert split["tokens_vs_eager"] == "same"
-    assert seen == [{"backend": "tscompile", "options": {"split_sdpa": True, "cudagraphs": True,
-                                                          "piece_compiler": "eager"}}]
+    assert seen == [hf_model.MODE_COMPILE_KWARGS["tscompile-split"]]  # one compile, the generate's
     assert split["generate_compile_kwargs"] == seen[0]
     assert "parts: generate" in md
 
