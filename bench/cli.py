@@ -18,6 +18,9 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
                                  Its programs run without CUDA graphs. Also reports load to first token.
 A mode or a batch size that fails becomes an error row; the others still run.
 
+--kernel-table: after each row's timed runs (never inside them), a few steps of the same workload
+under torch.profiler: the top kernels per step (CPU ops on the CPU) with count, time and share.
+
 Correctness: each batch size's first request is decoded once by a float32 eager reference of the
 same weights; every row says whether its greedy tokens agree and, where not, the first diverging
 step and the reference's top-2 logit margin there (a near-tie, or a suspicious gap).
@@ -31,7 +34,7 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import compile_stats, package_mode, report, roofline
+from . import compile_stats, kernel_table, package_mode, report, roofline
 from .runner import Bench, backend_available
 
 FIXED_MODES = ("eager", "compile-default", "compile-reduce-overhead", "compile-reduce-overhead-tuned")
@@ -81,6 +84,10 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
     if getattr(args, "package", None) and not os.path.isfile(args.package):
         raise ValueError(f"tscompile: --package {args.package!r} is not a file; "
                          f"give a .pt2 written by tscompile export")
+    for name in ("kernel_table_steps", "kernel_table_top"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"tscompile: --{name.replace('_', '-')} {value} must be >= 1")
     for name in ("peak_tflops", "margin_threshold"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -126,6 +133,14 @@ def add_parser(sub) -> None:
                         "than this many logits is flagged suspicious (default 0.5)")
     p.add_argument("--no-reference", action="store_true", help="skip the float32 reference run (no correctness "
                    "column; saves a float32 copy of the model on the device)")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="after each row's timed runs, profile a few steps of the same workload (torch.profiler) and "
+                        "add their top kernels (CPU ops on the CPU) with time and share per step to the JSON and "
+                        "markdown")
+    p.add_argument("--kernel-table-steps", type=int, default=kernel_table.DEFAULT_STEPS,
+                   help=f"steps profiled per row (default {kernel_table.DEFAULT_STEPS})")
+    p.add_argument("--kernel-table-top", type=int, default=kernel_table.DEFAULT_TOP,
+                   help=f"kernels listed per row (default {kernel_table.DEFAULT_TOP})")
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--output-md", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="decode ms/step vs batch size (matplotlib)")

@@ -137,6 +137,49 @@ def prefill_table(rows: list[dict], mfu_title: str = "MFU") -> str:
                    mfu_title, "error"], out)
 
 
+KERNEL_NAME_CHARS = 100  # cuBLAS and CUTLASS template names run to hundreds of characters; the JSON keeps them
+
+
+def _kernel_heading(label: str, kt: dict) -> str:
+    if kt.get("error"):
+        return f"**{label}**: no kernel table ({_error(kt)})"
+    bandwidth = (f", {kt['step_gbps']:.1f} GB/s ({kt['step_bytes'] / 1e6:.2f} MB of weights + KV / summed time)"
+                 if kt.get("step_gbps") else "")
+    return (f"**{label}**: {kt['kernels_per_step']:.0f} {kt['activity']} per step ({kt['distinct']} distinct), "
+            f"{kt['kernel_ms_per_step']:.3f} ms summed per step over {kt['steps']} profiled steps{bandwidth}")
+
+
+def kernel_section(label: str, kt: dict) -> str:
+    """One row's kernel table: the heading line and the top kernels."""
+    head = _kernel_heading(label, kt)
+    if kt.get("error"):
+        return head
+    rows = [[k["name"][:KERNEL_NAME_CHARS].replace("|", "/"), _fmt(k["count_per_step"], ".1f"),
+             _fmt(k["us_per_step"], ".1f"), _fmt(k["share_pct"], ".1f"), _fmt(k["gbps"], ".1f")] for k in kt["top"]]
+    return head + "\n\n" + _table(["kernel" if "cuda" in kt["activity"] else "op", "count/step", "us/step",
+                                     "% of step", "GB/s"], rows)
+
+
+def kernels_markdown(result: dict) -> list[str]:
+    """The "Kernels" section (``--kernel-table``): one table per decode and prefill row; [] without tables."""
+    blocks = [kernel_section(f"decode {r['mode']} bs={r['batch_size']}", r["kernel_table"])
+              for r in result["results"] if r.get("kernel_table")]
+    blocks += [kernel_section(f"prefill {r['mode']} {r['prompt_len']} tokens", r["kernel_table"])
+               for r in result["prefill"] if r.get("kernel_table")]
+    if not blocks:
+        return []
+    note = ("Per row, after its timed runs: the steps profiled with torch.profiler (decode: steps from the middle "
+            "of one more run of the row's batch; prefill: whole bs=1 prefills). On CUDA the device activities "
+            "(kernels, copies, graph replays' kernels included); on the CPU the profiler's ops by self time, which "
+            "leaves out the Python between them. % of step = share of the summed time. Decode GB/s in the heading "
+            "= the roofline's weight + KV bytes / summed kernel time (none for prefill: bound by FLOPs). GB/s per "
+            "kernel only for a kernel that is the sole kernel of an aten matmul (mm, addmm, bmm, baddbmm) with "
+            "recorded input shapes: its inputs' bytes (read at least once, so a lower bound) / its time; \"-\" "
+            "for every other kernel, among them every kernel of a CUDA graph replay and Inductor's fused Triton "
+            "kernels, which no aten op with shapes launches.")
+    return ["### Kernels", "", note, "", *[b + "\n" for b in blocks]]
+
+
 def _reference_line(result: dict) -> str:
     ref = result.get("reference") or {}
     threshold = result["args"].get("margin_threshold")
@@ -183,7 +226,8 @@ def markdown(result: dict) -> str:
         notes += ["", "MFU \"-\": no matmul peak (the CPU has none measured; give --peak-tflops to set one)."]
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
                       "### Compiles per mode", "", compile_table(result.get("modes", {})), "",
-                      "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, ""])
+                      "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, "",
+                      *kernels_markdown(result)])
 
 
 # -- plot ------------------------------------------------------------------------------------------

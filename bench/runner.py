@@ -17,7 +17,7 @@ import torch
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import compile_stats, reference, roofline, workloads
+from . import compile_stats, kernel_table, reference, roofline, workloads
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -198,7 +198,44 @@ class Bench:
             # against the median step, the figure the table shows
             row["achieved_gbps"] = nbytes.total / (tpot["median"] / 1e3) / 1e9
             row["pct_of_roofline"] = 100.0 * row["roofline_ms"] / tpot["median"] if applies else None
+        if getattr(a, "kernel_table", False):  # after the timed runs and the row's figures: never inside them
+            row["kernel_table"] = self._guarded_table(lambda: self.decode_kernel_table(runner, prompts, row))
         return row
+
+    # -- kernel tables (--kernel-table) -------------------------------------------------------------
+    def _guarded_table(self, build) -> dict:
+        """A profiling failure leaves the row's timed figures standing: the table carries the error."""
+        try:
+            return build()
+        except Exception as e:  # noqa: BLE001
+            if self.args.verbose:
+                traceback.print_exc()
+            return {"error": _error_text(e)}
+
+    def decode_kernel_table(self, runner, prompts: list[list[int]], row: dict) -> dict:
+        """One more run of the row's batch, profiling ``--kernel-table-steps`` decode steps from the
+        middle of its decode (the mean context the roofline's bytes assume)."""
+        a = self.args
+        steps = row["decode_steps_per_iter"]
+        if steps < 1:
+            return {"error": "no decode step to profile"}
+        count = min(a.kernel_table_steps, steps)
+        window = kernel_table.StepWindow(self.device.type, (steps - count) // 2, count)
+        try:
+            runner.run_batch(prompts, a.output_len, window=window)
+        finally:
+            window.finish()
+        if window.steps < 1:
+            return {"error": "the profiled run had no decode step in its window"}
+        stats = kernel_table.stats_of(window.prof, self.device.type, self.dtype.itemsize)
+        return kernel_table.table(stats, window.steps, self.device.type, a.kernel_table_top, row["step_bytes"])
+
+    def prefill_kernel_table(self, runner, prompt: list[int]) -> dict:
+        a = self.args
+        prof = kernel_table.profile_calls(lambda: runner.run_prefill(prompt), a.kernel_table_steps, self.device.type)
+        stats = kernel_table.stats_of(prof, self.device.type, self.dtype.itemsize)
+        # a prefill is bound by its FLOPs, not its bytes: no step bandwidth (its TFLOP/s is in the row)
+        return kernel_table.table(stats, a.kernel_table_steps, self.device.type, a.kernel_table_top)
 
     def prefill_row(self, mode: str, runner, length: int) -> dict:
         a = self.args
@@ -211,11 +248,14 @@ class Bench:
         steps = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
         secs = statistics.median(times)  # the median: one slow run (a GC pause, the OS) moves it least
         flops = roofline.prefill_flops(self.cfg, length)
-        return {"mode": mode, "prompt_len": length, "error": None, "prefill_ms": secs * 1e3,
+        row = {"mode": mode, "prompt_len": length, "error": None, "prefill_ms": secs * 1e3,
                 "prefill_ms_min": times[0] * 1e3, "prefill_ms_max": times[-1] * 1e3,
                 "prefill_ms_mean": sum(times) / len(times) * 1e3, "prefill_tokens_per_s": length / secs,
                 "prefill_flops": flops, "prefill_tflops": flops / secs / 1e12,
                 "mfu": roofline.mfu(flops, secs, self.peak_tflops), "timed_runs": steps}
+        if getattr(a, "kernel_table", False):  # after the timed runs
+            row["kernel_table"] = self._guarded_table(lambda: self.prefill_kernel_table(runner, prompt))
+        return row
 
     def run_mode(self, mode: str, bar) -> None:
         from tscompile.models import build_model

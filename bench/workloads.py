@@ -1,7 +1,8 @@
 """The measured loops: one runner per mode, each able to run a greedy batch and a bs=1 prefill.
 
-Every runner exposes ``run_batch(prompts, output_len, per_call)`` -> :class:`BatchTiming` and
-``run_prefill(prompt)`` -> seconds. Timing is CUDA events (plus a synchronize) on cuda and
+Every runner exposes ``run_batch(prompts, output_len, per_call, window)`` -> :class:`BatchTiming` and
+``run_prefill(prompt)`` -> seconds; ``window`` (``kernel_table.StepWindow``, the kernel-table pass
+only) is told before and after each decode step. Timing is CUDA events (plus a synchronize) on cuda and
 ``perf_counter`` on cpu. Decode time covers decode-only steps: for the static-cache baselines the
 steps after the batched prefill, for ``tscompile.LLM`` the steps the scheduler runs as pure decode.
 """
@@ -129,11 +130,12 @@ class StaticCacheRunner:
         per_call.append(t.seconds)
         return out
 
-    def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False) -> BatchTiming:
+    def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False,
+                  window=None) -> BatchTiming:
         with self._inductor_config():
-            return self._run_batch(prompts, output_len, per_call)
+            return self._run_batch(prompts, output_len, per_call, window)
 
-    def _run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool) -> BatchTiming:
+    def _run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool, window) -> BatchTiming:
         bs, seqlen = len(prompts), len(prompts[0])
         self._decode_len = seqlen + output_len
         sm = self._static(bs, self._decode_len)
@@ -147,8 +149,12 @@ class StaticCacheRunner:
             out = [tok]
             pos = torch.tensor([seqlen], device=self.device)
             with Timer(self.device) as dec:
-                for _ in range(output_len - 1):
+                for i in range(output_len - 1):
+                    if window is not None:
+                        window.before(i)
                     tok = self._call(self.decode_fn, sm, tok, pos, calls)
+                    if window is not None:
+                        window.after(i)
                     out.append(tok)
                     pos = pos + 1
         tokens = torch.cat(out, dim=1).tolist()
@@ -202,7 +208,8 @@ class EngineRunner:
             self.llm.step()
         per_call.append(t.seconds)
 
-    def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False) -> BatchTiming:
+    def run_batch(self, prompts: list[list[int]], output_len: int, per_call: bool = False,
+                  window=None) -> BatchTiming:
         if self.llm.has_unfinished():
             raise RuntimeError("tscompile: the engine still holds requests from an earlier run")
         # every mode generates output_len tokens: the static-cache loops never stop at an eos id
@@ -217,11 +224,16 @@ class EngineRunner:
         steps = other = 0
         with Timer(self.device) as dec:
             while self.llm.has_unfinished():
-                if self._pure_decode_next():
-                    steps += 1
-                elif self.llm.scheduler.running or self.llm.scheduler.waiting:
+                pure = self._pure_decode_next()
+                if pure and window is not None:
+                    window.before(steps)
+                if not pure and (self.llm.scheduler.running or self.llm.scheduler.waiting):
                     other += 1
                 self._step(calls)  # the last call only reads back the final tokens
+                if pure:
+                    if window is not None:
+                        window.after(steps)
+                    steps += 1
         return BatchTiming(ttft.seconds, dec.seconds, steps, [list(r.output) for r in reqs], calls or [], other)
 
     def run_prefill(self, prompt: list[int]) -> float:

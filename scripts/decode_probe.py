@@ -24,21 +24,12 @@ def timed(obj, name, label):
 
 def kernel_table(fn, label, reps=10):
     """GPU kernels of ``fn`` (graph-internal ones too): per-call count, summed time, the top 20."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per = collections.defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        per[e.name][0] += 1
-        per[e.name][1] += e.device_time
-    total = sum(t for _, t in per.values()) / reps
-    print(f"{label}: {len(kernels) / reps:.0f} kernels per call, {total / 1e3:.3f} ms summed kernel time", flush=True)
+    from tscompile.bench.kernel_table import kernel_times
+    per = kernel_times(fn, reps)
+    count, total = sum(c for c, _ in per.values()), sum(t for _, t in per.values())
+    print(f"{label}: {count:.0f} kernels per call, {total / 1e3:.3f} ms summed kernel time", flush=True)
     for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:20]:
-        print(f"  {t / reps:8.1f} us  x{c / reps:5.0f}  {name[:110]}", flush=True)
+        print(f"  {t:8.1f} us  x{c:5.0f}  {name[:110]}", flush=True)
 
 
 model = sys.argv[1] if len(sys.argv) > 1 else "llama-1b"

@@ -3,7 +3,7 @@
 
 Per workload: wall time of the step (median of 10), the summed kernel time, and the top kernels
 with their per-step time and count; the JSON keeps every kernel for a diff between trees."""
-import collections, json, statistics, sys, time
+import json, statistics, sys, time
 
 # run against the tree on PYTHONPATH, not the editable install of this checkout
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
@@ -23,19 +23,19 @@ def run_once(llm, prompts):
         llm.sync()
 
 
+def _kernel_table_module():
+    """This checkout's bench/kernel_table.py, by file path: the trees this script compares may predate it."""
+    import importlib.util, pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "kernel_table.py"
+    spec = importlib.util.spec_from_file_location("bench_kernel_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def kernels_of(fn, reps=3):
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name][0] += 1
-            per[e.name][1] += e.device_time
-    return {name: (c / reps, t / reps) for name, (c, t) in per.items()}
+    """CUDA kernels of ``fn``, per call: name -> (launches, microseconds)."""
+    return _kernel_table_module().kernel_times(fn, reps)
 
 
 def main(out_path):

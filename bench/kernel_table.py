@@ -1,0 +1,192 @@
+"""Kernel tables: what one step of a workload runs, from ``torch.profiler``.
+
+On CUDA the table lists device activities (kernels, memcpy, memset), graph-internal ones too: the
+profiler sees the kernels a CUDA-graph replay runs. On the CPU there are no kernels: it lists the
+profiler's CPU ops by self time (an op's time less its children's, so nested ops are not counted
+twice).
+
+Achieved bandwidth per kernel is given only where its bytes are known: a kernel that is the only
+kernel launched by an aten matmul op (``MATMUL_OPS``) whose input shapes the profiler recorded; its
+bytes are the op's inputs, read at least once, so the figure is a lower bound. A kernel launched
+inside a CUDA graph replay or by Inductor's generated code (a fused Triton matmul) has no aten op
+behind it: "-".
+
+This module imports only torch and the standard library: ``scripts/prefill_kernels.py`` loads it by
+file path into source trees that predate it.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+DEFAULT_STEPS = 3
+DEFAULT_TOP = 15
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+# element sizes of the dtype names the profiler records (c10's names); others fall back to the
+# caller's dtype, the bench's one dtype for weights and activations
+_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "c10::Float8_e4m3fn": 1,
+             "c10::Float8_e5m2": 1, "signed char": 1, "unsigned char": 1, "int": 4, "long int": 8}
+
+
+@dataclass
+class KernelStat:
+    count: int = 0
+    us: float = 0.0
+    matmul_bytes: int = 0  # inputs of the launching matmul op, while every launch had one
+    attributable: bool = True
+
+
+def _synchronize(device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _activities(device_type: str) -> list:
+    from torch.profiler import ProfilerActivity
+
+    # the CPU activity also on CUDA: the aten ops that launched the kernels carry their input shapes
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device_type == "cuda" else [ProfilerActivity.CPU]
+
+
+def new_profiler(device_type: str):
+    """An unstarted ``torch.profiler.profile`` for ``device_type``; shapes recorded for the matmul bytes."""
+    from torch.profiler import profile
+
+    return profile(activities=_activities(device_type), record_shapes=True)
+
+
+def _input_bytes(event, default_itemsize: int) -> int:
+    """Bytes of a CPU op's tensor inputs (non-tensor arguments have an empty shape and are skipped)."""
+    dtypes = list(getattr(event, "input_dtypes", None) or [])
+    total = 0
+    for i, shape in enumerate(event.input_shapes or []):
+        if not shape:
+            continue
+        size = _ITEMSIZE.get(dtypes[i], default_itemsize) if i < len(dtypes) else default_itemsize
+        total += math.prod(shape) * size
+    return total
+
+
+def _device_events(events) -> list:
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _cuda_stats(events, default_itemsize: int) -> dict[str, KernelStat]:
+    # the aten/torch ops (no linked id of their own); runtime events (cudaLaunchKernel) number their
+    # ids in another space and would shadow an op of the same id
+    ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async
+           and getattr(e, "linked_correlation_id", 0) == 0}
+    kernels = _device_events(events)
+    launched = collections.Counter(getattr(k, "linked_correlation_id", 0) for k in kernels)
+    stats: dict[str, KernelStat] = collections.defaultdict(KernelStat)
+    for k in kernels:
+        s = stats[k.name]
+        s.count += 1
+        s.us += k.time_range.end - k.time_range.start
+        corr = getattr(k, "linked_correlation_id", 0)
+        op = ops.get(corr) if corr else None
+        # one kernel per op: a split-K matmul's second kernel would get bytes it did not read
+        if op is not None and op.name in MATMUL_OPS and launched[corr] == 1 and op.input_shapes:
+            s.matmul_bytes += _input_bytes(op, default_itemsize)
+        else:
+            s.attributable = False
+    return stats
+
+
+def _cpu_stats(events, default_itemsize: int) -> dict[str, KernelStat]:
+    stats: dict[str, KernelStat] = collections.defaultdict(KernelStat)
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or e.is_async:
+            continue
+        s = stats[e.name]
+        s.count += 1
+        s.us += e.self_cpu_time_total
+        if e.name in MATMUL_OPS and e.input_shapes:
+            s.matmul_bytes += _input_bytes(e, default_itemsize)
+        else:
+            s.attributable = False
+    return stats
+
+
+def stats_of(prof, device_type: str, default_itemsize: int = 2) -> dict[str, KernelStat]:
+    """Per kernel (CUDA) or op (CPU) name: launches, summed microseconds, attributable matmul bytes."""
+    events = prof.events()
+    if device_type == "cuda":
+        return _cuda_stats(events, default_itemsize)
+    return _cpu_stats(events, default_itemsize)
+
+
+def kernel_times(fn: Callable[[], object], reps: int = DEFAULT_STEPS) -> dict[str, tuple[float, float]]:
+    """CUDA kernels of ``fn``, per call: name -> (launches, microseconds). The scripts' probe."""
+    prof = new_profiler("cuda")
+    torch.cuda.synchronize()
+    with prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {name: (s.count / reps, s.us / reps) for name, s in stats_of(prof, "cuda").items()}
+
+
+class StepWindow:
+    """Profiles steps ``start .. start + count - 1`` of a runner's decode loop, which calls
+    ``before(i)`` and ``after(i)`` around its decode step ``i``; ``finish`` stops a window the run
+    ended inside (fewer decode steps than asked for)."""
+
+    def __init__(self, device_type: str, start: int, count: int):
+        self.device_type, self.start, self.count = device_type, start, count
+        self.prof = new_profiler(device_type)
+        self.steps = 0
+        self._running = False
+
+    def before(self, i: int) -> None:
+        if i == self.start:
+            _synchronize(self.device_type)  # the earlier steps' kernels stay out of the window
+            self.prof.start()
+            self._running = True
+
+    def after(self, i: int) -> None:
+        if self._running:
+            self.steps += 1
+            if self.steps == self.count:
+                self.finish()
+
+    def finish(self) -> None:
+        if self._running:
+            _synchronize(self.device_type)
+            self.prof.stop()
+            self._running = False
+
+
+def profile_calls(fn: Callable[[], object], reps: int, device_type: str):
+    """A stopped profiler over ``reps`` calls of ``fn`` (one call = one step)."""
+    prof = new_profiler(device_type)
+    _synchronize(device_type)
+    with prof:
+        for _ in range(reps):
+            fn()
+        _synchronize(device_type)
+    return prof
+
+
+def table(stats: dict[str, KernelStat], steps: int, device_type: str, top: int,
+          step_bytes: int | None = None) -> dict:
+    """The JSON of one row's kernel table: per step figures of every kernel summed, the ``top``
+    kernels by time, and the step's achieved bandwidth (``step_bytes`` / summed kernel time)."""
+    total_us = sum(s.us for s in stats.values())
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1].us)
+    rows = []
+    for name, s in ranked[:top]:
+        gbps = s.matmul_bytes / (s.us * 1e-6) / 1e9 if s.attributable and s.matmul_bytes and s.us > 0 else None
+        rows.append({"name": name, "count_per_step": s.count / steps, "us_per_step": s.us / steps,
+                     "share_pct": 100.0 * s.us / total_us if total_us > 0 else None, "gbps": gbps})
+    kernel_ms = total_us / steps / 1e3
+    return {"activity": "cuda kernels" if device_type == "cuda" else "cpu ops (self time)", "steps": steps,
+            "top_n": top, "distinct": len(stats), "kernels_per_step": sum(s.count for s in stats.values()) / steps,
+            "kernel_ms_per_step": kernel_ms, "step_bytes": step_bytes,
+            "step_gbps": step_bytes / (kernel_ms * 1e-3) / 1e9 if step_bytes and kernel_ms > 0 else None,
+            "top": rows}
