@@ -29,6 +29,7 @@ def _kernel_table_module():
     path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "kernel_table.py"
     spec = importlib.util.spec_from_file_location("bench_kernel_table", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up while the class is built
     spec.loader.exec_module(module)
     return module
 
