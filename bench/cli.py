@@ -219,11 +219,7 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mod
         md = report.markdown(result)
         section = package_mode.markdown_section(bench.modes)
         md += ("\n" + section) if section else ""
-        if args.output_md:
-            with open(args.output_md, "w") as f:
-                f.write(md + "\n")
-        if args.output_json:
-            report.write_json(result, args.output_json)
+        report.write_outputs(result, md, args)
         return result, md
 
     bench.on_row = lambda: save(complete=False)

@@ -21,7 +21,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 
@@ -351,23 +350,7 @@ class HFBench:
             self.model.compile(**kwargs)
 
     def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
-        msg = _error_text(e)
-        bar.write(f"bench: {mode} {where} failed: {msg}", file=sys.stderr)
-        if self.args.verbose:
-            bar.write(traceback.format_exc(), file=sys.stderr)
-        return msg
-
-
-def _error_text(e: BaseException) -> str:
-    """One line: the exception, and the backend's own error where torch wraps it (Dynamo's
-    ``BackendCompilerFailed`` says only "backend=... raised:" on its first line)."""
-    parts, seen = [], set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        parts.append(f"{type(e).__name__}: {first}".strip())
-        e = getattr(e, "inner_exception", None) or e.__cause__
-    return " <- ".join(parts)
+        return report.report_failure(mode, where, e, bar, self.args.verbose)
 
 
 def _compare_tokens(tokens: list[int], eager: list[int] | None) -> str | None:
@@ -425,11 +408,7 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, tqd
                   "args": {k: v for k, v in vars(args).items() if not callable(v)}, "modes_run": modes,
                   "complete": complete, "rows": bench.rows}
         md = hf_report.markdown(result)
-        if args.output_md:
-            with open(args.output_md, "w") as f:
-                f.write(md + "\n")
-        if args.output_json:
-            report.write_json(result, args.output_json)
+        report.write_outputs(result, md, args)
         return result, md
 
     total = len(modes) * (len(args.hf_lens) * ("forward" in args.hf_parts) + ("generate" in args.hf_parts))

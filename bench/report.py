@@ -60,6 +60,39 @@ def write_json(result: dict, path: str | os.PathLike) -> None:
         f.write("\n")
 
 
+def write_outputs(result: dict, md: str, args) -> None:
+    """The run's markdown and JSON where ``--output-md`` / ``--output-json`` ask for them."""
+    if args.output_md:
+        with open(args.output_md, "w") as f:
+            f.write(md + "\n")
+    if args.output_json:
+        write_json(result, args.output_json)
+
+
+def error_text(e: BaseException) -> str:
+    """One line: the exception, and the backend's own error where torch wraps it (Dynamo's
+    ``BackendCompilerFailed`` says only "backend=... raised:" on its first line)."""
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        parts.append(f"{type(e).__name__}: {first}".strip())
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return " <- ".join(parts)
+
+
+def report_failure(mode: str, where: str, e: BaseException, bar, verbose: bool) -> str:
+    """Says on stderr (through the progress bar) that a part of a mode failed; returns the error's line."""
+    import sys
+    import traceback
+
+    msg = error_text(e)
+    bar.write(f"bench: {mode} {where} failed: {msg}", file=sys.stderr)
+    if verbose:
+        bar.write(traceback.format_exc(), file=sys.stderr)
+    return msg
+
+
 # -- markdown --------------------------------------------------------------------------------------
 def _fmt(value, spec: str = ".2f") -> str:
     if value is None:

@@ -8,7 +8,6 @@ import contextlib
 import gc
 import os
 import statistics
-import sys
 import time
 import traceback
 
@@ -17,7 +16,7 @@ import torch
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import compile_stats, kernel_table, reference, roofline, workloads
+from . import compile_stats, kernel_table, reference, report, roofline, workloads
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -39,10 +38,6 @@ def backend_available(name: str, device: torch.device) -> tuple[bool, str]:
     if impl == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         return True, ""
     return False, f"the {name} backend needs CUDA" + (" (or TRITON_INTERPRET=1)" if impl == "triton" else "")
-
-
-def _error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
 
 
 def _cleanup(device: torch.device) -> None:
@@ -210,7 +205,7 @@ class Bench:
         except Exception as e:  # noqa: BLE001
             if self.args.verbose:
                 traceback.print_exc()
-            return {"error": _error_text(e)}
+            return {"error": report.error_text(e)}
 
     def decode_kernel_table(self, runner, prompts: list[list[int]], row: dict) -> dict:
         """One more run of the row's batch, profiling ``--kernel-table-steps`` decode steps from the
@@ -320,11 +315,7 @@ class Bench:
         _cleanup(self.device)
 
     def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
-        msg = _error_text(e)
-        bar.write(f"bench: {mode} {where} failed: {msg}", file=sys.stderr)
-        if self.args.verbose:
-            bar.write(traceback.format_exc(), file=sys.stderr)
-        return msg
+        return report.report_failure(mode, where, e, bar, self.args.verbose)
 
     def mark_agreement(self) -> None:
         """``reference_check``: the first request's greedy tokens against the float32 reference's
