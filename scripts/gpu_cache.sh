@@ -59,9 +59,12 @@ refuse() { echo "gpu_cache.sh: $*" >&2; exit 2; }
 mib() { awk -v b="$1" 'BEGIN { if (b < 1048576) printf "%.0f KiB", b / 1024; else printf "%.1f MiB", b / 1048576 }'; }
 bytes_of() { du -sb "$@" 2>/dev/null | awk '{ s += $1 } END { print s + 0 }'; }
 
+# xz -3: within 7% of -6's size on binaries at about 2.5 times its speed, and its 12 MiB blocks let
+# -T0 spread a cache of a few hundred MiB over all cores, so save takes seconds (GPU_CACHE_XZ_LEVEL)
 compress() {  # stdin -> stdout; xz's own threads when the binary is there, Python's lzma otherwise
-  if command -v xz > /dev/null; then xz -T0 -6 -c
-  else python3 -c $'import lzma, shutil, sys\nwith lzma.LZMAFile(sys.stdout.buffer, "w", preset=6) as f: shutil.copyfileobj(sys.stdin.buffer, f)'
+  local level=${GPU_CACHE_XZ_LEVEL:-3}
+  if command -v xz > /dev/null; then xz -T0 -"$level" -c
+  else python3 -c $'import lzma, shutil, sys\nwith lzma.LZMAFile(sys.stdout.buffer, "w", preset=int(sys.argv[1])) as f: shutil.copyfileobj(sys.stdin.buffer, f)' "$level"
   fi
 }
 decompress() {
@@ -108,7 +111,7 @@ EOF
 }
 
 restore() {
-  local dir=${1:?usage: gpu_cache.sh restore DIR}
+  local dir=${1?usage: gpu_cache.sh restore DIR}  # "" or a missing folder: cold caches
   mkdir -p "$ROOT/inductor" "$ROOT/triton"
   local parts=() names=() count="" n=0 name
   if [ -d "$dir" ]; then
@@ -121,7 +124,7 @@ restore() {
     done < <(ls "$dir" | sort)
   fi
   if [ ${#parts[@]} -eq 0 ]; then
-    say "no cache parts in $dir: cold caches under $ROOT"
+    say "no cache parts in ${dir:-<none>}: cold caches under $ROOT"
   elif [ "$((10#$count))" -ne ${#parts[@]} ]; then
     say "$dir holds ${#parts[@]} of $count parts: cold caches under $ROOT"
   else
@@ -172,7 +175,7 @@ save() {
   ir_bytes=$(find "$ROOT/triton" -type f \( -name "*.ttir" -o -name "*.ttgir" -o -name "*.llir" -o -name "*.ptx" \
     -o -name "*.amdgcn" -o -name "*.source" \) -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }')
   say "caches: inductor $(mib "$(bytes_of "$ROOT/inductor")") (fxgraph $(mib "$(bytes_of "$ROOT/inductor/fxgraph")"), aotautograd $(mib "$(bytes_of "$ROOT/inductor/aotautograd")")), triton $(mib "$(bytes_of "$ROOT/triton")") (IR $(mib "$ir_bytes")); budget $max_parts x $(mib "$PART_BYTES")"
-  local stage archive level fitted=""
+  local stage archive level fitted="" ratio=""
   stage=$(mktemp -d "$ROOT.stage.XXXXXX") || refuse "cannot make a staging folder beside $ROOT"
   archive=$stage/all.tar.xz
   local levels=("everything" "without Triton IR" "without Triton's copies of Inductor kernels" "Inductor's cache only")
@@ -183,10 +186,19 @@ save() {
     find "$stage/tree" -type f \( -name "*.tmp" -o -name "*.tmp.pid_*" -o -name "*.lock" -o -name lock \) -delete
     drop_level "$stage/tree" $level
     echo "$ROOT" > "$stage/tree/saved_root.txt"
+    local raw size
+    raw=$(bytes_of "$stage/tree")
+    # what is left after a drop packs no better than what went before (IR text packs best), so the
+    # last ratio is an optimistic guess: a level that misses the budget even by it is not worth packing
+    # (not so for Inductor's dir alone, mostly text, so level 3 is always packed)
+    if [ "$level" -le 2 ] && [ -n "$ratio" ] && awk -v r="$raw" -v q="$ratio" -v b="$budget" 'BEGIN { exit !(r * q > b) }'; then
+      say "level $level (${levels[$level]}): $(mib "$raw"), would pack to about $(mib "$(awk -v r="$raw" -v q="$ratio" 'BEGIN { printf "%d", r * q }')"): skipped"
+      continue
+    fi
     tar -C "$stage/tree" -cf - inductor triton saved_root.txt | compress > "$archive"
-    local size
     size=$(stat -c %s "$archive")
-    say "level $level (${levels[$level]}): $(mib "$(bytes_of "$stage/tree")") -> $(mib "$size") packed"
+    ratio=$(awk -v s="$size" -v r="$raw" 'BEGIN { print (r > 0 ? s / r : 1) }')
+    say "level $level (${levels[$level]}): $(mib "$raw") -> $(mib "$size") packed"
     if [ "$size" -le "$budget" ]; then fitted=$level; break; fi
   done
   if [ -z "$fitted" ]; then
@@ -201,7 +213,8 @@ save() {
   done
   rm -rf "$stage"
   say "saved level $fitted in $((SECONDS - start)) s:"
-  ls -l "$outdir"/gpucache-*of*.tar.xz | awk '{ printf "gpu_cache:   %s %.1f MiB\n", $NF, $5 / 1048576 }' >&2
+  local part
+  for part in "$outdir"/gpucache-*of*.tar.xz; do say "  $part $(mib "$(stat -c %s "$part")")"; done
 }
 
 case ${1:-} in

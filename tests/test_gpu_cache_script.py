@@ -93,44 +93,52 @@ def test_inductor_caches_saved_in_parts_give_fx_graph_hits_in_a_fresh_process(tm
     assert warm["autograd_hit"] >= 1, warm
 
 
-# Writes a kernel's files the way Triton's compiler does (FileCacheManager.put and put_group), with
-# big incompressible IR and a small binary, then (second mode) reads the group back as a cache hit
-# would, printing the members Triton returns.
+# Writes two kernels' files the way Triton's compiler does (FileCacheManager.put and put_group): a
+# hand-written one with big incompressible IR and a small binary, and one named like Inductor's with a
+# big binary. The "read" mode looks both up as a cache hit would and prints the members Triton returns.
 TRITON_CHILD = r"""
 import json, os, sys
 from triton.runtime.cache import FileCacheManager
-manager = FileCacheManager("kernelhash")
-if sys.argv[1] == "write":
-    group = {}
-    for ext, size in (("ttir", 60000), ("ttgir", 60000), ("llir", 60000), ("ptx", 60000), ("cubin", 5000)):
-        group[f"kern.{ext}"] = manager.put(os.urandom(size), f"kern.{ext}")
-    group["kern.json"] = manager.put(json.dumps({"name": "kern"}), "kern.json", binary=False)
-    manager.put_group("kern.json", group)
-else:
-    group = manager.get_group("kern.json")
-    print("GROUP " + json.dumps(None if group is None else {k: [v, os.path.exists(v)] for k, v in group.items()}))
+kernels = {"kern": ("userhash", 5000), "triton_poi_fused_add_0": ("inductorhash", 60000)}
+for name, (key, binary_size) in kernels.items():
+    manager = FileCacheManager(key)
+    if sys.argv[1] == "write":
+        group = {}
+        for ext, size in (("ttir", 60000), ("ttgir", 60000), ("llir", 60000), ("ptx", 60000), ("cubin", binary_size)):
+            group[f"{name}.{ext}"] = manager.put(os.urandom(size), f"{name}.{ext}")
+        group[f"{name}.json"] = manager.put(json.dumps({"name": name}), f"{name}.json", binary=False)
+        manager.put_group(f"{name}.json", group)
+    else:
+        group = manager.get_group(f"{name}.json")
+        found = None if group is None else {k: [v, os.path.exists(v)] for k, v in group.items()}
+        print("GROUP " + json.dumps({"kernel": name, "members": found}))
 """
 
 
-def test_pruned_triton_cache_keeps_a_valid_index_restored_under_another_root(tmp_path):
+def test_pruned_triton_cache_keeps_hand_written_kernels_with_valid_indexes_under_another_root(tmp_path):
     saving_root, restoring_root, out = tmp_path / "saving", tmp_path / "restoring", tmp_path / "out"
-    # one part of 40 KiB: the IR (240 KB of random bytes) cannot fit, the binary and metadata can
+    # one part of 40 KiB: neither the IR (480 KB of random bytes) nor the Inductor-named kernel's 60 KB
+    # binary fits; the hand-written kernel's binary and metadata do
     env = _env(saving_root, GPU_CACHE_PART_BYTES=str(40 * 1024), TRITON_CACHE_DIR=str(saving_root / "triton"))
     written = subprocess.run([sys.executable, "-c", TRITON_CHILD, "write"], env=env, capture_output=True, text=True)
     assert written.returncode == 0, written.stderr
 
     saved = _script("save", str(out), "1", env=env)
     assert saved.returncode == 0, saved.stderr
-    assert "saved level 1" in saved.stderr, saved.stderr
+    assert "saved level 2" in saved.stderr, saved.stderr
     assert len(_parts(out)) == 1
-    # the live cache was pruned only in its staging copy
-    assert (saving_root / "triton" / "kernelhash" / "kern.ptx").exists()
+    # only the staging copy was pruned, never the live cache
+    assert (saving_root / "triton" / "userhash" / "kern.ptx").exists()
+    assert (saving_root / "triton" / "inductorhash" / "triton_poi_fused_add_0.cubin").exists()
 
     shutil.rmtree(saving_root)
     proc = _restore_then_run(out, TRITON_CHILD, _env(restoring_root), "read")
     assert proc.returncode == 0, proc.stderr
-    group = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("GROUP ")).removeprefix("GROUP "))
-    assert group is not None, "Triton found no cache entry after the restore"
+    found = {g["kernel"]: g["members"] for g in
+             (json.loads(ln.removeprefix("GROUP ")) for ln in proc.stdout.splitlines() if ln.startswith("GROUP "))}
+    assert found["triton_poi_fused_add_0"] is None  # dropped: the FX graph cache bundles its own copy
+    group = found["kern"]
+    assert group is not None, "Triton found no cache entry for the hand-written kernel after the restore"
     assert sorted(group) == ["kern.cubin", "kern.json"], group
     for member, (path, exists) in group.items():
         assert exists and path.startswith(str(restoring_root / "triton")), (member, path)
