@@ -17,7 +17,9 @@
 #
 # save writes gpucache-01of03.tar.xz ... (one xz-compressed tar stream cut into parts, each below
 # GPU_CACHE_PART_MIB, default 15 MiB, so N=3 leaves 5 of the device tool's 8 returned files to the
-# rest). When the whole does not fit in N parts it drops, in order, what is cheapest to regenerate:
+# rest), and at most GPU_CACHE_MAX_MIB (default 40) in all: the carried tree may hold 64 MiB, of which
+# FlashInfer's wheels (.whl/) take 17 and the sources (this tree, .gpu_trees/) a few. When the whole
+# does not fit it drops, in order, what is cheapest to regenerate:
 #   1. Triton's intermediate IR (*.ttir *.ttgir *.llir *.ptx *.amdgcn *.source): a cache hit needs
 #      only the binary (.cubin) and the metadata .json (Triton's own TRITON_STORE_BINARY_ONLY keeps
 #      just these). The __grp__*.json index of each kernel is rewritten to list only what is kept:
@@ -28,16 +30,19 @@
 #   3. Triton's cache altogether (Inductor's dir alone).
 # If even that does not fit it saves nothing and says so. Sizes are printed on stderr.
 #
-# The lead's sequence (the caches' folder must stay out of git, and never in .gitignore):
-#   once:        echo /.gpu_cache/ >> /work/main/.git/info/exclude
+# The lead's sequence (the caches' folder stays out of git through the shared info/exclude, which the
+# device tool honours too: an ignored folder travels only when named in `carry`):
+#   once:        echo /.gpu_cache/ >> "$(git rev-parse --git-common-dir)/info/exclude"
 #   first call:  GPU_CACHE_OUT=1 ... bash scripts/gpu_lanes.sh           (the parts come back in $OUT)
 #   then:        rm -rf .gpu_cache && mkdir .gpu_cache && cp <returned>/gpucache-*of*.tar.xz .gpu_cache/
 #   next calls:  carry [".gpu_cache", ...] and GPU_CACHE_IN=.gpu_cache GPU_CACHE_OUT=1 ... (refreshes it)
 #
 # Caveats:
-# - Cache keys include the torch and Triton versions, the Python, the GPU (its compute capability and
-#   name) and the source of every compiled graph/kernel. Another machine kind, another torch or a
-#   changed model simply misses (and recompiles); it never gives wrong kernels.
+# - Cache keys include the torch, Triton and CUDA versions, the GPU (Inductor: its name and properties;
+#   Triton: its architecture) and the source of every compiled graph and kernel. Another machine kind,
+#   another torch or a changed model simply misses (and recompiles); it never gives wrong kernels.
+# - Not carried: FlashInfer's JIT-built libraries (FLASHINFER_WORKSPACE_BASE) and Dynamo's tracing,
+#   which reruns every time (the caches save Inductor's and Triton's share of a compile).
 # - Triton's index files name their members by absolute path: restore rewrites them when the root
 #   differs from the one that saved them, so keep GPU_CACHE_ROOT fixed anyway (it costs nothing).
 # - Entries of old code versions pile up from call to call; empty .gpu_cache now and then (or when
@@ -68,7 +73,7 @@ compress() {  # stdin -> stdout; xz's own threads when the binary is there, Pyth
   fi
 }
 decompress() {
-  if command -v xz > /dev/null; then xz -dc
+  if command -v xz > /dev/null; then xz -T0 -dc
   else python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.LZMAFile(sys.stdin.buffer), sys.stdout.buffer)'
   fi
 }
@@ -170,11 +175,13 @@ save() {
   rm -f "$outdir"/gpucache-*of*.tar.xz
   if [ ! -d "$ROOT/inductor" ] && [ ! -d "$ROOT/triton" ]; then say "nothing under $ROOT to save"; return 0; fi
   mkdir -p "$ROOT/inductor" "$ROOT/triton"
+  [[ ${GPU_CACHE_MAX_MIB:-40} =~ ^[0-9]+$ ]] || refuse "GPU_CACHE_MAX_MIB must be a whole number of MiB, got '$GPU_CACHE_MAX_MIB'"
   local budget=$((max_parts * PART_BYTES)) start=$SECONDS
+  [ $budget -gt $(( ${GPU_CACHE_MAX_MIB:-40} * 1048576 )) ] && budget=$(( ${GPU_CACHE_MAX_MIB:-40} * 1048576 ))
   local ir_bytes
   ir_bytes=$(find "$ROOT/triton" -type f \( -name "*.ttir" -o -name "*.ttgir" -o -name "*.llir" -o -name "*.ptx" \
     -o -name "*.amdgcn" -o -name "*.source" \) -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }')
-  say "caches: inductor $(mib "$(bytes_of "$ROOT/inductor")") (fxgraph $(mib "$(bytes_of "$ROOT/inductor/fxgraph")"), aotautograd $(mib "$(bytes_of "$ROOT/inductor/aotautograd")")), triton $(mib "$(bytes_of "$ROOT/triton")") (IR $(mib "$ir_bytes")); budget $max_parts x $(mib "$PART_BYTES")"
+  say "caches: inductor $(mib "$(bytes_of "$ROOT/inductor")") (fxgraph $(mib "$(bytes_of "$ROOT/inductor/fxgraph")"), aotautograd $(mib "$(bytes_of "$ROOT/inductor/aotautograd")")), triton $(mib "$(bytes_of "$ROOT/triton")") (IR $(mib "$ir_bytes")); budget $(mib "$budget") ($max_parts x $(mib "$PART_BYTES"), GPU_CACHE_MAX_MIB ${GPU_CACHE_MAX_MIB:-40})"
   local stage archive level fitted="" ratio=""
   stage=$(mktemp -d "$ROOT.stage.XXXXXX") || refuse "cannot make a staging folder beside $ROOT"
   archive=$stage/all.tar.xz
@@ -202,7 +209,7 @@ save() {
     if [ "$size" -le "$budget" ]; then fitted=$level; break; fi
   done
   if [ -z "$fitted" ]; then
-    say "even Inductor's cache alone is over $max_parts x $(mib "$PART_BYTES"): nothing saved"
+    say "even Inductor's cache alone is over $(mib "$budget"): nothing saved"
     rm -rf "$stage"; return 1
   fi
   local count=$(( ($(stat -c %s "$archive") + PART_BYTES - 1) / PART_BYTES ))
