@@ -5,6 +5,9 @@
 # on each source tree named in COMPARE_TREES ("name=dir ...", e.g. trees unpacked by `git archive` into
 # a carried folder; "head=." is this checkout), back to back, then `pytest -m "gpu and slow"` while time
 # is left. Each tree is installed into its own folder and run from /tmp, so trees never mix.
+# Compile caches (scripts/gpu_cache.sh): GPU_CACHE_IN=.gpu_cache restores them first, GPU_CACHE_OUT=1 saves
+# them into $OUT at the end unless GPU_CACHE_SAVE_BEFORE (default 580) seconds of the call are within
+# 20 s (shorten the mode's own *_SECONDS to leave it room). Cold-start figures need empty caches.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
@@ -15,6 +18,9 @@ export PYTHONUNBUFFERED=1
   || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+if [ -n "${GPU_CACHE_IN:-}" ] || [ "${GPU_CACHE_OUT:-0}" = 1 ]; then
+  eval "$(bash scripts/gpu_cache.sh restore "${GPU_CACHE_IN:-}")"
+fi
 rc=0
 if [ "$what" = package ]; then
   bash scripts/package_diag.sh 2>&1 | tee "$OUT/package_diag.log" | tail -60
@@ -183,5 +189,10 @@ if [ "$what" = verify ]; then
     [ -f "$f" ] && { echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -25; }
   done
   cat "$OUT/side.log"
+fi
+if [ "${GPU_CACHE_OUT:-0}" = 1 ]; then
+  left=$((${GPU_CACHE_SAVE_BEFORE:-580} - SECONDS))
+  if [ $left -lt 20 ]; then echo "gpu_cache: save skipped: ${left}s left"
+  else timeout $left bash scripts/gpu_cache.sh save "$OUT" "${GPU_CACHE_PARTS:-3}" 2>&1; fi
 fi
 exit $rc

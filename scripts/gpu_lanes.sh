@@ -9,16 +9,28 @@
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
 # FlashInfer's wheels are installed from .whl/ when carried.
+# Compile caches (scripts/gpu_cache.sh; its header has the lead's call sequence): GPU_CACHE_IN=.gpu_cache
+# (a carried folder of gpucache-NNofMM.tar.xz parts) restores Inductor's and Triton's caches before the
+# jobs; GPU_CACHE_OUT=1 saves them into $OUT after the jobs, in at most GPU_CACHE_PARTS (default 3) of
+# the 8 returned files, keeping GPU_CACHE_SAVE_SECONDS (default 25) of LANES_SECONDS for it (skipped
+# with less than 20 s left). Compile and start-up figures of such a call are warm ones; a job that
+# measures cold start must set its own empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (as
+# scripts/startup.py does).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-deadline=$((SECONDS + ${LANES_SECONDS:-570}))
+end=$((SECONDS + ${LANES_SECONDS:-570}))
+deadline=$end
+[ "${GPU_CACHE_OUT:-0}" = 1 ] && deadline=$((end - ${GPU_CACHE_SAVE_SECONDS:-25}))
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ -n "${GPU_CACHE_IN:-}" ] || [ "${GPU_CACHE_OUT:-0}" = 1 ]; then
+  eval "$(bash scripts/gpu_cache.sh restore "${GPU_CACHE_IN:-}")"
+fi
 
 tests_for() {
   case $1 in
@@ -41,7 +53,7 @@ run_job() {  # lane job
   echo "== $job (${left}s left, $(date +%T))"
   case $job in
     compare)
-      OUT=/tmp/compare SKIP_INSTALL=1 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
+      OUT=/tmp/compare SKIP_INSTALL=1 GPU_CACHE_IN= GPU_CACHE_OUT=0 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
         bash scripts/gpu_check.sh compare > /tmp/compare.out 2>&1
       grep -A40 "== /tmp/compare/r/bench_" /tmp/compare.out | grep -E "^== |^\| tscompile" ; cp /tmp/compare/results.tgz "$OUT/compare.tgz" ;;
     fibench|fibench:*)
@@ -84,3 +96,8 @@ fi
 wait $pid0 $pid1
 [ -s "$OUT/install.log" ] || rm -f "$OUT/install.log"
 for n in 0 1; do [ -f "$OUT/lane$n.log" ] && { echo "######## lane $n"; cat "$OUT/lane$n.log"; }; done
+if [ "${GPU_CACHE_OUT:-0}" = 1 ]; then
+  left=$((end - SECONDS))
+  if [ $left -lt 20 ]; then echo "gpu_cache: save skipped: ${left}s left"
+  else timeout $left bash scripts/gpu_cache.sh save "$OUT" "${GPU_CACHE_PARTS:-3}" 2>&1; fi
+fi
