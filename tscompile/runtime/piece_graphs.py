@@ -130,8 +130,10 @@ class PrefillBuckets:
         token bucket, the decoder's by the row bucket, the last piece also by the request bucket
         and, for the narrowing model too, by the token bucket: its logits-row indices are a view
         into the step's one upload, after the padded ids and positions, and that view's storage
-        offset (twice the token bucket) is one of the piece's SymInt inputs, so a decoder row
-        bucket's last piece captures once per token bucket it is reached from."""
+        offset (twice the token bucket, rounded up to the upload's alignment) is one of the piece's
+        SymInt inputs, so a decoder row bucket's last piece captures once per token bucket it is
+        reached from (buckets that round alike share the graph; keying by the bucket costs only a
+        placeholder step that captures nothing)."""
         tokens, rows, requests = self.sizes_of(plan)
         # a size of 1 specializes both the logits rows (padded) and the per-request inputs the
         # narrowing reads (not padded); logits rows as many as the sampled-token buffer's (max_num_seqs)
