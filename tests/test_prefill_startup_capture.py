@@ -179,6 +179,74 @@ def test_after_start_up_capture_no_step_of_any_bucket_captures_and_tokens_equal_
     assert counters["prefill_captures"] == 0
 
 
+# -- the narrowing model (host replay) ----------------------------------------------------------------------
+# Each token bucket rounds to its own multiple of the upload's alignment (16 int64s), so each gives
+# the last piece its own logits-row offset; two requests keep at most 8 rows (window 4): row buckets
+# 4 and 8, both reachable from 32 and 64 tokens.
+NARROW_LADDER = {**LADDER, "token_ladder": (4, 32, 64), "prefill_graph_max_tokens": 64}
+NARROW = {"max_num_batched_tokens": 64, "max_num_seqs": 2}
+
+
+@pytest.fixture(scope="module")
+def narrow_warmed():
+    """A narrow-tiny engine whose placeholder steps ran under host replay."""
+    llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options=NARROW_LADDER, **NARROW)
+    llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
+    llm.runner.capture_prefill_graphs(startup_plans(llm.runner, llm.scheduler))
+    return llm
+
+
+def _narrow_step_shapes(max_tokens: int, max_requests: int) -> list[PlaceholderShape]:
+    """Every step of up to ``max_tokens`` tokens and ``max_requests`` requests the scheduler can
+    form, up to how the tokens split: any number of decode rows (a mixed step), the extend chunks
+    even, each complete or open."""
+    shapes = []
+    for requests in range(1, max_requests + 1):
+        for decodes in range(requests):
+            extends = requests - decodes
+            for tokens in range(requests, max_tokens + 1):
+                chunks = tuple(_even_split(tokens - decodes, extends))
+                for complete in range(extends + 1):
+                    shapes.append(PlaceholderShape(chunks, tuple(j < complete for j in range(extends)), decodes))
+    return shapes
+
+
+def _even_split(tokens, parts):
+    return [tokens // parts + (i < tokens % parts) for i in range(parts)]
+
+
+def test_narrowing_model_after_start_up_capture_no_step_of_any_token_row_and_request_bucket_captures(narrow_warmed):
+    # The last piece reads its logits rows from a view into the step's upload, after the padded ids
+    # and positions: the view's offset (twice the token bucket, rounded up to the upload's alignment)
+    # is one of its inputs, so a row bucket reached from another token bucket than the planned one
+    # captured anew (on the H200: a mixed
+    # step of 7 requests, 25 tokens and 10 kept rows, after start-up).
+    llm = narrow_warmed
+    sched, buckets = llm.scheduler, llm.runner.prefill_buckets
+    seen, steps = set(), 0
+    for shape in _narrow_step_shapes(sched.max_num_batched_tokens, sched.max_num_seqs):
+        plan = placeholder_plan(shape, sched.specs, block_size=sched.block_size, max_blocks=sched.max_blocks,
+                                eos_token_ids=sched.eos_token_ids, banned_width=sched.banned_width)
+        # one step per padded size and Dynamo class: what decides which graphs a step replays
+        size = (buckets.sizes_of(plan), plan.mode, plan.num_requests == 1)
+        if size in seen:
+            continue
+        seen.add(size)
+        counters.clear()
+        llm.runner.execute(plan)
+        steps += 1
+        assert counters["prefill_graphed"] == 1 and counters["prefill_captures"] == 0, (
+            f"{shape} (tokens, rows, requests) = {size[0]}, {plan.mode}: captured {counters['prefill_captures']} "
+            f"graph(s) after start-up")
+    # the sweep reaches every row bucket from every token bucket, mixed and extend; among them the
+    # steps the planner missed before its last-piece keys had the token bucket: 2 open chunks of 16
+    # tokens keep 2 rows, a row bucket the planner had reached only with 64 tokens
+    reached = {(t, r, mode) for (t, r, _), mode, _ in seen}
+    assert buckets.row_ladder == (4, 8)
+    assert {(t, r, m) for t in (32, 64) for r in (4, 8) for m in (ForwardMode.EXTEND, ForwardMode.MIXED)} <= reached
+    assert steps == len(seen) > 10
+
+
 # -- GPU ------------------------------------------------------------------------------------------------
 GPU_LADDER = {"decode_ladder": (1, 2, 4, 8), "token_ladder": (16, 32, 64), "prefill_graph_max_tokens": 64,
               "inductor_options": {"coordinate_descent_tuning": False}}

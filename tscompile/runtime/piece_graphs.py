@@ -127,7 +127,13 @@ class PrefillBuckets:
         of pieces that capture together. Dynamo compiles a variant per greedy/sampled, extend/mixed
         and request-count classes (see ``variant``), each with pieces of its own; the
         stage before the narrowing (every piece but the last for a plain model) is keyed by the
-        token bucket, the decoder's by the row bucket, the last piece also by the request bucket."""
+        token bucket, the decoder's by the row bucket, the last piece also by the request bucket
+        and, for the narrowing model too, by the token bucket: its logits-row indices are a view
+        into the step's one upload, after the padded ids and positions, and that view's storage
+        offset (twice the token bucket, rounded up to the upload's alignment) is one of the piece's
+        SymInt inputs, so a decoder row bucket's last piece captures once per token bucket it is
+        reached from (buckets that round alike share the graph; keying by the bucket costs only a
+        placeholder step that captures nothing)."""
         tokens, rows, requests = self.sizes_of(plan)
         # a size of 1 specializes both the logits rows (padded) and the per-request inputs the
         # narrowing reads (not padded); logits rows as many as the sampled-token buffer's (max_num_seqs)
@@ -141,7 +147,7 @@ class PrefillBuckets:
         if self.narrowed is not None and rows is not None:
             keys.add(("decoder", rows, *variant))
         if last_rows is not None:
-            keys.add(("last", last_rows, requests, *variant))
+            keys.add(("last", last_rows, requests, tokens, *variant))
         return frozenset(keys)
 
     def pad_rows(self, graphs: PrefillGraphPlan) -> dict[int, int]:
