@@ -21,7 +21,6 @@ from tscompile.cli import main as cli_main
 from tscompile.export import export_package, read_package_metadata
 
 from helpers import assert_other_releases_refused, ids, record_modes
-from package_logits import assert_bf16_package_logits_match_engine
 
 DEVICE = torch.device(os.environ.get("TSCOMPILE_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -165,21 +164,6 @@ def test_package_sampling_equals_eager(package, eager):
     llm = tscompile.load_package(package("llama-tiny"))
     params = [SamplingParams(max_new_tokens=5, temperature=0.9, top_k=20, top_p=0.9, seed=s) for s in range(4)]
     assert ids(llm.generate(PROMPTS[:4], params)) == ids(eager("llama-tiny").generate(PROMPTS[:4], params))
-
-
-@pytest.mark.slow
-def test_bf16_package_logits_equal_engine_within_what_bf16_costs(tmp_path_factory, eager):
-    """test_gpu_packages.py's bf16 comparison on this module's device (about a minute on 2 CPU cores,
-    most of it the export): prefill and three decode steps teacher forced on the package's tokens,
-    within twice (float32 engine) and three times (bf16 engine) the engine's own bf16 error."""
-    path = tmp_path_factory.mktemp("bf16") / "llama-tiny-bf16.pt2"
-    export_package("llama-tiny", path, device=DEVICE, dtype=torch.bfloat16, verify=False, **BOUNDS)
-    llm = tscompile.load_package(path)
-    assert llm.package.record["dtype"] == "bfloat16"
-    bf16 = tscompile.LLM("llama-tiny", device=DEVICE, dtype=torch.bfloat16, enforce_eager=True, **BOUNDS)
-    modes = record_modes(llm)
-    assert_bf16_package_logits_match_engine(llm, bf16, eager("llama-tiny"), PROMPTS[:3], steps=4)
-    assert modes.count(ForwardMode.EXTEND) == 3 and modes.count(ForwardMode.DECODE) == 9  # both programs
 
 
 def _compiled_ops(path, program: str) -> set[str]:
