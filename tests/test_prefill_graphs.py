@@ -89,6 +89,23 @@ def test_narrowing_decoder_runs_without_graphs_above_the_largest_row_bucket():
     assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1
 
 
+def test_narrowing_steps_above_the_token_ladder_capture_nothing_and_equal_eager():
+    """Above the token ladder the decoder runs without graphs as well: its last piece's logits rows
+    are a view into the step's upload whose offset follows the unpadded token count, so graphing it
+    would capture a new graph for every token count (kept rows 8 here fit the row ladder)."""
+    params = SamplingParams(max_new_tokens=2)
+    batches = [[[(3 * i + j) % 300 + 1 for j in range(n)] for i in range(2)] for n in (12, 20)]  # 24, 40 tokens
+    eager = small_llm("narrow-tiny", dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=64)
+    expected = [ids(eager.generate(b, params)) for b in batches]
+    llm = _graphed_llm("narrow-tiny", max_num_batched_tokens=64)
+    assert max(llm.runner.prefill_buckets.row_ladder) >= 8
+    ids(llm.generate([[5, 6, 7]], params))  # inside the ladder: the graphs of that bucket
+    counters.clear()
+    assert [ids(llm.generate(b, params)) for b in batches] == expected
+    assert counters["prefill_captures"] == 0 and counters["decoder_rows_graphed"] == 0
+    assert counters["decoder_rows_eager"] == 2
+
+
 def test_steps_inside_one_bucket_replay_without_capturing_or_recompiling():
     llm = _graphed_llm("llama-tiny")
     params = SamplingParams(max_new_tokens=1)

@@ -106,7 +106,12 @@ class PrefillBuckets:
         """``(tokens, rows, requests)`` a step is padded to: its token bucket and (narrowing model) row
         bucket, None above a ladder, and the rows of its last piece's logits (``padded_requests``)."""
         tokens = bucket(self.token_ladder, plan.num_tokens)
-        rows = bucket(self.row_ladder, plan.groups[self.narrowed].num_rows) if self.narrowed is not None else None
+        # a step above the token ladder runs its decoder without graphs too: its last piece reads the
+        # logits rows as a view into the step's upload, after the unpadded ids and positions, and
+        # that view's storage offset is a SymInt input of the piece, so graphing it there would
+        # capture again for every (aligned) token count
+        narrowed = self.narrowed is not None and tokens is not None
+        rows = bucket(self.row_ladder, plan.groups[self.narrowed].num_rows) if narrowed else None
         return tokens, rows, self.padded_requests(plan.num_requests, rows if self.narrowed is not None else tokens)
 
     def padded_requests(self, num_requests: int, last_rows: int | None) -> int | None:
