@@ -12,7 +12,8 @@ Each is split into imports, weight loading, compilation, graph capture and the r
 pool sizing and the first prefill's own run; for a package: reading its libraries and the first
 call of its programs). The engine figures come from the runner's own compile and capture counters
 (``LLM.compile_seconds``, ``LLM.capture_seconds``); capture includes the prefill graphs, captured
-while the engine starts (``prefill_capture="startup"``, the default) or by the first prompt ("lazy"),
+by the first prompt (``--prefill-capture lazy``, the engine's default) or while the engine starts
+(``--prefill-capture startup``),
 and its prefill part is reported apart (``prefill_capture_s``, ``init_prefill_capture_s``); a package
 compiles and captures nothing.
 """
@@ -66,7 +67,8 @@ def _child_engine(args) -> dict:
     _sync(device)
     weights = time.perf_counter() - t0
     t0 = time.perf_counter()
-    llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        compile_options={"prefill_capture": args.prefill_capture})
     engine = time.perf_counter() - t0
     compile_init, capture_init = llm.compile_seconds, llm.capture_seconds
     prefill_capture_init = llm.prefill_capture_seconds
@@ -150,7 +152,8 @@ CHILDREN = {"engine": _child_engine, "package": _child_package, "export": _child
 def _spawn(kind: str, args, env: dict) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", args.model,
             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-            "--prompt-len", str(args.prompt_len), "--weights", args.weights]
+            "--prompt-len", str(args.prompt_len), "--weights", args.weights,
+            "--prefill-capture", args.prefill_capture]
     for flag in ("device", "dtype", "package"):
         if getattr(args, flag):
             argv += [f"--{flag}", str(getattr(args, flag))]
@@ -185,7 +188,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"Package exported in {export['export_s']:.1f} s (AOTInductor build {export['build_s']:.1f} s, "
                       f"C++ by {export['compiler'].get('path') or export['compiler'].get('command')})."]
     lines += ["", "capture = decode and prefill graphs, compiling apart; \"of which prefill\" = the prefill "
-                  "graphs (captured at start-up by default, so the first prompt of each size captures nothing).",
+                  "graphs (by the first prompt under --prefill-capture lazy, the default; while the engine starts "
+                  "under startup, so that the first prompt of each size captures nothing).",
               "", "other = pool sizing and the profiled step, the first prefill's own run, and for a package its "
                   "libraries and the first call of its programs (``programs_s`` in the JSON: libraries and "
                   "weights together; weights \"-\": a package with its weights inside loads them with its "
@@ -201,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=128, help="128: the whole default decode ladder")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prefill-capture", default="lazy", choices=("lazy", "startup"),
+                   help="when the engine captures its prefill graphs (compile option prefill_capture)")
     p.add_argument("--package", default=None, help="measure this package (default: export one first)")
     p.add_argument("--weights", default="external", choices=("inside", "external"), help="of the exported package")
     p.add_argument("--skip", nargs="*", default=[], choices=("cold", "warm", "package"))
