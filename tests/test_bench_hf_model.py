@@ -119,7 +119,7 @@ def test_a_failing_mode_is_an_error_row_and_the_others_run(tmp_path, monkeypatch
 
     _patch_mode(monkeypatch, "compile-reduce-overhead", broken)
     rc, result, md = run_cli(tmp_path, modes=("compile-reduce-overhead",))
-    assert rc == 0  # eager ran
+    assert rc == 1  # eager ran, but the one mode asked for failed
     rows = {r["mode"]: r for r in result["rows"]}
     assert rows["eager"]["error"] is None and rows["eager"]["generate_ms_per_token"] > 0
     failed = rows["compile-reduce-overhead"]
