@@ -38,14 +38,16 @@ class TscompileConfig:
         engine says so as a warning and runs "piecewise". "piecewise": one graph per compiled piece
         per token bucket (the narrowing decoder per row bucket) with the attention breaks run eagerly
         between them. Measured on the H200 (llama-1b, bf16, Triton): one prompt's first token in
-        2.20 / 3.33 / 9.07 ms whole vs 5.93 / 4.69 / 10.20 ms piecewise at 32 / 512 / 2048 tokens.
+        2.20 / 3.33 / 9.07 ms whole vs 5.93 / 4.69 / 10.20 ms piecewise at 32 / 512 / 2048 tokens
+        (the piecewise 32-token figure, above its own 512-token one, is not explained).
     prefill_capture: when the engine captures its prefill graphs (only where it has them: CUDA with
         ``cudagraphs``). "lazy" (the default): each graph is captured by the first real step that
         needs it. "startup": while the engine is built, after the decode ladder, one placeholder
         step per graph key (token bucket, request bucket, the narrowing model's row bucket; extend
         and mixed steps, greedy) that writes only the null page, so the first request of each size
         pays no compile or capture; sampled steps still capture on first use, as decode does. Not
-        yet the default: its memory on llama-1b/8b has not been measured against the pool's margin.
+        yet the default: its memory on llama-1b/8b has not been measured against the pool's margin,
+        and the fix for the one narrowing-model graph it missed on the H200 has run on the CPU only.
     inductor_options: ``torch._inductor.config`` patches for every piece Inductor compiles (a dict).
     static_inductor_options: more patches only for graphs whose input sizes are all static. The
         engine's decode step sets ``coordinate_descent_tuning=True`` here on CUDA unless either dict
