@@ -176,6 +176,25 @@ def _prefill_runtime(llm):
     return whole if whole is not None else llm.runner.piece_graphs
 
 
+@pytest.mark.parametrize("model, backend, whole", [("llama-tiny", "triton", True), ("llama-tiny", "torch", False),
+                                                   ("narrow-tiny", "triton", False)])
+def test_default_prefill_graph_mode_picks_whole_step_graphs_where_they_can_run(model, backend, whole):
+    """``prefill_graph_mode`` left unset ("auto"): whole-step graphs over Triton for a plain model,
+    piecewise ones over the torch backend and for the narrowing model; tokens as eager's either way."""
+    from tscompile.counters import counters
+    options = {k: v for k, v in PREFILL_LADDER.items()}
+    assert "prefill_graph_mode" not in options
+    llm = make(model, backend, compile_options=options, max_num_batched_tokens=64)
+    assert (llm.runner.whole_prefill is not None) is whole
+    assert (llm.runner.piece_graphs is not None) is not whole
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_new_tokens=4)
+    expected = ids(make(model, backend, enforce_eager=True).generate(prompts, params))
+    counters.clear()
+    assert ids(llm.generate(prompts, params)) == expected
+    assert counters["prefill_graphed"] > 0
+
+
 @pytest.mark.parametrize("model, mode, backend", [(m, md, b) for m, md in MODEL_MODES for b in ("torch", "triton")
                                                    if (md, b) != ("whole", "torch")])
 @pytest.mark.parametrize("lens, other", [([11], [14]), ([30, 20, 5, 1], [25, 22, 9, 3])])
