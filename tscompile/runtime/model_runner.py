@@ -366,10 +366,7 @@ class ModelRunner:
         graphs = buckets.plan_for(plan) if buckets is not None else None
         self.attention.init_forward_metadata(plan, buckets.pad_rows(graphs) if graphs is not None else {})
         padded = graphs.encoder_tokens if graphs is not None else None
-        requests = None
-        if graphs is not None:
-            requests = buckets.padded_requests(plan.num_requests, graphs.decoder_rows if buckets.narrowed is not None
-                                               else graphs.encoder_tokens)
+        requests = graphs.logits_rows if graphs is not None else None
         ids, pos, logits_rows = plan.input_ids, plan.positions, plan.logits_rows
         if padded is not None:  # padded rows: token 0 at position 0, writing to the null page
             ids, pos = (np.concatenate([a, np.zeros(padded - a.shape[0], dtype=a.dtype)]) for a in (ids, pos))

@@ -71,11 +71,13 @@ class PrefillGraphPlan:
 
     encoder_tokens: the token bucket the step is padded to (None: encoder pieces run ungraphed).
     decoder_rows: the row bucket the narrowed rows are padded to (None: decoder pieces ungraphed).
+    logits_rows: the request bucket the last piece's logits rows are padded to (None: not padded).
     """
 
     runtime: PieceGraphRuntime
     encoder_tokens: int | None
     decoder_rows: int | None = None
+    logits_rows: int | None = None
 
     def covers(self, stage: str) -> bool:
         return (self.encoder_tokens if stage == "encoder" else self.decoder_rows) is not None
@@ -122,10 +124,10 @@ class PrefillBuckets:
         return min(bucket(self.request_ladder, num_requests) or num_requests, last_rows)
 
     def plan_for(self, plan: StepPlan) -> PrefillGraphPlan:
-        tokens, rows, _ = self.sizes_of(plan)
+        tokens, rows, requests = self.sizes_of(plan)
         if self.narrowed is not None:
             counters["decoder_rows_graphed" if rows is not None else "decoder_rows_eager"] += 1
-        return PrefillGraphPlan(self.runtime, tokens, rows)
+        return PrefillGraphPlan(self.runtime, tokens, rows, requests)
 
     def graph_keys(self, plan: StepPlan) -> frozenset:
         """What a step of ``plan``'s shape captures when nothing is captured yet, one key per group
