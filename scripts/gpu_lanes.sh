@@ -4,7 +4,11 @@
 # Jobs (each writes under $OUT; pytest jobs append to $OUT/lane<N>_tests.log, with SIGINT at the
 # deadline so pytest still prints its summary):
 #   compare        llama-1b tscompile-triton, base tree .gpu_trees/base vs this tree (gpu_check.sh compare)
-#   fibench[:M]    bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32 64
+#   fibench[:M]    FlashInfer's cold and warm start (scripts/flashinfer_start.py, its JIT cache kept),
+#                  then the bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32
+#                  64, prefill 32 and 2048, with kernel tables (FlashInfer's libraries already built)
+#   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b)
+#   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
 #   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
@@ -42,6 +46,7 @@ tests_for() {
     user_compile) echo "tests/test_user_compile_gpu.py tests/test_bench_hf_model.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
     gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
+    unverified) echo "tests/test_prefill_startup_capture.py tests/test_bench_kernel_table.py tests/test_gpu_packages.py tests/test_gpu_graphs.py -k startup_capture_or_kernel_table_or_kernel_times_or_checkpoint_package_or_default_prefill_graph_mode" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
   esac
@@ -58,10 +63,22 @@ run_job() {  # lane job
       grep -A40 "== /tmp/compare/r/bench_" /tmp/compare.out | grep -E "^== |^\| tscompile" ; cp /tmp/compare/results.tgz "$OUT/compare.tgz" ;;
     fibench|fibench:*)
       local model=${job#fibench}; model=${model#:}; model=${model:-llama-1b}
+      export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer_$model  # the cold start fills it; the bench finds it warm
+      rm -rf "$FLASHINFER_WORKSPACE_BASE"
+      timeout $left python3 scripts/flashinfer_start.py --model $model --dtype bfloat16 \
+        --cache-dir "$FLASHINFER_WORKSPACE_BASE" > "$OUT/flashinfer_start_$model.json" 2> "$OUT/flashinfer_start_$model.log"
+      echo "flashinfer_start rc=$?"; tail -c 1500 "$OUT/flashinfer_start_$model.json"
+      left=$((deadline - SECONDS - 5))
       timeout $left tscompile bench --model $model --modes tscompile-triton tscompile-flashinfer \
         --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 2048 --num-iters 5 \
-        --num-iters-warmup 1 --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
+        --num-iters-warmup 1 --kernel-table --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
         --no-progress 2>&1 | tail -40 ;;
+    startup:*)
+      local spec=${job#startup:}; local model=${spec%%:*} skip=""
+      [ "$spec" != "$model" ] && skip=${spec#*:}
+      timeout $left python3 scripts/startup.py --model $model ${skip:+--skip ${skip//,/ }} \
+        --output-json "$OUT/startup_$model.json" --output-md "$OUT/startup_$model.md" 2> "$OUT/startup_$model.log"
+      echo "rc=$?"; cat "$OUT/startup_$model.md" ;;
     hfbench|hfbench:*)
       local parts=${job#hfbench}; parts=${parts#:}; parts=${parts:-forward generate}; local tag=${parts// /_}
       timeout $left tscompile bench --hf-model llama-1b --device cuda --dtype bfloat16 --hf-lens 32 512 2048 \

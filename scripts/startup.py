@@ -83,7 +83,36 @@ def _child_engine(args) -> dict:
             "other_s": total - started - imports - weights - compile_s - capture_s,
             "engine_init_s": engine, "init_compile_s": compile_init, "init_capture_s": capture_init,
             "init_prefill_capture_s": prefill_capture_init,
-            "first_token_s": first, "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or [])}
+            "first_token_s": first, "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or []),
+            "compile_phases": _compile_phases()}
+
+
+# the phases of torch.compile's own timers that say where a compile's time goes (nested: Dynamo's
+# _compile.compile_inner holds the rest); each is the sum over every compile of the process
+PHASES = {
+    "_compile.compile_inner": "Dynamo, all in (tracing plus the backend)",
+    "bytecode_tracing": "Dynamo tracing",
+    "OutputGraph.call_user_compiler": "backend (tscompile's split, pieces, Inductor)",
+    "create_aot_dispatcher_function": "AOTAutograd (joint trace, decompositions, Inductor inside)",
+    "compile_fx_inner": "Inductor, per graph",
+    "GraphLowering.codegen": "Inductor scheduling and code generation",
+    "async_compile.wait": "waiting for Triton's kernel compiles",
+    "PyCodeCache.load_by_key_path": "loading generated modules (kernel compiles on a cold cache)",
+    "CachingAutotuner.benchmark_all_configs": "autotuning (benchmarking configs)",
+    "coordinate_descent_tuning": "coordinate-descent tuning",
+    "build_guards": "Dynamo guards",
+}
+
+
+def _compile_phases() -> dict:
+    """Seconds per compile phase (PHASES, as torch's compile timers name them in this version; a phase
+    it does not time is left out), from ``torch._dynamo.utils.compilation_time_metrics``."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    totals = {name: sum(values) for name, values in compilation_time_metrics.items() if values}
+    return {name: round(totals[name], 3) for name in PHASES if name in totals}
 
 
 def _child_package(args) -> dict:
@@ -187,6 +216,15 @@ def markdown(result: dict) -> str:
     if export and not export.get("error"):
         lines += ["", f"Package exported in {export['export_s']:.1f} s (AOTInductor build {export['build_s']:.1f} s, "
                       f"C++ by {export['compiler'].get('path') or export['compiler'].get('command')})."]
+    cold = result["starts"].get("cold") or {}
+    if cold.get("compile_phases"):
+        warm_phases = (result["starts"].get("warm") or {}).get("compile_phases") or {}
+        lines += ["", "Where the compile time goes (torch.compile's own timers, seconds summed over every compile "
+                      "of the process; nested, so rows overlap):", "",
+                  "| phase | cold | warm |", "|---|---|---|"]
+        lines += [f"| {PHASES[name]} (`{name}`) | {secs:.1f} | "
+                  + (f"{warm_phases[name]:.1f}" if name in warm_phases else "-") + " |"
+                  for name, secs in cold["compile_phases"].items()]
     lines += ["", "capture = decode and prefill graphs, compiling apart; \"of which prefill\" = the prefill "
                   "graphs (by the first prompt under --prefill-capture lazy, the default; while the engine starts "
                   "under startup, so that the first prompt of each size captures nothing).",
@@ -218,13 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         print(_MARK + json.dumps(CHILDREN[args.child](args)), flush=True)
         return 0
 
-    result = {"args": vars(args), "starts": {}, "env": ""}
+    # the environment line is read at the end: CUDA in this process would take memory from the starts
+    result = {"args": vars(args), "starts": {}, "env": "environment read at the end"}
     with tempfile.TemporaryDirectory(prefix="tscompile_startup_") as tmp:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
                "TRITON_CACHE_DIR": os.path.join(tmp, "triton")}
         for name in ("cold", "warm"):  # warm: the caches the cold start just filled
             if name not in args.skip:
                 result["starts"][name] = _spawn("engine", args, env)
+                _write(result, args)  # after every start: a deadline keeps what was measured
         if "package" not in args.skip:
             if args.package is None:
                 args.package = os.path.join(tmp, "startup.pt2")
@@ -234,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.package.startswith(tmp):
                 args.package = None  # gone with the folder
     result["env"] = _environment(args.device)
+    print(_write(result, args))
+    return 0 if all(not r.get("error") for r in result["starts"].values()) else 1
+
+
+def _write(result: dict, args) -> str:
     md = markdown(result)
-    print(md)
     if args.output_md:
         with open(args.output_md, "w") as f:
             f.write(md)
@@ -243,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
-    return 0 if all(not r.get("error") for r in result["starts"].values()) else 1
+    return md
 
 
 def _environment(device: str | None) -> str:
