@@ -73,7 +73,10 @@ def _input_bytes(event, default_itemsize: int) -> int:
 
 
 def _device_events(events) -> list:
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # a record_function range (Inductor's "## Call CompiledFxGraph ... ##" around each compiled graph
+    # it runs) shows up on the device timeline too, spanning the kernels it launched: not a kernel
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)]
 
 
 def _cuda_stats(events, default_itemsize: int) -> dict[str, KernelStat]:

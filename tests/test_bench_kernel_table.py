@@ -172,9 +172,17 @@ def _op(id_, name, shapes=(), dtypes=(), linked=0):
                            input_dtypes=list(dtypes), linked_correlation_id=linked)
 
 
-def _kernel(name, start, end, linked):
+def _kernel(name, start, end, linked, annotation=False):
     return SimpleNamespace(name=name, device_type=CUDA, time_range=SimpleNamespace(start=start, end=end),
-                           linked_correlation_id=linked)
+                           linked_correlation_id=linked, is_user_annotation=annotation)
+
+
+def test_record_function_ranges_on_the_device_timeline_are_not_kernels():
+    events = [_op(1, "aten::mm", [[4, 64], [64, 32]], ["c10::BFloat16", "c10::BFloat16"]),
+              _kernel("## Call CompiledFxGraph abc ##", 0.0, 9.0, linked=0, annotation=True),
+              _kernel("gemm", 1.0, 3.0, linked=1)]
+    stats = kernel_table._cuda_stats(events, default_itemsize=2)
+    assert list(stats) == ["gemm"] and stats["gemm"].us == pytest.approx(2.0) and stats["gemm"].attributable
 
 
 def test_cuda_matmul_bytes_only_for_a_matmul_ops_sole_kernel():
@@ -222,12 +230,19 @@ def test_kernel_table_on_cuda_lists_kernels(tmp_path):
 @pytest.mark.gpu
 def test_cuda_kernel_times_see_graph_replays_and_attribute_eager_matmuls():
     g = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
+    # M large enough that cuBLAS picks one kernel, not a split-K pair (whose kernels get no bytes)
+    a = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g)
     b = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-    stats = kernel_table.stats_of(kernel_table.profile_calls(lambda: torch.mm(a, b), 3, "cuda"), "cuda")
+    def step():
+        with torch.profiler.record_function("an annotation around the matmul"):
+            torch.mm(a, b)
+
+    prof = kernel_table.profile_calls(step, 3, "cuda")
+    stats = kernel_table.stats_of(prof, "cuda")
+    assert not any("annotation" in name for name in stats)  # ranges on the device timeline are not kernels
     matmuls = [s for s in stats.values() if s.attributable]
-    assert matmuls and all(s.matmul_bytes == s.count * (16 * 1024 + 1024 * 4096) * 2 for s in matmuls)
-    out = torch.empty(16, 4096, device="cuda", dtype=torch.bfloat16)
+    assert matmuls and all(s.matmul_bytes == s.count * (2048 * 1024 + 1024 * 4096) * 2 for s in matmuls)
+    out = torch.empty(2048, 4096, device="cuda", dtype=torch.bfloat16)
     torch.mm(a, b, out=out)  # cuBLAS's workspace before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
