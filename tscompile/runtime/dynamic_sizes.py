@@ -10,6 +10,12 @@ Dynamo specializes on more than the sizes a step asks for. The causes met, and t
 - A compiled call made with grad mode on (the start-up decode capture) and one made under the
   runner's ``inference_mode`` guard on different global state, and the former traces a training
   graph (the parameters require grad). The runner enters inference mode around every compiled call.
+- A one-request extend step specializes every per-request size to 1 (Dynamo's 0/1
+  specialization, which ``mark_dynamic`` does not lift): its logits rows are padded to two
+  (``min_logits_rows``, also the smallest prefill request bucket) and the attention metadata is
+  marked unbacked (``mark_extend_request_dims``). The token count is not marked: prefill graphs
+  pad it to a bucket of at least 16, and an unbacked token count would hide the GEMMs' sizes from
+  Inductor's kernel choice.
 - EXTEND and MIXED steps read one graph: the forward context hands layers ``attention_mode``, a
   field, so Dynamo guards on EXTEND's identity and not on the step's mode.
 """
@@ -28,3 +34,28 @@ class SpareRowSampling(SamplingBuffers):
     def __init__(self, inputs: SamplingInputs):
         super().__init__(inputs)
         self.tokens = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=inputs.seeds.device)
+
+
+
+def mark_extend_request_dims(leaves, completes: torch.Tensor | None) -> None:
+    """Keep an extend/mixed step's request count out of its graph's guards.
+
+    The per-request metadata (each cache group's page table and KV lengths, the narrowing's
+    ``completes``) is read only by custom ops whose fake kernels never look at its rows, yet a
+    one-request step would specialize its size to 1 and compile a second graph. Unbacked sizes
+    are never specialized. The logits rows cannot be unbacked (the sampler slices and writes by
+    their count, which must be compared with the buffers'): the runner pads them to at least
+    ``min_logits_rows`` instead."""
+    mark = torch._dynamo.decorators.mark_unbacked
+    for leaf in leaves:
+        meta = leaf.forward_extend_metadata
+        mark(meta.page_table, 0)
+        mark(meta.seq_lens, 0)
+    if completes is not None:
+        mark(completes, 0)
+
+
+def min_logits_rows(max_num_seqs: int) -> int:
+    """The fewest logits rows an extend/mixed step samples (rows past its requests are padding):
+    two, so no step's row count is specialized to 1 (an engine of one sequence has only that size)."""
+    return min(2, max_num_seqs)

@@ -41,7 +41,7 @@ from tscompile.counters import counters
 from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
 from tscompile.models.llama import Transformer
 from tscompile.runtime.decode_graphs import DecodeGraphRunner
-from tscompile.runtime.dynamic_sizes import SpareRowSampling
+from tscompile.runtime.dynamic_sizes import SpareRowSampling, mark_extend_request_dims, min_logits_rows
 from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRuntime, PrefillBuckets
 from tscompile.runtime.prefill_capture import request_ladder
 from tscompile.runtime.prefill_graphs import WholeStepPrefill
@@ -373,6 +373,8 @@ class ModelRunner:
         ids, pos, logits_rows = plan.input_ids, plan.positions, plan.logits_rows
         if padded is not None:  # padded rows: token 0 at position 0, writing to the null page
             ids, pos = (np.concatenate([a, np.zeros(padded - a.shape[0], dtype=a.dtype)]) for a in (ids, pos))
+        if requests is None and plan.num_requests < min_logits_rows(self.max_num_seqs):
+            requests = min_logits_rows(self.max_num_seqs)  # why: dynamic_sizes.py
         if requests is not None:  # padded logits rows read row 0; their samples land in rows nobody reads
             logits_rows = np.concatenate([logits_rows, np.zeros(requests - plan.num_requests, dtype=logits_rows.dtype)])
         ids, pos, logits_rows, qo_indptr, completes = upload(
@@ -384,6 +386,7 @@ class ModelRunner:
         self.staging.fill_sampling(plan.sampling, requests)
         self.staging.upload()
         ctx = ForwardContext(plan.mode, self.attention, logits_rows, qo_indptr, completes, prefill_graphs=graphs)
+        mark_extend_request_dims(self.attention.leaves, completes)
         with forward_context(ctx):
             # the sample lands in sampling.tokens (an input the step writes), where launch reads it
             self._timed(self.extend_step, ids, pos, plan.sampling.all_greedy)
@@ -402,6 +405,7 @@ class ModelRunner:
         self.staging.fill_sampling(plan.sampling, requests)
         self.staging.upload()
         ctx = ForwardContext(plan.mode, self.attention, dev[2], dev[3], dev[4])
+        mark_extend_request_dims(self.attention.leaves, dev[4])
         greedy = plan.sampling.all_greedy
 
         def step() -> None:

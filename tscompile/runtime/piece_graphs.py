@@ -131,8 +131,8 @@ class PrefillBuckets:
 
     def graph_keys(self, plan: StepPlan) -> frozenset:
         """What a step of ``plan``'s shape captures when nothing is captured yet, one key per group
-        of pieces that capture together. Dynamo compiles a variant per greedy/sampled, extend/mixed
-        and request-count classes (see ``variant``), each with pieces of its own; the
+        of pieces that capture together. Dynamo compiles a variant per greedy/sampled (and, for the
+        narrowing model, extend/mixed; see ``variant``), each with pieces of its own; the
         stage before the narrowing (every piece but the last for a plain model) is keyed by the
         token bucket, the decoder's by the row bucket, the last piece also by the request bucket
         and, for the narrowing model too, by the token bucket: its logits-row indices are a view
@@ -142,11 +142,10 @@ class PrefillBuckets:
         reached from (buckets that round alike share the graph; keying by the bucket costs only a
         placeholder step that captures nothing)."""
         tokens, rows, requests = self.sizes_of(plan)
-        # a size of 1 specializes both the logits rows (padded) and the per-request inputs the
-        # narrowing reads (not padded); logits rows as many as the sampled-token buffer's (max_num_seqs)
-        # get one symbol with it (Dynamo's duck sizing), a guard the other counts fail
-        variant = (plan.mode, plan.sampling.all_greedy, plan.num_requests == 1, requests == 1,
-                   requests == self.max_num_seqs)
+        # Dynamo compiles the step once per sampling variant (greedy skips the sort); request counts
+        # share it (runtime/dynamic_sizes.py), and EXTEND and MIXED too, but for the narrowing, which
+        # reads the step's mode
+        variant = (plan.mode if self.narrowed is not None else None, plan.sampling.all_greedy)
         keys = set()
         if tokens is not None:
             keys.add(("encoder", tokens, *variant))

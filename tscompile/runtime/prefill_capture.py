@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_rows
+from tscompile.runtime.dynamic_sizes import min_logits_rows
 from tscompile.runtime.scheduler import Request, ScheduledBatch, build_step_plan
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
@@ -144,8 +145,10 @@ def select_plans(shapes: list[PlaceholderShape], build: Callable[[PlaceholderSha
 
 
 def request_ladder(decode_ladder: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
-    """The request buckets of padded prefill steps: the decode ladder below ``max_num_seqs``, and it."""
-    return tuple(sorted({b for b in decode_ladder if b < max_num_seqs} | {max_num_seqs}))
+    """The request buckets of padded prefill steps: the decode ladder below ``max_num_seqs``, and it,
+    none below ``min_logits_rows`` (a bucket of 1 would specialize the step's graph: ``dynamic_sizes.py``)."""
+    low = min_logits_rows(max_num_seqs)
+    return tuple(sorted({b for b in decode_ladder if low <= b < max_num_seqs} | {max_num_seqs}))
 
 
 def reachable_token_ladder(token_ladder: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
