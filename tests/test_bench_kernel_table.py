@@ -215,6 +215,22 @@ def test_cuda_matmul_bytes_only_for_a_matmul_ops_sole_kernel():
 
 
 # -- on the GPU -----------------------------------------------------------------------------------
+def _attribution_evidence(prof) -> str:
+    """What the profiler linked, for a failed attribution: each kernel's linked id and the CPU events
+    carrying that id (as their own id or as their linked id)."""
+    events = list(prof.events())
+    lines = []
+    for k in [e for e in events if e.device_type == CUDA][:6]:
+        corr = getattr(k, "linked_correlation_id", None)
+        own = [(e.name, e.id, getattr(e, "linked_correlation_id", None), e.is_async) for e in events
+               if e.device_type == CPU and e.id == corr]
+        linked = [(e.name, e.id) for e in events if e.device_type == CPU and getattr(e, "linked_correlation_id", 0) == corr]
+        lines.append(f"kernel {k.name[:40]!r} id={k.id} linked={corr} user_annotation={getattr(k, 'is_user_annotation', None)}"
+                     f" | cpu events with id==linked: {own} | cpu events linked to it: {linked}")
+    mms = [(e.name, e.id, getattr(e, "linked_correlation_id", None), e.input_shapes) for e in events if e.name == "aten::mm"]
+    return "\n".join(lines + [f"aten::mm events: {mms[:3]}"])
+
+
 @pytest.mark.gpu
 def test_kernel_table_on_cuda_lists_kernels(tmp_path):
     result, md = _bench(tmp_path, "--kernel-table", device="cuda")
@@ -241,7 +257,8 @@ def test_cuda_kernel_times_see_graph_replays_and_attribute_eager_matmuls():
     stats = kernel_table.stats_of(prof, "cuda")
     assert not any("annotation" in name for name in stats)  # ranges on the device timeline are not kernels
     matmuls = [s for s in stats.values() if s.attributable]
-    assert matmuls and all(s.matmul_bytes == s.count * (2048 * 1024 + 1024 * 4096) * 2 for s in matmuls)
+    assert matmuls, _attribution_evidence(prof)
+    assert all(s.matmul_bytes == s.count * (2048 * 1024 + 1024 * 4096) * 2 for s in matmuls)
     out = torch.empty(2048, 4096, device="cuda", dtype=torch.bfloat16)
     torch.mm(a, b, out=out)  # cuBLAS's workspace before the capture
     graph = torch.cuda.CUDAGraph()
