@@ -215,3 +215,46 @@ def test_gpu_new_kernel_replays_under_cuda_graph_with_other_lengths(monkeypatch)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), _oracle(batch).float(), atol=2e-2, rtol=2e-2)
+
+
+# -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
+
+
+def test_extend_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
+    """scripts/extend_sweep.py end to end with tiny shapes, one config per grid and a stand-in timer
+    (CUDA-graph timing needs a GPU): both kernels run on the same data, every new config's output is
+    compared with the old kernel's, a config that is off is reported and never picked."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "extend_sweep.py"
+    spec = importlib.util.spec_from_file_location("extend_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    good, wrong = (16, 16, 4, 1), (32, 16, 4, 1)
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "SHAPES", {"tiny": (4, 2, 16)})
+    monkeypatch.setattr(sweep, "WORKLOADS", {"1x2048": [12], "32x512": [5, 5], "1x512": [3]})
+    monkeypatch.setattr(sweep, "TARGET_TFLOPS", {"tiny": 1})
+    monkeypatch.setattr(sweep, "OLD_GRID", {16: [good]})
+    monkeypatch.setattr(sweep, "NEW_GRID", {16: [good, wrong]})
+    monkeypatch.setattr(te, "EXTEND_DENSE_CONFIGS", {**te.EXTEND_DENSE_CONFIGS, 16: good})
+    real_run_new = sweep.run_new
+
+    def run_new(a, out, cfg):  # the "wrong" config scales its output: the diff check must catch it
+        real_run_new(a, out, cfg)
+        if cfg == wrong:
+            out.mul_(2.0)
+
+    monkeypatch.setattr(sweep, "run_new", run_new)
+    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), 1e-3)[1])
+    sweep.main(str(tmp_path / "sweep.json"))
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(result["rows"]) == 3
+    for row in result["rows"]:
+        assert row["new"]["16,16,4,1"]["max_diff_vs_old"] < 2e-2  # bf16 in, both kernels agree
+        assert row["new"]["32,16,4,1"]["max_diff_vs_old"] > sweep.MAX_DIFF
+        assert row["old_vs_sdpa_max_diff"] < 2e-2
+        assert set(row["old"]) == {"16,16,4,1", ",".join(map(str, ta.EXTEND_CONFIGS[16]))}
+    assert result["summary"]["tiny"]["new_best_overall"] == list(good)
