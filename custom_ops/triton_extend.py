@@ -206,11 +206,18 @@ def _check_config(config, head_dim: int) -> None:
         )
 
 
-def extend_dense_config(head_dim: int, group_pad: int, config=None) -> tuple[int, int, int, int]:
-    """(BLOCK_M query positions, BLOCK_N keys, warps, stages); ``config`` overrides the table."""
+def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: bool = False
+                        ) -> tuple[int, int, int, int]:
+    """(BLOCK_M query positions, BLOCK_N keys, warps, stages); ``config`` overrides the table.
+
+    The configurations are sized for 16-bit tiles. ``four_byte`` (float32 q or K/V): halve both
+    tile sides and keep at most 2 stages, so the doubled bytes still fit in shared memory (a 128 x
+    128 tile at head_dim 128 with 3 stages would need ~450 KB in float32)."""
     config = EXTEND_DENSE_CONFIGS[head_dim] if config is None else tuple(config)
     _check_config(config, head_dim)
     rows, block_n, warps, stages = config
+    if four_byte:
+        rows, block_n, stages = max(rows // 2, 16), max(block_n // 2, 16), min(stages, 2)
     return max(rows // group_pad, 1), block_n, warps, stages
 
 
@@ -232,7 +239,8 @@ def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr
         )
     group = hq // hkv
     group_pad = _next_pow2(group)
-    block_m, block_n, warps, stages = extend_dense_config(d, group_pad, config)
+    four_byte = max(t.element_size() for t in (q, k, v, k_cache, v_cache)) >= 4
+    block_m, block_n, warps, stages = extend_dense_config(d, group_pad, config, four_byte)
     # Every request's blocks fit in cdiv(T, BLOCK_M) + B blocks (T bounds the sum of q_lens).
     grid = ((triton.cdiv(t, block_m) + b) * hkv,)
     _extend_dense_kernel[grid](

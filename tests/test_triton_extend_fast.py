@@ -160,6 +160,13 @@ def test_bad_launch_configs_are_refused(config):
         _dense_extend(batch, config=config)
 
 
+def test_float32_configs_shrink_to_fit_shared_memory():
+    rows, block_n, warps, stages = te.EXTEND_DENSE_CONFIGS[128]
+    assert te.extend_dense_config(128, 4, four_byte=False) == (rows // 4, block_n, warps, stages)
+    assert te.extend_dense_config(128, 4, four_byte=True) == (rows // 8, block_n // 2, warps, min(stages, 2))
+    assert te.extend_dense_config(64, 8, (16, 16, 4, 3), four_byte=True) == (2, 16, 4, 2)  # never below 16
+
+
 # -- GPU: llama-8b shapes, bf16 -----------------------------------------------------------------
 
 
@@ -182,6 +189,15 @@ def test_gpu_new_kernel_matches_old_kernel_and_torch_llama8b(q_lens, kv_lens):
     assert not new[:t].isnan().any() and new[t:].isnan().all()
     torch.testing.assert_close(new[:t].float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(new[:t].float(), old.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_float32_fits_and_matches_torch(head_dim):
+    """float32 tiles are twice the bytes: the default configs must shrink to fit shared memory."""
+    batch = _batch([300, 1, 129, 64], [300, 1500, 129, 2000], "cuda", page_size=16, num_kv_heads=2, group=4,
+                   head_dim=head_dim, seed=head_dim, pad_rows=1)
+    _assert_matches_oracle(batch, _dense_extend(batch, config=None), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
