@@ -457,7 +457,7 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
 # Head dims whose extend runs ``dense_extend`` (custom_ops/triton_extend.py: the new rows' K/V read
 # from the dense k/v, only a cached prefix through the page table) instead of ``paged_extend``.
 # Empty, i.e. the old kernel everywhere, until a GPU sweep (scripts/extend_sweep.py) shows the new
-# kernel faster on the H200; the sweep and the tests set it.
+# kernel faster on the H200 (the sweep calls both kernels directly; tests set this to select it).
 FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset()
 
 
