@@ -454,6 +454,12 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
 
 # ----------------------------------------------------------------------------------------------
 
+# Head dims whose extend runs ``dense_extend`` (custom_ops/triton_extend.py: the new rows' K/V read
+# from the dense k/v, only a cached prefix through the page table) instead of ``paged_extend``.
+# Empty, i.e. the old kernel everywhere, until a GPU sweep (scripts/extend_sweep.py) shows the new
+# kernel faster on the H200 (the sweep calls both kernels directly; tests set this to select it).
+FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset()
+
 
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
                      scale, decode) -> None:
@@ -463,6 +469,10 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     write_kv(k, v, k_cache, v_cache, write_loc)
     if decode:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+    elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
+        # imported here: triton_extend imports this module's helpers
+        from tscompile.custom_ops.triton_extend import dense_extend
+        dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
     else:
         paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
 
