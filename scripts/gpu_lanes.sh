@@ -8,6 +8,7 @@
 #                  then the bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32
 #                  64, prefill 32 and 2048, with kernel tables (FlashInfer's libraries already built)
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b)
+#   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
 #   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
 #   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
@@ -46,6 +47,7 @@ tests_for() {
     user_compile) echo "tests/test_user_compile_gpu.py tests/test_bench_hf_model.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
     gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
+    extend_fast) echo "tests/test_triton_extend_fast.py" ;;
     unverified) echo "tests/test_prefill_startup_capture.py tests/test_bench_kernel_table.py tests/test_gpu_packages.py tests/test_gpu_graphs.py -k startup_capture_or_kernel_table_or_kernel_times_or_checkpoint_package_or_default_prefill_graph_mode" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
@@ -87,6 +89,8 @@ run_job() {  # lane job
         --hf-generate-tokens 32 --num-iters 5 --hf-parts $parts --no-progress --verbose \
         --output-json "$OUT/hfbench_llama-1b_$tag.json" --output-md "$OUT/hfbench_llama-1b_$tag.md" \
         2> "$OUT/hfbench_$tag.log"; echo "rc=$?"; cat "$OUT/hfbench_llama-1b_$tag.md" ;;
+    extend_sweep)
+      timeout $left python3 scripts/extend_sweep.py "$OUT/extend_sweep.json" 2>&1 | grep -v -i warn | tail -40 ;;
     prefill_modes)
       timeout $left python3 scripts/prefill_modes.py "$OUT/prefill_modes.json" --iters 10 2>&1 | grep -v -i warn | tail -14 ;;
     tests:*)
