@@ -246,10 +246,13 @@ def test_host_mismatches_name_what_differs_and_accept_this_host(package, monkeyp
         assert program.get_metadata()["AOTI_DEVICE_KEY"] == DEVICE.type
         assert host_mismatches(program.get_metadata(), DEVICE) == []
     other = {"AOTI_PLATFORM": "win32", "AOTI_MACHINE": "riscv64", "AOTI_CPU_ISA": "AVX512 AVX512_VNNI AMX_TILE"}
+    for feature in ("_is_avx512_supported", "_is_vnni_supported"):
+        monkeypatch.setattr(torch.cpu, feature, lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     found = host_mismatches(other, torch.device("cpu"))
     assert [f.split()[0] for f in found] == ["AOTI_PLATFORM", "AOTI_MACHINE", "AOTI_CPU_ISA"]
-    assert "['AMX_TILE']" in found[2]
+    assert "needs ['AMX_TILE']" in found[2]
+    assert host_mismatches({"AOTI_CPU_ISA": "AVX512 AVX512_VNNI"}, torch.device("cpu")) == []
 
 
 def test_tied_weights_are_written_once_with_an_alias():
