@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import torch
@@ -55,12 +55,13 @@ class ForwardContext:
     qo_indptr: torch.Tensor | None = None
     completes: torch.Tensor | None = None
     prefill_graphs: object | None = None
+    # What layers pass to the attention: DECODE or EXTEND (a mixed step reads the extend metadata).
+    # A field, not a property over ``mode``: Dynamo guards on the identity of every enum a traced
+    # forward reads, and reading ``mode`` would make EXTEND and MIXED steps two compiles of one graph.
+    attention_mode: ForwardMode = field(init=False)
 
-    @property
-    def attention_mode(self) -> ForwardMode:
-        """What layers pass to the attention: DECODE or EXTEND. A mixed step reads the extend
-        metadata, so EXTEND and MIXED steps trace to one graph."""
-        return ForwardMode.DECODE if self.mode.is_decode else ForwardMode.EXTEND
+    def __post_init__(self):
+        self.attention_mode = ForwardMode.DECODE if self.mode.is_decode else ForwardMode.EXTEND
 
 
 _current: ForwardContext | None = None

@@ -41,12 +41,12 @@ from tscompile.counters import counters
 from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
 from tscompile.models.llama import Transformer
 from tscompile.runtime.decode_graphs import DecodeGraphRunner
+from tscompile.runtime.dynamic_sizes import SpareRowSampling
 from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRuntime, PrefillBuckets
 from tscompile.runtime.prefill_capture import request_ladder
 from tscompile.runtime.prefill_graphs import WholeStepPrefill
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
-from tscompile.sampling import SamplingBuffers
 from tscompile.step_plan import StepPlan
 from tscompile.utils import upload
 
@@ -111,7 +111,7 @@ class ModelRunner:
         # persistent buffers: sized by max_num_seqs, used with or without graphs
         attention.allocate_decode_buffers(max_num_seqs)
         self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device)
-        self.sampling = SamplingBuffers(self.staging.sampling_inputs)
+        self.sampling = SpareRowSampling(self.staging.sampling_inputs)  # why the spare row: dynamic_sizes.py
         self.readback = TokenReadback(max_num_seqs, device)
         self.decode_logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
         self.launches = 0
@@ -205,7 +205,10 @@ class ModelRunner:
         """Run a step; a call during which the backend compiled a graph counts as compile time."""
         before = counters["graphs"]
         start = time.perf_counter()
-        out = step(*args)
+        # every caller (launch, the start-up decode capture) reaches the same compiled entries: Dynamo
+        # guards on grad mode, and with grad on it would trace a training graph
+        with torch.inference_mode():
+            out = step(*args)
         if counters["graphs"] != before:
             self.compile_seconds += time.perf_counter() - start
         return out
