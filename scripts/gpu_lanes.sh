@@ -7,6 +7,8 @@
 #   fibench[:M]    FlashInfer's cold and warm start (scripts/flashinfer_start.py, its JIT cache kept),
 #                  then the bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32
 #                  64, prefill 32 and 2048, with kernel tables (FlashInfer's libraries already built)
+#   bench:M:MODES  the bench of M, MODES comma-separated (e.g. compile-reduce-overhead,compile-reduce-overhead-tuned),
+#                  bs 1 8 32 64, prefill 32 and 2048, 5 iterations, kernel tables -> $OUT/bench_M_MODES.{json,md}
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b)
 #   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
 #   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
@@ -77,6 +79,12 @@ run_job() {  # lane job
         --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 2048 --num-iters 5 \
         --num-iters-warmup 1 --kernel-table --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
         --no-progress 2>&1 | tail -40 ;;
+    bench:*)
+      local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/+}
+      timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size 1 8 32 64 --input-len 512 \
+        --output-len 128 --prefill-lens 32 2048 --num-iters 5 --num-iters-warmup 1 --kernel-table \
+        --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
+        2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
     startup:*)
       local spec=${job#startup:}; local model=${spec%%:*} skip=""
       [ "$spec" != "$model" ] && skip=${spec#*:}
