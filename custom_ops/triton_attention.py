@@ -459,6 +459,13 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
 # Empty, i.e. the old kernel everywhere, until a GPU sweep (scripts/extend_sweep.py) shows the new
 # kernel faster on the H200 (the sweep calls both kernels directly; tests set this to select it).
 FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset()
+_dense_extend = None  # set by register_dense_extend (triton_extend builds on this module's helpers)
+
+
+def register_dense_extend(fn) -> None:
+    """Called by custom_ops/triton_extend.py on import: the kernel FAST_EXTEND_HEAD_DIMS selects."""
+    global _dense_extend
+    _dense_extend = fn
 
 
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
@@ -470,9 +477,10 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     if decode:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
     elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
-        # imported here: triton_extend imports this module's helpers
-        from tscompile.custom_ops.triton_extend import dense_extend
-        dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
+        if _dense_extend is None:
+            raise RuntimeError("tscompile: FAST_EXTEND_HEAD_DIMS selects the dense extend kernel, but "
+                               "tscompile.custom_ops.triton_extend was never imported")
+        _dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
     else:
         paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from tscompile.custom_ops.triton_attention import (
-    _attend_paged_tile, _dot_fp32, _dot_precision, _next_pow2, check_supported,
+    _attend_paged_tile, _dot_fp32, _dot_precision, _next_pow2, check_supported, register_dense_extend,
 )
 
 LOG2_E = 1.4426950408889634
@@ -254,3 +254,6 @@ def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
         num_warps=warps, num_stages=stages,
     )
+
+
+register_dense_extend(dense_extend)

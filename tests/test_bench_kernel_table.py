@@ -177,11 +177,22 @@ def _kernel(name, start, end, linked, annotation=False):
                            linked_correlation_id=linked, is_user_annotation=annotation)
 
 
+def _linked(events):
+    """What torch's profiler does after collecting: each frontend CPU op (no linked id of its own)
+    gets the device activities whose linked id is its id, as ``kernels``."""
+    for op in events:
+        if op.device_type == CPU:
+            op.kernels = [SimpleNamespace(name=k.name, device=0, duration=k.time_range.end - k.time_range.start)
+                          for k in events if op.linked_correlation_id == 0 and k.device_type == CUDA
+                          and k.linked_correlation_id == op.id]
+    return events
+
+
 def test_record_function_ranges_on_the_device_timeline_are_not_kernels():
     events = [_op(1, "aten::mm", [[4, 64], [64, 32]], ["c10::BFloat16", "c10::BFloat16"]),
               _kernel("## Call CompiledFxGraph abc ##", 0.0, 9.0, linked=0, annotation=True),
               _kernel("gemm", 1.0, 3.0, linked=1)]
-    stats = kernel_table._cuda_stats(events, default_itemsize=2)
+    stats = kernel_table._cuda_stats(_linked(events), default_itemsize=2)
     assert list(stats) == ["gemm"] and stats["gemm"].us == pytest.approx(2.0) and stats["gemm"].attributable
 
 
@@ -198,7 +209,7 @@ def test_cuda_matmul_bytes_only_for_a_matmul_ops_sole_kernel():
         _op(4, "aten::addmm", [[32], [4, 64], [64, 32], [], []], ["float", "float", "float", "Scalar", "Scalar"]),
         _kernel("gemm", 10.5, 12.5, linked=4),
     ]
-    stats = kernel_table._cuda_stats(events, default_itemsize=2)
+    stats = kernel_table._cuda_stats(_linked(events), default_itemsize=2)
     assert stats["gemm"].count == 2 and stats["gemm"].us == pytest.approx(4.0) and stats["gemm"].attributable
     assert stats["gemm"].matmul_bytes == (4 * 64 + 64 * 32) * 2 + (32 + 4 * 64 + 64 * 32) * 4
     assert not stats["splitk_gemm"].attributable and not stats["splitk_reduce"].attributable

@@ -134,7 +134,7 @@ def test_default_config_through_the_op(device, monkeypatch):
     writes the cache, and the result matches the torch impl."""
     calls = []
     real = te.dense_extend
-    monkeypatch.setattr(te, "dense_extend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ta, "_dense_extend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(ta, "FAST_EXTEND_HEAD_DIMS", frozenset({64}))
     batch = _batch([40, 3], [40, 20], device, page_size=16, num_kv_heads=2, group=4, head_dim=64, seed=8,
                    pad_rows=1)
@@ -147,7 +147,8 @@ def test_default_config_through_the_op(device, monkeypatch):
 
 def test_old_kernel_stays_the_default(device, monkeypatch):
     assert ta.FAST_EXTEND_HEAD_DIMS == frozenset()
-    monkeypatch.setattr(te, "dense_extend", lambda *a, **kw: pytest.fail("dense_extend ran by default"))
+    assert ta._dense_extend is te.dense_extend  # importing triton_extend registered it
+    monkeypatch.setattr(ta, "_dense_extend", lambda *a, **kw: pytest.fail("dense_extend ran by default"))
     batch = _batch([3], [3], device, page_size=16, num_kv_heads=1, group=1, head_dim=16, seed=1)
     out, _, _ = run_attention(batch, "triton", decode=False, scale=SCALE)
     torch.testing.assert_close(out, _oracle(batch), atol=1e-5, rtol=1e-5)
