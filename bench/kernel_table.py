@@ -80,25 +80,29 @@ def _device_events(events) -> list:
 
 
 def _cuda_stats(events, default_itemsize: int) -> dict[str, KernelStat]:
-    # the aten/torch ops (no linked id of their own); runtime events (cudaLaunchKernel) number their
-    # ids in another space and would shadow an op of the same id
-    ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async
-           and getattr(e, "linked_correlation_id", 0) == 0}
-    kernels = _device_events(events)
-    launched = collections.Counter(getattr(k, "linked_correlation_id", 0) for k in kernels)
     stats: dict[str, KernelStat] = collections.defaultdict(KernelStat)
-    for k in kernels:
+    for k in _device_events(events):
         s = stats[k.name]
         s.count += 1
         s.us += k.time_range.end - k.time_range.start
-        corr = getattr(k, "linked_correlation_id", 0)
-        op = ops.get(corr) if corr else None
-        # one kernel per op: a split-K matmul's second kernel would get bytes it did not read
-        if op is not None and op.name in MATMUL_OPS and launched[corr] == 1 and op.input_shapes:
-            s.matmul_bytes += _input_bytes(op, default_itemsize)
-        else:
-            s.attributable = False
-    return stats
+    # The profiler hands each CPU op the device activities it launched (``FunctionEvent.kernels``, in
+    # every torch this project supports; the per-event linked id behind it is public only from 2.13).
+    # One kernel per op: a split-K matmul's second kernel would get bytes it did not read.
+    ranges = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+              and getattr(e, "is_user_annotation", False)}
+    launches: collections.Counter = collections.Counter()
+    matmul_bytes: collections.Counter = collections.Counter()
+    for op in events:
+        if op.device_type != torch.autograd.DeviceType.CPU or op.is_async or op.name not in MATMUL_OPS:
+            continue
+        kernels = [k for k in getattr(op, "kernels", None) or [] if k.name not in ranges]
+        if len(kernels) == 1 and op.input_shapes:
+            launches[kernels[0].name] += 1
+            matmul_bytes[kernels[0].name] += _input_bytes(op, default_itemsize)
+    for name, s in stats.items():
+        s.attributable = launches[name] == s.count  # every launch of this kernel was a matmul op's only one
+        s.matmul_bytes = matmul_bytes[name] if s.attributable else 0
+    return dict(stats)
 
 
 def _cpu_stats(events, default_itemsize: int) -> dict[str, KernelStat]:

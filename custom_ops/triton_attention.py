@@ -454,6 +454,19 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
 
 # ----------------------------------------------------------------------------------------------
 
+# Head dims whose extend runs ``dense_extend`` (custom_ops/triton_extend.py: the new rows' K/V read
+# from the dense k/v, only a cached prefix through the page table) instead of ``paged_extend``.
+# Empty, i.e. the old kernel everywhere, until a GPU sweep (scripts/extend_sweep.py) shows the new
+# kernel faster on the H200 (the sweep calls both kernels directly; tests set this to select it).
+FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset()
+_dense_extend = None  # set by register_dense_extend (triton_extend builds on this module's helpers)
+
+
+def register_dense_extend(fn) -> None:
+    """Called by custom_ops/triton_extend.py on import: the kernel FAST_EXTEND_HEAD_DIMS selects."""
+    global _dense_extend
+    _dense_extend = fn
+
 
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
                      scale, decode) -> None:
@@ -463,6 +476,11 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     write_kv(k, v, k_cache, v_cache, write_loc)
     if decode:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+    elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
+        if _dense_extend is None:
+            raise RuntimeError("tscompile: FAST_EXTEND_HEAD_DIMS selects the dense extend kernel, but "
+                               "tscompile.custom_ops.triton_extend was never imported")
+        _dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
     else:
         paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
 

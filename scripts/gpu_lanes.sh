@@ -7,7 +7,10 @@
 #   fibench[:M]    FlashInfer's cold and warm start (scripts/flashinfer_start.py, its JIT cache kept),
 #                  then the bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32
 #                  64, prefill 32 and 2048, with kernel tables (FlashInfer's libraries already built)
+#   bench:M:MODES  the bench of M, MODES comma-separated (e.g. compile-reduce-overhead,compile-reduce-overhead-tuned),
+#                  bs 1 8 32 64, prefill 32 and 2048, 5 iterations, kernel tables -> $OUT/bench_M_MODES.{json,md}
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b)
+#   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
 #   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
 #   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
@@ -46,6 +49,7 @@ tests_for() {
     user_compile) echo "tests/test_user_compile_gpu.py tests/test_bench_hf_model.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
     gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
+    extend_fast) echo "tests/test_triton_extend_fast.py" ;;
     unverified) echo "tests/test_prefill_startup_capture.py tests/test_bench_kernel_table.py tests/test_gpu_packages.py tests/test_gpu_graphs.py -k startup_capture_or_kernel_table_or_kernel_times_or_checkpoint_package_or_default_prefill_graph_mode" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
@@ -75,6 +79,12 @@ run_job() {  # lane job
         --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 2048 --num-iters 5 \
         --num-iters-warmup 1 --kernel-table --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
         --no-progress 2>&1 | tail -40 ;;
+    bench:*)
+      local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/+}
+      timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size 1 8 32 64 --input-len 512 \
+        --output-len 128 --prefill-lens 32 2048 --num-iters 5 --num-iters-warmup 1 --kernel-table \
+        --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
+        2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
     startup:*)
       local spec=${job#startup:}; local model=${spec%%:*} skip=""
       [ "$spec" != "$model" ] && skip=${spec#*:}
@@ -87,6 +97,8 @@ run_job() {  # lane job
         --hf-generate-tokens 32 --num-iters 5 --hf-parts $parts --no-progress --verbose \
         --output-json "$OUT/hfbench_llama-1b_$tag.json" --output-md "$OUT/hfbench_llama-1b_$tag.md" \
         2> "$OUT/hfbench_$tag.log"; echo "rc=$?"; cat "$OUT/hfbench_llama-1b_$tag.md" ;;
+    extend_sweep)
+      timeout $left python3 scripts/extend_sweep.py "$OUT/extend_sweep.json" 2>&1 | grep -v -i warn | tail -40 ;;
     prefill_modes)
       timeout $left python3 scripts/prefill_modes.py "$OUT/prefill_modes.json" --iters 10 2>&1 | grep -v -i warn | tail -14 ;;
     tests:*)

@@ -127,7 +127,13 @@ def _child_package(args) -> dict:
 
     show_tscompile_logs()
     imports = time.perf_counter() - t0
-    spent = {"programs": 0.0, "weights_file": 0.0}
+    from tscompile.package import aoti_load
+
+    # load_package's phases, each summed over its calls (nested: "programs" holds the AOTInductor
+    # loaders, the host check, the weights stored inside, the external weights file and its
+    # constants; "aoti_loaders" is torch's own loader per program: extraction and dlopen)
+    spent = dict.fromkeys(("metadata_and_integrity", "cxx_runtime_check", "programs", "aoti_loaders", "host_check",
+                           "archive_weights", "weights_file", "load_constants", "engine", "tokenizer"), 0.0)
 
     def timed(name, fn):
         def wrapper(*a, **kw):
@@ -138,10 +144,16 @@ def _child_package(args) -> dict:
                 spent[name] += time.perf_counter() - begin
         return wrapper
 
-    # AOTInductor's libraries and the weights inside them load together; external weights are one
-    # safetensors read inside that
+    runtime.read_package_metadata = timed("metadata_and_integrity", runtime.read_package_metadata)
+    runtime.refuse_unlinked_cxx_runtime = timed("cxx_runtime_check", runtime.refuse_unlinked_cxx_runtime)
     runtime._load_programs = timed("programs", runtime._load_programs)
+    torch._C._aoti.AOTIModelPackageLoader = timed("aoti_loaders", torch._C._aoti.AOTIModelPackageLoader)
+    aoti_load.host_mismatches = timed("host_check", aoti_load.host_mismatches)
+    aoti_load._archive_weights = timed("archive_weights", aoti_load._archive_weights)
     safetensors.torch.load_file = timed("weights_file", safetensors.torch.load_file)
+    aoti_load.PackagedProgram.load_constants = timed("load_constants", aoti_load.PackagedProgram.load_constants)
+    runtime._package_engine = timed("engine", runtime._package_engine)
+    runtime._package_tokenizer = timed("tokenizer", runtime._package_tokenizer)
     t0 = time.perf_counter()
     llm = tscompile.load_package(args.package)
     load = time.perf_counter() - t0
@@ -158,6 +170,7 @@ def _child_package(args) -> dict:
             "compile_s": 0.0, "capture_s": 0.0, "prefill_capture_s": 0.0,
             "other_s": total - started - imports - (weights or 0.0),
             "load_package_s": load, "programs_s": spent["programs"], "first_token_s": first,
+            "load_phases": {name: round(secs, 3) for name, secs in spent.items()},
             "weights": llm.package.record["weights"], "package_bytes": llm.package.package_bytes,
             "device": str(device), "torch_threads": torch.get_num_threads()}
 
@@ -216,6 +229,12 @@ def markdown(result: dict) -> str:
     if export and not export.get("error"):
         lines += ["", f"Package exported in {export['export_s']:.1f} s (AOTInductor build {export['build_s']:.1f} s, "
                       f"C++ by {export['compiler'].get('path') or export['compiler'].get('command')})."]
+    phases = (result["starts"].get("package") or {}).get("load_phases")
+    if phases:
+        lines += ["", "Where `load_package`'s time goes (seconds; nested: programs holds the AOTInductor loaders, "
+                      "the host check, the weights inside, the weights file and load_constants):", "",
+                  "| phase | seconds |", "|---|---|"]
+        lines += [f"| {name} | {secs:.2f} |" for name, secs in phases.items()]
     cold = result["starts"].get("cold") or {}
     if cold.get("compile_phases"):
         warm_phases = (result["starts"].get("warm") or {}).get("compile_phases") or {}

@@ -177,11 +177,22 @@ def _kernel(name, start, end, linked, annotation=False):
                            linked_correlation_id=linked, is_user_annotation=annotation)
 
 
+def _linked(events):
+    """What torch's profiler does after collecting: each frontend CPU op (no linked id of its own)
+    gets the device activities whose linked id is its id, as ``kernels``."""
+    for op in events:
+        if op.device_type == CPU:
+            op.kernels = [SimpleNamespace(name=k.name, device=0, duration=k.time_range.end - k.time_range.start)
+                          for k in events if op.linked_correlation_id == 0 and k.device_type == CUDA
+                          and k.linked_correlation_id == op.id]
+    return events
+
+
 def test_record_function_ranges_on_the_device_timeline_are_not_kernels():
     events = [_op(1, "aten::mm", [[4, 64], [64, 32]], ["c10::BFloat16", "c10::BFloat16"]),
               _kernel("## Call CompiledFxGraph abc ##", 0.0, 9.0, linked=0, annotation=True),
               _kernel("gemm", 1.0, 3.0, linked=1)]
-    stats = kernel_table._cuda_stats(events, default_itemsize=2)
+    stats = kernel_table._cuda_stats(_linked(events), default_itemsize=2)
     assert list(stats) == ["gemm"] and stats["gemm"].us == pytest.approx(2.0) and stats["gemm"].attributable
 
 
@@ -198,7 +209,7 @@ def test_cuda_matmul_bytes_only_for_a_matmul_ops_sole_kernel():
         _op(4, "aten::addmm", [[32], [4, 64], [64, 32], [], []], ["float", "float", "float", "Scalar", "Scalar"]),
         _kernel("gemm", 10.5, 12.5, linked=4),
     ]
-    stats = kernel_table._cuda_stats(events, default_itemsize=2)
+    stats = kernel_table._cuda_stats(_linked(events), default_itemsize=2)
     assert stats["gemm"].count == 2 and stats["gemm"].us == pytest.approx(4.0) and stats["gemm"].attributable
     assert stats["gemm"].matmul_bytes == (4 * 64 + 64 * 32) * 2 + (32 + 4 * 64 + 64 * 32) * 4
     assert not stats["splitk_gemm"].attributable and not stats["splitk_reduce"].attributable
@@ -215,6 +226,22 @@ def test_cuda_matmul_bytes_only_for_a_matmul_ops_sole_kernel():
 
 
 # -- on the GPU -----------------------------------------------------------------------------------
+def _attribution_evidence(prof) -> str:
+    """What the profiler linked, for a failed attribution: each kernel's linked id and the CPU events
+    carrying that id (as their own id or as their linked id)."""
+    events = list(prof.events())
+    lines = []
+    for k in [e for e in events if e.device_type == CUDA][:6]:
+        corr = getattr(k, "linked_correlation_id", None)
+        own = [(e.name, e.id, getattr(e, "linked_correlation_id", None), e.is_async) for e in events
+               if e.device_type == CPU and e.id == corr]
+        linked = [(e.name, e.id) for e in events if e.device_type == CPU and getattr(e, "linked_correlation_id", 0) == corr]
+        lines.append(f"kernel {k.name[:40]!r} id={k.id} linked={corr} user_annotation={getattr(k, 'is_user_annotation', None)}"
+                     f" | cpu events with id==linked: {own} | cpu events linked to it: {linked}")
+    mms = [(e.name, e.id, getattr(e, "linked_correlation_id", None), e.input_shapes) for e in events if e.name == "aten::mm"]
+    return "\n".join(lines + [f"aten::mm events: {mms[:3]}"])
+
+
 @pytest.mark.gpu
 def test_kernel_table_on_cuda_lists_kernels(tmp_path):
     result, md = _bench(tmp_path, "--kernel-table", device="cuda")
@@ -241,7 +268,8 @@ def test_cuda_kernel_times_see_graph_replays_and_attribute_eager_matmuls():
     stats = kernel_table.stats_of(prof, "cuda")
     assert not any("annotation" in name for name in stats)  # ranges on the device timeline are not kernels
     matmuls = [s for s in stats.values() if s.attributable]
-    assert matmuls and all(s.matmul_bytes == s.count * (2048 * 1024 + 1024 * 4096) * 2 for s in matmuls)
+    assert matmuls, _attribution_evidence(prof)
+    assert all(s.matmul_bytes == s.count * (2048 * 1024 + 1024 * 4096) * 2 for s in matmuls)
     out = torch.empty(2048, 4096, device="cuda", dtype=torch.bfloat16)
     torch.mm(a, b, out=out)  # cuBLAS's workspace before the capture
     graph = torch.cuda.CUDAGraph()

@@ -209,6 +209,52 @@ def test_external_weights_load_agree_and_are_borrowed(package, eager):
     assert ids(llm.generate(PROMPTS[:2], params)) == [[0] * 6, [0] * 6]
 
 
+def test_loading_spawns_no_process_and_probes_no_cpu_isa(package, monkeypatch):
+    """torch's ``load_pt2`` compares each program's host with this one through
+    ``get_device_information``, whose ``pick_vec_isa()`` on torch 2.11 compiles and loads a probe in
+    a fresh ``python -c "import torch"`` per vector ISA: 27 to 47 s on an AVX-512/AMX host, most
+    of a 50 s package start on the H200. ``load_package`` must run none of it, for either weights."""
+    import subprocess
+
+    import torch._inductor.codecache as codecache
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    called = []
+
+    def forbidden(what):
+        def call(*args, **kwargs):
+            called.append(what)
+            raise AssertionError(f"load_package called {what}")
+        return call
+
+    paths = [package("llama-tiny"), package("llama-tiny", "external")]  # exported before the patches
+    monkeypatch.setattr(codecache, "get_device_information", forbidden("get_device_information"))
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", forbidden("pick_vec_isa"))
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", forbidden("valid_vec_isa_list"))
+    monkeypatch.setattr(subprocess, "Popen", forbidden("a child process"))
+    for path in paths:
+        llm = tscompile.load_package(path)
+        assert len(ids(llm.generate([[5, 17, 3]], SamplingParams(max_new_tokens=3)))[0]) == 3
+    assert called == []
+
+
+def test_host_mismatches_name_what_differs_and_accept_this_host(package, monkeypatch):
+    from tscompile.package.aoti_load import host_mismatches
+
+    llm = tscompile.load_package(package("llama-tiny"))
+    for program in llm.runner.programs.values():
+        assert program.get_metadata()["AOTI_DEVICE_KEY"] == DEVICE.type
+        assert host_mismatches(program.get_metadata(), DEVICE) == []
+    other = {"AOTI_PLATFORM": "win32", "AOTI_MACHINE": "riscv64", "AOTI_CPU_ISA": "AVX512 AVX512_VNNI AMX_TILE"}
+    for feature in ("_is_avx512_supported", "_is_vnni_supported"):
+        monkeypatch.setattr(torch.cpu, feature, lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    found = host_mismatches(other, torch.device("cpu"))
+    assert [f.split()[0] for f in found] == ["AOTI_PLATFORM", "AOTI_MACHINE", "AOTI_CPU_ISA"]
+    assert "needs ['AMX_TILE']" in found[2]
+    assert host_mismatches({"AOTI_CPU_ISA": "AVX512 AVX512_VNNI"}, torch.device("cpu")) == []
+
+
 def test_tied_weights_are_written_once_with_an_alias():
     from tscompile.package.build import _unique_weights
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tscompile.attention.base import PagedAttentionBackend
 from tscompile.attention.support import CudaGraphSupport
-from tscompile.custom_ops import triton_attention, triton_metadata  # noqa: F401  (register impl="triton")
+from tscompile.custom_ops import triton_attention, triton_extend, triton_metadata  # noqa: F401  (register impl="triton")
 from tscompile.kv_cache.pool import KVCachePool
 
 

@@ -36,6 +36,6 @@ class NarrowingTransformer(Transformer):
 
     def narrowing_forward(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = get_forward_context()
-        if ctx.mode.is_decode:  # every decode row is kept
+        if ctx.attention_mode.is_decode:  # every decode row is kept (EXTEND and MIXED share one graph)
             return h, positions
         return torch.ops.tscompile.narrow_rows(h, positions, ctx.qo_indptr, ctx.completes, self.config.narrow_window)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +122,6 @@ def _package_tokenizer(path: str, record: dict):
     if not names:
         return None
     import tempfile
-    import zipfile
 
     from tscompile.text import load_tokenizer
 
@@ -138,16 +138,16 @@ def _package_tokenizer(path: str, record: dict):
 
 
 def _load_programs(path: str, record: dict, device: torch.device):
-    """``({name: runner}, external weights or None)``; the runners share one copy of the weights."""
-    from torch.export.pt2_archive._package import load_pt2
+    """``({name: program}, external weights or None)``; the programs share one copy of the weights."""
+    from tscompile.package.aoti_load import load_aoti_programs
 
-    index = device.index if device.index is not None else -1
     external = record["weights"] == "external"
-    contents = load_pt2(path, device_index=index, load_weights_from_disk=not external)
-    missing = [p for p in PROGRAMS if p not in contents.aoti_runners]
+    with zipfile.ZipFile(path) as zf:
+        stored = {n.split("/", 1)[-1] for n in zf.namelist()}
+    missing = [p for p in PROGRAMS if not any(n.startswith(f"data/aotinductor/{p}/") for n in stored)]
     if missing:
         raise ValueError(f"tscompile: package {path!r} lacks the programs {missing}")
-    programs = {p: contents.aoti_runners[p] for p in PROGRAMS}
+    programs = load_aoti_programs(path, PROGRAMS, device)
     if not external:
         return programs, None
     wpath = weights_path(path)

@@ -164,7 +164,8 @@ class ModelRunner:
         cfg = self.config
         tokens = tuple(b for b in cfg.token_ladder if b <= cfg.prefill_graph_max_tokens)
         requests = request_ladder(cfg.decode_ladder, self.max_num_seqs)
-        self.whole_prefill = WholeStepPrefill(self.device, tokens, requests, host_replay=host_replay)
+        self.whole_prefill = WholeStepPrefill(self.device, tokens, requests, host_replay=host_replay,
+                                              compile_seconds=lambda: self.compile_seconds)
         self.prefill_buckets = None
 
     @property

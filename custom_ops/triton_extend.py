@@ -1,0 +1,259 @@
+"""Extend (prefill) attention that reads this forward's own keys/values from the dense ``k``/``v``.
+
+``_extend_kernel`` in ``triton_attention`` reads every key through the page table, one page-id
+gather per key, after ``write_kv`` has scattered the new rows into the cache. For a fresh prompt
+every key it reads is one of the new rows, which the op also receives as ``k``/``v [T, Hkv, D]``
+(usually strided column slices of the fused qkv projection). Reading those directly gives plain
+strided tile loads that Triton can pipeline; only the cached prefix of a request (positions below
+``kv_len - q_len``) still goes through the page table.
+
+Per query block of one request, one program (for all query heads of one KV head):
+    1. the cached prefix [0, prefix) through the page table: unmasked tiles, one masked tail tile;
+    2. the new rows j of the same request from the dense k/v: tiles wholly below the block's first
+       query unmasked, the tiles on the diagonal masked (key j visible to query i iff j <= i), the
+       tiles above the diagonal never visited.
+
+Contract kept from ``_extend_kernel`` (so the two are interchangeable inside a captured graph):
+    - grid from static shapes only: cdiv(T, BLOCK_M) + B query blocks per KV head, numbered
+      request after request from ``qo_indptr`` on the device, a request's longest block first; no
+      host read of any length; programs past the last block store nothing;
+    - GQA rows packed per KV head: tile row r is query position r // GROUP_PAD, head r % GROUP_PAD,
+      so each K/V tile is loaded once for the whole group, and a tile of ROWS rows spans only
+      ROWS / GROUP_PAD positions, which keeps the masked diagonal work small;
+    - query i of request b sits at position prefix + i, prefix = min(seq_lens[b], table capacity)
+      - q_len; positions below 0 do not exist (a padded request with q_len 1 and seq_len 0 sees no
+      key and gets zeros);
+    - float32 accumulation; float32 inputs use IEEE products; a new key is rounded through the
+      cache dtype before use, so the result equals reading it back from the cache.
+
+Unlike ``_extend_kernel`` the grid is one-dimensional with the KV head varying fastest, so the
+longest blocks of every KV head are scheduled first rather than those of head 0 only.
+
+Not selected by default: ``triton_attention.FAST_EXTEND_HEAD_DIMS`` chooses, per head_dim, which
+extend kernel the op runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tscompile.custom_ops.triton_attention import (
+    _attend_paged_tile, _dot_fp32, _dot_precision, _next_pow2, check_supported, register_dense_extend,
+)
+
+LOG2_E = 1.4426950408889634
+
+# Launch configuration per head_dim: (tile rows = query positions x padded GQA group, keys per tile,
+# warps, software-pipeline stages). Proposed for Hopper and NOT yet measured: scripts/extend_sweep.py
+# times a grid of alternatives on the GPU; replace these with its per-head_dim best.
+EXTEND_DENSE_CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3), 256: (64, 64, 8, 2),
+}
+
+
+@triton.jit
+def _attend_dense_tile(
+    q, qi, m_i, l_i, acc, start, hi, k_base, v_base, k_cache_ptr, v_cache_ptr, d, scale_log2,
+    stride_kt, stride_kd, stride_vt, stride_vd,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of the tile rows over the request's new rows [start, start + BLOCK_N)
+    read from the dense k/v (``k_base``/``v_base`` point at the request's first row and this KV
+    head). MASKED=False: the caller guarantees every key of the tile exists and is visible to every
+    row, so neither loads nor scores are masked. MASKED: keys at or past ``hi`` are not loaded and
+    key j is visible to row r only if j <= qi[r] (causal)."""
+    j = start + tl.arange(0, BLOCK_N)
+    k_ptrs = k_base + j[:, None] * stride_kt + d[None, :] * stride_kd
+    v_ptrs = v_base + j[:, None] * stride_vt + d[None, :] * stride_vd
+    if MASKED:
+        live = j < hi
+        k = tl.load(k_ptrs, mask=live[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    # Round through the cache dtype: the paged kernel and the oracle read these keys from the cache.
+    k = k.to(k_cache_ptr.dtype.element_ty).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [ROWS, BLOCK_N], unscaled
+    if MASKED:
+        visible = live[None, :] & (j[None, :] <= qi[:, None])
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        # scale_log2 > 0, so the scaled max is the max scaled; scale and shift fuse into one FMA
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=live[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    v = v.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
+    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_dense_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, seq_lens_ptr, qo_indptr_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_kcp, stride_kco, stride_kch, stride_kcd,
+    stride_vcp, stride_vco, stride_vch, stride_vcd,
+    stride_ptb, stride_ptp,
+    max_kv, num_reqs,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    REQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Grid ((cdiv(T, BLOCK_M) + B) * Hkv,): program pid handles query block pid // Hkv of the
+    concatenated requests for KV head pid % Hkv. See the module docstring."""
+    pid = tl.program_id(0)
+    tile = pid // NUM_KV_HEADS
+    kvh = pid % NUM_KV_HEADS
+
+    # This program's (request b, query block mb), from qo_indptr alone: request b owns blocks
+    # [ends[b] - blocks[b], ends[b]), numbered from its last (longest causal) block down.
+    reqs = tl.arange(0, REQS_PAD)
+    in_batch = reqs < num_reqs
+    lens = (tl.load(qo_indptr_ptr + reqs + 1, mask=in_batch, other=0)
+            - tl.load(qo_indptr_ptr + reqs, mask=in_batch, other=0))
+    blocks = tl.where(in_batch, (lens + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(blocks, 0)
+    b = tl.sum((ends <= tile).to(tl.int32), 0)
+    has_work = b < num_reqs
+    b = tl.minimum(b, num_reqs - 1)
+    first = tl.sum(tl.where(reqs < b, blocks, 0), 0)
+    mb = tl.sum(tl.where(reqs == b, blocks, 0), 0) - 1 - (tile - first)
+
+    q_start = tl.load(qo_indptr_ptr + b)
+    q_len = tl.where(has_work, tl.load(qo_indptr_ptr + b + 1) - q_start, 0)
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)
+    prefix = kv_len - q_len  # cached positions; < 0 only when seq_len < q_len (a padded request)
+
+    q_lo = mb * BLOCK_M
+    busy = (q_lo < q_len) & (q_lo >= 0)
+    r = tl.arange(0, ROWS)
+    qi = q_lo + r // GROUP_PAD  # query index inside the request
+    g = r % GROUP_PAD
+    row_live = (qi >= 0) & (qi < q_len) & (g < GROUP)  # all dead unless busy
+    heads = kvh * GROUP + g
+    tok = (q_start + qi).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_live[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)  # keys, probabilities and values are cast to q's dtype
+
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+
+    # 1. The cached prefix: every row sees all of it.
+    cached = tl.where(busy, tl.maximum(prefix, 0), 0)
+    cached_bulk = cached // BLOCK_N * BLOCK_N
+    pt_row = page_table_ptr + b.to(tl.int64) * stride_ptb
+    for start in range(0, cached_bulk, BLOCK_N):
+        m_i, l_i, acc = _attend_paged_tile(
+            q, 0, m_i, l_i, acc, start, cached, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
+            stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False, MASKED=False, DOT_PRECISION=DOT_PRECISION)
+    for start in range(cached_bulk, cached, BLOCK_N):
+        m_i, l_i, acc = _attend_paged_tile(
+            q, 0, m_i, l_i, acc, start, cached, pt_row, k_cache_ptr, v_cache_ptr, kvh, d, scale_log2, stride_ptp,
+            stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+            PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N, CAUSAL=False, MASKED=True, DOT_PRECISION=DOT_PRECISION)
+
+    # 2. The new rows of this request, from the dense k/v. New row j sits at position prefix + j,
+    # so rows below j_lo = -prefix would sit at negative positions: they do not exist.
+    j_lo = tl.maximum(-prefix, 0)
+    hi = tl.where(busy, tl.minimum(q_lo + BLOCK_M, q_len), 0)  # the block's last query, exclusive
+    # tiles wholly below the block's first query q_lo: visible to every row
+    bulk_end = tl.where(q_lo > j_lo, j_lo + (q_lo - j_lo) // BLOCK_N * BLOCK_N, j_lo)
+    bulk_end = tl.minimum(bulk_end, hi)
+    k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kvh * stride_vh
+    for start in range(j_lo, bulk_end, BLOCK_N):
+        m_i, l_i, acc = _attend_dense_tile(
+            q, qi, m_i, l_i, acc, start, hi, k_base, v_base, k_cache_ptr, v_cache_ptr, d, scale_log2,
+            stride_kt, stride_kd, stride_vt, stride_vd,
+            BLOCK_N=BLOCK_N, MASKED=False, DOT_PRECISION=DOT_PRECISION)
+    for start in range(bulk_end, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_dense_tile(
+            q, qi, m_i, l_i, acc, start, hi, k_base, v_base, k_cache_ptr, v_cache_ptr, d, scale_log2,
+            stride_kt, stride_kd, stride_vt, stride_vd,
+            BLOCK_N=BLOCK_N, MASKED=True, DOT_PRECISION=DOT_PRECISION)
+
+    # A live row with no visible key (kv_len == 0) keeps l = 0 and gets zeros, like the oracle.
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+
+
+def _check_config(config, head_dim: int) -> None:
+    rows, block_n, warps, stages = config
+    pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731  (tl.dot needs >= 16 per side)
+    if not (pow2(rows) and pow2(block_n) and warps in (1, 2, 4, 8, 16) and stages >= 1):
+        raise ValueError(
+            f"tscompile: dense extend config {tuple(config)} for head_dim {head_dim} is not allowed; "
+            "expected (rows, block_n, warps, stages) with rows and block_n powers of two >= 16, warps a "
+            "power of two <= 16, stages >= 1"
+        )
+
+
+def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: bool = False
+                        ) -> tuple[int, int, int, int]:
+    """(BLOCK_M query positions, BLOCK_N keys, warps, stages); ``config`` overrides the table.
+
+    The configurations are sized for 16-bit tiles. ``four_byte`` (float32 q or K/V): halve both
+    tile sides and keep at most 2 stages, so the doubled bytes still fit in shared memory (a 128 x
+    128 tile at head_dim 128 with 3 stages would need ~450 KB in float32)."""
+    config = EXTEND_DENSE_CONFIGS[head_dim] if config is None else tuple(config)
+    _check_config(config, head_dim)
+    rows, block_n, warps, stages = config
+    if four_byte:
+        rows, block_n, stages = max(rows // 2, 16), max(block_n // 2, 16), min(stages, 2)
+    return max(rows // group_pad, 1), block_n, warps, stages
+
+
+def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, config=None) -> None:
+    """Ragged causal attention of ``q [T, Hq, D]`` into ``out``: each request's cached prefix from
+    the paged cache, its new rows from ``k``/``v [T, Hkv, D]`` (any strides). The new rows need not
+    be in the cache yet. Rows past ``qo_indptr[-1]`` are not written. ``config`` = (rows, block_n,
+    warps, stages) overrides ``EXTEND_DENSE_CONFIGS`` (for the sweep)."""
+    t, hq, d = q.shape
+    b = page_table.shape[0]
+    if t == 0 or b == 0:
+        return
+    check_supported(d, k_cache.dtype, "dense extend")
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if hq % hkv or k.shape[1] != hkv or v.shape[1] != hkv:
+        raise ValueError(
+            f"tscompile: dense extend needs Hq % Hkv == 0 and k, v with Hkv heads; got q heads {hq}, cache "
+            f"heads {hkv}, k heads {k.shape[1]}, v heads {v.shape[1]}"
+        )
+    group = hq // hkv
+    group_pad = _next_pow2(group)
+    four_byte = max(t.element_size() for t in (q, k, v, k_cache, v_cache)) >= 4
+    block_m, block_n, warps, stages = extend_dense_config(d, group_pad, config, four_byte)
+    # Every request's blocks fit in cdiv(T, BLOCK_M) + B blocks (T bounds the sum of q_lens).
+    grid = ((triton.cdiv(t, block_m) + b) * hkv,)
+    _extend_dense_kernel[grid](
+        q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr,
+        scale * LOG2_E,  # scores in log2 units so the kernel can use exp2
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        *page_table.stride(),
+        page_table.shape[1] * page_size, b,
+        NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, REQS_PAD=max(_next_pow2(b), 2),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+
+
+register_dense_extend(dense_extend)

@@ -1,0 +1,277 @@
+"""The dense-new-row extend kernel (custom_ops/triton_extend.py) against the torch oracle.
+
+Without CUDA the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so the
+unmarked tests keep shapes tiny and mostly use 16-row, 16-key tiles: a few tokens then span several
+query blocks per request, unmasked bulk tiles, masked diagonal tiles and idle programs past the last
+block. ``gpu``-marked tests use llama-8b-shaped bf16 data.
+
+Most checks call ``dense_extend`` directly, without writing the new rows into the cache first, and
+with those rows' cache slots poisoned with NaN: the kernel must read the new rows from the dense
+k/v. The oracle is the torch impl of the op run on the same batch (it writes, then reads the cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import dense_reference, random_paged_batch, run_attention
+from tscompile.custom_ops import triton_attention as ta
+from tscompile.custom_ops import triton_extend as te
+
+SCALE = 0.25
+SMALL_TILES = (16, 16, 4, 1)  # (rows, keys per tile, warps, stages)
+
+
+def _to(batch, device):
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _batch(q_lens, kv_lens, device, **kw):
+    return _to(random_paged_batch(q_lens, kv_lens, **kw), device)
+
+
+def _oracle(batch):
+    ref, _, _ = run_attention(batch, "torch", decode=False, scale=SCALE)
+    return ref
+
+
+def _dense_extend(batch, *, config=SMALL_TILES, tail_rows=0, q=None, k=None, v=None):
+    """Run ``dense_extend`` on ``batch`` with its new rows absent from the cache (NaN there) and the
+    output poisoned with NaN. ``tail_rows`` appends rows past qo_indptr[-1] (a token bucket's padding)
+    that belong to no request. Returns the output, tail included."""
+    q = batch["q"] if q is None else q
+    k = batch["k"] if k is None else k
+    v = batch["v"] if v is None else v
+    if tail_rows:
+        g = torch.Generator().manual_seed(123)
+        extra = lambda t: torch.randn(tail_rows, *t.shape[1:], generator=g).to(t)  # noqa: E731
+        q, k, v = (torch.cat([t, extra(t)]) for t in (q, k, v))
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    for cache in (k_cache, v_cache):
+        cache.view(-1, *cache.shape[2:])[batch["write_loc"]] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    te.dense_extend(q, k, v, k_cache, v_cache, out, batch["page_table"], batch["seq_lens"], batch["qo_indptr"],
+                    SCALE, config=config)
+    return out
+
+
+def _assert_matches_oracle(batch, out, atol=1e-5, rtol=1e-5):
+    rows = batch["q"].shape[0]
+    assert not out[:rows].isnan().any(), "some request row was never written"
+    torch.testing.assert_close(out[:rows].float(), _oracle(batch).float(), atol=atol, rtol=rtol)
+
+
+# -- correctness under the interpreter ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size,group,head_dim", [
+    (1, 1, 64), (16, 4, 128), (64, 8, 64), (16, 1, 128), (1, 8, 128), (64, 4, 64),
+])
+def test_fresh_prompts_match_torch(page_size, group, head_dim, device):
+    # no cached prefix: every key comes from the dense k/v; q_len 33 spans three 16-row blocks
+    batch = _batch([33, 1, 17, 5], [33, 1, 17, 5], device, page_size=page_size, num_kv_heads=2, group=group,
+                   head_dim=head_dim, seed=page_size + group)
+    _assert_matches_oracle(batch, _dense_extend(batch))
+
+
+@pytest.mark.parametrize("page_size,group,head_dim", [(1, 4, 64), (16, 8, 128), (64, 1, 64)])
+def test_cached_prefixes_match_torch(page_size, group, head_dim, device):
+    # prefixes below, at and across tile and page boundaries, a prompt without one, and one request
+    # with q_len 0 (a finished row of a mixed step) between others
+    q_lens = [5, 1, 20, 3, 0, 9]
+    kv_lens = [5 + 16, 1 + 40, 20 + 7, 3 + 70, 4, 9]
+    batch = _batch(q_lens, kv_lens, device, page_size=page_size, num_kv_heads=2, group=group, head_dim=head_dim,
+                   seed=7 + page_size)
+    out = _dense_extend(batch)
+    _assert_matches_oracle(batch, out)
+    torch.testing.assert_close(out.double().cpu(), dense_reference(batch, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_padded_requests_get_zeros_and_rows_past_the_batch_stay_untouched(device):
+    # pad_rows: requests with q_len 1 and seq_len 0 (no key at all) must get exact zeros; tail rows
+    # past qo_indptr[-1] belong to no request: no program may store there (they keep the NaN poison)
+    batch = _batch([6, 19], [30, 19], device, page_size=16, num_kv_heads=2, group=4, head_dim=64, seed=3,
+                   pad_rows=2)
+    out = _dense_extend(batch, tail_rows=21)
+    rows = batch["q"].shape[0]
+    _assert_matches_oracle(batch, out)
+    assert torch.equal(out[rows - 2:rows], torch.zeros_like(out[rows - 2:rows])), "padded requests not zero"
+    assert out[rows:].isnan().all(), "a program wrote rows past the last request"
+
+
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_strided_kv_views_of_a_fused_projection(with_prefix, device):
+    """q, k, v as column slices of one [T, (Hq + 2 Hkv) * D] tensor, as the model produces them."""
+    q_lens = [7, 18]
+    batch = _batch(q_lens, [q + (12 if with_prefix else 0) for q in q_lens], device, page_size=16,
+                   num_kv_heads=2, group=4, head_dim=64, seed=12)
+    t, hq, d = batch["q"].shape
+    hkv = batch["k"].shape[1]
+    fused = torch.cat([batch[n].reshape(t, -1) for n in ("q", "k", "v")], dim=1)
+    q, k, v = (x.view(t, -1, d) for x in fused.split([hq * d, hkv * d, hkv * d], dim=1))
+    assert not k.is_contiguous() and not v.is_contiguous()
+    _assert_matches_oracle(batch, _dense_extend(batch, q=q, k=k, v=v))
+
+
+def test_new_rows_are_rounded_through_the_cache_dtype(device):
+    # float32 rows over a float16 cache: the oracle (and the paged kernel) read the new keys back
+    # from the cache, rounded; reading them unrounded from k/v differs by ~1e-3. (Not bfloat16: the
+    # interpreter truncates float32 -> bfloat16 instead of rounding to nearest as GPUs do.)
+    batch = _batch([9, 20], [9, 25], device, page_size=16, num_kv_heads=2, group=2, head_dim=64, seed=5)
+    batch["k_cache"], batch["v_cache"] = batch["k_cache"].half(), batch["v_cache"].half()
+    _assert_matches_oracle(batch, _dense_extend(batch))
+
+
+def test_bfloat16_matches_torch(device):
+    batch = _batch([4, 1, 19], [4, 20, 30], device, page_size=16, num_kv_heads=2, group=4, head_dim=64,
+                   dtype=torch.bfloat16, seed=6)
+    _assert_matches_oracle(batch, _dense_extend(batch), atol=2e-2, rtol=2e-2)
+
+
+def test_default_config_through_the_op(device, monkeypatch):
+    """FAST_EXTEND_HEAD_DIMS routes the op's extend to dense_extend (default tiles); the op still
+    writes the cache, and the result matches the torch impl."""
+    calls = []
+    real = te.dense_extend
+    monkeypatch.setattr(ta, "_dense_extend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ta, "FAST_EXTEND_HEAD_DIMS", frozenset({64}))
+    batch = _batch([40, 3], [40, 20], device, page_size=16, num_kv_heads=2, group=4, head_dim=64, seed=8,
+                   pad_rows=1)
+    out, k_cache, v_cache = run_attention(batch, "triton", decode=False, scale=SCALE)
+    ref, k_ref, v_ref = run_attention(batch, "torch", decode=False, scale=SCALE)
+    assert calls, "the op did not run dense_extend"
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_old_kernel_stays_the_default(device, monkeypatch):
+    assert ta.FAST_EXTEND_HEAD_DIMS == frozenset()
+    assert ta._dense_extend is te.dense_extend  # importing triton_extend registered it
+    monkeypatch.setattr(ta, "_dense_extend", lambda *a, **kw: pytest.fail("dense_extend ran by default"))
+    batch = _batch([3], [3], device, page_size=16, num_kv_heads=1, group=1, head_dim=16, seed=1)
+    out, _, _ = run_attention(batch, "triton", decode=False, scale=SCALE)
+    torch.testing.assert_close(out, _oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [(24, 16, 4, 1), (16, 8, 4, 1), (16, 16, 3, 1), (16, 16, 4, 0)])
+def test_bad_launch_configs_are_refused(config):
+    batch = random_paged_batch([2], [2], page_size=16, num_kv_heads=1, group=1, head_dim=16)
+    with pytest.raises(ValueError, match=r"^tscompile: dense extend config .* head_dim 16"):
+        _dense_extend(batch, config=config)
+
+
+def test_float32_configs_shrink_to_fit_shared_memory():
+    rows, block_n, warps, stages = te.EXTEND_DENSE_CONFIGS[128]
+    assert te.extend_dense_config(128, 4, four_byte=False) == (rows // 4, block_n, warps, stages)
+    assert te.extend_dense_config(128, 4, four_byte=True) == (rows // 8, block_n // 2, warps, min(stages, 2))
+    assert te.extend_dense_config(64, 8, (16, 16, 4, 3), four_byte=True) == (2, 16, 4, 2)  # never below 16
+
+
+# -- GPU: llama-8b shapes, bf16 -----------------------------------------------------------------
+
+
+def _llama8b_batch(q_lens, kv_lens, seed):
+    return _batch(q_lens, kv_lens, "cuda", page_size=16, num_kv_heads=8, group=4, head_dim=128,
+                  dtype=torch.bfloat16, seed=seed, pad_rows=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,kv_lens", [
+    ([2048], [2048]),  # one fresh prompt, the benchmark's shape
+    ([300, 1, 129, 700, 64], [300, 1500, 129, 1000, 2000]),  # ragged, with and without prefixes
+])
+def test_gpu_new_kernel_matches_old_kernel_and_torch_llama8b(q_lens, kv_lens):
+    batch = _llama8b_batch(q_lens, kv_lens, seed=len(q_lens))
+    t = batch["q"].shape[0]
+    new = _dense_extend(batch, config=None, tail_rows=5)  # the shipped default config for head_dim 128
+    old, _, _ = run_attention(batch, "triton", decode=False, scale=SCALE)
+    ref = _oracle(batch)
+    assert not new[:t].isnan().any() and new[t:].isnan().all()
+    torch.testing.assert_close(new[:t].float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(new[:t].float(), old.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_float32_fits_and_matches_torch(head_dim):
+    """float32 tiles are twice the bytes: the default configs must shrink to fit shared memory."""
+    batch = _batch([300, 1, 129, 64], [300, 1500, 129, 2000], "cuda", page_size=16, num_kv_heads=2, group=4,
+                   head_dim=head_dim, seed=head_dim, pad_rows=1)
+    _assert_matches_oracle(batch, _dense_extend(batch, config=None), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_new_kernel_replays_under_cuda_graph_with_other_lengths(monkeypatch):
+    """The grid depends on shapes only: a graph captured on one batch replays right on another batch
+    of the same token count and request count (different q_lens, prefixes, pages)."""
+    monkeypatch.setattr(ta, "FAST_EXTEND_HEAD_DIMS", frozenset({128}))
+    first = _llama8b_batch([200, 56], [200, 500], seed=1)  # same T, B and page-table width as second
+    second = _llama8b_batch([17, 239], [500, 239], seed=2)
+    live = {n: first[n].clone() for n in ("q", "k", "v", "page_table", "seq_lens", "qo_indptr", "write_loc")}
+    pages = max(first["k_cache"].shape[0], second["k_cache"].shape[0])
+    k_cache = torch.zeros(pages, *first["k_cache"].shape[1:], dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    out = torch.empty_like(live["q"])
+
+    def call():
+        torch.ops.tscompile.attention(live["q"], live["k"], live["v"], k_cache, v_cache, out, live["page_table"],
+                                      live["seq_lens"], live["qo_indptr"], live["write_loc"], SCALE, False, "triton")
+
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for batch in (first, second):
+        for n in live:
+            assert batch[n].shape == live[n].shape, f"{n}: the replayed batch must keep the captured shapes"
+            live[n].copy_(batch[n])
+        k_cache[: batch["k_cache"].shape[0]].copy_(batch["k_cache"])
+        v_cache[: batch["v_cache"].shape[0]].copy_(batch["v_cache"])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), _oracle(batch).float(), atol=2e-2, rtol=2e-2)
+
+
+# -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
+
+
+def test_extend_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
+    """scripts/extend_sweep.py end to end with tiny shapes, one config per grid and a stand-in timer
+    (CUDA-graph timing needs a GPU): both kernels run on the same data, every new config's output is
+    compared with the old kernel's, a config that is off is reported and never picked."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "extend_sweep.py"
+    spec = importlib.util.spec_from_file_location("extend_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    good, wrong = (16, 16, 4, 1), (32, 16, 4, 1)
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "SHAPES", {"tiny": (4, 2, 16)})
+    monkeypatch.setattr(sweep, "WORKLOADS", {"1x2048": [12], "32x512": [5, 5], "1x512": [3]})
+    monkeypatch.setattr(sweep, "TARGET_TFLOPS", {"tiny": 1})
+    monkeypatch.setattr(sweep, "OLD_GRID", {16: [good]})
+    monkeypatch.setattr(sweep, "NEW_GRID", {16: [good, wrong]})
+    monkeypatch.setattr(te, "EXTEND_DENSE_CONFIGS", {**te.EXTEND_DENSE_CONFIGS, 16: good})
+    real_run_new = sweep.run_new
+
+    def run_new(a, out, cfg):  # the "wrong" config scales its output: the diff check must catch it
+        real_run_new(a, out, cfg)
+        if cfg == wrong:
+            out.mul_(2.0)
+
+    monkeypatch.setattr(sweep, "run_new", run_new)
+    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), 1e-3)[1])
+    sweep.main(str(tmp_path / "sweep.json"))
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(result["rows"]) == 3
+    for row in result["rows"]:
+        assert row["new"]["16,16,4,1"]["max_diff_vs_old"] < 2e-2  # bf16 in, both kernels agree
+        assert row["new"]["32,16,4,1"]["max_diff_vs_old"] > sweep.MAX_DIFF
+        assert row["old_vs_sdpa_max_diff"] < 2e-2
+        assert set(row["old"]) == {"16,16,4,1", ",".join(map(str, ta.EXTEND_CONFIGS[16]))}
+    assert result["summary"]["tiny"]["new_best_overall"] == list(good)
