@@ -325,14 +325,20 @@ def test_whole_step_buffers_never_move_and_padded_token_rows_write_the_null_slot
     params = SamplingParams(max_new_tokens=1)
     ids(whole_llm.generate([[5, 6, 7], [8, 9]], params))  # 5 tokens, 2 requests -> bucket (8, 2)
     ids(whole_llm.generate([[1, 2, 3, 4, 5, 6], [7]], params))  # 7 tokens, 2 requests: the same bucket
-    ids(whole_llm.generate([[4, 4, 4]], params))  # (4, 1)
+    # one request pads to the smallest request bucket, 2 (a bucket of 1 would specialize the graph)
+    ids(whole_llm.generate([[4, 4, 4]], params))  # (4, 2)
     (s1, p1, _), (s2, p2, t2), (s3, _, t3) = staged
-    assert s1 == s2 == (8, 2) and s3 == (4, 1) and p1 == p2
+    assert s1 == s2 == (8, 2) and s3 == (4, 2) and p1 == p2
     ids_, pos, logits_rows, qo, completes, pages, seq_lens, gqo, slots = t2
     assert ids_.tolist() == [1, 2, 3, 4, 5, 6, 7, 0] and pos.tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
     assert logits_rows.tolist() == [5, 6] and qo.tolist() == gqo.tolist() == [0, 6, 7]
     assert slots[7].item() == 0 and (slots[:7] > 0).all()
-    assert t3[5].shape[0] == 1 and t3[8].tolist()[3] == 0
+    # the padded request: an empty query range, KV length 0, the null page only, logits row 0
+    ids_, pos, logits_rows, qo, completes, pages, seq_lens, gqo, slots = t3
+    assert pages.shape[0] == 2 and pages[0].any() and not pages[1].any()
+    assert qo.tolist() == gqo.tolist() == [0, 3, 3] and seq_lens.tolist() == [3, 0]
+    assert logits_rows.tolist() == [2, 0] and completes.tolist() == [True, False]
+    assert slots[3].item() == 0 and (slots[:3] > 0).all()
 
 
 def test_whole_step_pads_request_rows_with_empty_ranges_and_the_null_page(whole_llm, monkeypatch):

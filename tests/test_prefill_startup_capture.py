@@ -101,9 +101,11 @@ def test_whole_step_keys_make_one_plan_per_token_and_request_bucket_and_mode():
     plans = startup_plans(llm.runner, llm.scheduler)
     keys = [k for p in plans for k in llm.runner.prefill_graph_keys(p)]
     assert len(keys) == len(set(keys)) == len(plans)  # each plan captures one graph no other does
-    expected = {(t, r, True, mode) for t in (4, 8, 16) for r in (1, 2, 4) for mode in (ForwardMode.EXTEND,
-                                                                                       ForwardMode.MIXED)
-                if not (r == 1 and mode is ForwardMode.MIXED)}
+    # no request bucket of 1 (it would specialize the graph): a one-request step pads to 2, a bucket
+    # the mixed steps of 2 requests reach too
+    assert llm.runner.prefill_request_ladder == (2, 4)
+    expected = {(t, r, True, mode) for t in (4, 8, 16) for r in (2, 4) for mode in (ForwardMode.EXTEND,
+                                                                                    ForwardMode.MIXED)}
     assert {k[1:] for k in keys} == expected
 
 

@@ -16,14 +16,27 @@ Dynamo specializes on more than the sizes a step asks for. The causes met, and t
   marked unbacked (``mark_extend_request_dims``). The token count is not marked: prefill graphs
   pad it to a bucket of at least 16, and an unbacked token count would hide the GEMMs' sizes from
   Inductor's kernel choice.
+- Dynamo asserts at run time that each unbacked size is at least 0, at the top of its graph: the
+  request counts would become inputs of the first compiled prefill piece, whose graphs are keyed
+  by their inputs' sizes, so a step of 3 requests in the request bucket 4 captured anew after
+  start-up (and a piece would capture once per request count). The extend step's backend drops
+  these asserts on input sizes (``drop_input_size_asserts``): a tensor's size is never negative.
 - EXTEND and MIXED steps read one graph: the forward context hands layers ``attention_mode``, a
   field, so Dynamo guards on EXTEND's identity and not on the step's mode.
 """
 
 from __future__ import annotations
 
-import torch
+import functools
+import operator
+from typing import Callable
 
+import torch
+import torch.fx
+
+from tscompile.backend import compile_graph, own_code, tracing_config
+from tscompile.config import TscompileConfig
+from tscompile.piece_compiler import PieceWrappers
 from tscompile.sampling import SamplingBuffers, SamplingInputs
 
 
@@ -34,7 +47,6 @@ class SpareRowSampling(SamplingBuffers):
     def __init__(self, inputs: SamplingInputs):
         super().__init__(inputs)
         self.tokens = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=inputs.seeds.device)
-
 
 
 def mark_extend_request_dims(leaves, completes: torch.Tensor | None) -> None:
@@ -59,3 +71,49 @@ def min_logits_rows(max_num_seqs: int) -> int:
     """The fewest logits rows an extend/mixed step samples (rows past its requests are padding):
     two, so no step's row count is specialized to 1 (an engine of one sequence has only that size)."""
     return min(2, max_num_seqs)
+
+
+def _is_input_size_lower_bound(node: torch.fx.Node) -> bool:
+    """``_assert_scalar(s >= 0)`` where ``s`` is a SymInt graph input (a size, stride or storage offset
+    of an input tensor: never negative, so the assert can never fail)."""
+    if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:
+        return False
+    cond = node.args[0]
+    if not isinstance(cond, torch.fx.Node) or cond.op != "call_function" or cond.target is not operator.ge:
+        return False
+    sym, bound = cond.args
+    return (isinstance(sym, torch.fx.Node) and sym.op == "placeholder" and bound == 0
+            and isinstance(sym.meta.get("example_value"), torch.SymInt))
+
+
+def drop_input_size_asserts(gm: torch.fx.GraphModule) -> int:
+    """Remove the runtime asserts that an input size is at least 0 from ``gm`` (in place), so the
+    sizes they read stop being inputs of the piece they land in; returns how many were removed."""
+    dropped = [n for n in gm.graph.nodes if _is_input_size_lower_bound(n)]
+    for node in dropped:
+        cond = node.args[0]
+        gm.graph.erase_node(node)
+        if not cond.users:
+            gm.graph.erase_node(cond)
+    if dropped:
+        gm.recompile()
+    return len(dropped)
+
+
+def compile_extend_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers | None) -> Callable:
+    """``backend.compile_step`` whose backend first drops the input-size asserts (why: the module
+    docstring); ``__wrapped__`` is the traced function, whose code object holds the compiled entries."""
+    fn = own_code(fn)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        drop_input_size_asserts(gm)
+        return compile_graph(gm, example_inputs, config, wrappers)
+
+    compiled = torch.compile(fn, backend=backend, dynamic=True)
+
+    @functools.wraps(fn)
+    def run(*args):
+        with tracing_config():
+            return compiled(*args)
+
+    return run
