@@ -1,6 +1,8 @@
 """How many times Dynamo compiles each engine step: the decode step twice (a static bs=1 graph and one
 dynamic graph for every other batch size), the extend step once (every request count, extend and
-mixed), and the tokens those graphs sample equal the eager engine's.
+mixed), and the tokens those graphs sample equal the eager engine's. Also that the extend step's
+backend drops only Dynamo's runtime asserts that an input size is not negative (they made the request
+counts inputs of the first prefill piece, which would capture once per count).
 
 The order of the start-up on CUDA is replayed on the CPU: the decode ladder's "captures" largest
 first (the top size fills the sampled-token buffer) and outside the runner's ``launch`` (grad mode
@@ -12,6 +14,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entrie
 
 from tscompile import SamplingParams
 from tscompile.forward_context import ForwardMode
+from tscompile.runtime.dynamic_sizes import drop_input_size_asserts
 
 from helpers import ids, record_modes, small_llm
 
@@ -61,3 +64,31 @@ def test_decode_compiles_twice_and_extend_once_with_eager_tokens(piece_compiler)
     assert tokens == run_workload(eager)
     assert compiles(runner.decode_step) == 2
     assert compiles(runner.extend_step) == 1
+
+
+def test_the_extend_backend_drops_only_the_asserts_that_an_input_size_is_not_negative():
+    def asserts(gm):
+        return [str(n.args[1]) for n in gm.graph.nodes if n.target is torch.ops.aten._assert_scalar.default]
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        before = asserts(gm)
+        dropped = drop_input_size_asserts(gm)
+        read = {p.name for p in gm.graph.find_nodes(op="placeholder") if p.users}
+        seen.append((before, dropped, asserts(gm), read))
+        return gm.forward
+
+    def f(x, y):
+        torch._check(y.shape[0] >= 2)  # a check of the code's own: it stays
+        return x * 2, y.sum()
+
+    x, y = torch.randn(5), torch.randn(3)
+    for t in (x, y):
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    doubled, total = torch.compile(f, backend=capture, dynamic=True)(x, y)
+    assert torch.equal(doubled, x * 2) and torch.allclose(total, y.sum())
+    [(before, dropped, after, read)] = seen
+    assert len(before) == 2 and any(">= 0" in a for a in before)  # Dynamo's own, for x's size
+    assert dropped == 1 and len(after) == 1 and ">= 2" in after[0]
+    assert len([r for r in read if r.startswith("u")]) == 1  # x's size is read by nothing any more
