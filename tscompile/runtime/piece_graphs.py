@@ -26,8 +26,8 @@ All prefill pieces share one pool; that is safe because every tensor handed from
 next is held by its capture entry (never reused by a later capture), and an intermediate a piece
 frees may be reused only by captures whose replays do not overlap it in time.
 
-Memory: each capture keeps its outputs, per piece, bucket and Dynamo variant (greedy or sampled,
-extend or mixed); they are allocated lazily, after the KV pool was sized.
+Memory: each capture keeps its outputs, per piece, bucket and Dynamo variant (greedy or sampled;
+for the narrowing model also extend or mixed); they are allocated lazily, after the KV pool was sized.
 """
 
 from __future__ import annotations
