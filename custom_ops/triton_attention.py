@@ -333,6 +333,30 @@ EXTEND_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 
 
 @triton.jit
+def _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs, max_kv,
+                  BLOCK_M: tl.constexpr, REQS_PAD: tl.constexpr):
+    """Program ``tile``'s (request b, query block mb, q_start, q_len, prefix), from qo_indptr alone:
+    the requests' query blocks are numbered one after another, request b owning blocks
+    [ends[b] - blocks[b], ends[b]), each request's from its last (longest causal) block down. A
+    program past the last block gets q_len 0. prefix = the positions cached before this forward."""
+    reqs = tl.arange(0, REQS_PAD)
+    in_batch = reqs < num_reqs
+    lens = (tl.load(qo_indptr_ptr + reqs + 1, mask=in_batch, other=0)
+            - tl.load(qo_indptr_ptr + reqs, mask=in_batch, other=0))
+    blocks = tl.where(in_batch, (lens + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(blocks, 0)
+    b = tl.sum((ends <= tile).to(tl.int32), 0)
+    has_work = b < num_reqs
+    b = tl.minimum(b, num_reqs - 1)
+    first = tl.sum(tl.where(reqs < b, blocks, 0), 0)
+    mb = tl.sum(tl.where(reqs == b, blocks, 0), 0) - 1 - (tile - first)
+    q_start = tl.load(qo_indptr_ptr + b)
+    q_len = tl.where(has_work, tl.load(qo_indptr_ptr + b + 1) - q_start, 0)
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)
+    return b, mb, q_start, q_len, kv_len - q_len
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, seq_lens_ptr, qo_indptr_ptr,
     scale_log2,
@@ -362,23 +386,8 @@ def _extend_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
 
-    # This program's (request, query block), from qo_indptr alone.
-    reqs = tl.arange(0, REQS_PAD)
-    in_batch = reqs < num_reqs
-    lens = tl.load(qo_indptr_ptr + reqs + 1, mask=in_batch, other=0) - tl.load(qo_indptr_ptr + reqs, mask=in_batch,
-                                                                                other=0)
-    blocks = tl.where(in_batch, (lens + BLOCK_M - 1) // BLOCK_M, 0)
-    ends = tl.cumsum(blocks, 0)
-    b = tl.sum((ends <= tile).to(tl.int32), 0)
-    has_work = b < num_reqs
-    b = tl.minimum(b, num_reqs - 1)
-    first = tl.sum(tl.where(reqs < b, blocks, 0), 0)
-    mb = tl.sum(tl.where(reqs == b, blocks, 0), 0) - 1 - (tile - first)
-
-    q_start = tl.load(qo_indptr_ptr + b)
-    q_len = tl.where(has_work, tl.load(qo_indptr_ptr + b + 1) - q_start, 0)
-    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)
-    prefix = kv_len - q_len  # positions already cached before this forward
+    b, mb, q_start, q_len, prefix = _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs, max_kv,
+                                                  BLOCK_M, REQS_PAD)
 
     r = tl.arange(0, ROWS)
     q_lo = mb * BLOCK_M
@@ -398,7 +407,7 @@ def _extend_kernel(
     # every row sees [0, prefix + q_lo), of which the whole tiles need no mask.
     busy = (q_lo < q_len) & (q_lo >= 0)
     hi = tl.where(busy, prefix + tl.minimum(q_lo + BLOCK_M, q_len), 0)
-    hi = tl.maximum(tl.minimum(hi, kv_len), 0)
+    hi = tl.maximum(tl.minimum(hi, prefix + q_len), 0)  # prefix + q_len: the KV length
     bulk = tl.where(busy, (prefix + q_lo) // BLOCK_N * BLOCK_N, 0)
 
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from tscompile.custom_ops.triton_attention import (
-    _attend_paged_tile, _dot_fp32, _dot_precision, _next_pow2, check_supported, register_dense_extend,
+    _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, check_supported, register_dense_extend,
 )
 
 LOG2_E = 1.4426950408889634
@@ -117,24 +117,9 @@ def _extend_dense_kernel(
     tile = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
 
-    # This program's (request b, query block mb), from qo_indptr alone: request b owns blocks
-    # [ends[b] - blocks[b], ends[b]), numbered from its last (longest causal) block down.
-    reqs = tl.arange(0, REQS_PAD)
-    in_batch = reqs < num_reqs
-    lens = (tl.load(qo_indptr_ptr + reqs + 1, mask=in_batch, other=0)
-            - tl.load(qo_indptr_ptr + reqs, mask=in_batch, other=0))
-    blocks = tl.where(in_batch, (lens + BLOCK_M - 1) // BLOCK_M, 0)
-    ends = tl.cumsum(blocks, 0)
-    b = tl.sum((ends <= tile).to(tl.int32), 0)
-    has_work = b < num_reqs
-    b = tl.minimum(b, num_reqs - 1)
-    first = tl.sum(tl.where(reqs < b, blocks, 0), 0)
-    mb = tl.sum(tl.where(reqs == b, blocks, 0), 0) - 1 - (tile - first)
-
-    q_start = tl.load(qo_indptr_ptr + b)
-    q_len = tl.where(has_work, tl.load(qo_indptr_ptr + b + 1) - q_start, 0)
-    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)
-    prefix = kv_len - q_len  # cached positions; < 0 only when seq_len < q_len (a padded request)
+    # prefix < 0 only when seq_len < q_len (a padded request)
+    b, mb, q_start, q_len, prefix = _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs, max_kv,
+                                                  BLOCK_M, REQS_PAD)
 
     q_lo = mb * BLOCK_M
     busy = (q_lo < q_len) & (q_lo >= 0)

@@ -93,12 +93,19 @@ def own_code(fn: Callable) -> Callable:
     return types.MethodType(clone, owner) if owner is not None else clone
 
 
-def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers | None = None) -> Callable:
+def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers | None = None,
+                 graph_pass: Callable[[torch.fx.GraphModule], object] | None = None) -> Callable:
     """``torch.compile`` ``fn`` with this backend (dynamic sizes), traced under ``tracing_config``;
-    ``fn`` gets a code object of its own (``own_code``)."""
+    ``fn`` gets a code object of its own (``own_code``). ``graph_pass`` edits Dynamo's graph in place
+    before the split."""
     fn = own_code(fn)
-    compiled = torch.compile(fn, backend=functools.partial(compile_graph, config=config, wrappers=wrappers),
-                             dynamic=True)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        if graph_pass is not None:
+            graph_pass(gm)
+        return compile_graph(gm, example_inputs, config, wrappers)
+
+    compiled = torch.compile(fn, backend=backend, dynamic=True)
 
     @functools.wraps(fn)
     def run(*args):

@@ -27,16 +27,11 @@ Dynamo specializes on more than the sizes a step asks for. The causes met, and t
 
 from __future__ import annotations
 
-import functools
 import operator
-from typing import Callable
 
 import torch
 import torch.fx
 
-from tscompile.backend import compile_graph, own_code, tracing_config
-from tscompile.config import TscompileConfig
-from tscompile.piece_compiler import PieceWrappers
 from tscompile.sampling import SamplingBuffers, SamplingInputs
 
 
@@ -98,22 +93,3 @@ def drop_input_size_asserts(gm: torch.fx.GraphModule) -> int:
     if dropped:
         gm.recompile()
     return len(dropped)
-
-
-def compile_extend_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers | None) -> Callable:
-    """``backend.compile_step`` whose backend first drops the input-size asserts (why: the module
-    docstring); ``__wrapped__`` is the traced function, whose code object holds the compiled entries."""
-    fn = own_code(fn)
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        drop_input_size_asserts(gm)
-        return compile_graph(gm, example_inputs, config, wrappers)
-
-    compiled = torch.compile(fn, backend=backend, dynamic=True)
-
-    @functools.wraps(fn)
-    def run(*args):
-        with tracing_config():
-            return compiled(*args)
-
-    return run

@@ -41,7 +41,7 @@ from tscompile.counters import counters
 from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
 from tscompile.models.llama import Transformer
 from tscompile.runtime.decode_graphs import DecodeGraphRunner
-from tscompile.runtime.dynamic_sizes import (SpareRowSampling, compile_extend_step, mark_extend_request_dims,
+from tscompile.runtime.dynamic_sizes import (SpareRowSampling, drop_input_size_asserts, mark_extend_request_dims,
                                              min_logits_rows)
 from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRuntime, PrefillBuckets
 from tscompile.runtime.prefill_capture import request_ladder
@@ -127,8 +127,9 @@ class ModelRunner:
                             static_inductor_options=decode_static_inductor_options(compile_config, device))
             self.decode_step = compile_step(self._decode_forward, whole)
             wrappers = PIECE_GRAPH_WRAPPERS if compile_config.cudagraphs else None
-            # not compile_step: the first prefill piece must not read the request counts (dynamic_sizes.py)
-            self.extend_step = compile_extend_step(self._extend_forward, compile_config, wrappers)
+            # the first prefill piece must not read the request counts (dynamic_sizes.py)
+            self.extend_step = compile_step(self._extend_forward, compile_config, wrappers,
+                                            graph_pass=drop_input_size_asserts)
         graphs_on = compile_config is not None and compile_config.cudagraphs and device.type == "cuda"
         self.decode_graphs: DecodeGraphRunner | None = None
         if graphs_on and graph_support.support.decode_graph:
