@@ -9,7 +9,10 @@
 #                  64, prefill 32 and 2048, with kernel tables (FlashInfer's libraries already built)
 #   bench:M:MODES  the bench of M, MODES comma-separated (e.g. compile-reduce-overhead,compile-reduce-overhead-tuned),
 #                  bs 1 8 32 64, prefill 32 and 2048, 5 iterations, kernel tables -> $OUT/bench_M_MODES.{json,md}
-#   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b)
+#   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
+#                  exported package is kept as /tmp/pkg_M.pt2
+#   pkgbench:M     tscompile bench of that package (package mode) beside tscompile-triton
+#   py:PATH        python3 PATH, its output in $OUT/<name>.log
 #   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
 #   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
 #   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
@@ -89,9 +92,18 @@ run_job() {  # lane job
     startup:*)
       local spec=${job#startup:}; local model=${spec%%:*} skip=""
       [ "$spec" != "$model" ] && skip=${spec#*:}
-      timeout $left python3 scripts/startup.py --model $model ${skip:+--skip ${skip//,/ }} \
+      timeout $left python3 scripts/startup.py --model $model ${skip:+--skip ${skip//,/ }} --keep-package /tmp/pkg_$model.pt2 \
         --output-json "$OUT/startup_$model.json" --output-md "$OUT/startup_$model.md" 2> "$OUT/startup_$model.log"
       echo "rc=$?"; cat "$OUT/startup_$model.md" ;;
+    pkgbench:*)  # the package startup:M kept, beside the engine (prompt + output within its 2048 limit)
+      local model=${job#pkgbench:}
+      timeout $left tscompile bench --model $model --modes tscompile-triton package --package /tmp/pkg_$model.pt2 \
+        --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 512 --num-iters 5 --num-iters-warmup 1 \
+        --output-json "$OUT/pkgbench_$model.json" --output-md "$OUT/pkgbench_$model.md" --no-progress \
+        2> "$OUT/pkgbench_$model.log"; echo "rc=$?"; cat "$OUT/pkgbench_$model.md" ;;
+    py:*)  # py:scripts/NAME.py: its output in $OUT/NAME.log
+      local script=${job#py:}; local name; name=$(basename "$script" .py)
+      timeout $left python3 "$script" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/$name.log" | tail -30 ;;
     hfbench|hfbench:*)
       local parts=${job#hfbench}; parts=${parts#:}; parts=${parts:-forward generate}; local tag=${parts// /_}
       timeout $left tscompile bench --hf-model llama-1b --device cuda --dtype bfloat16 --hf-lens 32 512 2048 \

@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-capture", default="lazy", choices=("lazy", "startup"),
                    help="when the engine captures its prefill graphs (compile option prefill_capture)")
     p.add_argument("--package", default=None, help="measure this package (default: export one first)")
+    p.add_argument("--keep-package", default=None, metavar="PATH.pt2",
+                   help="export the package here and keep it (for `tscompile bench --package`)")
     p.add_argument("--weights", default="external", choices=("inside", "external"), help="of the exported package")
     p.add_argument("--skip", nargs="*", default=[], choices=("cold", "warm", "package"))
     p.add_argument("--output-json", default=None)
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 _write(result, args)  # after every start: a deadline keeps what was measured
         if "package" not in args.skip:
             if args.package is None:
-                args.package = os.path.join(tmp, "startup.pt2")
+                args.package = args.keep_package or os.path.join(tmp, "startup.pt2")
                 result["export"] = _spawn("export", args, env)
             if not result.get("export", {}).get("error"):
                 result["starts"]["package"] = _spawn("package", args, env)
