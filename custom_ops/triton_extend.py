@@ -29,8 +29,8 @@ Contract kept from ``_extend_kernel`` (so the two are interchangeable inside a c
 Unlike ``_extend_kernel`` the grid is one-dimensional with the KV head varying fastest, so the
 longest blocks of every KV head are scheduled first rather than those of head 0 only.
 
-Not selected by default: ``triton_attention.FAST_EXTEND_HEAD_DIMS`` chooses, per head_dim, which
-extend kernel the op runs.
+``triton_attention.FAST_EXTEND_HEAD_DIMS`` chooses, per head_dim, which extend kernel the op runs:
+this one for the head dims measured faster on the H200 (64 and 128), the paged one elsewhere.
 """
 
 from __future__ import annotations
@@ -46,11 +46,31 @@ from tscompile.custom_ops.triton_attention import (
 LOG2_E = 1.4426950408889634
 
 # Launch configuration per head_dim: (tile rows = query positions x padded GQA group, keys per tile,
-# warps, software-pipeline stages). Proposed for Hopper and NOT yet measured: scripts/extend_sweep.py
-# times a grid of alternatives on the GPU; replace these with its per-head_dim best.
+# warps, software-pipeline stages). 64 and 128 are scripts/extend_sweep.py's picks on the H200 (bf16,
+# page 16; bench/results/prefill-extend/extend_sweep.json), the others are unmeasured proposals
+# (FAST_EXTEND_HEAD_DIMS does not select the dense kernel for them). head_dim 128 (llama-8b shape):
+# (64, 64, 4, 2) is the best or within 4% of it in every workload: 1x2048 100.8 us (341 TFLOP/s; old
+# kernel 133.7), 32x512 322 us (old 369), 1x512 14.9 us (old 17.4).
 EXTEND_DENSE_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3), 256: (64, 64, 8, 2),
+    16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 8, 3), 128: (64, 64, 4, 2), 256: (64, 64, 8, 2),
 }
+# head_dim 64 (llama-1b shape) has no one best: 128-row tiles with 4 warps run one long prompt at
+# 54.4 us (316 TFLOP/s; old kernel 80.7) but lose to the old kernel on one short prompt (12.7 vs 11.4
+# us), and 8 warps win with many prompts (32x512: 162 us, old 170). So the launch follows the step's
+# shape (static: padded token count and request count), see extend_shape.
+EXTEND_DENSE_SHAPE_CONFIGS: dict[tuple[int, str], tuple[int, int, int, int]] = {
+    (64, "short"): (64, 64, 4, 2),   # 1x512: 10.7 us (old 11.4)
+    (64, "long"): (128, 64, 4, 3),   # 1x2048: 54.4 us (old 80.7)
+}
+SHORT_STEP_TOKENS = 1024  # at most this many (padded) tokens: too few tiles to fill the GPU with big ones
+LONG_PROMPT_TOKENS = 1024  # tokens per request at least this: few long prompts
+
+
+def extend_shape(tokens: int, requests: int) -> str:
+    """"short", "long" (few long prompts) or "many" (many prompts) from the step's static sizes."""
+    if tokens <= SHORT_STEP_TOKENS:
+        return "short"
+    return "long" if tokens >= LONG_PROMPT_TOKENS * max(requests, 1) else "many"
 
 
 @triton.jit
@@ -191,14 +211,17 @@ def _check_config(config, head_dim: int) -> None:
         )
 
 
-def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: bool = False
-                        ) -> tuple[int, int, int, int]:
-    """(BLOCK_M query positions, BLOCK_N keys, warps, stages); ``config`` overrides the table.
+def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: bool = False,
+                        tokens: int = 0, requests: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M query positions, BLOCK_N keys, warps, stages); ``config`` overrides the tables, which
+    pick by head_dim and the step's shape (``extend_shape(tokens, requests)``).
 
     The configurations are sized for 16-bit tiles. ``four_byte`` (float32 q or K/V): halve both
     tile sides and keep at most 2 stages, so the doubled bytes still fit in shared memory (a 128 x
     128 tile at head_dim 128 with 3 stages would need ~450 KB in float32)."""
-    config = EXTEND_DENSE_CONFIGS[head_dim] if config is None else tuple(config)
+    if config is None:
+        config = EXTEND_DENSE_SHAPE_CONFIGS.get((head_dim, extend_shape(tokens, requests)), EXTEND_DENSE_CONFIGS[head_dim])
+    config = tuple(config)
     _check_config(config, head_dim)
     rows, block_n, warps, stages = config
     if four_byte:
@@ -225,7 +248,7 @@ def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr
     group = hq // hkv
     group_pad = _next_pow2(group)
     four_byte = max(t.element_size() for t in (q, k, v, k_cache, v_cache)) >= 4
-    block_m, block_n, warps, stages = extend_dense_config(d, group_pad, config, four_byte)
+    block_m, block_n, warps, stages = extend_dense_config(d, group_pad, config, four_byte, tokens=t, requests=b)
     # Every request's blocks fit in cdiv(T, BLOCK_M) + B blocks (T bounds the sum of q_lens).
     grid = ((triton.cdiv(t, block_m) + b) * hkv,)
     _extend_dense_kernel[grid](

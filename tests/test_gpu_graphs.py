@@ -187,9 +187,12 @@ def test_default_prefill_graph_mode_picks_whole_step_graphs_where_they_can_run(m
     llm = make(model, backend, compile_options=options, max_num_batched_tokens=64)
     assert (llm.runner.whole_prefill is not None) is whole
     assert (llm.runner.piece_graphs is not None) is not whole
-    prompts = PROMPTS[:4]
+    prompts = PROMPTS[:4]  # 74 tokens: chunked at 64
     params = SamplingParams(max_new_tokens=4)
-    expected = ids(make(model, backend, enforce_eager=True).generate(prompts, params))
+    # the reference chunks as the engine does: the narrowing model's decoder keeps the last row of an
+    # open chunk, so its tokens depend on the chunking (on the H200, narrow-tiny eager unchunked and
+    # eager chunked at 64 differ at request 3's third token, for the torch and Triton backends alike)
+    expected = ids(make(model, backend, enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params))
     counters.clear()
     assert ids(llm.generate(prompts, params)) == expected
     assert counters["prefill_graphed"] > 0

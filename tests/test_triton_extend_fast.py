@@ -145,13 +145,40 @@ def test_default_config_through_the_op(device, monkeypatch):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def test_old_kernel_stays_the_default(device, monkeypatch):
-    assert ta.FAST_EXTEND_HEAD_DIMS == frozenset()
+@pytest.mark.parametrize("head_dim, dense", [(64, True), (128, True), (16, False)])
+def test_the_op_runs_the_dense_kernel_only_for_the_head_dims_measured_faster(head_dim, dense, device, monkeypatch):
+    """Measured on the H200 (scripts/extend_sweep.py): the dense kernel for head_dim 64 and 128, the
+    paged one elsewhere; either way the op matches the torch impl."""
+    assert ta.FAST_EXTEND_HEAD_DIMS == frozenset({64, 128})
     assert ta._dense_extend is te.dense_extend  # importing triton_extend registered it
-    monkeypatch.setattr(ta, "_dense_extend", lambda *a, **kw: pytest.fail("dense_extend ran by default"))
-    batch = _batch([3], [3], device, page_size=16, num_kv_heads=1, group=1, head_dim=16, seed=1)
+    calls = []
+    real = te.dense_extend
+    monkeypatch.setattr(ta, "_dense_extend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    batch = _batch([3, 5], [3, 9], device, page_size=16, num_kv_heads=1, group=2, head_dim=head_dim, seed=head_dim)
     out, _, _ = run_attention(batch, "triton", decode=False, scale=SCALE)
+    assert bool(calls) is dense
     torch.testing.assert_close(out, _oracle(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_the_launch_follows_the_step_shape():
+    """head_dim 64: small tiles for a short step, 4-warp 128-row tiles for a few long prompts (a
+    whole-step graph pads one request to two), 8 warps for many prompts; head_dim 128: one config."""
+    assert [te.extend_shape(t, b) for t, b in [(512, 1), (1024, 1), (2048, 1), (2048, 2), (16384, 32), (4096, 8)]] \
+        == ["short", "short", "long", "long", "many", "many"]
+    pick = lambda d, t, b: te.extend_dense_config(d, 4, tokens=t, requests=b)  # noqa: E731  (GQA group 4)
+    assert pick(64, 512, 1) == (64 // 4, 64, 4, 2)
+    assert pick(64, 2048, 1) == (128 // 4, 64, 4, 3)
+    assert pick(64, 16384, 32) == (128 // 4, 64, 8, 3)
+    assert pick(128, 512, 1) == pick(128, 2048, 1) == pick(128, 16384, 32) == (64 // 4, 64, 4, 2)
+    assert te.extend_dense_config(64, 4, (16, 16, 4, 1), tokens=2048) == (4, 16, 4, 1)  # an explicit config wins
+
+
+@pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3)])
+def test_the_shipped_head_dim_64_configs_match_torch(config, device):
+    """The tile shapes the launch picks for llama-1b's head_dim (GQA group 4), on a ragged batch
+    with and without cached prefixes (one prompt longer than a 128-row tile's 32 positions)."""
+    batch = _batch([40, 3, 9], [40, 20, 9], device, page_size=16, num_kv_heads=2, group=4, head_dim=64, seed=11)
+    _assert_matches_oracle(batch, _dense_extend(batch, config=config))
 
 
 @pytest.mark.parametrize("config", [(24, 16, 4, 1), (16, 8, 4, 1), (16, 16, 3, 1), (16, 16, 4, 0)])
