@@ -56,13 +56,14 @@ def test_decode_compiles_twice_and_extend_once_with_eager_tokens(piece_compiler)
     llm = small_llm(compile_options={"piece_compiler": piece_compiler}, **kw)
     start_up_like_cuda(llm)
     runner = llm.runner
-    assert compiles(runner.decode_step) == 2  # the top size's dynamic graph and bs=1's static one
+    # the top size's dynamic graph, and bs=1's static one (a step of its own)
+    assert compiles(runner.decode_step) == 1 and compiles(runner.decode_step_one) == 1
     assert compiles(runner.extend_step) == 0
     modes = record_modes(llm)
     tokens = run_workload(llm)
     assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)
     assert tokens == run_workload(eager)
-    assert compiles(runner.decode_step) == 2
+    assert compiles(runner.decode_step) == 1 and compiles(runner.decode_step_one) == 1
     assert compiles(runner.extend_step) == 1
 
 
@@ -92,3 +93,28 @@ def test_the_extend_backend_drops_only_the_asserts_that_an_input_size_is_not_neg
     assert len(before) == 2 and any(">= 0" in a for a in before)  # Dynamo's own, for x's size
     assert dropped == 1 and len(after) == 1 and ">= 2" in after[0]
     assert len([r for r in read if r.startswith("u")]) == 1  # x's size is read by nothing any more
+
+
+def test_only_the_bs1_decode_graph_gets_the_static_inductor_options(monkeypatch):
+    """The bs=1 decode step compiles with every size static, so ``static_inductor_options`` (on CUDA:
+    coordinate-descent tuning, which turns its one-row matmuls into GEMV reductions) reach it; the
+    dynamic decode graph and the extend graph do not get them."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        if config_patches:  # compile_fx re-enters itself without patches once they are applied
+            seen.append(dict(config_patches))
+        return real(gm, inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    llm = small_llm(dtype=torch.float32, max_num_seqs=MAX_NUM_SEQS, max_model_len=64,
+                    compile_options={"static_inductor_options": {"epilogue_fusion": False}})
+    start_up_like_cuda(llm)  # sizes 4, 2, 1: the dynamic graph first, then bs=1's
+    assert len(seen) == 2
+    assert "epilogue_fusion" not in seen[0] and seen[1]["epilogue_fusion"] is False
+    seen.clear()
+    llm.generate([[4, 8, 15]], SamplingParams(max_new_tokens=2))  # the extend graph's pieces
+    assert seen and all("epilogue_fusion" not in p for p in seen)

@@ -118,6 +118,33 @@ def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
         _decode_once(llm, reqs, graphed=True)
 
 
+def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas():
+    """The bs=1 decode graph is compiled static with coordinate-descent tuning: Inductor lowers its
+    one-row matmuls to its own reductions, so no cuBLAS kernel runs; the dynamic graph (bs=2) calls
+    cuBLAS (which proves the check can see a cuBLAS kernel). Tokens as eager's."""
+    import re
+
+    cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
+    params = SamplingParams(max_new_tokens=4)
+    eager = ids(make(enforce_eager=True).generate(PROMPTS[:1], params))
+    llm = make(tuned=True, compile_options={"decode_ladder": (1, 2)})
+    assert ids(llm.generate(PROMPTS[:1], params)) == eager
+    runner = llm.runner
+
+    def kernels(bs):
+        runner._prepare_decode_capture(bs)
+        runner._run_decode(bs, True)  # compiled already: no graph, so the profiler sees each kernel
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            runner._run_decode(bs, True)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    one, two = kernels(1), kernels(2)
+    assert one and not [k for k in one if cublas.search(k)], one
+    assert [k for k in two if cublas.search(k)], two
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 def test_compiled_graphs_equal_enforce_eager_tokens(model):
     params = SamplingParams(max_new_tokens=8)

@@ -94,10 +94,10 @@ def own_code(fn: Callable) -> Callable:
 
 
 def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers | None = None,
-                 graph_pass: Callable[[torch.fx.GraphModule], object] | None = None) -> Callable:
-    """``torch.compile`` ``fn`` with this backend (dynamic sizes), traced under ``tracing_config``;
-    ``fn`` gets a code object of its own (``own_code``). ``graph_pass`` edits Dynamo's graph in place
-    before the split."""
+                 graph_pass: Callable[[torch.fx.GraphModule], object] | None = None, dynamic: bool = True) -> Callable:
+    """``torch.compile`` ``fn`` with this backend, traced under ``tracing_config``; ``fn`` gets a code
+    object of its own (``own_code``). ``graph_pass`` edits Dynamo's graph in place before the split.
+    ``dynamic=False``: every size static, so the graph gets ``static_inductor_options`` too."""
     fn = own_code(fn)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -105,7 +105,7 @@ def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers 
             graph_pass(gm)
         return compile_graph(gm, example_inputs, config, wrappers)
 
-    compiled = torch.compile(fn, backend=backend, dynamic=True)
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
 
     @functools.wraps(fn)
     def run(*args):

@@ -121,11 +121,17 @@ class ModelRunner:
         self._said_above_ladder = False
         if compile_config is None:
             self.decode_step: StepFn = self._decode_forward
+            self.decode_step_one: StepFn = self._decode_forward
             self.extend_step: StepFn = self._extend_forward
         else:
             whole = replace(compile_config, split_ops=(), split_sdpa=False, split_narrowing=False,
                             static_inductor_options=decode_static_inductor_options(compile_config, device))
             self.decode_step = compile_step(self._decode_forward, whole)
+            # bs=1 apart, compiled with every size static: only a static graph gets the static
+            # options (Inductor then turns the one-row matmuls into GEMV reductions). Through the
+            # dynamic step, a bs=1 call recompiles too (Dynamo specializes a size of 1), but that
+            # graph keeps the pool's and page table's sizes symbolic, so it never counted as static.
+            self.decode_step_one = compile_step(self._decode_forward, whole, dynamic=False)
             wrappers = PIECE_GRAPH_WRAPPERS if compile_config.cudagraphs else None
             # the first prefill piece must not read the request counts (dynamic_sizes.py)
             self.extend_step = compile_step(self._extend_forward, compile_config, wrappers,
@@ -341,7 +347,8 @@ class ModelRunner:
         st = self.staging
         ctx = ForwardContext(ForwardMode.DECODE, self.attention, self.decode_logits_rows[:bs])
         with forward_context(ctx):
-            self._timed(self.decode_step, st.input_ids[:bs], st.prev_rows[:bs], st.positions[:bs], greedy)
+            step = self.decode_step_one if bs == 1 else self.decode_step
+            self._timed(step, st.input_ids[:bs], st.prev_rows[:bs], st.positions[:bs], greedy)
 
     def _prepare_decode_capture(self, bs: int) -> None:
         """Before a capture: the idle refresh, and every static input of ``bs`` rows a padding row."""
