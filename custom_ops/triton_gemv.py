@@ -1,0 +1,254 @@
+"""Skinny matmul for decode: ``out[M, N] = x[M, K] @ w[N, K].T`` with M = 1..16 rows.
+
+At decode batch sizes a projection reads its whole weight to produce a handful of rows, so the
+time is the weight's bytes over the memory bandwidth; cuBLAS's kernels for the small llama
+projections reach well under copy bandwidth. This kernel is built to stream ``w`` as nn.Linear
+stores it ([N, K], K contiguous):
+
+    - each program owns BLOCK_N output columns (rows of ``w``) and walks K in BLOCK_K chunks, so
+      every load of ``w`` is BLOCK_N contiguous row segments (coalesced, 16-byte vectors);
+    - the M rows of ``x`` for the chunk are loaded next to it and kept in registers; ``x`` is
+      tiny and re-read by every program from L2, never from DRAM twice;
+    - two ways to form the products, chosen by the config's mode:
+        "fma": broadcast products on the CUDA cores, reduced along K per chunk; nothing is padded
+               beyond the next power of two of M;
+        "dot": ``tl.dot(w_tile, x_tile.T)`` with M padded to 16, i.e. the weight tile is the wide
+               operand of the tensor-core product ("swap AB"), which keeps the accumulator at
+               [BLOCK_N, 16] and lets Triton pipeline the weight tiles through shared memory;
+    - optional split-K: SPLIT_K programs per column block each cover one K range and write a
+      float32 partial; a second small kernel sums the partials in a fixed order and casts. Plain
+      stores instead of atomics keep the result deterministic and need no zeroed buffer.
+
+Graph-safe: the grid and the split layout come from shapes only, nothing reads device memory on
+the host, and the partial buffer is an ordinary allocation (from the graph's pool when captured).
+Accumulation is float32 for every input dtype; float32 inputs use IEEE products.
+
+Not wired into the model: ``scripts/gemv_sweep.py`` times it against cuBLAS first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2
+
+MAX_ROWS = 16  # beyond this the rows no longer fit the register/16-row-dot design; use a GEMM
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MODES = ("fma", "dot")
+
+# Programs the automatic split-K aims for: about four per SM of an H200 (132 SMs), enough
+# column-block x K-range programs in flight to saturate HBM when N alone gives too few.
+TARGET_PROGRAMS = 528
+
+# Tile per padded row count: (BLOCK_N, BLOCK_K, num_warps, num_stages, mode). Proposed, NOT
+# measured: scripts/gemv_sweep.py times alternatives on the GPU; replace these with its results.
+# Few rows: CUDA-core products on narrow column blocks (many programs, long contiguous K
+# segments). More rows: the products grow with M, so hand them to the tensor cores.
+DEFAULT_TILES: dict[int, tuple[int, int, int, int, str]] = {
+    1: (8, 512, 4, 2, "fma"), 2: (8, 512, 4, 2, "fma"), 4: (16, 256, 4, 2, "fma"),
+    8: (64, 128, 4, 4, "dot"), 16: (64, 128, 4, 4, "dot"),
+}
+# Full configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, mode) for one weight shape
+# (N, K), taking precedence over DEFAULT_TILES and the automatic split; filled from the sweep.
+SHAPE_CONFIGS: dict[tuple[int, int], tuple] = {}
+
+
+# M is not specialised: M == 1 would otherwise compile its own variant of every "dot" config
+# (which pads M to 16 anyway) and double the sweep's compiles for no gain.
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_os, stride_om, stride_on,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (column block, K range): the float32 sum over its K range for its BLOCK_N columns
+    and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_PAD)
+    # Clamped indices keep the loads unmasked along N and M (tail columns/rows re-read the last
+    # real one; their results are never stored), so the steady state is plain vector loads.
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * stride_wn  # N * K may pass 2**31
+    x_rows = x_ptr + tl.minimum(m, M - 1) * stride_xm
+    kk = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    else:
+        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + kk
+        if USE_DOT:
+            w_ptrs = w_rows[:, None] + k[None, :]  # [BLOCK_N, BLOCK_K]
+            x_ptrs = x_rows[:, None] + k[None, :]  # [M_PAD, BLOCK_K]
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=(k < K)[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=(k < K)[None, :], other=0.0)
+            if DOT_FP32:
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            # 3-D pointers pin the layout: a thread's weight elements meet every row of x it
+            # needs inside the thread, so the M products per weight element need no shuffles.
+            w_ptrs = w_rows[None, :, None] + k[None, None, :]  # [1, BLOCK_N, BLOCK_K]
+            x_ptrs = x_rows[:, None, None] + k[None, None, :]  # [M_PAD, 1, BLOCK_K]
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)
+    out_base = out_ptr + pid_k * stride_os
+    if USE_DOT:
+        ptrs = out_base + m[None, :] * stride_om + n[:, None] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & (n < N)[:, None])
+    else:
+        ptrs = out_base + m[:, None] * stride_om + n[None, :] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, out_ptr, N, SPLITS, stride_ps, stride_pm, stride_om, stride_on, BLOCK: tl.constexpr,
+):
+    """out[row, cols] = sum over splits of the float32 partials, in split order (deterministic)."""
+    row = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = n < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + n, mask=live, other=0.0)
+    tl.store(out_ptr + row * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+SUM_BLOCK = 1024
+
+
+def split_layout(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(programs along K, K elements per program) for a requested split: each range is a whole
+    number of BLOCK_K chunks, and a split that would leave programs without a chunk is reduced,
+    so every launched program has work and every partial gets written."""
+    chunks = max(triton.cdiv(k, block_k), 1)
+    per_split = triton.cdiv(chunks, min(split_k, chunks)) * block_k
+    return max(triton.cdiv(k, per_split), 1), per_split
+
+
+def auto_split(n: int, k: int, block_n: int, block_k: int) -> int:
+    """Split-K that brings the grid to about TARGET_PROGRAMS programs when N's column blocks
+    alone fall short (the small projections); 1 when they already suffice."""
+    blocks = triton.cdiv(n, block_n)
+    if blocks >= TARGET_PROGRAMS:
+        return 1
+    return split_layout(k, block_k, triton.cdiv(TARGET_PROGRAMS, blocks))[0]
+
+
+def _refuse_config(config, why: str):
+    return ValueError(
+        f"tscompile: gemv config {config!r} is not allowed ({why}); expected (BLOCK_N, BLOCK_K, SPLIT_K, "
+        f"num_warps, num_stages[, mode]) with BLOCK_N, BLOCK_K powers of two, SPLIT_K >= 1, num_warps a "
+        f"power of two <= 16, num_stages >= 1, mode one of {MODES} (default 'fma'); 'dot' needs "
+        f"BLOCK_N and BLOCK_K >= 16"
+    )
+
+
+def check_config(config) -> tuple[int, int, int, int, int, str]:
+    """The config as a 6-tuple with its mode, or ValueError('tscompile: ...')."""
+    if not isinstance(config, (tuple, list)) or len(config) not in (5, 6):
+        raise _refuse_config(config, "needs 5 or 6 entries")
+    block_n, block_k, split_k, warps, stages = config[:5]
+    mode = config[5] if len(config) == 6 else "fma"
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in config[:5]):
+        raise _refuse_config(config, "the first five entries must be ints")
+    pow2 = lambda v: v >= 1 and v & (v - 1) == 0  # noqa: E731  (tl.arange sizes)
+    if not (pow2(block_n) and pow2(block_k)):
+        raise _refuse_config(config, "BLOCK_N and BLOCK_K must be powers of two")
+    if split_k < 1 or stages < 1 or not (pow2(warps) and warps <= 16):
+        raise _refuse_config(config, "bad SPLIT_K, num_warps or num_stages")
+    if mode not in MODES:
+        raise _refuse_config(config, f"unknown mode {mode!r}")
+    if mode == "dot" and min(block_n, block_k) < 16:  # tl.dot needs 16 per side
+        raise _refuse_config(config, "'dot' needs BLOCK_N and BLOCK_K >= 16")
+    return block_n, block_k, split_k, warps, stages, mode
+
+
+def default_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, str]:
+    """SHAPE_CONFIGS[(n, k)] if present, else DEFAULT_TILES for M's power-of-two bucket with the
+    automatic split-K."""
+    if (n, k) in SHAPE_CONFIGS:
+        return check_config(SHAPE_CONFIGS[(n, k)])
+    block_n, block_k, warps, stages, mode = DEFAULT_TILES[min(_next_pow2(max(m, 1)), MAX_ROWS)]
+    return block_n, block_k, auto_split(n, k, block_n, block_k), warps, stages, mode
+
+
+def _check_inputs(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
+    for name, t, dims in (("x", x, "[M, K]"), ("w", w, "[N, K]")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"tscompile: gemv {name} must be a 2-D tensor {dims}; got {got}")
+    (m, k), (n, kw) = x.shape, w.shape
+    if kw != k:
+        raise ValueError(f"tscompile: gemv needs x [M, K] and w [N, K] with the same K; got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}")
+    if m > MAX_ROWS:
+        raise ValueError(f"tscompile: gemv supports M <= {MAX_ROWS} rows of x; got M = {m} (use a matmul)")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"tscompile: gemv x dtype {x.dtype} is not supported; allowed: {SUPPORTED_DTYPES}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"tscompile: gemv needs w with x's dtype {x.dtype}; got w {w.dtype}")
+    if w.device != x.device:
+        raise ValueError(f"tscompile: gemv needs x and w on one device; got x on {x.device}, w on {w.device}")
+    for name, t in (("x", x), ("w", w)):
+        if k > 1 and t.stride(1) != 1:  # coalesced K loads are the whole point
+            raise ValueError(f"tscompile: gemv {name} must be contiguous along K (stride 1 in the last dim); "
+                             f"got strides {tuple(t.stride())}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype \
+                or out.device != x.device:
+            got = (tuple(out.shape), out.dtype, str(out.device)) if isinstance(out, torch.Tensor) else type(out)
+            raise ValueError(f"tscompile: gemv out must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T`` into ``out [M, N]`` (allocated if None; any strides) and return it.
+
+    M <= MAX_ROWS; x and w of one dtype among bf16/fp16/fp32, contiguous along K. ``config`` =
+    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, mode]) overrides ``default_config`` (for the
+    sweep); SPLIT_K is reduced where K has fewer BLOCK_K chunks than splits."""
+    _check_inputs(x, w, out)
+    (m, k), n = x.shape, w.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_n, block_k, split_k, warps, stages, mode = (
+        default_config(m, n, k) if config is None else check_config(config))
+    splits, per_split = split_layout(k, block_k, split_k)
+    use_dot = mode == "dot"
+    m_pad = max(_next_pow2(m), 16) if use_dot else _next_pow2(m)
+    # bf16 tl.dot is wrong under the CPU interpreter: products in float32 there (GPU keeps 16-bit)
+    dot_fp32 = use_dot and x.dtype == torch.bfloat16 and _interpreting()
+    precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32"  # ignored for 16-bit
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    stride_os, stride_om, stride_on = (0, *out.stride()) if splits == 1 else target.stride()
+    _gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        x, w, target, m, n, k, per_split,
+        x.stride(0), w.stride(0), stride_os, stride_om, stride_on,
+        M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        num_warps=warps, num_stages=stages,
+    )
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK), m)](
+            target, out, n, splits, target.stride(0), target.stride(1), *out.stride(), BLOCK=SUM_BLOCK,
+        )
+    return out

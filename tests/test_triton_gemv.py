@@ -1,0 +1,232 @@
+"""The skinny matmul (custom_ops/triton_gemv.py) against float32 math, and its GPU sweep script.
+
+Without CUDA the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so
+the unmarked tests use tiny shapes and tiles: a few columns and K chunks still give several column
+blocks, K ranges per split, a tail column block and a tail K chunk. The interpreter casts float32
+to bf16/fp16 by truncation (the GPU rounds to nearest), so the tolerance is one unit in the last
+place of the output dtype. ``gpu``-marked tests use the llama-1b qkv projection shape.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+from tscompile.custom_ops import triton_gemv as tg
+
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-5}
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, mode]); 16-wide tiles keep the interpreter fast
+FMA, FMA_SPLIT = (16, 32, 1, 4, 1), (16, 32, 3, 4, 1, "fma")
+DOT, DOT_SPLIT = (16, 32, 1, 4, 1, "dot"), (32, 16, 2, 4, 1, "dot")
+
+
+def _inputs(m, n, k, dtype, device, seed, x_row_stride=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, x_row_stride or k, generator=g).to(dtype=dtype, device=device)[:, :k]  # strided rows if wider
+    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+    return x, w
+
+
+def _assert_matches(out, x, w):
+    ref = x.float() @ w.float().T
+    torch.testing.assert_close(out.float(), ref, rtol=ULP[x.dtype], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("config, n, k", [
+    (FMA, 40, 72),        # tail column block (40 = 2*16 + 8) and tail K chunk (72 = 2*32 + 8)
+    (FMA_SPLIT, 32, 96),  # K divides evenly: the unmasked path, three K ranges summed
+    (DOT, 33, 80),        # a one-column tail block, tail K chunk
+    (DOT_SPLIT, 48, 56),  # tail K chunk in the last of two K ranges
+])
+def test_gemv_matches_float32_math(dtype, m, config, n, k, device):
+    x, w = _inputs(m, n, k, dtype, device, seed=hash((str(dtype), m, config, n)) % 2**31)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    assert tg.gemv(x, w, out, config=config) is out
+    _assert_matches(out, x, w)
+
+
+def test_gemv_writes_only_inside_out_and_reads_strided_x_rows(device):
+    """out is a column window of a NaN buffer: tail blocks must not store past column N; x rows sit
+    in a wider buffer (row stride > K)."""
+    m, n, k = 5, 24, 40
+    x, w = _inputs(m, n, k, torch.bfloat16, device, seed=11, x_row_stride=k + 24)
+    assert x.stride(0) == k + 24
+    for config in (FMA, DOT_SPLIT):
+        buf = torch.full((m + 2, n + 8), float("nan"), dtype=torch.bfloat16, device=device)
+        out = buf[1:m + 1, 3:n + 3]
+        tg.gemv(x, w, out, config=config)
+        _assert_matches(out, x, w)
+        buf[1:m + 1, 3:n + 3] = float("nan")
+        assert buf.isnan().all(), f"{config} wrote outside out"
+
+
+def test_gemv_default_config_allocates_out(device, monkeypatch):
+    """config=None: DEFAULT_TILES by M (shrunk to tiny tiles) with the automatic split-K, which the
+    small TARGET_PROGRAMS turns on; and M = 0 returns an empty result without launching."""
+    monkeypatch.setattr(tg, "DEFAULT_TILES", {1: (16, 32, 4, 1, "fma"), 2: (16, 32, 4, 1, "fma"),
+                                              4: (16, 32, 4, 1, "fma"), 8: (16, 16, 4, 1, "dot"),
+                                              16: (16, 16, 4, 1, "dot")})
+    monkeypatch.setattr(tg, "TARGET_PROGRAMS", 8)
+    for m, (n, k) in ((1, (24, 80)), (7, (40, 48))):
+        assert tg.default_config(m, n, k)[2] > 1  # too few column blocks: split
+        x, w = _inputs(m, n, k, torch.float16, device, seed=m)
+        out = tg.gemv(x, w)
+        assert out.shape == (m, n) and out.dtype == torch.float16
+        _assert_matches(out, x, w)
+    assert tg.gemv(torch.randn(0, 8, device=device), torch.randn(4, 8, device=device)).shape == (0, 4)
+
+
+def test_shape_configs_take_precedence(monkeypatch):
+    monkeypatch.setattr(tg, "SHAPE_CONFIGS", {(48, 64): DOT_SPLIT})
+    assert tg.default_config(2, 48, 64) == (32, 16, 2, 4, 1, "dot")
+    assert tg.default_config(2, 48, 96) != tg.default_config(2, 48, 64)
+
+
+def test_split_layout_covers_k_with_whole_chunks():
+    for k, block_k, split in ((72, 32, 3), (64, 32, 8), (2048, 256, 5), (1, 16, 4), (14336, 512, 9)):
+        splits, per = tg.split_layout(k, block_k, split)
+        assert per % block_k == 0 and 1 <= splits <= split
+        assert (splits - 1) * per < k <= splits * per  # no empty program, K fully covered
+    # N alone gives enough programs: no split; too few: about TARGET_PROGRAMS
+    assert tg.auto_split(128256, 2048, 8, 512) == 1
+    blocks = 2048 // 16
+    assert tg.auto_split(2048, 8192, 16, 256) * blocks >= tg.TARGET_PROGRAMS
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    x, w = torch.randn(2, 32), torch.randn(8, 32)
+    return {
+        "M > 16": lambda: tg.gemv(torch.randn(17, 32), w),
+        "w dtype": lambda: tg.gemv(x, w.half()),
+        "x dtype": lambda: tg.gemv(x.double(), w.double()),
+        "x 1-D": lambda: tg.gemv(torch.randn(32), w),
+        "K mismatch": lambda: tg.gemv(x, torch.randn(8, 24)),
+        "x K stride": lambda: tg.gemv(torch.randn(32, 2).t(), w),
+        "w K stride": lambda: tg.gemv(x, torch.randn(32, 8).t()),
+        "out shape": lambda: tg.gemv(x, w, torch.empty(2, 9)),
+        "out dtype": lambda: tg.gemv(x, w, torch.empty(2, 8, dtype=torch.half)),
+        "config length": lambda: tg.gemv(x, w, config=(16, 32, 1, 4)),
+        "BLOCK_N": lambda: tg.gemv(x, w, config=(12, 32, 1, 4, 1)),
+        "SPLIT_K": lambda: tg.gemv(x, w, config=(16, 32, 0, 4, 1)),
+        "warps": lambda: tg.gemv(x, w, config=(16, 32, 1, 3, 1)),
+        "mode": lambda: tg.gemv(x, w, config=(16, 32, 1, 4, 1, "wgmma")),
+        "dot tile": lambda: tg.gemv(x, w, config=(8, 32, 1, 4, 1, "dot")),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_gemv_refuses_bad_inputs(case):
+    with pytest.raises(ValueError, match=r"^tscompile: gemv"):
+        _bad_calls()[case]()
+
+
+# -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
+
+
+def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
+    """scripts/gemv_sweep.py end to end with tiny shapes, two tiles and a stand-in timer (CUDA-graph
+    timing needs a GPU): every output is compared with float32 math, a config that is off is
+    reported and never picked, and the automatic split shows up as its own config."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemv_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    good, wrong = (16, 32, 4, 1, "fma"), (8, 32, 4, 1, "fma")
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
+    monkeypatch.setattr(sweep, "ROWS", (1, 3))
+    monkeypatch.setattr(sweep, "MAX_COPIES", 3)
+    monkeypatch.setattr(sweep, "TILE_GRID", [good, wrong])
+    monkeypatch.setattr(tg, "DEFAULT_TILES", {1: good, 2: good, 4: good, 8: good, 16: good})
+    monkeypatch.setattr(tg, "TARGET_PROGRAMS", 6)
+    real_run = sweep.run_triton
+    last = {}
+
+    def run_triton(x, w, out, cfg):  # the "wrong" tile scales its output: the check must catch it
+        last["cfg"] = cfg
+        real_run(x, w, out, cfg)
+        if cfg[:2] == wrong[:2]:
+            out.mul_(2.0)
+
+    def fake_bench(fn):  # the wrong tile "times" fastest, so only the check keeps it out
+        last.clear()
+        fn()
+        cfg = last.get("cfg")
+        return 1e-4 if cfg is not None and cfg[:2] == wrong[:2] else 1e-3
+
+    monkeypatch.setattr(sweep, "run_triton", run_triton)
+    monkeypatch.setattr(sweep, "bench", fake_bench)
+    sweep.main(str(tmp_path / "sweep.json"))
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(result["rows"]) == 4
+    for row in result["rows"]:
+        n, k = row["n"], row["k"]
+        split = tg.auto_split(n, k, 16, 32)
+        assert split > 1
+        good_keys = {"16,32,1,4,1,fma", f"16,32,{split},4,1,fma"}
+        wrong_keys = {k_ for k_ in row["triton"] if k_.startswith("8,32,")}
+        assert set(row["triton"]) == good_keys | wrong_keys and len(wrong_keys) == 2
+        for key in good_keys:
+            assert row["triton"][key]["max_diff"] < 2e-2  # bf16 outputs of N(0, 1) size
+        for key in wrong_keys:
+            assert row["triton"][key]["max_diff"] > sweep.MAX_DIFF
+            assert row["triton"][key]["ms"] < 1e-3  # it did time faster
+        for e in row["torch"].values():
+            assert e["max_diff"] < 2e-2 and e["ms"] == 1e-3
+        assert row["copies"] == 3
+    for name, s in result["summary"].items():
+        assert tuple(s["best_overall"][:2]) == good[:2], name
+        assert all(v == pytest.approx(1.0) for v in s["speedup_vs_cublas_by_m"].values())
+
+
+# -- GPU ----------------------------------------------------------------------------------------------
+
+QKV_1B = (3072, 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_llama_1b_qkv_matches_torch_gpu(m):
+    n, k = QKV_1B
+    x, w = _inputs(m, n, k, torch.bfloat16, "cuda", seed=m)
+    # the defaults split K here (fma at M = 1, dot at M = 8); the explicit configs do not
+    for config in (None, (8, 512, 1, 4, 2, "fma"), (64, 128, 1, 4, 4, "dot")):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        tg.gemv(x, w, out, config=config)
+        torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2,
+                                   msg=lambda s: f"config {config}: {s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, config", [(1, (8, 512, 2, 4, 2, "fma")), (8, (64, 128, 8, 4, 4, "dot"))])
+def test_gemv_replays_in_cuda_graph_with_new_x_gpu(m, config):
+    """Captured once with split-K (two launches and a partial buffer, which comes from the graph's
+    pool), replayed with new x values copied into the static input: the result follows x."""
+    n, k = QKV_1B
+    x, w = _inputs(m, n, k, torch.bfloat16, "cuda", seed=3)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tg.gemv(x, w, out, config=config)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tg.gemv(x, w, out, config=config)
+    for seed in (4, 5):
+        new_x, _ = _inputs(m, n, k, torch.bfloat16, "cuda", seed=seed)
+        x.copy_(new_x)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), new_x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2)
