@@ -8,14 +8,25 @@ spawns it:
            a new temporary folder)
   warm     the same again, on the caches the cold start filled
   package  tscompile.load_package of a package (--package, or one exported here first) and one token
-Each is split into imports, weight loading, compilation, graph capture and the rest (for the engine:
-pool sizing and the first prefill's own run; for a package: reading its libraries and the first
-call of its programs). The engine figures come from the runner's own compile and capture counters
+Each is split into imports, CUDA initialisation (``torch.cuda.init()`` and a first allocation, timed
+before anything else touches the device), weight loading, compilation, graph capture and the rest
+(for the engine: pool sizing and the first prefill's own run; for a package: reading its libraries
+and the first call of its programs).
+
+The rest is explained further. The engine's construction is split into the phases of what
+``tscompile.LLM(...)`` calls (``init_phases``, INIT_PHASES: each call's own time, compile and capture
+apart), and what neither they nor the first generate's own run explain is ``other_unexplained_s``.
+After the first token (outside the start's figures), each start runs a prompt of another length to
+one token (``second_prefill_s``) and a fresh prompt to 8 tokens (``decode_8_tokens_s``), so a first
+call's one-time work stands apart; a package also times the first and second call of each of its
+programs (``first_call_phases``, ``second_call_phases``). ``--enforce-eager`` measures an engine
+start without torch.compile: the rest alone.
+
+The engine figures come from the runner's own compile and capture counters
 (``LLM.compile_seconds``, ``LLM.capture_seconds``); capture includes the prefill graphs, captured
 by the first prompt (``--prefill-capture lazy``, the engine's default) or while the engine starts
-(``--prefill-capture startup``),
-and its prefill part is reported apart (``prefill_capture_s``, ``init_prefill_capture_s``); a package
-compiles and captures nothing.
+(``--prefill-capture startup``), and its prefill part is reported apart (``prefill_capture_s``,
+``init_prefill_capture_s``); a package compiles and captures nothing.
 """
 
 from __future__ import annotations
@@ -221,6 +232,7 @@ def _child_engine(args) -> dict:
     first, first_compile, first_capture = _generate(llm, device, _prompt(args.prompt_len, 1, llm.config.vocab_size), 1)
     compile_s, capture_s, prefill_capture_s = llm.compile_seconds, llm.capture_seconds, llm.prefill_capture_seconds
     total = _since_spawn()
+    compile_phases = _compile_phases()  # the start's compiles, not those of the prompts after it
     after = _after_first_token(llm, device, args.prompt_len)
     other = total - started - imports - (cuda_init or 0.0) - weights - compile_s - capture_s
     # other holds the construction's phases (compile and capture apart) and the first generate's own
@@ -238,7 +250,7 @@ def _child_engine(args) -> dict:
             "first_token_other_s": first_token_other, **after,
             "enforce_eager": args.enforce_eager,
             "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or []),
-            "compile_phases": _compile_phases()}
+            "compile_phases": compile_phases}
 
 
 # the phases of torch.compile's own timers that say where a compile's time goes (nested: Dynamo's
@@ -452,6 +464,10 @@ def _init_phases_md(result: dict) -> list[str]:
             ("engine construction, all in (compile and capture included)", "engine_init_s"))
     for what, key in rows:
         lines.append(f"| {what} | | " + " | ".join(_seconds(r.get(key), 2) for _, r in starts) + " |")
+    for name, r in starts:
+        if r.get("init_imported"):  # imports the construction pays for land in the phase that makes them
+            top = ", ".join(f"{root} {count}" for root, count in list(r["init_imported"].items())[:6])
+            lines += ["", f"Modules first imported while the {name} engine was built (per package): {top}."]
     return lines
 
 
@@ -505,10 +521,10 @@ def markdown(result: dict) -> str:
               "", "capture = decode and prefill graphs, compiling apart; \"of which prefill\" = the prefill "
                   "graphs (by the first prompt under --prefill-capture lazy, the default; while the engine starts "
                   "under startup, so that the first prompt of each size captures nothing).",
-              "", "other = pool sizing and the profiled step, the first prefill's own run, and for a package its "
-                  "libraries and the first call of its programs (``programs_s`` in the JSON: libraries and "
-                  "weights together; weights \"-\": a package with its weights inside loads them with its "
-                  "libraries, in one call)."]
+              "", "other = pool sizing and the profiled step (the engine's phases above), the first prefill's own "
+                  "run, and for a package its libraries and the first call of its programs (``programs_s`` in "
+                  "the JSON: libraries and weights together; weights \"-\": a package with its weights inside "
+                  "loads them with its libraries, in one call)."]
     return "\n".join(lines) + "\n"
 
 
