@@ -8,14 +8,25 @@ spawns it:
            a new temporary folder)
   warm     the same again, on the caches the cold start filled
   package  tscompile.load_package of a package (--package, or one exported here first) and one token
-Each is split into imports, weight loading, compilation, graph capture and the rest (for the engine:
-pool sizing and the first prefill's own run; for a package: reading its libraries and the first
-call of its programs). The engine figures come from the runner's own compile and capture counters
+Each is split into imports, CUDA initialisation (``torch.cuda.init()`` and a first allocation, timed
+before anything else touches the device), weight loading, compilation, graph capture and the rest
+(for the engine: pool sizing and the first prefill's own run; for a package: reading its libraries
+and the first call of its programs).
+
+The rest is explained further. The engine's construction is split into the phases of what
+``tscompile.LLM(...)`` calls (``init_phases``, INIT_PHASES: each call's own time, compile and capture
+apart), and what neither they nor the first generate's own run explain is ``other_unexplained_s``.
+After the first token (outside the start's figures), each start runs a prompt of another length to
+one token (``second_prefill_s``) and a fresh prompt to 8 tokens (``decode_8_tokens_s``), so a first
+call's one-time work stands apart; a package also times the first and second call of each of its
+programs (``first_call_phases``, ``second_call_phases``). ``--enforce-eager`` measures an engine
+start without torch.compile: the rest alone.
+
+The engine figures come from the runner's own compile and capture counters
 (``LLM.compile_seconds``, ``LLM.capture_seconds``); capture includes the prefill graphs, captured
 by the first prompt (``--prefill-capture lazy``, the engine's default) or while the engine starts
-(``--prefill-capture startup``),
-and its prefill part is reported apart (``prefill_capture_s``, ``init_prefill_capture_s``); a package
-compiles and captures nothing.
+(``--prefill-capture startup``), and its prefill part is reported apart (``prefill_capture_s``,
+``init_prefill_capture_s``); a package compiles and captures nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +59,146 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _cuda_init(device) -> float | None:
+    """Seconds to initialise CUDA and make this process's context (``torch.cuda.init()`` and a first
+    allocation), done before anything else touches the device so that no later phase pays for it;
+    None off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    t0 = time.perf_counter()
+    torch.cuda.init()
+    torch.empty(1, device=device)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+class PhaseTimer:
+    """Wall time of wrapped functions, each call's own time only: a wrapped function called inside
+    another is a phase of its own, named ``outer/inner``, and its time is not the outer one's, so the
+    phases never overlap and sum to at most the time around them. ``exclude(*args)`` reads seconds
+    that other figures report already (a runner's compile and capture); what it grew by during a call
+    is taken off that call."""
+
+    def __init__(self):
+        self.spent: dict[str, float] = {}  # in the order the phases first ran
+        self._open: list[list] = []  # per call in progress: [its name, seconds of wrapped calls inside]
+
+    def wrap(self, name: str, fn, exclude=None):
+        def wrapper(*args, **kwargs):
+            frame = [f"{self._open[-1][0]}/{name}" if self._open else name, 0.0]
+            self.spent.setdefault(frame[0], 0.0)  # listed where it starts: an outer phase before its inner ones
+            self._open.append(frame)
+            counted = exclude(*args, **kwargs) if exclude is not None else 0.0
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - begin
+                if exclude is not None:
+                    counted = exclude(*args, **kwargs) - counted
+                self._open.pop()
+                self.spent[frame[0]] = self.spent.get(frame[0], 0.0) + elapsed - frame[1] - counted
+                if self._open:
+                    self._open[-1][1] += elapsed
+        return wrapper
+
+
+# the phases of tscompile.LLM(...) besides compile and capture, by the function each times (the leaf
+# of a phase's name: "build/memory_profile/profile_step" is profile_step inside memory_profile)
+INIT_PHASES = {
+    "validate": "argument checks",
+    "compile_config": "compile options to a TscompileConfig",
+    "piece_compiler_check": "the piece compiler's import check",
+    "build": "build_model_engine, its own lines",
+    "attention_router": "the attention backend's router",
+    "graph_support": "which CUDA graphs the backend allows",
+    "memory_profile": "KV pool sizing from device memory, its own lines (gc, empty_cache, sizing)",
+    "profile_step": "the profiled eager step of the largest batch (activation peak)",
+    "memory_probe": "reading free device memory (gc, synchronize, empty_cache, mem_get_info)",
+    "pool_and_scheduler": "KV pool allocation and the scheduler",
+    "runner": "ModelRunner construction (buffers, torch.compile wrappers)",
+    "bind_kv_cache": "binding the pool to the model",
+    "decode_graphs": "the decode capture path besides compile and capture",
+    "prefill_plans": "start-up prefill placeholder plans",
+    "prefill_graphs": "start-up prefill capture besides compile and capture",
+    "assemble": "the engine over its parts",
+}
+
+
+def _time_engine_construction(timer: PhaseTimer) -> None:
+    """Wrap what ``tscompile.LLM(...)`` calls while it is built (INIT_PHASES), where it looks it up."""
+    from tscompile.config import TscompileConfig
+    from tscompile.models import Transformer
+    from tscompile.runtime import build, engine
+    from tscompile.runtime.model_runner import ModelRunner
+
+    def runner_counted(runner, *args, **kwargs) -> float:  # reported as compile and capture already
+        return runner.compile_seconds + runner.capture_seconds
+
+    engine.validate_engine_args = timer.wrap("validate", engine.validate_engine_args)
+    TscompileConfig.from_options = classmethod(timer.wrap("compile_config", TscompileConfig.from_options.__func__))
+    engine.check_piece_compiler_importable = timer.wrap("piece_compiler_check", engine.check_piece_compiler_importable)
+    engine.build_model_engine = timer.wrap("build", engine.build_model_engine)
+    build.create_attention_router = timer.wrap("attention_router", build.create_attention_router)
+    build.resolve_cuda_graph_support = timer.wrap("graph_support", build.resolve_cuda_graph_support)
+    build.pages_from_device_memory = timer.wrap("memory_profile", build.pages_from_device_memory)
+    build.measure_activation_peak = timer.wrap("profile_step", build.measure_activation_peak)
+    build.measure_device_memory = timer.wrap("memory_probe", build.measure_device_memory)
+    build._pool_and_scheduler = timer.wrap("pool_and_scheduler", build._pool_and_scheduler)
+    build.ModelRunner = timer.wrap("runner", ModelRunner)
+    Transformer.bind_kv_cache = timer.wrap("bind_kv_cache", Transformer.bind_kv_cache)
+    ModelRunner.capture_decode_graphs = timer.wrap("decode_graphs", ModelRunner.capture_decode_graphs,
+                                                   exclude=runner_counted)
+    build.startup_plans = timer.wrap("prefill_plans", build.startup_plans)
+    ModelRunner.capture_prefill_graphs = timer.wrap("prefill_graphs", ModelRunner.capture_prefill_graphs,
+                                                    exclude=runner_counted)
+    engine.LLM._assemble = timer.wrap("assemble", engine.LLM._assemble)
+
+
+def _prompt(length: int, first: int, vocab_size: int) -> list[int]:
+    """``length`` token ids from ``first`` on (wrapping inside the vocabulary, id 0 left out): prompts
+    that share no prefix with another ``first``."""
+    return [(first + i - 1) % (vocab_size - 1) + 1 for i in range(length)]
+
+
+def _generate(llm, device, prompt: list[int], new_tokens: int) -> tuple[float, float, float]:
+    """Seconds of one ``llm.generate`` to its last token, and the compile and capture seconds it added."""
+    import tscompile
+
+    compiled, captured = llm.compile_seconds, llm.capture_seconds
+    t0 = time.perf_counter()
+    llm.generate([prompt], tscompile.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    _sync(device)
+    return time.perf_counter() - t0, llm.compile_seconds - compiled, llm.capture_seconds - captured
+
+
+SECOND_PROMPT_EXTRA = 7  # the second prompt's length past --prompt-len: another size than the first
+DECODE_TOKENS = 8
+
+
+def _after_first_token(llm, device, prompt_len: int) -> dict:
+    """What follows the first token (outside the start's total): a prompt of another length to one
+    token, then a fresh prompt to ``DECODE_TOKENS`` tokens; each all in, its compile and capture apart."""
+    vocab = llm.config.vocab_size
+    second = _generate(llm, device, _prompt(prompt_len + SECOND_PROMPT_EXTRA, 1000, vocab), 1)
+    decode = _generate(llm, device, _prompt(prompt_len, 2000, vocab), DECODE_TOKENS)
+    return {"second_prompt_len": prompt_len + SECOND_PROMPT_EXTRA,
+            "second_prefill_s": second[0], "second_prefill_compile_s": second[1],
+            "second_prefill_capture_s": second[2],
+            "decode_8_tokens_s": decode[0], "decode_8_compile_s": decode[1], "decode_8_capture_s": decode[2]}
+
+
+def _new_module_roots(before: set) -> dict:
+    """Modules first imported since ``before``, counted per package (two name levels: torch._inductor)."""
+    roots: dict[str, int] = {}
+    for name in set(sys.modules) - before:
+        root = ".".join(name.split(".")[:2])
+        roots[root] = roots.get(root, 0) + 1
+    return dict(sorted(roots.items(), key=lambda kv: -kv[1])[:12])
+
+
 def _child_engine(args) -> dict:
     started = _since_spawn()
     t0 = time.perf_counter()
@@ -61,30 +212,45 @@ def _child_engine(args) -> dict:
     show_tscompile_logs()
     imports = time.perf_counter() - t0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda_init = _cuda_init(device)
     t0 = time.perf_counter()
     model, _ = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device,
                           seed=0, max_model_len=args.max_model_len)
     _sync(device)
     weights = time.perf_counter() - t0
+    timer = PhaseTimer()
+    _time_engine_construction(timer)
+    modules_before = set(sys.modules)
     t0 = time.perf_counter()
     llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        compile_options={"prefill_capture": args.prefill_capture})
+                        enforce_eager=args.enforce_eager,
+                        compile_options=None if args.enforce_eager else {"prefill_capture": args.prefill_capture})
     engine = time.perf_counter() - t0
+    init_imported = _new_module_roots(modules_before)
     compile_init, capture_init = llm.compile_seconds, llm.capture_seconds
     prefill_capture_init = llm.prefill_capture_seconds
-    t0 = time.perf_counter()
-    llm.generate([list(range(1, args.prompt_len + 1))], tscompile.SamplingParams(max_new_tokens=1))
-    _sync(device)
-    first = time.perf_counter() - t0
+    first, first_compile, first_capture = _generate(llm, device, _prompt(args.prompt_len, 1, llm.config.vocab_size), 1)
     compile_s, capture_s, prefill_capture_s = llm.compile_seconds, llm.capture_seconds, llm.prefill_capture_seconds
     total = _since_spawn()
-    return {"total_s": total, "process_s": started, "imports_s": imports, "weights_s": weights,
-            "compile_s": compile_s, "capture_s": capture_s, "prefill_capture_s": prefill_capture_s,
-            "other_s": total - started - imports - weights - compile_s - capture_s,
+    compile_phases = _compile_phases()  # the start's compiles, not those of the prompts after it
+    after = _after_first_token(llm, device, args.prompt_len)
+    other = total - started - imports - (cuda_init or 0.0) - weights - compile_s - capture_s
+    # other holds the construction's phases (compile and capture apart) and the first generate's own
+    # run; what neither explains is the unexplained rest (process gaps, LLM.__init__'s own lines)
+    first_token_other = first - first_compile - first_capture
+    return {"total_s": total, "process_s": started, "imports_s": imports, "cuda_init_s": cuda_init,
+            "weights_s": weights, "compile_s": compile_s, "capture_s": capture_s,
+            "prefill_capture_s": prefill_capture_s, "other_s": other,
+            "other_unexplained_s": other - sum(timer.spent.values()) - first_token_other,
             "engine_init_s": engine, "init_compile_s": compile_init, "init_capture_s": capture_init,
             "init_prefill_capture_s": prefill_capture_init,
-            "first_token_s": first, "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or []),
-            "compile_phases": _compile_phases()}
+            "init_phases": {name: round(secs, 4) for name, secs in timer.spent.items()},
+            "init_imported": init_imported,
+            "first_token_s": first, "first_token_compile_s": first_compile, "first_token_capture_s": first_capture,
+            "first_token_other_s": first_token_other, **after,
+            "enforce_eager": args.enforce_eager,
+            "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or []),
+            "compile_phases": compile_phases}
 
 
 # the phases of torch.compile's own timers that say where a compile's time goes (nested: Dynamo's
@@ -154,25 +320,57 @@ def _child_package(args) -> dict:
     aoti_load.PackagedProgram.load_constants = timed("load_constants", aoti_load.PackagedProgram.load_constants)
     runtime._package_engine = timed("engine", runtime._package_engine)
     runtime._package_tokenizer = timed("tokenizer", runtime._package_tokenizer)
+    # the programs' first and second calls, each waited for (a first call's one-time work shows as its
+    # excess over the second): the prefill and decode programs and the prefill's host metadata
+    calls: dict[str, list[float]] = {}
+
+    def first_calls(name, fn):
+        def wrapper(*a, **kw):
+            key = name if name else a[0].name  # a program: its own name
+            if len(calls.setdefault(key, [])) >= 2:
+                return fn(*a, **kw)
+            _sync_any()
+            begin = time.perf_counter()
+            out = fn(*a, **kw)
+            _sync_any()
+            calls[key].append(time.perf_counter() - begin)
+            return out
+        return wrapper
+
+    from tscompile.attention.router import AttentionRouter
+
+    aoti_load.PackagedProgram.__call__ = first_calls(None, aoti_load.PackagedProgram.__call__)
+    AttentionRouter.init_forward_metadata = first_calls("prefill_metadata", AttentionRouter.init_forward_metadata)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda_init = _cuda_init(device)
     t0 = time.perf_counter()
     llm = tscompile.load_package(args.package)
     load = time.perf_counter() - t0
     device = llm.device
-    t0 = time.perf_counter()
-    llm.generate([list(range(1, args.prompt_len + 1))], tscompile.SamplingParams(max_new_tokens=1))
-    _sync(device)
-    first = time.perf_counter() - t0
+    first = _generate(llm, device, _prompt(args.prompt_len, 1, llm.config.vocab_size), 1)[0]
     total = _since_spawn()
+    after = _after_first_token(llm, device, args.prompt_len)
     external = llm.package.record["weights"] == "external"
     # weights inside the archive load with the libraries, in one call: no split (None), in "other"
     weights = spent["weights_file"] if external else None
-    return {"total_s": total, "process_s": started, "imports_s": imports, "weights_s": weights,
-            "compile_s": 0.0, "capture_s": 0.0, "prefill_capture_s": 0.0,
-            "other_s": total - started - imports - (weights or 0.0),
+    return {"total_s": total, "process_s": started, "imports_s": imports, "cuda_init_s": cuda_init,
+            "weights_s": weights, "compile_s": 0.0, "capture_s": 0.0, "prefill_capture_s": 0.0,
+            "other_s": total - started - imports - (cuda_init or 0.0) - (weights or 0.0),
             "load_package_s": load, "programs_s": spent["programs"], "first_token_s": first,
+            "first_token_compile_s": 0.0, "first_token_capture_s": 0.0, **after,
+            "first_call_phases": {name: round(secs[0], 4) for name, secs in calls.items()},
+            "second_call_phases": {name: round(secs[1], 4) for name, secs in calls.items() if len(secs) > 1},
             "load_phases": {name: round(secs, 3) for name, secs in spent.items()},
             "weights": llm.package.record["weights"], "package_bytes": llm.package.package_bytes,
             "device": str(device), "torch_threads": torch.get_num_threads()}
+
+
+def _sync_any() -> None:
+    """Wait for the device when this process uses CUDA (a package's device is known only once loaded)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _child_export(args) -> dict:
@@ -199,6 +397,8 @@ def _spawn(kind: str, args, env: dict) -> dict:
     for flag in ("device", "dtype", "package"):
         if getattr(args, flag):
             argv += [f"--{flag}", str(getattr(args, flag))]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     env = {**env, "STARTUP_SPAWNED_AT": repr(time.time())}
     print(f"== {kind}", file=sys.stderr, flush=True)
     run = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)  # stderr (logs, bars) passes through
@@ -208,33 +408,105 @@ def _spawn(kind: str, args, env: dict) -> dict:
     return json.loads(lines[-1][len(_MARK):])
 
 
+START_NAMES = ("cold", "warm", "package")
+
+
+def _seconds(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def _row(name: str, r: dict) -> str:
     if r.get("error"):
-        return f"| {name} | {r['error']} | | | | | | | |"
-    cells = [r[k] for k in ("total_s", "process_s", "imports_s", "weights_s", "compile_s", "capture_s")]
-    cells += [r.get("prefill_capture_s"), r["other_s"]]
-    return f"| {name} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + f" | {TARGETS[name]} |"
+        return f"| {name} | {r['error']} |" + " |" * 9  # the table's other columns, empty
+    cells = [r[k] for k in ("total_s", "process_s", "imports_s")] + [r.get("cuda_init_s")]
+    cells += [r[k] for k in ("weights_s", "compile_s", "capture_s")] + [r.get("prefill_capture_s"), r["other_s"]]
+    return f"| {name} | " + " | ".join(_seconds(v) for v in cells) + f" | {TARGETS[name]} |"
+
+
+def _measured(result: dict, key: str) -> list[tuple[str, dict]]:
+    """The starts that measured ``key`` (an error or an older result has none)."""
+    return [(name, r) for name in START_NAMES if key in (r := result["starts"].get(name) or {})]
+
+
+def _after_first_token_md(result: dict) -> list[str]:
+    starts = _measured(result, "second_prefill_s")
+    if not starts:
+        return []
+    r0 = starts[0][1]
+    lines = ["", f"The first token beside what follows it in the same process (not in the figures above): a "
+                 f"{r0['second_prompt_len']}-token prompt to one token, then a fresh prompt to {DECODE_TOKENS} tokens; "
+                 f"seconds all in, with the compile and capture each did (a first call's one-time work is its "
+                 f"excess over the second prefill):", "",
+             "| start | first token | its compile | its capture | second prefill | its compile | its capture | "
+             f"{DECODE_TOKENS} new tokens | their compile | their capture |", "|---" * 10 + "|"]
+    keys = ("first_token_s", "first_token_compile_s", "first_token_capture_s", "second_prefill_s",
+            "second_prefill_compile_s", "second_prefill_capture_s", "decode_8_tokens_s", "decode_8_compile_s",
+            "decode_8_capture_s")
+    lines += [f"| {name} | " + " | ".join(_seconds(r.get(k), 2) for k in keys) + " |" for name, r in starts]
+    return lines
+
+
+def _init_phases_md(result: dict) -> list[str]:
+    starts = [(name, r) for name, r in _measured(result, "init_phases") if name != "package"]
+    if not starts:
+        return []
+    names = list(dict.fromkeys(n for _, r in starts for n in r["init_phases"]))  # in the order they ran
+    head = " | ".join(name for name, _ in starts)
+    lines = ["", "Where the engine's \"other\" goes (seconds): the phases of `tscompile.LLM(...)`, each its own time "
+                 "(a phase called inside another is named outer/inner and counted once; compile and capture apart), "
+                 "then the first token's own run:", "",
+             f"| phase | what | {head} |", "|---|---|" + "---|" * len(starts)]
+    for n in names:
+        cells = " | ".join(_seconds(r["init_phases"].get(n), 2) for _, r in starts)
+        lines.append(f"| `{n}` | {INIT_PHASES.get(n.rsplit('/', 1)[-1], '')} | {cells} |")
+    rows = (("first token besides its compile and capture", "first_token_other_s"),
+            ("unexplained: other minus the rows above", "other_unexplained_s"), ("other", "other_s"),
+            ("engine construction, all in (compile and capture included)", "engine_init_s"))
+    for what, key in rows:
+        lines.append(f"| {what} | | " + " | ".join(_seconds(r.get(key), 2) for _, r in starts) + " |")
+    for name, r in starts:
+        if r.get("init_imported"):  # imports the construction pays for land in the phase that makes them
+            top = ", ".join(f"{root} {count}" for root, count in list(r["init_imported"].items())[:6])
+            lines += ["", f"Modules first imported while the {name} engine was built (per package): {top}."]
+    return lines
+
+
+def _first_calls_md(result: dict) -> list[str]:
+    package = result["starts"].get("package") or {}
+    first = package.get("first_call_phases")
+    if not first:
+        return []
+    second = package.get("second_call_phases") or {}
+    lines = ["", "The package's first calls, each waited for on the device (seconds; the prefill program and its "
+                 "host metadata run in the first prompt and again in the second, the decode program in the "
+                 f"{DECODE_TOKENS}-token call):", "", "| call | first | second |", "|---|---|---|"]
+    lines += [f"| {name} | {secs:.3f} | {_seconds(second.get(name), 3)} |" for name, secs in first.items()]
+    return lines
 
 
 def markdown(result: dict) -> str:
     a = result["args"]
     lines = [f"## Start-up: {a['model']} ({result['env']})", "",
              f"max_num_seqs {a['max_num_seqs']}, max_model_len {a['max_model_len']}, a {a['prompt_len']}-token "
-             f"prompt to its first token; seconds, each start a fresh process.", "",
-             "| start | to first token | process start | imports | weights | compile | capture | of which prefill | "
-             "other | target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [_row(name, result["starts"][name]) for name in ("cold", "warm", "package") if name in result["starts"]]
+             f"prompt to its first token; seconds, each start a fresh process."
+             + (" The engine runs without torch.compile (--enforce-eager)." if a.get("enforce_eager") else ""), "",
+             "| start | to first token | process start | imports | CUDA init | weights | compile | capture | "
+             "of which prefill | other | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_row(name, result["starts"][name]) for name in START_NAMES if name in result["starts"]]
     export = result.get("export")
     if export and not export.get("error"):
         lines += ["", f"Package exported in {export['export_s']:.1f} s (AOTInductor build {export['build_s']:.1f} s, "
                       f"C++ by {export['compiler'].get('path') or export['compiler'].get('command')})."]
+    lines += _after_first_token_md(result)
+    lines += _init_phases_md(result)
     phases = (result["starts"].get("package") or {}).get("load_phases")
     if phases:
         lines += ["", "Where `load_package`'s time goes (seconds; nested: programs holds the AOTInductor loaders, "
                       "the host check, the weights inside, the weights file and load_constants):", "",
                   "| phase | seconds |", "|---|---|"]
         lines += [f"| {name} | {secs:.2f} |" for name, secs in phases.items()]
+    lines += _first_calls_md(result)
     cold = result["starts"].get("cold") or {}
     if cold.get("compile_phases"):
         warm_phases = (result["starts"].get("warm") or {}).get("compile_phases") or {}
@@ -244,17 +516,19 @@ def markdown(result: dict) -> str:
         lines += [f"| {PHASES[name]} (`{name}`) | {secs:.1f} | "
                   + (f"{warm_phases[name]:.1f}" if name in warm_phases else "-") + " |"
                   for name, secs in cold["compile_phases"].items()]
-    lines += ["", "capture = decode and prefill graphs, compiling apart; \"of which prefill\" = the prefill "
+    lines += ["", "CUDA init = `torch.cuda.init()` and a first allocation, before anything else touches the device "
+                  "(results before this column had it inside the engine's weights and the package's other).",
+              "", "capture = decode and prefill graphs, compiling apart; \"of which prefill\" = the prefill "
                   "graphs (by the first prompt under --prefill-capture lazy, the default; while the engine starts "
                   "under startup, so that the first prompt of each size captures nothing).",
-              "", "other = pool sizing and the profiled step, the first prefill's own run, and for a package its "
-                  "libraries and the first call of its programs (``programs_s`` in the JSON: libraries and "
-                  "weights together; weights \"-\": a package with its weights inside loads them with its "
-                  "libraries, in one call)."]
+              "", "other = pool sizing and the profiled step (the engine's phases above), the first prefill's own "
+                  "run, and for a package its libraries and the first call of its programs (``programs_s`` in "
+                  "the JSON: libraries and weights together; weights \"-\": a package with its weights inside "
+                  "loads them with its libraries, in one call)."]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-1b")
     p.add_argument("--device", default=None)
@@ -264,15 +538,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-capture", default="lazy", choices=("lazy", "startup"),
                    help="when the engine captures its prefill graphs (compile option prefill_capture)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="engine starts without torch.compile: what the rest of a start costs, alone")
     p.add_argument("--package", default=None, help="measure this package (default: export one first)")
     p.add_argument("--keep-package", default=None, metavar="PATH.pt2",
                    help="export the package here and keep it (for `tscompile bench --package`)")
     p.add_argument("--weights", default="external", choices=("inside", "external"), help="of the exported package")
-    p.add_argument("--skip", nargs="*", default=[], choices=("cold", "warm", "package"))
+    p.add_argument("--skip", nargs="*", default=[], choices=START_NAMES)
     p.add_argument("--output-json", default=None)
     p.add_argument("--output-md", default=None)
     p.add_argument("--child", default=None, choices=sorted(CHILDREN), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.child:
         print(_MARK + json.dumps(CHILDREN[args.child](args)), flush=True)
         return 0
