@@ -121,13 +121,14 @@ def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
 def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas():
     """The bs=1 decode graph is compiled static with coordinate-descent tuning: Inductor lowers its
     one-row matmuls to its own reductions, so no cuBLAS kernel runs; the dynamic graph (bs=2) calls
-    cuBLAS (which proves the check can see a cuBLAS kernel). Tokens as eager's."""
+    cuBLAS (which proves the check can see a cuBLAS kernel). Tokens as eager's. The Triton attention
+    backend: the torch backend's decode attention is itself a cuBLAS batched matmul."""
     import re
 
     cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
     params = SamplingParams(max_new_tokens=4)
-    eager = ids(make(enforce_eager=True).generate(PROMPTS[:1], params))
-    llm = make(tuned=True, compile_options={"decode_ladder": (1, 2)})
+    eager = ids(make(backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
+    llm = make(backend="triton", tuned=True, compile_options={"decode_ladder": (1, 2)})
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
     runner = llm.runner
 
