@@ -238,6 +238,60 @@ def test_loading_spawns_no_process_and_probes_no_cpu_isa(package, monkeypatch):
     assert called == []
 
 
+def test_a_package_runs_without_importing_dynamo_and_gives_the_engines_tokens(package, eager):
+    """torch's custom-op wrapper imports ``torch._dynamo`` on a kernel's first call (2.7 s of a
+    llama-tiny package's 2.7 s first token on the CPU); a loaded package needs no Dynamo, so
+    ``load_package`` defers that import (``tscompile/package/lazy_dynamo.py``). Checked in a fresh
+    process (this one imported Dynamo long ago); tokens as the eager engine's."""
+    import json
+    import subprocess
+    import sys
+
+    prompt, params = [5, 17, 3, 99], SamplingParams(max_new_tokens=4)
+    expected = ids(eager("llama-tiny").generate([prompt], params))[0]
+    code = (
+        "import json, sys, tscompile\n"
+        f"llm = tscompile.load_package({str(package('llama-tiny'))!r})\n"
+        f"out = llm.generate([{prompt!r}], tscompile.SamplingParams(max_new_tokens=4))\n"
+        "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules, 'tokens': out[0].outputs[0].token_ids}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"dynamo": False, "tokens": expected}
+
+
+def test_deferred_kernels_skip_dynamo_until_it_is_imported_then_go_through_its_disable(monkeypatch):
+    """Without ``torch._dynamo`` in the process a deferred kernel is called directly; once Dynamo is
+    imported, through ``torch._dynamo.disable`` as torch itself would (the stand-in replaces itself).
+    ``defer_dynamo_import`` reaches every tscompile kernel once."""
+    import sys
+
+    from torch._library.custom_ops import OPDEFS
+
+    from tscompile.package.lazy_dynamo import NAMESPACE, _deferring, defer_dynamo_import
+
+    seen = []
+
+    def kernel(x):
+        seen.append(x)
+        return x + 1
+
+    stand_in = _deferring(kernel)
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, "torch._dynamo")  # a process that never imported Dynamo
+        assert stand_in(1) == 2 and "__dynamo_disable" not in kernel.__dict__
+    assert stand_in(2) == 3 and seen == [1, 2]
+    assert kernel.__dict__["__dynamo_disable"]._torchdynamo_disable  # torch._dynamo.disable's wrapper
+
+    fns = [w.__wrapped__ for name, op in OPDEFS.items() if name.startswith(NAMESPACE) for w in op._backend_fns.values()]
+    assert fns, "no tscompile kernel found behind torch's custom-op wrappers"
+    for fn in fns:
+        monkeypatch.delitem(fn.__dict__, "__dynamo_disable", raising=False)
+    assert defer_dynamo_import() == len(fns)
+    assert defer_dynamo_import() == 0  # each once
+
+
 def test_host_mismatches_name_what_differs_and_accept_this_host(package, monkeypatch):
     from tscompile.package.aoti_load import host_mismatches
 

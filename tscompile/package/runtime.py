@@ -17,6 +17,7 @@ from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import ModelConfig
 from tscompile.package.compiler_check import refuse_unlinked_cxx_runtime
+from tscompile.package.lazy_dynamo import defer_dynamo_import
 from tscompile.package.programs import PROGRAMS
 from tscompile.package.record import TOKENIZER_PREFIX, check_compatible, read_package_metadata, weights_path
 from tscompile.runtime.build import EngineParts, build_pool_and_scheduler
@@ -198,6 +199,7 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
     # a library built without its C++ runtime can crash the process inside dlopen: judge it first
     refuse_unlinked_cxx_runtime(path, record)
     programs, weights = _load_programs(os.fspath(path), record, device)
+    defer_dynamo_import()  # the programs call tscompile's ops; nothing here needs Dynamo (lazy_dynamo.py)
     parts = _package_engine(record, programs, device=device, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                             num_pages=num_pages, tokenizer=_package_tokenizer(os.fspath(path), record))
