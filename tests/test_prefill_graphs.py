@@ -6,6 +6,7 @@ buffers, copies into static inputs and the capture keys are all exercised. tests
 runs the real graphs."""
 
 import pytest
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
 import torch
 
 from helpers import small_llm, ids
@@ -318,6 +319,43 @@ def test_whole_step_prefill_equals_eager_across_buckets_and_above_them(whole_llm
     assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
     assert counters["prefill_replays"] > counters["prefill_captures"] > 0
     assert whole_llm.runner.piece_graphs is None  # no per-piece graphs in this mode
+    # greedy and sampled steps: two variants by design, no other recompile
+    assert len(cache_entries(whole_llm.runner.extend_step.__wrapped__.__code__)) == 2
+
+
+def test_fresh_and_persistent_extend_metadata_sit_at_the_same_kind_of_storage_offset(whole_llm, monkeypatch):
+    """Dynamo specializes a storage offset of 0 or 1 and guards ``>= 2`` otherwise: on the H200 a
+    page table at offset 0 (a step above the token ladder, fresh storage) recompiled the extend graph
+    that whole-step buffers (offset >= 2) had compiled. Every metadata view the model reads must
+    fall in the same class (0, 1, >= 2) on both paths."""
+    seen = []
+    original = whole_llm.attention.publish_extend_metadata
+
+    def spy(plan, arrays):
+        seen.append(plan.num_tokens)
+        original(plan, arrays)
+
+    monkeypatch.setattr(whole_llm.attention, "publish_extend_metadata", spy)
+    kinds = []
+    real_forward = whole_llm.runner.extend_step
+
+    def offsets(*args):
+        from tscompile.forward_context import get_forward_context
+
+        ctx = get_forward_context()
+        tensors = [*args[:2], ctx.logits_rows, ctx.qo_indptr, ctx.completes]
+        for leaf in whole_llm.attention.leaves:
+            meta = leaf.forward_extend_metadata
+            tensors += [meta.page_table, meta.seq_lens, meta.qo_indptr]
+        tensors += list(whole_llm.attention.extend_write_locations)
+        kinds.append([min(t.storage_offset(), 2) for t in tensors])
+        return real_forward(*args)
+
+    monkeypatch.setattr(whole_llm.runner, "extend_step", offsets)
+    whole_llm.generate([[(7 * j) % 300 + 1 for j in range(18)]], SamplingParams(max_new_tokens=1))  # above 16
+    whole_llm.generate([[(7 * j) % 300 + 1 for j in range(6)]], SamplingParams(max_new_tokens=1))  # bucket 8
+    assert seen == [18, 6] and len(kinds) == 2
+    assert kinds[0] == kinds[1], kinds
 
 
 def test_whole_step_buffers_never_move_and_padded_token_rows_write_the_null_slot(whole_llm, monkeypatch):

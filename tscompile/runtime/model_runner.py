@@ -378,7 +378,7 @@ class ModelRunner:
             return
         buckets = self.prefill_buckets
         graphs = buckets.plan_for(plan) if buckets is not None else None
-        self.attention.init_forward_metadata(plan, buckets.pad_rows(graphs) if graphs is not None else {})
+        groups = self.attention.extend_host_arrays(plan, buckets.pad_rows(graphs) if graphs is not None else {})
         padded = graphs.encoder_tokens if graphs is not None else None
         requests = graphs.logits_rows if graphs is not None else None
         ids, pos, logits_rows = plan.input_ids, plan.positions, plan.logits_rows
@@ -388,8 +388,12 @@ class ModelRunner:
             requests = min_logits_rows(self.max_num_seqs)  # why: dynamic_sizes.py
         if requests is not None:  # padded logits rows read row 0; their samples land in rows nobody reads
             logits_rows = np.concatenate([logits_rows, np.zeros(requests - plan.num_requests, dtype=logits_rows.dtype)])
-        ids, pos, logits_rows, qo_indptr, completes = upload(
-            [ids, pos, logits_rows, plan.qo_indptr, plan.completes], self.device)
+        # one upload in the whole-step buffers' order: every metadata view then sits at the same kind
+        # of offset as there (0 for the first of its dtype, >= 2 after it), and Dynamo, which
+        # specializes a storage offset of 0 or 1, compiles one graph for both paths
+        dev = upload([ids, pos, logits_rows, plan.qo_indptr, plan.completes, *groups], self.device)
+        self.attention.publish_extend_metadata(plan, dev[5:])
+        ids, pos, logits_rows, qo_indptr, completes = dev[:5]
         if padded is not None:  # the graphed first piece reads them at a fixed address
             ids = self.prefill_ids[:padded].copy_(ids)
             pos = self.prefill_positions[:padded].copy_(pos)
