@@ -141,6 +141,15 @@ if [ -n "${LANE1-tests:custom_ops}" ]; then  # LANE1="" on a one-GPU machine
 fi
 wait $pid0 $pid1
 [ -s "$OUT/install.log" ] || rm -f "$OUT/install.log"
+# At most 8 files come back from a call: past 6, everything but the lane logs goes into one archive
+# (a call of three benches and a sweep lost its test log to that limit)
+shopt -s nullglob
+others=()
+for f in "$OUT"/*; do case $(basename "$f") in lane*.log|results.tgz|gpucache-*) ;; *) others+=("$f") ;; esac; done
+if [ ${#others[@]} -gt 6 ]; then
+  tar -czf "$OUT/results.tgz" -C "$OUT" "${others[@]##*/}" && rm -f "${others[@]}"
+  echo "######## $OUT: ${#others[@]} result files packed into results.tgz"
+fi
 for n in 0 1; do [ -f "$OUT/lane$n.log" ] && { echo "######## lane $n"; cat "$OUT/lane$n.log"; }; done
 if [ "${GPU_CACHE_OUT:-0}" = 1 ]; then
   left=$((end - SECONDS))
