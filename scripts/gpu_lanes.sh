@@ -141,12 +141,18 @@ if [ -n "${LANE1-tests:custom_ops}" ]; then  # LANE1="" on a one-GPU machine
 fi
 wait $pid0 $pid1
 [ -s "$OUT/install.log" ] || rm -f "$OUT/install.log"
-# At most 8 files come back from a call: past 6, everything but the lane logs goes into one archive
-# (a call of three benches and a sweep lost its test log to that limit)
+# At most 8 files come back from a call (a call of three benches and a sweep lost its test log to
+# that limit): when the lane logs, the compile-cache parts saved below and the rest would pass it,
+# everything but the lane logs goes into one archive
 shopt -s nullglob
 others=()
-for f in "$OUT"/*; do case $(basename "$f") in lane*.log|results.tgz|gpucache-*) ;; *) others+=("$f") ;; esac; done
-if [ ${#others[@]} -gt 6 ]; then
+lane_logs=0
+for f in "$OUT"/*; do
+  case $(basename "$f") in lane*.log) lane_logs=$((lane_logs + 1)) ;; results.tgz|gpucache-*) ;; *) others+=("$f") ;; esac
+done
+cache_parts=0
+[ "${GPU_CACHE_OUT:-0}" = 1 ] && cache_parts=${GPU_CACHE_PARTS:-3}
+if [ ${#others[@]} -gt $((8 - lane_logs - cache_parts)) ]; then
   tar -czf "$OUT/results.tgz" -C "$OUT" "${others[@]##*/}" && rm -f "${others[@]}"
   echo "######## $OUT: ${#others[@]} result files packed into results.tgz"
 fi

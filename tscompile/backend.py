@@ -130,8 +130,8 @@ def tracing_config():
     dynamo = {"specialize_float": True, "capture_dynamic_output_shape_ops": True}
     # hitting the recompile limit must fail loudly: Dynamo would otherwise run the step eagerly from
     # then on, slow and without graphs, and nothing would say so
-    # An engine's step takes a bounded set of variants (decode: the static bs=1 graph and one
-    # dynamic one; greedy vs sampled; see tscompile/runtime/dynamic_sizes.py): room for all of them.
+    # An engine's step takes a bounded set of variants (greedy vs sampled; decode's static bs=1 graph
+    # is a step of its own; see tscompile/runtime/dynamic_sizes.py): room for all of them.
     known = torch._dynamo.config._config
     missing = [k for k in ("fail_on_recompile_limit_hit", "recompile_limit") if k not in known]
     if missing:  # without them a recompiling step would fall back to eager silently: refuse instead

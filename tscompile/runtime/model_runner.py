@@ -2,7 +2,8 @@
 
 It knows buckets and padding; it hands the plan to the attention router and never computes a page
 or a slot itself. Decode metadata comes only from ``refresh_decode_metadata`` (eager, capture and
-replay alike); extend and mixed metadata only from ``init_forward_metadata``.
+replay alike); extend and mixed metadata only from the router's ``extend_host_arrays``, published
+by ``publish_extend_metadata`` (uploaded fresh, or staged into a whole-step graph's buffers).
 
 Decode: pad to the smallest ladder size ``bs >= actual_bs`` (above the ladder, or without graphs,
 ``bs = actual_bs``), stage the plan's host facts in one upload per dtype, refresh, then replay the
