@@ -1,4 +1,4 @@
-"""What keeps the engine's compiled steps at one dynamic graph each (decode's static bs=1 graph is a step of its own).
+"""What keeps each compiled engine step at one dynamic graph (decode's static bs=1 graph is its own step).
 
 Dynamo specializes on more than the sizes a step asks for. The causes met, and the answer to each:
 
