@@ -100,6 +100,23 @@ def record_modes(llm) -> list:
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], list(range(1, 20)), [77, 66, 55]]
 
 
+def record_inductor_patches(monkeypatch) -> list[dict]:
+    """The ``config_patches`` of every Inductor compile from now on (``compile_fx`` re-enters itself
+    without patches once they are applied; those calls are not recorded)."""
+    import torch._inductor.compile_fx as cfx
+
+    seen: list[dict] = []
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        if config_patches:
+            seen.append(dict(config_patches))
+        return real(gm, inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    return seen
+
+
 def small_llm(model="llama-tiny", **kw):
     """A CPU engine small enough for tests; callers choose dtype and enforce_eager."""
     kw.setdefault("max_model_len", 64)

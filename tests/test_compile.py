@@ -13,7 +13,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.counters import counters
 from tscompile.passes.split import split_graph
 
-from helpers import PROMPTS, record_modes, small_llm, ids
+from helpers import PROMPTS, ids, record_inductor_patches, record_modes, small_llm
 
 def make_llm(model="llama-tiny", **kw):
     kw.setdefault("dtype", torch.float32)
@@ -50,17 +50,7 @@ def test_inductor_options_are_validated_and_reach_every_inductor_compile(monkeyp
         TscompileConfig.from_options({"inductor_options": {"no_such_knob": 1}})
     with pytest.raises(ValueError, match="tscompile: inductor_options must be a dict"):
         TscompileConfig.from_options({"inductor_options": 3})
-    seen = []
-    import torch._inductor.compile_fx as cfx
-
-    real = cfx.compile_fx
-
-    def spy(gm, inputs, config_patches=None, **kw):
-        if config_patches:  # compile_fx re-enters itself without patches once they are applied
-            seen.append(dict(config_patches))
-        return real(gm, inputs, config_patches=config_patches, **kw)
-
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+    seen = record_inductor_patches(monkeypatch)
     torch.compiler.reset()
     m = torch.nn.Linear(8, 8)
     x = torch.randn(3, 8)

@@ -16,7 +16,7 @@ from tscompile import SamplingParams
 from tscompile.forward_context import ForwardMode
 from tscompile.runtime.dynamic_sizes import drop_input_size_asserts
 
-from helpers import ids, record_modes, small_llm
+from helpers import ids, record_inductor_patches, record_modes, small_llm
 
 MAX_NUM_SEQS = 4
 
@@ -99,17 +99,7 @@ def test_only_the_bs1_decode_graph_gets_the_static_inductor_options(monkeypatch)
     """The bs=1 decode step compiles with every size static, so ``static_inductor_options`` (on CUDA:
     coordinate-descent tuning, which turns its one-row matmuls into GEMV reductions) reach it; the
     dynamic decode graph and the extend graph do not get them."""
-    import torch._inductor.compile_fx as cfx
-
-    seen = []
-    real = cfx.compile_fx
-
-    def spy(gm, inputs, config_patches=None, **kw):
-        if config_patches:  # compile_fx re-enters itself without patches once they are applied
-            seen.append(dict(config_patches))
-        return real(gm, inputs, config_patches=config_patches, **kw)
-
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+    seen = record_inductor_patches(monkeypatch)
     llm = small_llm(dtype=torch.float32, max_num_seqs=MAX_NUM_SEQS, max_model_len=64,
                     compile_options={"static_inductor_options": {"epilogue_fusion": False}})
     start_up_like_cuda(llm)  # sizes 4, 2, 1: the dynamic graph first, then bs=1's
