@@ -63,6 +63,10 @@ class PackageRunner(EngineRunner):
             self.export_s = time.perf_counter() - t0
         record = read_package_metadata(package)
         _check_matches(record, package, cfg, dtype, self.device)
+        # a given package's step budget is its own: a bigger batch's prompts are chunked to it, as a
+        # server running that package would (the sequence and length limits still have to fit)
+        limits["max_num_batched_tokens"] = min(max_num_batched_tokens, record["bounds"]["max_num_batched_tokens"])
+        self.max_num_batched_tokens = limits["max_num_batched_tokens"]
         self.path, self.record = package, record
         # load to first token: what a serving process pays before it answers, with the programs'
         # first-call work (kernel modules, library handles) inside
@@ -82,6 +86,7 @@ class PackageRunner(EngineRunner):
                 "load_to_first_token_s": self.load_s + self.first_token_s, "package_bytes": pkg.package_bytes,
                 "package_weights": self.record["weights"], "attention_backend": self.record["attention_backend"],
                 "compiler": self.record.get("compiler"), "bounds": self.record["bounds"],
+                "max_num_batched_tokens": self.max_num_batched_tokens,
                 "cuda_graphs": False}
 
     def close(self) -> None:

@@ -224,7 +224,7 @@ def _child_engine(args) -> dict:
     t0 = time.perf_counter()
     llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enforce_eager=args.enforce_eager,
-                        compile_options=None if args.enforce_eager else {"prefill_capture": args.prefill_capture})
+                        compile_options=None if args.enforce_eager else compile_options(args))
     engine = time.perf_counter() - t0
     init_imported = _new_module_roots(modules_before)
     compile_init, capture_init = llm.compile_seconds, llm.capture_seconds
@@ -385,6 +385,13 @@ def _child_export(args) -> dict:
     return {"export_s": time.perf_counter() - t0, "build_s": record["build_seconds"], "compiler": record["compiler"]}
 
 
+def compile_options(args) -> dict:
+    options = {"prefill_capture": args.prefill_capture}
+    if args.decode_tuning == "off":  # the bs=1 decode graph without coordinate-descent tuning (its cost)
+        options["inductor_options"] = {"coordinate_descent_tuning": False}
+    return options
+
+
 CHILDREN = {"engine": _child_engine, "package": _child_package, "export": _child_export}
 
 
@@ -393,7 +400,7 @@ def _spawn(kind: str, args, env: dict) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", args.model,
             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
             "--prompt-len", str(args.prompt_len), "--weights", args.weights,
-            "--prefill-capture", args.prefill_capture]
+            "--prefill-capture", args.prefill_capture, "--decode-tuning", args.decode_tuning]
     for flag in ("device", "dtype", "package"):
         if getattr(args, flag):
             argv += [f"--{flag}", str(getattr(args, flag))]
@@ -489,7 +496,9 @@ def markdown(result: dict) -> str:
     lines = [f"## Start-up: {a['model']} ({result['env']})", "",
              f"max_num_seqs {a['max_num_seqs']}, max_model_len {a['max_model_len']}, a {a['prompt_len']}-token "
              f"prompt to its first token; seconds, each start a fresh process."
-             + (" The engine runs without torch.compile (--enforce-eager)." if a.get("enforce_eager") else ""), "",
+             + (" The engine runs without torch.compile (--enforce-eager)." if a.get("enforce_eager") else "")
+             + (" The bs=1 decode graph is not coordinate-descent tuned (--decode-tuning off)."
+                if a.get("decode_tuning") == "off" else ""), "",
              "| start | to first token | process start | imports | CUDA init | weights | compile | capture | "
              "of which prefill | other | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -538,6 +547,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-capture", default="lazy", choices=("lazy", "startup"),
                    help="when the engine captures its prefill graphs (compile option prefill_capture)")
+    p.add_argument("--decode-tuning", default="on", choices=("on", "off"),
+                   help="off: no coordinate-descent tuning of the bs=1 decode graph (the engine's default is on)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="engine starts without torch.compile: what the rest of a start costs, alone")
     p.add_argument("--package", default=None, help="measure this package (default: export one first)")

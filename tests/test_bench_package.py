@@ -20,7 +20,9 @@ from tscompile.export import export_package
 from tscompile.models import PRESETS
 from helpers import one_thread_fixture
 
-PACKAGE_BOUNDS = dict(max_num_seqs=2, max_model_len=32, page_size=16, max_num_batched_tokens=2048)
+# a step budget below the bench's (2048): the mode must run a given package within its own bound,
+# chunking bs=2's two 8-token prompts into steps of 8 tokens
+PACKAGE_BOUNDS = dict(max_num_seqs=2, max_model_len=32, page_size=16, max_num_batched_tokens=8)
 
 
 one_thread = pytest.fixture(autouse=True)(one_thread_fixture)
@@ -74,6 +76,7 @@ def test_bench_package_mode_with_a_given_package(tmp_path, tiny_package):
     info = _assert_package_rows(result)
     assert info["exported"] is False and info["export_s"] is None and info["package_path"] == str(tiny_package)
     assert info["bounds"] == {k: v for k, v in PACKAGE_BOUNDS.items() if k != "page_size"}
+    assert info["max_num_batched_tokens"] == 8  # the package's bound, not the bench's 2048
     assert "given by --package" in result["markdown"]
 
 

@@ -192,3 +192,21 @@ def test_markdown_of_a_failed_start_fills_every_column_and_renders_results_witho
     assert failed.count("|") == header.count("|")
     assert "| warm | 10.0 | 0.1 | 2.0 | - | 1.0 | 6.0 | 0.5 | 0.2 | 0.4 |" in md
     assert "Where the engine's \"other\" goes" not in md and "first calls" not in md
+
+
+def test_decode_tuning_off_turns_coordinate_descent_off_in_the_engine_the_child_builds(monkeypatch):
+    from tscompile.config import TscompileConfig
+    from tscompile.runtime.model_runner import decode_static_inductor_options
+
+    on, off = startup.parse_args([]), startup.parse_args(["--decode-tuning", "off"])
+    cuda = torch.device("cuda")
+    tuned = decode_static_inductor_options(TscompileConfig.from_options(startup.compile_options(on)), cuda)
+    untuned = decode_static_inductor_options(TscompileConfig.from_options(startup.compile_options(off)), cuda)
+    assert tuned.get("coordinate_descent_tuning") is True
+    assert not untuned.get("coordinate_descent_tuning", False)
+    # the flag reaches the child processes that build the engines
+    spawned = []
+    monkeypatch.setattr(startup.subprocess, "run",
+                        lambda argv, **kw: spawned.append(argv) or type("R", (), {"returncode": 1, "stdout": ""}))
+    assert "error" in startup._spawn("engine", off, {})
+    assert spawned[0][spawned[0].index("--decode-tuning") + 1] == "off"
