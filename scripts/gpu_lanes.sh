@@ -12,7 +12,7 @@
 #                  kernel tables -> $OUT/bench_M_MODES.{json,md}
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
-#   startup-notune:M[:S]  the same with --decode-tuning off (what the bs=1 graph's tuning costs a start)
+#   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
 #   pkgbench:M     tscompile bench of that package (package mode) beside tscompile-triton
 #   py:PATH        python3 PATH, its output in $OUT/<name>.log
 #   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
@@ -92,10 +92,10 @@ run_job() {  # lane job
         --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table \
         --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
         2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
-    startup:*|startup-notune:*)  # startup-notune: the same without the bs=1 decode graph's tuning
+    startup:*|startup-tuned:*)  # startup-tuned: the same with the bs=1 decode graph's tuning
       local spec=${job#*:}; local model=${spec%%:*} skip="" tag="" extra=""
       [ "$spec" != "$model" ] && skip=${spec#*:}
-      case $job in startup-notune:*) tag=_notune; extra="--decode-tuning off" ;; esac
+      case $job in startup-tuned:*) tag=_tuned; extra="--decode-tuning on" ;; esac
       timeout $left python3 scripts/startup.py --model $model ${skip:+--skip ${skip//,/ }} --keep-package /tmp/pkg_$model.pt2 \
         $extra --output-json "$OUT/startup_$model$tag.json" --output-md "$OUT/startup_$model$tag.md" 2> "$OUT/startup_$model$tag.log"
       echo "rc=$?"; head -8 "$OUT/startup_$model$tag.md" ;;

@@ -16,16 +16,15 @@ PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(7)]
 
 
 def make(model="llama-tiny", backend="torch", tuned=False, **kw):
-    """A CUDA engine; ``tuned=False`` turns off the bs=1 decode graph's coordinate-descent tuning
-    (tens of seconds per engine, which this many engines cannot afford; ``tuned=True`` keeps the
-    default)."""
+    """A CUDA engine; ``tuned=True`` turns on the bs=1 decode graph's coordinate-descent tuning
+    (off by default: tens of seconds per engine)."""
     kw.setdefault("max_model_len", 256)
     kw.setdefault("max_num_seqs", 16)
     kw.setdefault("page_size", 16)
     kw.setdefault("dtype", torch.float32)
     kw["compile_options"] = dict(kw.get("compile_options", {"decode_ladder": (1, 2, 4, 8)}))
-    if not tuned:
-        kw["compile_options"].setdefault("inductor_options", {"coordinate_descent_tuning": False})
+    if tuned:
+        kw["compile_options"].setdefault("static_inductor_options", {"coordinate_descent_tuning": True})
     return tscompile.LLM(model, attention_backend=backend, device="cuda", **kw)
 
 
@@ -119,7 +118,8 @@ def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
 
 
 def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas():
-    """The bs=1 decode graph is compiled static with coordinate-descent tuning: Inductor lowers its
+    """The bs=1 decode graph is compiled static, so coordinate-descent tuning asked for in
+    ``static_inductor_options`` reaches it: Inductor lowers its
     one-row matmuls to its own reductions, so no cuBLAS kernel runs; the dynamic graph (bs=2) calls
     cuBLAS (which proves the check can see a cuBLAS kernel). Tokens as eager's. The Triton attention
     backend: the torch backend's decode attention is itself a cuBLAS batched matmul."""

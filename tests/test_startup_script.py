@@ -194,11 +194,11 @@ def test_markdown_of_a_failed_start_fills_every_column_and_renders_results_witho
     assert "Where the engine's \"other\" goes" not in md and "first calls" not in md
 
 
-def test_decode_tuning_off_turns_coordinate_descent_off_in_the_engine_the_child_builds(monkeypatch):
+def test_decode_tuning_on_turns_coordinate_descent_on_in_the_engine_the_child_builds(monkeypatch):
     from tscompile.config import TscompileConfig
     from tscompile.runtime.model_runner import decode_static_inductor_options
 
-    on, off = startup.parse_args([]), startup.parse_args(["--decode-tuning", "off"])
+    off, on = startup.parse_args([]), startup.parse_args(["--decode-tuning", "on"])
     cuda = torch.device("cuda")
     tuned = decode_static_inductor_options(TscompileConfig.from_options(startup.compile_options(on)), cuda)
     untuned = decode_static_inductor_options(TscompileConfig.from_options(startup.compile_options(off)), cuda)
@@ -208,5 +208,5 @@ def test_decode_tuning_off_turns_coordinate_descent_off_in_the_engine_the_child_
     spawned = []
     monkeypatch.setattr(startup.subprocess, "run",
                         lambda argv, **kw: spawned.append(argv) or type("R", (), {"returncode": 1, "stdout": ""}))
-    assert "error" in startup._spawn("engine", off, {})
-    assert spawned[0][spawned[0].index("--decode-tuning") + 1] == "off"
+    assert "error" in startup._spawn("engine", on, {})
+    assert spawned[0][spawned[0].index("--decode-tuning") + 1] == "on"

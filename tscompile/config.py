@@ -49,10 +49,10 @@ class TscompileConfig:
         yet the default: its memory on llama-1b/8b has not been measured against the pool's margin,
         and the fix for the one narrowing-model graph it missed on the H200 has run on the CPU only.
     inductor_options: ``torch._inductor.config`` patches for every piece Inductor compiles (a dict).
-    static_inductor_options: more patches only for graphs whose input sizes are all static. The
-        engine's decode step sets ``coordinate_descent_tuning=True`` here on CUDA unless either dict
-        sets it: Inductor then turns the bs=1 graph's one-row matmuls into fused GEMV reductions and
-        tunes them (the gpt-fast setting), while the dynamic-batch graph skips the costly tuning.
+    static_inductor_options: more patches only for graphs whose input sizes are all static (the
+        engine's bs=1 decode graph). ``{"coordinate_descent_tuning": True}`` here is the gpt-fast
+        setting: Inductor turns the one-row matmuls into fused GEMV reductions and tunes them. Off by
+        default: on the H200 it doubles llama-1b's start-up for no steady gain (README, start-up).
     debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
     """
 
