@@ -8,7 +8,8 @@
 #                  then the bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32
 #                  64, prefill 32 and 2048, with kernel tables (FlashInfer's libraries already built)
 #   bench:M:MODES  the bench of M, MODES comma-separated (e.g. compile-reduce-overhead,compile-reduce-overhead-tuned),
-#                  bs 1 8 32 64, prefill 32 and 2048 (BENCH_PREFILL_LENS="32 128 512 2048" for others), 5 iterations,
+#                  bs 1 8 32 64 (BENCH_BS="1 32" for others), prefill 32 and 2048 (BENCH_PREFILL_LENS="32 128 512 2048"
+#                  for others), 5 iterations,
 #                  kernel tables -> $OUT/bench_M_MODES.{json,md}
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
@@ -88,7 +89,7 @@ run_job() {  # lane job
         --no-progress 2>&1 | tail -40 ;;
     bench:*)
       local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/+}
-      timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size 1 8 32 64 --input-len 512 \
+      timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size ${BENCH_BS:-1 8 32 64} --input-len 512 \
         --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table \
         --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
         2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
