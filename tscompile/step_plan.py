@@ -51,6 +51,8 @@ def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:
 
 
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.setflags(write=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,5 +167,9 @@ class StepPlan:
 
     @cached_property  # the engine and the runner both ask, once per step
     def tokens_on_device(self) -> np.ndarray:
-        """Indices of the rows whose input id is ``ON_DEVICE``."""
-        return np.flatnonzero(self.input_ids == ON_DEVICE)
+        """Indices of the rows whose input id is ``ON_DEVICE``: decode rows only (an extend's tokens
+        are the prompt's, or generated tokens read back before a recompute), so only those are scanned."""
+        first = self.num_tokens - self.num_decodes
+        if first == self.num_tokens:
+            return _NO_ROWS
+        return (self.input_ids[first:] == ON_DEVICE).nonzero()[0] + first

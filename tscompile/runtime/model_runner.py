@@ -115,6 +115,7 @@ class ModelRunner:
         self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device)
         self.sampling = SpareRowSampling(self.staging.sampling_inputs)  # why the spare row: dynamic_sizes.py
         self.readback = TokenReadback(max_num_seqs, device)
+        self._sampled_views: dict[int, torch.Tensor] = {}
         self.decode_logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
         self.launches = 0
         self.compile_seconds = 0.0
@@ -239,7 +240,15 @@ class ModelRunner:
             if prev_rows is not None:
                 raise RuntimeError("tscompile: only a decode step takes its input tokens from the device")
             self._extend(plan)
-        return self.readback.start(self.sampling.tokens[: plan.num_requests])
+        return self.readback.start(self._sampled_rows(plan.num_requests))
+
+    def _sampled_rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of the sampled-token buffer (a view made once per ``n``: a torch
+        slice costs microseconds of dispatch on every step)."""
+        rows = self._sampled_views.get(n)
+        if rows is None:
+            rows = self._sampled_views[n] = self.sampling.tokens[:n]
+        return rows
 
     def execute(self, plan: StepPlan) -> list[int]:
         """Run one step and wait for its tokens."""

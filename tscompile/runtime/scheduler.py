@@ -249,8 +249,11 @@ class Scheduler:
                     f"cache group {alloc.group_name!r}, the pool has {alloc.num_blocks - 1}; raise num_pages"
                 )
 
-    def add(self, req: Request) -> None:
-        self.validate(req.prompt, req.params)
+    def add(self, req: Request, *, validated: bool = False) -> None:
+        """Queue ``req``. ``validated``: the caller has run ``validate`` on it already (the engine
+        validates every request of a call before queueing any), so a long prompt is scanned once."""
+        if not validated:
+            self.validate(req.prompt, req.params)
         self.waiting.append(req)
 
     def _try_admit(self, req: Request) -> bool:
