@@ -45,8 +45,9 @@ def _timed(llm, prompts, params, iterations: int) -> float:
 def main(prompt_len: int = 32, iterations: int = 200, decode: int = 0, sort: str = "cumtime") -> None:
     ladder = _ladder(prompt_len)
     new_tokens = max(decode, 1)
-    llm = tscompile.LLM("llama-tiny", device="cpu", dtype=torch.float32, max_model_len=max(128, prompt_len + new_tokens),
-                        max_num_seqs=4, page_size=16, max_num_batched_tokens=ladder[-1],
+    llm = tscompile.LLM("llama-tiny", device="cpu", dtype=torch.float32,
+                        max_model_len=max(128, prompt_len + new_tokens), max_num_seqs=4, page_size=16,
+                        max_num_batched_tokens=ladder[-1],
                         compile_options={"token_ladder": ladder, "prefill_graph_max_tokens": ladder[-1],
                                          "decode_ladder": (1, 2, 4)})
     llm.runner.enable_whole_step_prefill(host_replay=True)

@@ -22,9 +22,9 @@ and their sample lands in rows of the sampled-token buffer nobody reads.
 
 Safety: a step's buffers are rewritten only by a later step of the same bucket, and the engine
 never launches an extend or mixed step while another step is in flight (``can_chain``); a bucket's
-pinned staging is rewritten only after the event of its last copy. All graphs share one memory pool: they
-never run at the same time and nothing a graph leaves in the pool is read after its replay (the
-sample is copied out of the sampled-token buffer, which is not pool memory).
+pinned staging is rewritten only after the event of its last copy. All graphs share one memory
+pool: they never run at the same time and nothing a graph leaves in the pool is read after its
+replay (the sample is copied out of the sampled-token buffer, which is not pool memory).
 """
 
 from __future__ import annotations
