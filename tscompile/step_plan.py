@@ -21,10 +21,38 @@ from tscompile.kv_cache.slots import slot_from_block_rows
 
 def row_offsets(lens: np.ndarray) -> np.ndarray:
     """``[B] -> [B + 1]`` int32 exclusive prefix sums: request b's rows are ``[out[b], out[b + 1])``."""
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    out = np.zeros(lens.shape[0] + 1, dtype=np.int32)
+    # the ufunc method, not np.cumsum: every step builds a few of these, and np.cumsum's Python
+    # wrapper costs several times the sum itself at these sizes
+    np.add.accumulate(lens, out=out[1:])
+    return out
+
+
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def arange_view(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64) as a read-only view of one table grown on demand: a step's row
+    indices without allocating an array per step."""
+    global _ARANGE
+    if _ARANGE.shape[0] < n:
+        _ARANGE = np.arange(max(n, 2 * _ARANGE.shape[0], 4096), dtype=np.int64)
+        _ARANGE.setflags(write=False)
+    return _ARANGE[:n]
+
+
+def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:
+    """``dst[:len(src)] = src`` and every row past it ``pad``: a step's array written into a bucket's
+    larger buffer (the padding write is skipped when there is none: each numpy call costs)."""
+    n = src.shape[0]
+    dst[:n] = src
+    if n < dst.shape[0]:
+        dst[n:] = pad
 
 
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.setflags(write=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,16 +81,27 @@ class GroupPlan:
         return row_offsets(self.query_lens)
 
     @cached_property
+    def row_requests(self) -> np.ndarray:
+        """[rows] int64: the request of each row."""
+        return np.repeat(arange_view(self.query_lens.shape[0]), self.query_lens)
+
+    @cached_property
     def positions(self) -> np.ndarray:
-        """[rows] int64: each row's position in its request's sequence of this group."""
-        q = self.query_lens.astype(np.int64)
-        req = np.repeat(np.arange(q.shape[0]), q)
-        return (self.seq_lens.astype(np.int64) - q)[req] + np.arange(req.shape[0]) - self.qo_indptr[:-1][req]
+        """[rows] int64: each row's position in its request's sequence of this group (a request's
+        rows are its last ``query_lens`` positions, ``seq_lens - query_lens`` onwards)."""
+        rows = int(self.qo_indptr[-1])
+        if self.query_lens.shape[0] == 1:  # one request (a lone prompt): one slice, no per-row gather
+            first = int(self.seq_lens[0]) - rows
+            return arange_view(first + rows)[first:]
+        req = self.row_requests
+        # row i of request b: (seq_lens[b] - query_lens[b]) + (i - qo_indptr[b])
+        return (self.seq_lens.astype(np.int64) - self.query_lens - self.qo_indptr[:-1])[req] + arange_view(rows)
 
     @cached_property
     def write_slots(self) -> np.ndarray:
         """[rows] int64: the KV slot each row writes, ``table[req, pos // block] * block + pos % block``."""
-        req = np.repeat(np.arange(self.query_lens.shape[0]), self.query_lens.astype(np.int64))
+        # one request: the scalar index 0 broadcasts over the rows (no per-row request array)
+        req = 0 if self.query_lens.shape[0] == 1 else self.row_requests
         return slot_from_block_rows(self.block_tables, req, self.positions, self.block_size)
 
 
@@ -126,7 +165,11 @@ class StepPlan:
         """[B + 1] int32 offsets of the requests among the input rows."""
         return row_offsets(self.query_lens)
 
-    @property
+    @cached_property  # the engine and the runner both ask, once per step
     def tokens_on_device(self) -> np.ndarray:
-        """Indices of the rows whose input id is ``ON_DEVICE``."""
-        return np.flatnonzero(self.input_ids == ON_DEVICE)
+        """Indices of the rows whose input id is ``ON_DEVICE``: decode rows only (an extend's tokens
+        are the prompt's, or generated tokens read back before a recompute), so only those are scanned."""
+        first = self.num_tokens - self.num_decodes
+        if first == self.num_tokens:
+            return _NO_ROWS
+        return (self.input_ids[first:] == ON_DEVICE).nonzero()[0] + first

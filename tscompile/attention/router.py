@@ -19,7 +19,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.slots import expand_block_table_rows
 from tscompile.kv_cache.spec import CacheGeometry, CacheGroupSpec
-from tscompile.step_plan import StepPlan
+from tscompile.step_plan import StepPlan, put_padded
 from tscompile.utils import upload
 
 
@@ -155,6 +155,15 @@ class AttentionRouter(AttentionBackend):
         the null page."""
         self.publish_extend_metadata(plan, upload(self.extend_host_arrays(plan, pad_rows), self.device))
 
+    def extend_array_layout(self, tokens: int, requests: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """Shape and dtype of each ``extend_host_arrays`` array of a step padded to ``tokens`` rows
+        in every group and ``requests`` requests."""
+        i32, i64 = np.dtype(np.int32), np.dtype(np.int64)
+        layout = []
+        for leaf in self.leaves:
+            layout += [((requests, leaf.max_pages), i32), ((requests,), i32), ((requests + 1,), i32), ((tokens,), i64)]
+        return layout
+
     def extend_host_arrays(self, plan: StepPlan, pad_rows: Mapping[int, int], pad_requests: int = 0) -> list:
         """Per cache group, in order: page table ``[R, max_pages]`` int32, KV lengths ``[R]`` int32,
         query offsets ``[R + 1]`` int32 and write slots ``[rows]`` int64 of an extend or mixed step.
@@ -162,23 +171,34 @@ class AttentionRouter(AttentionBackend):
         ``pad_requests``: R, at least the plan's B (0: B). Request rows past B are padding: a null
         page-table row, KV length 0 and an empty query range (the offsets repeat their last value),
         so no kernel gives them work. Token rows past the live ones write slot 0 (``pad_rows``)."""
-        reject_decode_init(plan.mode)
+        requests = max(pad_requests, plan.num_requests)
         host = []
         for gid, (group, leaf) in enumerate(zip(plan.groups, self.leaves)):
-            geo = self.geometry[gid]
-            pages = expand_block_table_rows(group.block_tables, geo.pages_per_block, leaf.max_pages)
-            seq_lens, qo_indptr = group.seq_lens, group.qo_indptr
-            slots = group.write_slots
-            pad = pad_rows.get(gid, 0) - slots.shape[0]
-            if pad > 0:
-                slots = np.concatenate([slots, np.zeros(pad, dtype=np.int64)])
-            extra = pad_requests - seq_lens.shape[0]
-            if extra > 0:
-                pages = np.concatenate([pages, np.zeros((extra, pages.shape[1]), dtype=pages.dtype)])
-                seq_lens = np.concatenate([seq_lens, np.zeros(extra, dtype=seq_lens.dtype)])
-                qo_indptr = np.concatenate([qo_indptr, np.full(extra, qo_indptr[-1], dtype=qo_indptr.dtype)])
-            host += [pages, seq_lens, qo_indptr, slots]
+            rows = max(pad_rows.get(gid, 0), int(group.qo_indptr[-1]))
+            host += [np.empty((requests, leaf.max_pages), dtype=np.int32), np.empty(requests, dtype=np.int32),
+                     np.empty(requests + 1, dtype=np.int32), np.empty(rows, dtype=np.int64)]
+        self.fill_extend_host_arrays(plan, host)
         return host
+
+    def fill_extend_host_arrays(self, plan: StepPlan, out: list[np.ndarray]) -> None:
+        """``extend_host_arrays`` written into ``out`` (arrays of its shapes, e.g. a whole-step
+        bucket's pinned staging, see ``extend_array_layout``): every element is written, padding
+        included, so ``out`` may hold anything before."""
+        reject_decode_init(plan.mode)
+        b = plan.num_requests
+        for gid, group in enumerate(plan.groups):
+            pages, seq_lens, qo_indptr, slots = out[4 * gid: 4 * gid + 4]
+            put_padded(pages, self._page_rows(gid, group.block_tables), 0)
+            put_padded(seq_lens, group.seq_lens, 0)
+            put_padded(qo_indptr, group.qo_indptr, group.qo_indptr[b])  # padded requests: empty ranges
+            put_padded(slots, group.write_slots, 0)
+
+    def _page_rows(self, gid: int, block_tables: np.ndarray) -> np.ndarray:
+        """Group ``gid``'s page table rows of ``block_tables`` (the scheduler's)."""
+        ppb, width = self.geometry[gid].pages_per_block, self.leaves[gid].max_pages
+        if ppb == 1 and block_tables.shape[1] == width:
+            return block_tables  # a page per block: the page ids are the block ids, 0 the null page
+        return expand_block_table_rows(block_tables, ppb, width)
 
     def publish_extend_metadata(self, plan: StepPlan, arrays: list[torch.Tensor]) -> None:
         """Hand each leaf its extend metadata: ``arrays`` are ``extend_host_arrays`` on the device

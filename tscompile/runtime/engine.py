@@ -208,12 +208,13 @@ class LLM:
         self.scheduler.validate(prompt.token_ids, params)
         completion = CompletionState(params, self.eos_token_ids, self.tokenizer, prompt.token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(next(self._ids), list(prompt.token_ids), params, seed)
+        req = Request(next(self._ids), prompt.token_ids, params, seed)  # parse_prompts made the list: no copy
         req.completion, req.text_prompt = completion, prompt.text
         return req
 
     def _queue(self, req: Request) -> Request:
-        self.scheduler.add(req)
+        """Queue a request ``_new_request`` made (and validated)."""
+        self.scheduler.add(req, validated=True)
         self._requests[req.rid] = req
         return req
 

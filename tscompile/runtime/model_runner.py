@@ -49,7 +49,7 @@ from tscompile.runtime.prefill_capture import request_ladder
 from tscompile.runtime.prefill_graphs import WholeStepPrefill
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
-from tscompile.step_plan import StepPlan
+from tscompile.step_plan import StepPlan, put_padded
 from tscompile.utils import upload
 
 StepFn = Callable[..., torch.Tensor]
@@ -117,6 +117,7 @@ class ModelRunner:
         self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device)
         self.sampling = SpareRowSampling(self.staging.sampling_inputs)  # why the spare row: dynamic_sizes.py
         self.readback = TokenReadback(max_num_seqs, device)
+        self._sampled_views: dict[int, torch.Tensor] = {}
         self.decode_logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
         self.launches = 0
         self.compile_seconds = 0.0
@@ -177,7 +178,8 @@ class ModelRunner:
         tokens = tuple(b for b in cfg.token_ladder if b <= cfg.prefill_graph_max_tokens)
         requests = request_ladder(cfg.decode_ladder, self.max_num_seqs)
         self.whole_prefill = WholeStepPrefill(self.device, tokens, requests, host_replay=host_replay,
-                                              compile_seconds=lambda: self.compile_seconds)
+                                              compile_seconds=lambda: self.compile_seconds,
+                                              layout=self._whole_step_layout)
         self.prefill_buckets = None
 
     @property
@@ -240,7 +242,15 @@ class ModelRunner:
             if prev_rows is not None:
                 raise RuntimeError("tscompile: only a decode step takes its input tokens from the device")
             self._extend(plan)
-        return self.readback.start(self.sampling.tokens[: plan.num_requests])
+        return self.readback.start(self._sampled_rows(plan.num_requests))
+
+    def _sampled_rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of the sampled-token buffer (a view made once per ``n``: a torch
+        slice costs microseconds of dispatch on every step)."""
+        rows = self._sampled_views.get(n)
+        if rows is None:
+            rows = self._sampled_views[n] = self.sampling.tokens[:n]
+        return rows
 
     def execute(self, plan: StepPlan) -> list[int]:
         """Run one step and wait for its tokens."""
@@ -412,23 +422,34 @@ class ModelRunner:
 
     def _extend_whole(self, plan: StepPlan, tokens: int, requests: int) -> None:
         """The step padded to ``tokens`` rows and ``requests`` requests, as one graph."""
-        pad_t, pad_r = tokens - plan.num_tokens, requests - plan.num_requests
-        ids, pos = (np.concatenate([a, np.zeros(pad_t, dtype=a.dtype)]) for a in (plan.input_ids, plan.positions))
-        logits_rows = np.concatenate([plan.logits_rows, np.zeros(pad_r, dtype=plan.logits_rows.dtype)])
-        qo_indptr = np.concatenate([plan.qo_indptr, np.full(pad_r, plan.qo_indptr[-1], dtype=plan.qo_indptr.dtype)])
-        completes = np.concatenate([plan.completes, np.zeros(pad_r, dtype=plan.completes.dtype)])
-        groups = self.attention.extend_host_arrays(plan, {g: tokens for g in range(len(plan.groups))}, requests)
-        dev = self.whole_prefill.stage((tokens, requests), [ids, pos, logits_rows, qo_indptr, completes, *groups])
+        dev = self.whole_prefill.stage((tokens, requests), lambda host: self._fill_whole_step(plan, host))
         self.attention.publish_extend_metadata(plan, dev[5:])
         self.staging.fill_sampling(plan.sampling, requests)
         self.staging.upload()
-        ctx = ForwardContext(plan.mode, self.attention, dev[2], dev[3], dev[4])
-        mark_extend_request_dims(self.attention.leaves, dev[4])
         greedy = plan.sampling.all_greedy
 
-        def step() -> None:
-            with forward_context(ctx):
+        def step() -> None:  # on CUDA only a capture runs it: a replay reads the buffers directly
+            mark_extend_request_dims(self.attention.leaves, dev[4])
+            with forward_context(ForwardContext(plan.mode, self.attention, dev[2], dev[3], dev[4])):
                 self._timed(self.extend_step, dev[0], dev[1], greedy)
 
         self.whole_prefill.run((tokens, requests, greedy, plan.mode), step)
         counters["prefill_graphed"] += 1
+
+    def _whole_step_layout(self, tokens: int, requests: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """The input arrays of a whole-step bucket, in ``_fill_whole_step``'s order."""
+        i64 = np.dtype(np.int64)
+        return [((tokens,), i64), ((tokens,), i64), ((requests,), i64), ((requests + 1,), np.dtype(np.int32)),
+                ((requests,), np.dtype(bool)), *self.attention.extend_array_layout(tokens, requests)]
+
+    def _fill_whole_step(self, plan: StepPlan, host: list[np.ndarray]) -> None:
+        """Write ``plan`` padded to the bucket of ``host`` (its staging): token ids, positions,
+        logits rows, query offsets, ``completes``, then the attention metadata. Padded token rows
+        are token 0 at position 0; padded requests sample row 0 and have an empty query range."""
+        ids, pos, logits_rows, qo_indptr, completes = host[:5]
+        put_padded(ids, plan.input_ids, 0)
+        put_padded(pos, plan.positions, 0)
+        put_padded(logits_rows, plan.logits_rows, 0)
+        put_padded(qo_indptr, plan.qo_indptr, plan.num_tokens)
+        put_padded(completes, plan.completes, False)
+        self.attention.fill_extend_host_arrays(plan, host[5:])

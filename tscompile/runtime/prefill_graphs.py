@@ -10,20 +10,21 @@ rows depend on the request count, and a graph fixes every shape it was captured 
 Persistent inputs. A captured graph reads its inputs at the addresses of its capture, so each
 bucket owns its buffers (``ExtendBuffers``): token ids, positions, logits rows, the query offsets
 and ``completes`` the forward context carries, and per cache group the page table, KV lengths,
-query offsets and write slots. One arena per dtype holds a bucket's buffers; a step packs its
-padded host arrays into pinned memory and sends them in one copy per dtype, into the arena its
-graph reads. The sampler's inputs already live in the decode staging (persistent).
+query offsets and write slots. One arena per dtype holds a bucket's buffers, mirrored by a pinned
+host arena with the same layout: a step writes its padded arrays straight into the host views (no
+intermediate arrays, no packing) and sends each dtype's arena in one copy, into the arena its graph
+reads. The sampler's inputs already live in the decode staging (persistent).
 
-Padding (``AttentionRouter.extend_host_arrays``): token rows past the live ones are token 0 at
+Padding (``AttentionRouter.fill_extend_host_arrays``): token rows past the live ones are token 0 at
 position 0 writing slot 0, the null page; request rows past the live ones have a null page-table
 row, KV length 0 and an empty query range, so the kernels give them no work; their logits row is 0
 and their sample lands in rows of the sampled-token buffer nobody reads.
 
 Safety: a step's buffers are rewritten only by a later step of the same bucket, and the engine
-never launches an extend or mixed step while another step is in flight (``can_chain``); the pinned
-staging is reused only after the event of its last copy. All graphs share one memory pool: they
-never run at the same time and nothing a graph leaves in the pool is read after its replay (the
-sample is copied out of the sampled-token buffer, which is not pool memory).
+never launches an extend or mixed step while another step is in flight (``can_chain``); a bucket's
+pinned staging is rewritten only after the event of its last copy. All graphs share one memory
+pool: they never run at the same time and nothing a graph leaves in the pool is read after its
+replay (the sample is copied out of the sampled-token buffer, which is not pool memory).
 """
 
 from __future__ import annotations
@@ -46,25 +47,37 @@ GraphKey = tuple  # (tokens, requests, all_greedy, mode)
 
 
 class ExtendBuffers:
-    """The persistent device inputs of one ``(tokens, requests)`` bucket: ``tensors[i]`` has the
-    shape and dtype of host array ``i`` of every step of that bucket (views into per-dtype arenas)."""
+    """The persistent device inputs of one ``(tokens, requests)`` bucket and their host staging:
+    ``tensors[i]`` (device) and ``host[i]`` (numpy, pinned on CUDA) have the shape and dtype of
+    entry ``i`` of the bucket's layout. Both are views into one arena per dtype, at the same
+    offsets, so a step writes its arrays straight into ``host`` and ``send`` moves each dtype's
+    arena in one copy."""
 
-    def __init__(self, shapes: list[tuple[tuple[int, ...], np.dtype]], device: torch.device):
-        # (array index, start, numel, shape) per dtype; numel kept: np.prod per array per step showed
-        # up in the host profile of a prefill (about 10 us a call)
-        self.layout: dict[np.dtype, list[tuple[int, int, int, tuple[int, ...]]]] = {}
+    def __init__(self, layout: list[tuple[tuple[int, ...], np.dtype]], device: torch.device, *, pin: bool):
+        offsets: list[tuple[np.dtype, int, int, tuple[int, ...]]] = []  # (dtype, start, numel, shape) per array
         sizes: dict[np.dtype, int] = {}
-        for i, (shape, dtype) in enumerate(shapes):
+        for shape, dtype in layout:
             step = max(1, UPLOAD_ALIGN_BYTES // dtype.itemsize)  # aligned views: see utils.upload
             start = sizes.get(dtype, 0)
             numel = math.prod(shape)
-            self.layout.setdefault(dtype, []).append((i, start, numel, shape))
+            offsets.append((dtype, start, numel, shape))
             sizes[dtype] = start + -(-max(numel, 1) // step) * step
         self.arenas = {dt: torch.from_numpy(np.zeros(n, dtype=dt)).to(device) for dt, n in sizes.items()}
-        self.tensors: list[torch.Tensor] = [None] * len(shapes)
-        for dt, entries in self.layout.items():
-            for i, start, numel, shape in entries:
-                self.tensors[i] = self.arenas[dt][start: start + numel].view(shape)
+        # the staging of one bucket is as large as its device buffers (a few KB to a few MB)
+        self.host_arenas = {dt: torch.from_numpy(np.zeros(n, dtype=dt)) for dt, n in sizes.items()}
+        if pin:
+            self.host_arenas = {dt: t.pin_memory() for dt, t in self.host_arenas.items()}
+        flat = {dt: t.numpy() for dt, t in self.host_arenas.items()}
+        self.tensors: list[torch.Tensor] = [self.arenas[dt][start: start + numel].view(shape)
+                                            for dt, start, numel, shape in offsets]
+        self.host: list[np.ndarray] = [flat[dt][start: start + numel].reshape(shape)
+                                       for dt, start, numel, shape in offsets]
+        self.sent: torch.cuda.Event | None = None  # recorded after the last copy out of ``host``
+
+    def send(self, non_blocking: bool) -> None:
+        """Copy the staging to the device buffers, one copy per dtype."""
+        for dt, host in self.host_arenas.items():
+            self.arenas[dt].copy_(host, non_blocking=non_blocking)
 
 
 class WholeStepPrefill:
@@ -74,8 +87,11 @@ class WholeStepPrefill:
     same padding and buffers, testable where no CUDA device exists."""
 
     def __init__(self, device: torch.device, token_ladder: tuple[int, ...], request_ladder: tuple[int, ...], *,
-                 host_replay: bool = False, compile_seconds: Callable[[], float] = lambda: 0.0):
+                 host_replay: bool = False, compile_seconds: Callable[[], float] = lambda: 0.0,
+                 layout: Callable[[int, int], list[tuple[tuple[int, ...], np.dtype]]] | None = None):
+        """``layout(tokens, requests)``: shape and dtype of each input array of a step of that bucket."""
         self.device = device
+        self.layout = layout
         # the runner's compile time so far: a first step compiles inside its capture's warm-up, and
         # that time is the compile column's, not the capture's
         self._compile_seconds = compile_seconds
@@ -86,8 +102,6 @@ class WholeStepPrefill:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph | None] = {}
         self.capture_seconds = 0.0
         self.replay = True  # False: keep the padding and buffers, run the step without its graph (tests)
-        self._pinned: dict[np.dtype, torch.Tensor] = {}
-        self._copied: torch.cuda.Event | None = None
         if not host_replay:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device)
@@ -100,37 +114,23 @@ class WholeStepPrefill:
             return None
         return tokens, min(requests, tokens)  # never more requests than token rows
 
-    def stage(self, size: tuple[int, int], arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Send one step's padded host arrays into its bucket's persistent buffers (one copy per
-        dtype); returns those buffers."""
+    def stage(self, size: tuple[int, int], fill: Callable[[list[np.ndarray]], None]) -> list[torch.Tensor]:
+        """One step's inputs into bucket ``size``'s persistent buffers: ``fill`` writes every element
+        of the bucket's host staging (arrays shaped as ``layout(*size)``), which then goes up in one
+        copy per dtype. Returns the device buffers."""
         buf = self.buffers.get(size)
         if buf is None:
-            buf = self.buffers[size] = ExtendBuffers([(a.shape, a.dtype) for a in arrays], self.device)
-        for i, a in enumerate(arrays):
-            if buf.tensors[i].shape != a.shape:
-                raise RuntimeError(f"tscompile: whole-step prefill input {i} of bucket {size} has shape {a.shape}, "
-                                   f"its buffer {tuple(buf.tensors[i].shape)}")
-        if self._copied is not None:
-            self._copied.synchronize()  # the pinned staging of the last step has been sent
-        for dt, entries in buf.layout.items():
-            arena = buf.arenas[dt]
-            host = self._host(dt, arena.numel())
-            flat = host.numpy()
-            for i, start, numel, _ in entries:
-                flat[start: start + numel] = np.asarray(arrays[i]).reshape(-1)
-            arena.copy_(host, non_blocking=not self.host_replay)
+            if self.layout is None:
+                raise RuntimeError("tscompile: WholeStepPrefill.stage needs the layout of a step's arrays")
+            buf = self.buffers[size] = ExtendBuffers(self.layout(*size), self.device, pin=not self.host_replay)
+        if buf.sent is not None:
+            buf.sent.synchronize()  # the last copy out of this staging has been sent
+        fill(buf.host)
+        buf.send(non_blocking=not self.host_replay)
         if not self.host_replay:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            buf.sent = torch.cuda.Event()
+            buf.sent.record()
         return buf.tensors
-
-    def _host(self, dtype: np.dtype, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of this dtype's staging (pinned on CUDA), grown on demand."""
-        host = self._pinned.get(dtype)
-        if host is None or host.numel() < numel:
-            host = torch.from_numpy(np.zeros(numel, dtype=dtype))
-            self._pinned[dtype] = host if self.host_replay else host.pin_memory()
-        return self._pinned[dtype][:numel]
 
     def run(self, key: GraphKey, step: Callable[[], None]) -> None:
         """Replay ``key``'s graph, capturing it first if this is the key's first step."""

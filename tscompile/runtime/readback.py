@@ -24,7 +24,8 @@ class PendingTokens:
         if self._tokens is None:
             if self._event is not None:
                 self._event.synchronize()
-            self._tokens = self._host[: self._n].tolist()
+            host = self._host if self._host.shape[0] == self._n else self._host[: self._n]
+            self._tokens = host.tolist()
         return self._tokens
 
 
@@ -37,6 +38,15 @@ class TokenReadback:
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else [None, None]
         self._pending: list[PendingTokens | None] = [None, None]
         self._turn = 0
+        # (buffer, n) -> that buffer's first n rows, made once: a torch slice per step costs
+        # microseconds of dispatch
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _host_rows(self, turn: int, n: int) -> torch.Tensor:
+        rows = self._rows.get((turn, n))
+        if rows is None:
+            rows = self._rows[turn, n] = self._host[turn][:n]
+        return rows
 
     def start(self, tokens: torch.Tensor) -> PendingTokens:
         """Queue the copy of ``tokens`` (on the device, ``[n]``) behind the work launched so far."""
@@ -45,8 +55,8 @@ class TokenReadback:
         if earlier is not None:
             earlier.wait()  # whoever holds it still gets its tokens: read them before reusing the buffer
         self._turn ^= 1
-        host = self._host[turn]
-        host[:n].copy_(tokens, non_blocking=True)
+        host = self._host_rows(turn, n)
+        host.copy_(tokens, non_blocking=True)
         event = self._events[turn]
         if event is not None:
             # on the engine's device's stream, which need not be the current device's

@@ -27,7 +27,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_rows
 from tscompile.sampling import SamplingParams
-from tscompile.step_plan import ON_DEVICE, GroupPlan, SamplingRows, StepPlan
+from tscompile.step_plan import ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view
 from tscompile.utils import cdiv
 
 MAX_STOP_IDS_BANNED = 8  # stop_token_ids a request may ban (before min_tokens) besides the model's eos ids
@@ -55,6 +55,7 @@ class Request:
     resumed: int = 0  # generated tokens folded back into the prompt by a preemption (recomputed)
     group_lens: list[int] = field(default_factory=list)  # KV length per cache group
     blocks: list[list[int]] = field(default_factory=list)  # reserved block ids per cache group
+    _prompt_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def prefill_len(self) -> int:
@@ -64,6 +65,20 @@ class Request:
     def prefill_tokens(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt)
         return self.prompt[start:stop] + self.output[max(start - n, 0): max(stop - n, 0)]
+
+    def prefill_token_ids(self, start: int, stop: int) -> np.ndarray:
+        """``prefill_tokens`` as int64 numpy. Within the prompt it is a slice of the prompt's array,
+        converted once per request (a plan of a long prompt used to convert a Python list per
+        chunk); that array is read-only, so no plan can write through the slice."""
+        ids = self._prompt_ids
+        if ids is None:
+            ids = self._prompt_ids = np.array(self.prompt, dtype=np.int64)
+            ids.setflags(write=False)
+        n = ids.shape[0]
+        if stop <= n:
+            return ids[start:stop]
+        # a recomputed request: its generated tokens follow the prompt
+        return np.concatenate([ids[start:], np.array(self.output[max(start - n, 0): stop - n], dtype=np.int64)])
 
     @property
     def prefill_done(self) -> bool:
@@ -105,10 +120,12 @@ class ScheduledBatch:
 
 def _sampling_rows(reqs: list[Request], eos_token_ids: tuple[int, ...], banned_width: int) -> SamplingRows:
     params = [r.params for r in reqs]
-    banned = np.full((len(reqs), banned_width), -1, dtype=np.int64)
+    banned = np.empty((len(reqs), banned_width), dtype=np.int64)
+    banned.fill(-1)
     for i, r in enumerate(reqs):
         ids = r.params.banned_ids(eos_token_ids, r.num_generated)
-        banned[i, : len(ids)] = ids
+        if ids:  # nothing banned past min_tokens, the usual case
+            banned[i, : len(ids)] = ids
     return SamplingRows(
         temperature=np.array([p.temperature for p in params], dtype=np.float32),
         top_k=np.array([p.top_k for p in params], dtype=np.int32),
@@ -120,42 +137,60 @@ def _sampling_rows(reqs: list[Request], eos_token_ids: tuple[int, ...], banned_w
     )
 
 
+def _input_rows(batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The step's token ids and positions ([T] int64 each): each extend's chunk, then one row per decode."""
+    ids = [r.prefill_token_ids(r.num_computed, r.num_computed + n) for r, n in batch.extends]
+    pos = [arange_view(r.num_computed + n)[r.num_computed:] for r, n in batch.extends]
+    if batch.decodes:
+        ids.append(np.array([r.last_token for r in batch.decodes], dtype=np.int64))
+        pos.append(np.array([r.num_computed for r in batch.decodes], dtype=np.int64))
+    if len(ids) == 1:  # a lone prompt chunk (or a decode-only step): nothing to join
+        return ids[0], pos[0]
+    return np.concatenate(ids), np.concatenate(pos)
+
+
 def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_tables: list[np.ndarray],
                     block_size: int, eos_token_ids: tuple[int, ...] = (), banned_width: int = 1) -> StepPlan:
     """The plan of ``batch`` from the requests' state before the step (a pure function).
 
     ``block_tables[g]`` is the scheduler's ``[max_num_seqs, max_blocks]`` table of group ``g``;
     request ``r`` owns row ``r.slot``. ``eos_token_ids`` are the model's, banned (with each request's
-    stop ids) until it has ``min_tokens`` tokens; ``banned_width`` is the engine's ban-list width."""
+    stop ids) until it has ``min_tokens`` tokens; ``banned_width`` is the engine's ban-list width.
+
+    The per-request facts are Python lists turned into arrays once each: at a handful of requests
+    a numpy call costs more than the work it does, so the fewer the better."""
     reqs = batch.requests
-    ids, pos = [], []
-    for r, n in batch.extends:
-        ids += r.prefill_tokens(r.num_computed, r.num_computed + n)
-        pos += range(r.num_computed, r.num_computed + n)
-    for r in batch.decodes:
-        ids.append(r.last_token)
-        pos.append(r.num_computed)
-    query_lens = np.array([n for _, n in batch.extends] + [1] * len(batch.decodes), dtype=np.int32)
+    num_decodes = len(batch.decodes)
+    ids, pos = _input_rows(batch)
+    query_lens = np.array([n for _, n in batch.extends] + [1] * num_decodes, dtype=np.int32)
     prefix = np.array([r.num_computed for r in reqs], dtype=np.int32)
-    completes = np.array([r.num_computed + n == r.prefill_len for r, n in batch.extends]
-                         + [False] * len(batch.decodes), dtype=bool)
-    emits = completes.copy()
-    emits[len(batch.extends):] = True
+    ends = [r.num_computed + n == r.prefill_len for r, n in batch.extends]
+    completes = np.array(ends + [False] * num_decodes, dtype=bool)
+    emits = np.array(ends + [True] * num_decodes, dtype=bool)  # an open chunk's sample is discarded
     slots = [r.slot for r in reqs]
     groups = []
     for g, spec in enumerate(specs):
-        kept = np.asarray(kept_rows(query_lens, completes, spec.window), dtype=np.int32)
         # a decode row is always kept: kept_rows gives 1 for a one-row open "chunk"
+        kept = query_lens if spec.window is None else np.asarray(kept_rows(query_lens, completes, spec.window),
+                                                                  dtype=np.int32)
         seq_lens = np.array([r.group_lens[g] for r in reqs], dtype=np.int32) + kept
-        groups.append(GroupPlan(kept, seq_lens, block_tables[g][slots], block_size))
-    last = max(range(len(specs)), key=lambda g: max(specs[g].layer_ids))  # the group of the last layer
-    logits_rows = groups[last].qo_indptr[1:].astype(np.int64) - 1
+        # take(): the same rows as block_tables[g][slots], without fancy indexing's dispatch
+        groups.append(GroupPlan(kept, seq_lens, block_tables[g].take(slots, axis=0), block_size))
+    last = groups[_last_layer_group(specs)]
+    logits_rows = np.subtract(last.qo_indptr[1:], 1, dtype=np.int64)  # int64: the device gathers with it
     return StepPlan(
         mode=batch.mode, request_ids=tuple(r.rid for r in reqs), num_extends=len(batch.extends),
-        input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64), query_lens=query_lens,
+        input_ids=ids, positions=pos, query_lens=query_lens,
         prefix_lens=prefix, completes=completes, emits=emits, groups=tuple(groups), logits_rows=logits_rows,
         sampling=_sampling_rows(reqs, eos_token_ids, banned_width),
     )
+
+
+def _last_layer_group(specs: list[CacheGroupSpec]) -> int:
+    """The cache group of the model's last layer (its rows are the ones sampled)."""
+    if len(specs) == 1:
+        return 0
+    return max(range(len(specs)), key=lambda g: max(specs[g].layer_ids))
 
 
 class Scheduler:
@@ -214,8 +249,11 @@ class Scheduler:
                     f"cache group {alloc.group_name!r}, the pool has {alloc.num_blocks - 1}; raise num_pages"
                 )
 
-    def add(self, req: Request) -> None:
-        self.validate(req.prompt, req.params)
+    def add(self, req: Request, *, validated: bool = False) -> None:
+        """Queue ``req``. ``validated``: the caller has run ``validate`` on it already (the engine
+        validates every request of a call before queueing any), so a long prompt is scanned once."""
+        if not validated:
+            self.validate(req.prompt, req.params)
         self.waiting.append(req)
 
     def _try_admit(self, req: Request) -> bool:

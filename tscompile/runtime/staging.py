@@ -15,11 +15,21 @@ direct runner call), at the cost of one completed-event check per step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tscompile.attention.router import DecodeInputs
 from tscompile.sampling import SamplingInputs
 from tscompile.step_plan import SamplingRows, StepPlan
+
+
+def _put_rows(flat: np.ndarray, at: int, values, n: int, bs: int, pad) -> None:
+    """``flat[at:at + n] = values`` and rows ``[n, bs)`` after them ``pad``; the padding write is
+    skipped when there is none (a decode batch of a graph size, or without graphs): at a few rows
+    each numpy call costs more than its copy."""
+    flat[at: at + n] = values
+    if bs > n:
+        flat[at + n: at + bs] = pad
 
 
 class _HostSet:
@@ -82,12 +92,11 @@ class DecodeStaging:
         n, b = plan.num_requests, self.max_bs
         host = self._writable_set()
         n64, n32 = host.n64, host.n32
-        for i, values in enumerate((plan.input_ids, plan.positions)):
-            n64[i * b: i * b + n] = values
-            n64[i * b + n: i * b + bs] = 0
-        n64[:n] = n64[:n].clip(min=0)  # an ON_DEVICE id is replaced on the device (prev_rows)
-        n64[4 * b: 4 * b + n] = -1 if prev_rows is None else prev_rows
-        n64[4 * b + n: 4 * b + bs] = -1
+        _put_rows(n64, 0, plan.input_ids, n, bs, 0)
+        live = n64[:n]
+        np.maximum(live, 0, out=live)  # an ON_DEVICE id is replaced on the device (prev_rows)
+        _put_rows(n64, b, plan.positions, n, bs, 0)
+        _put_rows(n64, 4 * b, -1 if prev_rows is None else prev_rows, n, bs, -1)
         for g, group in enumerate(plan.groups):
             n32[g * b: g * b + n] = group.seq_lens
             start = self._tables_at + g * b * self.max_blocks
@@ -110,15 +119,12 @@ class DecodeStaging:
         """Rows ``[n, bs)`` become padding: greedy, nothing banned."""
         n, b, k = rows.seeds.shape[0], self.max_bs, self.banned_width
         n64, n32, nf = host.n64, host.n32, host.nf
-        for i, values in ((2, rows.seeds), (3, rows.steps)):
-            n64[i * b: i * b + n] = values
-            n64[i * b + n: i * b + bs] = 0
-        n64[5 * b: 5 * b + n * k] = rows.banned.reshape(-1)
-        n64[5 * b + n * k: 5 * b + bs * k] = -1
-        n32[self._topk_at: self._topk_at + n] = rows.top_k
-        n32[self._topk_at + n: self._topk_at + bs] = 1
-        nf[:n], nf[n:bs] = rows.temperature, 0.0
-        nf[b: b + n], nf[b + n: b + bs] = rows.top_p, 1.0
+        _put_rows(n64, 2 * b, rows.seeds, n, bs, 0)
+        _put_rows(n64, 3 * b, rows.steps, n, bs, 0)
+        _put_rows(n64, 5 * b, rows.banned.reshape(-1), n * k, bs * k, -1)
+        _put_rows(n32, self._topk_at, rows.top_k, n, bs, 1)
+        _put_rows(nf, 0, rows.temperature, n, bs, 0.0)
+        _put_rows(nf, b, rows.top_p, n, bs, 1.0)
 
     def upload(self) -> None:
         host = self._sets[self._turn]
