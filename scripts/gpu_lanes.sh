@@ -89,7 +89,7 @@ run_job() {  # lane job
         --num-iters-warmup 1 --kernel-table --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
         --no-progress 2>&1 | tail -40 ;;
     bench:*)
-      local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/+}
+      local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/_}
       timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size ${BENCH_BS:-1 8 32 64} --input-len 512 \
         --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table \
         --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
