@@ -141,6 +141,9 @@ def add_parser(sub) -> None:
                    help=f"steps profiled per row (default {kernel_table.DEFAULT_STEPS})")
     p.add_argument("--kernel-table-top", type=int, default=kernel_table.DEFAULT_TOP,
                    help=f"kernels listed per row (default {kernel_table.DEFAULT_TOP})")
+    p.add_argument("--merge", nargs="+", default=None, metavar="RUN.json",
+                   help="no run: one table from these bench JSONs of the same workload and machine kind, each mode "
+                        "from one of them (an all-mode table whose modes did not fit in one GPU call)")
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--output-md", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="decode ms/step vs batch size (matplotlib)")
@@ -168,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
 
     from . import hf_model
 
+    if args.merge:
+        from . import merge
+
+        if args.hf_model:
+            raise ValueError("tscompile: --merge combines finished runs; it takes no --hf-model")
+        return merge.run(args)
     if args.hf_model:
         return hf_model.run(args)
     hf_model.check_hf_flags_unused(args)

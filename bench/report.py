@@ -156,6 +156,8 @@ def compile_table(modes: dict) -> str:
 
 def mfu_header(result: dict) -> str:
     peak, source = result.get("peak_tflops"), result.get("peak_tflops_source")
+    if result.get("merged_from"):
+        return "MFU (of its own run's matmul peak)" if peak else "MFU"
     return f"MFU (of {peak:.4g} TFLOP/s, {source})" if peak else "MFU"
 
 
@@ -235,8 +237,10 @@ def markdown(result: dict) -> str:
             f"{result['date']} · torch {env['torch_version']} · triton {env['triton_version']} · "
             f"CUDA {env['cuda_version']} · input {args['input_len']} · output {args['output_len']} · "
             f"iters {args['num_iters']} (+{args['num_iters_warmup']} warm-up) · "
-            f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s"
-            + (f" · matmul peak {peak:.4g} TFLOP/s ({result.get('peak_tflops_source')})" if peak else "") + "\n")
+            + (f"{len(result['merged_from'])} runs merged, each with its own copy bandwidth and matmul peak "
+               f"(\"Runs merged\" below)" if result.get("merged_from") else
+               f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s"
+               + (f" · matmul peak {peak:.4g} TFLOP/s ({result.get('peak_tflops_source')})" if peak else "")) + "\n")
     if result.get("complete") is False:
         head += "\n**Partial run**: cut short; the rows below are the ones that finished.\n"
     notes = ["", "Every timed figure is the median of the timed iterations, with the fastest and slowest. TPOT = one "

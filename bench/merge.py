@@ -1,0 +1,112 @@
+"""``tscompile bench --merge A.json B.json ...``: one table from bench runs of the same workload.
+
+A GPU call can be too short for every mode of a model (the stock ``torch.compile`` baselines compile
+for minutes per batch size), so an all-mode table may come from several runs. Merging is honest only
+when the runs measured the same thing on the same kind of machine: the same model, weights seed,
+dtype, prompt and output lengths, iterations, page size, GPU (or CPU) model and torch and triton
+versions, and float32 references that agree where both ran. Each mode must come from one run (a
+mode measured twice would need a choice the merge cannot make), and every row keeps the copy
+bandwidth and matmul peak of its own run, which the markdown lists per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import report
+
+# what two runs must share for their rows to sit in one table; args keys, then env keys
+SAME_ARGS = ("model", "dtype", "input_len", "output_len", "num_iters", "num_iters_warmup", "seed", "page_size",
+             "max_num_batched_tokens")
+SAME_ENV = ("device", "gpu_name", "cpu_name", "torch_version", "triton_version", "cuda_version")
+
+
+def load(path: str | os.PathLike) -> dict:
+    with open(path) as f:
+        result = json.load(f)
+    if "results" not in result or "prefill" not in result or "args" not in result:
+        raise ValueError(f"tscompile: --merge {os.fspath(path)!r} is not a `tscompile bench` JSON of the engine "
+                         f"modes (no results/prefill/args)")
+    return result
+
+
+def _check_same(first: dict, other: dict, first_name: str, other_name: str) -> None:
+    checks = [("model_config", first.get("model_config"), other.get("model_config"))]
+    checks += [(f"--{k.replace('_', '-')}", first["args"].get(k), other["args"].get(k)) for k in SAME_ARGS]
+    checks += [(f"environment {k}", first["env"].get(k), other["env"].get(k)) for k in SAME_ENV]
+    for what, a, b in checks:
+        if a != b:
+            raise ValueError(f"tscompile: --merge needs runs of one workload on one kind of machine: {what} is "
+                             f"{a!r} in {first_name!r} and {b!r} in {other_name!r}")
+    ref_a = ((first.get("reference") or {}).get("runs")) or {}
+    ref_b = ((other.get("reference") or {}).get("runs")) or {}
+    for bs in sorted(set(ref_a) & set(ref_b), key=int):
+        if ref_a[bs]["tokens"] != ref_b[bs]["tokens"]:
+            raise ValueError(f"tscompile: --merge: the float32 reference of bs={bs} gives other tokens in "
+                             f"{first_name!r} than in {other_name!r}; the runs did not decode the same weights and "
+                             f"prompts")
+
+
+def merge(results: list[dict], names: list[str]) -> dict:
+    """The rows of every run in one result, each mode from the one run that measured it."""
+    if len(results) < 2:
+        raise ValueError(f"tscompile: --merge takes at least two bench JSON files, got {len(results)}")
+    for result, name in zip(results[1:], names[1:]):
+        _check_same(results[0], result, names[0], name)
+    owner: dict[str, str] = {}
+    modes_run: list[str] = []
+    modes: dict[str, dict] = {}
+    for result, name in zip(results, names):
+        measured = {r["mode"] for r in result["results"] + result["prefill"]} | set(result.get("modes", {}))
+        for mode in [m for m in result.get("modes_run", []) if m in measured]:
+            if mode in owner:
+                raise ValueError(f"tscompile: --merge: mode {mode!r} was measured in both {owner[mode]!r} and "
+                                 f"{name!r}; pass each mode from one run")
+            owner[mode] = name
+            modes_run.append(mode)
+            if mode in result.get("modes", {}):
+                modes[mode] = result["modes"][mode]
+    runs = [{"source": name, "date": r.get("date"), "modes": [m for m in modes_run if owner[m] == name],
+             "complete": r.get("complete", True), "copy_bandwidth_gbps": r.get("copy_bandwidth_gbps"),
+             "peak_tflops": r.get("peak_tflops"), "peak_tflops_source": r.get("peak_tflops_source")}
+            for r, name in zip(results, names)]
+    first = results[0]
+    return {
+        **{k: first.get(k) for k in ("model", "model_config", "device", "dtype", "args", "env", "reference")},
+        "date": max(r.get("date") or "" for r in results),
+        "copy_bandwidth_gbps": first.get("copy_bandwidth_gbps"),
+        "peak_tflops": first.get("peak_tflops"), "peak_tflops_source": first.get("peak_tflops_source"),
+        "modes_run": modes_run, "complete": all(run["complete"] for run in runs), "modes": modes,
+        "results": [r for res in results for r in res["results"] if r["mode"] in owner],
+        "prefill": [r for res in results for r in res["prefill"] if r["mode"] in owner],
+        "merged_from": runs,
+    }
+
+
+def runs_markdown(result: dict) -> str:
+    """The merged table's provenance: one line per run with its modes and its own measurements."""
+    lines = ["### Runs merged", "",
+             "The rows above come from separate bench runs of the same workload on the same kind of machine "
+             "(`tscompile bench --merge`); each mode from one run. Roofline and MFU of a row use its own run's "
+             "copy bandwidth and matmul peak:", ""]
+    for run in result["merged_from"]:
+        facts = [", ".join(run["modes"]) or "no mode kept"]
+        if run.get("copy_bandwidth_gbps"):
+            facts.append(f"copy bandwidth {run['copy_bandwidth_gbps']:.1f} GB/s")
+        if run.get("peak_tflops"):
+            facts.append(f"matmul peak {run['peak_tflops']:.4g} TFLOP/s")
+        partial = "" if run["complete"] else ", partial: cut short"
+        lines.append(f"- `{os.path.basename(run['source'])}` ({run['date']}{partial}): {'; '.join(facts)}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    names = list(args.merge)
+    result = merge([load(p) for p in names], names)
+    md = report.markdown(result) + "\n" + runs_markdown(result)
+    report.write_outputs(result, md, args)
+    print(md)
+    if args.plot:
+        report.plot(result, args.plot)
+    return 0

@@ -1,0 +1,103 @@
+"""``tscompile bench --merge``: one table from bench runs of the same workload, each mode from one run,
+and a refusal for runs that did not measure the same thing."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from tscompile.bench import merge as bench_merge
+from tscompile.cli import main as tscompile_main
+from helpers import one_thread_fixture
+
+one_thread = pytest.fixture(autouse=True)(one_thread_fixture)
+
+WORKLOAD = ["--model", "llama-tiny", "--device", "cpu", "--input-len", "8", "--output-len", "4", "--prefill-lens", "8",
+            "--num-iters", "1", "--num-iters-warmup", "1", "--no-progress", "--bandwidth-mib", "16"]
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory) -> dict:
+    """A real eager bench run (bs 1 and 2); the only mode cheap enough to run here."""
+    path = tmp_path_factory.mktemp("merge") / "eager.json"
+    assert tscompile_main(["bench", *WORKLOAD, "--modes", "eager", "--batch-size", "1", "2",
+                           "--output-json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def _as_mode(run: dict, mode: str, *, bandwidth: float) -> dict:
+    """The same run's rows under another mode's name and another copy bandwidth: a stand-in for a second
+    run of another mode (a compiled mode takes minutes on this CPU); merging never looks at what a mode is."""
+    other = copy.deepcopy(run)
+    for row in other["results"] + other["prefill"]:
+        row["mode"] = mode
+    other["modes"] = {mode: other["modes"]["eager"]}
+    other["modes_run"] = [mode]
+    other["copy_bandwidth_gbps"] = bandwidth
+    other["complete"] = False
+    return other
+
+
+def _write(tmp_path, name: str, result: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def test_merge_puts_each_runs_modes_in_one_table_and_names_each_run(tmp_path, eager_run):
+    second = _as_mode(eager_run, "compile-default", bandwidth=12345.6)
+    a, b = _write(tmp_path, "a.json", eager_run), _write(tmp_path, "b.json", second)
+    out_json, out_md = tmp_path / "m.json", tmp_path / "m.md"
+    assert tscompile_main(["bench", "--merge", a, b, "--output-json", str(out_json), "--output-md", str(out_md)]) == 0
+    merged, md = json.loads(out_json.read_text()), out_md.read_text()
+    assert merged["modes_run"] == ["eager", "compile-default"]
+    rows = {(r["mode"], r["batch_size"]): r for r in merged["results"]}
+    assert set(rows) == {(m, bs) for m in ("eager", "compile-default") for bs in (1, 2)}
+    assert rows[("eager", 2)]["tpot_ms_median"] == next(r["tpot_ms_median"] for r in eager_run["results"]
+                                                         if r["batch_size"] == 2)
+    assert {p["mode"] for p in merged["prefill"]} == {"eager", "compile-default"}
+    assert [run["modes"] for run in merged["merged_from"]] == [["eager"], ["compile-default"]]
+    assert merged["complete"] is False  # one of the runs was cut short
+    assert "| compile-default | 2 |" in md and "| eager | 1 |" in md
+    assert "### Runs merged" in md and "`b.json`" in md and "12345.6 GB/s" in md and "partial: cut short" in md
+    assert "2 runs merged" in md and "**Partial run**" in md
+
+
+def test_merge_refuses_a_mode_from_two_runs(tmp_path, eager_run, capsys):
+    a, b = _write(tmp_path, "a.json", eager_run), _write(tmp_path, "b.json", eager_run)
+    out_md = tmp_path / "m.md"
+    assert tscompile_main(["bench", "--merge", a, b, "--output-md", str(out_md)]) == 2
+    assert "tscompile: --merge: mode 'eager' was measured in both" in capsys.readouterr().err
+    assert not out_md.exists()
+
+
+@pytest.mark.parametrize("field, value, named", [
+    (("args", "input_len"), 16, "--input-len"),
+    (("args", "seed"), 1, "--seed"),
+    (("env", "torch_version"), "0.0.0", "environment torch_version"),
+    (("env", "gpu_name"), "another GPU", "environment gpu_name"),
+])
+def test_merge_refuses_runs_of_another_workload_or_machine(tmp_path, eager_run, field, value, named):
+    other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
+    other[field[0]][field[1]] = value
+    with pytest.raises(ValueError, match=f"tscompile: --merge needs runs of one workload.*{named}"):
+        bench_merge.merge([eager_run, other], ["a.json", "b.json"])
+
+
+def test_merge_refuses_runs_whose_float32_references_disagree(tmp_path, eager_run):
+    other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
+    tokens = other["reference"]["runs"]["2"]["tokens"]
+    tokens[-1] = tokens[-1] + 1
+    with pytest.raises(ValueError, match="float32 reference of bs=2 gives other tokens"):
+        bench_merge.merge([eager_run, other], ["a.json", "b.json"])
+
+
+def test_merge_refuses_a_single_file_and_a_json_that_is_no_bench_run(tmp_path, eager_run, capsys):
+    a = _write(tmp_path, "a.json", eager_run)
+    assert tscompile_main(["bench", "--merge", a]) == 2
+    assert "tscompile: --merge takes at least two bench JSON files" in capsys.readouterr().err
+    hf = _write(tmp_path, "hf.json", {"rows": [], "args": {}})
+    assert tscompile_main(["bench", "--merge", a, hf]) == 2
+    assert "is not a `tscompile bench` JSON" in capsys.readouterr().err
