@@ -36,9 +36,7 @@ from fuzz_lib import PAGE_SIZES, Coverage, Fuzzer, build_engine, pressured_spec,
 from tscompile.counters import counters  # noqa: E402
 
 GPU_MAX_NUM_SEQS = 4  # with decode_ladder (1, 2, 4): a batch of 3 replays the graph padded to 4
-COMPILE_OPTIONS = {"decode_ladder": (1, 2, 4),
-                   # tens of seconds of tuning per engine buy nothing for a correctness run
-                   "inductor_options": {"coordinate_descent_tuning": False}}
+COMPILE_OPTIONS = {"decode_ladder": (1, 2, 4)}
 MAX_FAILURES_KEPT = 20
 
 

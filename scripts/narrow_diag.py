@@ -8,8 +8,7 @@ import tscompile
 from tscompile import SamplingParams
 
 PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
-LADDER = {"decode_ladder": (1, 2, 4, 8), "token_ladder": (16, 32, 64), "prefill_graph_max_tokens": 64,
-          "inductor_options": {"coordinate_descent_tuning": False}}
+LADDER = {"decode_ladder": (1, 2, 4, 8), "token_ladder": (16, 32, 64), "prefill_graph_max_tokens": 64}
 
 
 def make(backend, **kw):

@@ -10,7 +10,7 @@ import tscompile.utils as utils
 from tscompile import SamplingParams
 
 llm = tscompile.LLM("llama-1b", attention_backend="triton", max_num_seqs=4, max_model_len=2064,
-                    compile_options={"decode_ladder": (1,), "inductor_options": {"coordinate_descent_tuning": False}})
+                    compile_options={"decode_ladder": (1,)})
 
 
 def measure(n: int, iters: int = 20) -> float:

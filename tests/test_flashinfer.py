@@ -621,8 +621,7 @@ ENGINE_PROMPTS = [[(7 * i + j) % 500 + 1 for j in range(5 + 23 * i)] for i in ra
 
 
 def _engine(backend, **kw):
-    kw.setdefault("compile_options", {"decode_ladder": (1, 2, 4, 8),
-                                      "inductor_options": {"coordinate_descent_tuning": False}})
+    kw.setdefault("compile_options", {"decode_ladder": (1, 2, 4, 8)})
     return tscompile.LLM("llama-tiny", attention_backend=backend, device="cuda", dtype="bfloat16",
                          max_model_len=256, max_num_seqs=8, page_size=16, **kw)
 
