@@ -396,3 +396,109 @@ def test_run_package_cli_prints_ids_size_and_load_time(package, eager, capsys):
     # refusals come back as exit code 2 with the tscompile message on stderr
     assert cli_main(["run-package", str(path), "--max-num-seqs", "9"]) == 2
     assert "tscompile: max_num_seqs 9 is outside the package's bound [1, 4]" in capsys.readouterr().err
+
+
+# -- decode CUDA graphs of a package, through host replay (package/decode_graphs.py) -------------------
+
+def _decode_sizes(llm) -> list[int]:
+    """Spy on an engine: the batch size of every decode step it runs, in order."""
+    seen = []
+    original = llm.runner.launch
+
+    def spy(plan, prev_rows=None):
+        if plan.mode is ForwardMode.DECODE:
+            seen.append(plan.num_requests)
+        return original(plan, prev_rows)
+
+    llm.runner.launch = spy
+    return seen
+
+
+def _host_replayed(path, ladder):
+    llm = tscompile.load_package(path)
+    llm.runner.enable_decode_graphs(ladder, host_replay=True)
+    return llm
+
+
+def _fill_caches_randomly(llm) -> list[torch.Tensor]:
+    """Every K/V cache page random (seed 0, so two engines of one package get the same contents);
+    returns copies of them."""
+    gen = torch.Generator().manual_seed(0)
+    caches = llm.runner.k_caches + llm.runner.v_caches
+    for t in caches:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return [t.clone() for t in caches]
+
+
+def _assert_padding_wrote_only_the_null_slot(padded, plain, initial: list[torch.Tensor]) -> None:
+    """The padded engine's caches differ from the unpadded one's only by page 0's slot 0 (the null
+    block) and float32 rounding: the same slots written, the same values there up to 1e-5."""
+    ppb = padded.package.record["pages_per_block"]
+    for got, want, start in zip(padded.runner.k_caches + padded.runner.v_caches,
+                                plain.runner.k_caches + plain.runner.v_caches, initial):
+        written = {tuple(s) for s in (want != start).flatten(2).any(-1).nonzero().tolist()}
+        assert written and not any(page < ppb for page, _ in written)  # the unpadded run never writes the null block
+        assert {tuple(s) for s in (got != start).flatten(2).any(-1).nonzero().tolist()} == written | {(0, 0)}
+        torch.testing.assert_close(got[ppb:], want[ppb:], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_decode_gives_the_unpadded_programs_tokens_and_writes_only_the_null_page(package):
+    """Three requests padded to a ladder size of 4, greedy then seeded: the same tokens as the
+    program called on the three rows, step after step. Over caches filled with random values, the
+    padded run writes exactly the slots the unpadded run writes plus page 0's slot 0 (the null
+    block, where padding rows and the idle capture run write), and the same values there up to
+    float32 rounding (a GEMM of 4 rows rounds apart from one of 3, by about 4e-7 here): a padding
+    row writing a live slot would leave a slot of its own or a value of order 1 apart."""
+    path = package("llama-tiny")
+    plain, padded = tscompile.load_package(path), _host_replayed(path, (4,))
+    initial = _fill_caches_randomly(padded)
+    assert [torch.equal(a, b) for a, b in zip(_fill_caches_randomly(plain), initial)] == [True] * len(initial)
+    sizes = _decode_sizes(padded)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    seeded = [SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20, top_p=0.9, seed=s) for s in range(3)]
+    for params in (SamplingParams(max_new_tokens=6), seeded):
+        assert ids(padded.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    graphs = padded.runner.decode_graphs
+    assert sizes == [3] * 10  # five decode steps per generate, all of three rows
+    assert (graphs.replays, graphs.padded_rows, graphs.captures) == (10, 10, 1)
+    _assert_padding_wrote_only_the_null_slot(padded, plain, initial)
+
+
+def test_decode_above_the_ladder_runs_the_program_and_smaller_batches_pad(package):
+    """Ladder (2,), requests finishing at different steps: the three-row steps run the program
+    directly, the two-row steps replay exactly, the one-row steps pad to two over a row the step
+    before used (a stale row must not write its old slot); tokens and caches as unpadded."""
+    path = package("llama-tiny")
+    plain, padded = tscompile.load_package(path), _host_replayed(path, (2,))
+    initial = _fill_caches_randomly(padded)
+    _fill_caches_randomly(plain)
+    sizes = _decode_sizes(padded)
+    params = [SamplingParams(max_new_tokens=n) for n in (2, 4, 6)]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
+    assert ids(padded.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    graphs = padded.runner.decode_graphs
+    assert sizes == [3, 2, 2, 1, 1]
+    assert (graphs.replays, graphs.padded_rows, graphs.captures) == (4, 2, 1)
+    _assert_padding_wrote_only_the_null_slot(padded, plain, initial)
+
+
+def test_cuda_graphs_refusals_load_no_program(package, monkeypatch):
+    path = package("llama-tiny")
+    llm = tscompile.load_package(path)
+    with pytest.raises(ValueError, match=r"^tscompile: decode graph ladder \(2, 8\) must hold ints in "
+                                         r"\[1, max_num_seqs=4\]"):
+        llm.runner.enable_decode_graphs((8, 2), host_replay=True)
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match=r"^tscompile: decode CUDA graphs need a CUDA device, got 'cpu'"):
+            llm.runner.enable_decode_graphs()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a refused load_package loaded its programs")
+
+    monkeypatch.setattr("tscompile.package.runtime._load_programs", forbidden)
+    with pytest.raises(ValueError, match=r"^tscompile: cuda_graphs='yes' must be True or False"):
+        tscompile.load_package(path, cuda_graphs="yes")
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match=r"^tscompile: cuda_graphs=True needs a CUDA device; this package "
+                                             r"loads on 'cpu'"):
+            tscompile.load_package(path, cuda_graphs=True)

@@ -110,15 +110,18 @@ def _archive_weights(path: str, names: tuple[str, ...], device: torch.device) ->
     return constants
 
 
-def load_aoti_programs(path: str, names: tuple[str, ...], device: torch.device) -> dict[str, PackagedProgram]:
+def load_aoti_programs(path: str, names: tuple[str, ...], device: torch.device, *,
+                       single_threaded: tuple[str, ...] = ()) -> dict[str, PackagedProgram]:
     """``{name: program}`` for the named AOTInductor programs of the ``.pt2`` at ``path``, on
     ``device``; constants stored inside the archive are loaded into them, external ones are the
-    caller's to load."""
+    caller's to load. The programs named in ``single_threaded`` are loaded with AOTInductor's
+    ``run_single_threaded``: their default run records a completion event and queries it on the next
+    call, which a CUDA graph capture refuses ("operation not permitted when stream is capturing")."""
     index = device.index if device.index is not None else -1
     programs = {}
     for name in names:
         # (path, model name, run_single_threaded, num_runners, device index): load_pt2's defaults
-        loader = torch._C._aoti.AOTIModelPackageLoader(path, name, False, 1, index)
+        loader = torch._C._aoti.AOTIModelPackageLoader(path, name, name in single_threaded, 1, index)
         programs[name] = PackagedProgram(name, loader)
         for mismatch in host_mismatches(programs[name].get_metadata(), device):
             logger.warning("tscompile: program %r of %s was compiled on another kind of host (%s); it may not run "

@@ -17,6 +17,7 @@ from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import ModelConfig
 from tscompile.package.compiler_check import refuse_unlinked_cxx_runtime
+from tscompile.package.decode_graphs import PackageDecodeGraphs, default_decode_ladder
 from tscompile.package.lazy_dynamo import defer_dynamo_import
 from tscompile.package.programs import PROGRAMS
 from tscompile.package.record import TOKENIZER_PREFIX, check_compatible, read_package_metadata, weights_path
@@ -37,6 +38,14 @@ def _bounded(name: str, value: int | None, limit: int) -> int:
     return value
 
 
+def _check_cuda_graphs(cuda_graphs, device: torch.device) -> None:
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"tscompile: cuda_graphs={cuda_graphs!r} must be True or False")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"tscompile: cuda_graphs=True needs a CUDA device; this package loads on "
+                         f"{str(device)!r} (use cuda_graphs=False there)")
+
+
 @dataclass
 class PackageInfo:
     """What a loaded package's engine carries about it (``llm.package``)."""
@@ -55,16 +64,32 @@ class PackageRunner:
     inside the decode program from the plan's block tables and seq lens. The programs take host
     token ids, so no step chains onto the one before (``can_chain`` is False)."""
 
-    compile_seconds = 0.0  # the programs were compiled at export; nothing compiles or captures here
-    capture_seconds = 0.0
+    compile_seconds = 0.0  # the programs were compiled at export; nothing compiles here
 
     def __init__(self, programs: dict, attention: AttentionRouter, pool: KVCachePool, n_layers: int, *,
-                 max_num_seqs: int, banned_width: int, device: torch.device):
+                 max_num_seqs: int, max_blocks: int, banned_width: int, device: torch.device):
         self.programs, self.attention, self.device = programs, attention, device
+        self.max_num_seqs, self.max_blocks, self.banned_width = max_num_seqs, max_blocks, banned_width
         self.sampling = SamplingBuffers(SamplingInputs.allocate(max_num_seqs, banned_width, device))
         self.k_caches = [pool.layer_cache(lid)[0] for lid in range(n_layers)]
         self.v_caches = [pool.layer_cache(lid)[1] for lid in range(n_layers)]
         self.launches = 0
+        self.decode_graphs: PackageDecodeGraphs | None = None
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.decode_graphs.capture_seconds if self.decode_graphs is not None else 0.0
+
+    def enable_decode_graphs(self, ladder: tuple[int, ...] | None = None, *, host_replay: bool = False) -> None:
+        """Run decode steps of a ladder size padded, through CUDA graphs (``package/decode_graphs.py``);
+        ``ladder`` defaults to the engine's decode ladder up to ``max_num_seqs``. ``host_replay``
+        runs the padded program over the same buffers without graphs (tests, any device)."""
+        graphs = PackageDecodeGraphs(
+            self.programs["decode"], default_decode_ladder(self.max_num_seqs) if ladder is None else ladder,
+            max_num_seqs=self.max_num_seqs, num_groups=len(self.attention.specs),
+            max_blocks=self.max_blocks, banned_width=self.banned_width, k_caches=self.k_caches,
+            v_caches=self.v_caches, device=self.device, host_replay=host_replay)
+        self.decode_graphs, self.sampling = graphs, graphs.sampling
 
     def can_chain(self, plan: StepPlan) -> bool:
         return False
@@ -78,6 +103,10 @@ class PackageRunner:
 
     def execute(self, plan: StepPlan) -> list[int]:
         n = plan.num_requests
+        if plan.mode is ForwardMode.DECODE and self.decode_graphs is not None:
+            tokens = self.decode_graphs.run(plan)
+            if tokens is not None:
+                return tokens  # else above the ladder: the program runs directly, as without graphs
         self.sampling.fill(plan.sampling)
         sampling = self.sampling.inputs.rows(n)
         ids, pos = upload([plan.input_ids, plan.positions], self.device)
@@ -113,7 +142,7 @@ def _package_engine(record: dict, programs: dict, *, device: torch.device, max_n
         vocab_size=config.vocab_size, eos_token_ids=tuple(record["eos_token_ids"]), max_blocks=record["max_blocks"],
         limit_note=f" (package bound {record['bounds']['max_model_len']})")
     runner = PackageRunner(programs, attention, pool, config.n_layers, max_num_seqs=max_num_seqs,
-                           banned_width=scheduler.banned_width, device=device)
+                           max_blocks=record["max_blocks"], banned_width=scheduler.banned_width, device=device)
     return EngineParts(config, device, dtype, attention, pool, scheduler, runner, tokenizer=tokenizer)
 
 
@@ -138,8 +167,10 @@ def _package_tokenizer(path: str, record: dict):
     return load_tokenizer(folder)
 
 
-def _load_programs(path: str, record: dict, device: torch.device):
-    """``({name: program}, external weights or None)``; the programs share one copy of the weights."""
+def _load_programs(path: str, record: dict, device: torch.device, single_threaded: tuple[str, ...] = ()):
+    """``({name: program}, external weights or None)``; the programs share one copy of the weights.
+    The programs named in ``single_threaded`` run without AOTInductor's completion events (what a
+    CUDA graph capture needs)."""
     from tscompile.package.aoti_load import load_aoti_programs
 
     external = record["weights"] == "external"
@@ -148,7 +179,7 @@ def _load_programs(path: str, record: dict, device: torch.device):
     missing = [p for p in PROGRAMS if not any(n.startswith(f"data/aotinductor/{p}/") for n in stored)]
     if missing:
         raise ValueError(f"tscompile: package {path!r} lacks the programs {missing}")
-    programs = load_aoti_programs(path, PROGRAMS, device)
+    programs = load_aoti_programs(path, PROGRAMS, device, single_threaded=single_threaded)
     if not external:
         return programs, None
     wpath = weights_path(path)
@@ -171,7 +202,7 @@ def _load_programs(path: str, record: dict, device: torch.device):
 def load_package(path: str | os.PathLike, device: str | torch.device | None = None, *,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, num_pages: int | None = None,
-                 seed: int = 0, verify: bool = False) -> LLM:
+                 seed: int = 0, verify: bool = False, cuda_graphs: bool = False) -> LLM:
     """Load a package written by ``tscompile export``; returns a ``tscompile.LLM`` over its programs
     (``llm.package`` says what was loaded).
 
@@ -180,7 +211,12 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
     program is loaded. The package's members are checked against their CRC-32 (external weights:
     header and size), and its shared libraries must link the C++ runtime they call (a package
     compiled elsewhere by a compiler that leaves ``libstdc++`` out crashes while loading);
-    ``verify=True`` also checks the weights' bytes (slow for large models)."""
+    ``verify=True`` also checks the weights' bytes (slow for large models).
+
+    ``cuda_graphs=True`` (CUDA only; on another device a ``ValueError``) replays the decode program
+    as one CUDA graph per padded batch size of the engine's decode ladder up to ``max_num_seqs``,
+    each captured on its first use; a batch above the ladder calls the program directly
+    (``package/decode_graphs.py``)."""
     start = time.perf_counter()
     record = read_package_metadata(path, verify=verify)
     validate_package_args(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -188,6 +224,7 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
                           pages_per_block=record["pages_per_block"])
     check_compatible(record, torch.device(device if device is not None else record["device"]))
     device = resolve_device(device if device is not None else record["device"])
+    _check_cuda_graphs(cuda_graphs, device)
     bounds = record["bounds"]
     max_num_seqs = _bounded("max_num_seqs", max_num_seqs, bounds["max_num_seqs"])
     max_model_len = _bounded("max_model_len", max_model_len, bounds["max_model_len"])
@@ -198,11 +235,14 @@ def load_package(path: str | os.PathLike, device: str | torch.device | None = No
                          f"weights file {os.fspath(weights_path(path))!r} is missing")
     # a library built without its C++ runtime can crash the process inside dlopen: judge it first
     refuse_unlinked_cxx_runtime(path, record)
-    programs, weights = _load_programs(os.fspath(path), record, device)
+    programs, weights = _load_programs(os.fspath(path), record, device,
+                                       single_threaded=("decode",) if cuda_graphs else ())
     defer_dynamo_import()  # the programs call tscompile's ops; nothing here needs Dynamo (lazy_dynamo.py)
     parts = _package_engine(record, programs, device=device, max_num_seqs=max_num_seqs,
                             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                             num_pages=num_pages, tokenizer=_package_tokenizer(os.fspath(path), record))
+    if cuda_graphs:
+        parts.runner.enable_decode_graphs()
     llm = LLM.from_parts(parts, seed=seed, async_scheduling=False)
     size = os.path.getsize(path) + (os.path.getsize(weights_path(path)) if record["weights"] == "external" else 0)
     llm.package = PackageInfo(os.fspath(path), record, weights, time.perf_counter() - start, size)
