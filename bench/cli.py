@@ -81,6 +81,9 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
     args.num_iters = args.num_iters if args.num_iters is not None else (5 if gpu else 2)
     if min(args.batch_size + args.prefill_lens + [args.input_len, args.output_len, args.num_iters]) < 1:
         raise ValueError("tscompile: batch sizes, lengths and --num-iters must be >= 1")
+    if getattr(args, "package_cuda_graphs", False) and not gpu:
+        raise ValueError(f"tscompile: --package-cuda-graphs needs a CUDA device (the decode graphs are CUDA graphs); "
+                         f"--device is {args.device!r}")
     if getattr(args, "package", None) and not os.path.isfile(args.package):
         raise ValueError(f"tscompile: --package {args.package!r} is not a file; "
                          f"give a .pt2 written by tscompile export")
@@ -118,6 +121,9 @@ def add_parser(sub) -> None:
     p.add_argument("--package", default=None, metavar="PATH.pt2",
                    help="the package the package mode measures (default: export the bench model, with the bench's "
                         "dtype, seed, page size and limits as its bounds); adds the package mode")
+    p.add_argument("--package-cuda-graphs", action="store_true",
+                   help="the package mode loads its package with cuda_graphs=True: decode steps replay CUDA graphs "
+                        "(CUDA only)")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

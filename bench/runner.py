@@ -133,7 +133,8 @@ class Bench:
             return PackageRunner(a.model, self.cfg, package=getattr(a, "package", None), device=self.device,
                                  dtype=self.dtype, max_num_seqs=max(a.batch_size), max_model_len=self.max_model_len,
                                  page_size=a.page_size, max_num_batched_tokens=budget, seed=a.seed,
-                                 first_prompt=_prompts(a.seed, 1, a.input_len, self.cfg.vocab_size)[0])
+                                 first_prompt=_prompts(a.seed, 1, a.input_len, self.cfg.vocab_size)[0],
+                                 cuda_graphs=getattr(a, "package_cuda_graphs", False))
         backend = "torch" if mode == "eager" else mode.removeprefix("tscompile-")
         if mode != "eager":
             ok, why = backend_available(backend, self.device)

@@ -133,3 +133,20 @@ def test_a_missing_package_file_is_refused(tmp_path, capsys):
     missing = tmp_path / "absent.pt2"
     assert tscompile_main(["bench", "--model", "llama-tiny", "--device", "cpu", "--package", str(missing)]) == 2
     assert f"tscompile: --package {str(missing)!r} is not a file" in capsys.readouterr().err
+
+
+def test_package_cuda_graphs_flag_is_refused_off_cuda(tmp_path, capsys):
+    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--modes", "package", "--package-cuda-graphs"]
+    assert tscompile_main(argv) == 2
+    assert "tscompile: --package-cuda-graphs needs a CUDA device (the decode graphs are CUDA graphs); --device is " \
+           "'cpu'" in capsys.readouterr().err
+
+
+def test_package_section_says_whether_the_decode_program_replayed_graphs():
+    info = {"load_to_first_token_s": 1.5, "load_s": 1.0, "first_token_s": 0.5, "export_s": None, "package_bytes": 2**20,
+            "package_weights": "inside", "attention_backend": "triton", "compiler": None}
+    plain = package_mode.markdown_section({"package": {**info, "cuda_graphs": False}})
+    graphed = package_mode.markdown_section({"package": {**info, "cuda_graphs": True}})
+    assert "run without CUDA graphs" in plain and "replays CUDA graphs" not in plain
+    assert "Its decode program replays CUDA graphs (--package-cuda-graphs" in graphed
+    assert "run without CUDA graphs: its decode rows" not in graphed

@@ -19,6 +19,7 @@ from tscompile import SamplingParams
 from tscompile.forward_context import ForwardMode
 from tscompile.cli import main as cli_main
 from tscompile.export import export_package, read_package_metadata
+from tscompile.utils import UPLOAD_ALIGN_BYTES
 
 from helpers import assert_other_releases_refused, ids, record_modes
 
@@ -459,6 +460,12 @@ def test_padded_decode_gives_the_unpadded_programs_tokens_and_writes_only_the_nu
     for params in (SamplingParams(max_new_tokens=6), seeded):
         assert ids(padded.generate(prompts, params)) == ids(plain.generate(prompts, params))
     graphs = padded.runner.decode_graphs
+    # every input view 16-byte aligned (what compiled kernels may assume), at UPLOAD_ALIGN_BYTES
+    # steps from its arena's start as utils.upload places the unpadded path's
+    views = [t for x in graphs.inputs(4)[:-2] for t in (x if isinstance(x, list) else [x])]
+    assert len(views) == 10 and all(t.data_ptr() % 16 == 0 for t in views)
+    arenas = {t.dtype: t.untyped_storage().data_ptr() for t in views}
+    assert all((t.data_ptr() - arenas[t.dtype]) % UPLOAD_ALIGN_BYTES == 0 for t in views)
     assert sizes == [3] * 10  # five decode steps per generate, all of three rows
     assert (graphs.replays, graphs.padded_rows, graphs.captures) == (10, 10, 1)
     _assert_padding_wrote_only_the_null_slot(padded, plain, initial)

@@ -111,6 +111,12 @@ def llama_tiny_bf16_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llama_tiny_path(tmp_path_factory):
+    # float32: the graphed and the direct decode must give the same tokens
+    return _export(tmp_path_factory, "llama-tiny", weights="inside", verify=False)
+
+
+@pytest.fixture(scope="module")
 def text_checkpoint(tmp_path_factory):
     """A tiny Llama checkpoint with a tokenizer trained here (offline) and an eos id its first text
     produces: ``(path, transformers model, tokenizer, eos id)``."""
@@ -250,3 +256,27 @@ def test_other_releases_and_the_cpu_are_refused(narrow_path, monkeypatch):
     assert_other_releases_refused(narrow_path, monkeypatch)
     with pytest.raises(ValueError, match=r"^tscompile: package was built for device 'cuda', cannot load it on 'cpu'"):
         tscompile.load_package(narrow_path, device="cpu")
+
+
+def test_cuda_graphs_decode_gives_the_direct_programs_tokens_and_replays_every_decode_step(llama_tiny_path):
+    """``cuda_graphs=True``: decode steps replay one CUDA graph per padded size of the ladder
+    (1, 2, 4) (max_num_seqs 4). Three ragged prompts pad to 4 rows, one prompt runs at 1, six
+    staggered ones pass through every size, seeded sampling too: the tokens of the program called
+    directly (``cuda_graphs=False``), and every decode step was a replay."""
+    direct = tscompile.load_package(llama_tiny_path)
+    graphed = tscompile.load_package(llama_tiny_path, cuda_graphs=True)
+    graphs = graphed.runner.decode_graphs
+    assert direct.runner.decode_graphs is None
+    assert graphs is not None and not graphs.host_replay and graphs.ladder == (1, 2, 4)
+    modes = record_modes(graphed)
+    p = _prompts(tscompile.models.PRESETS["llama-tiny"].vocab_size)
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS)
+    staggered = [SamplingParams(max_new_tokens=n) for n in (3, 8, 5, 2, 7, 4)]
+    for prompts, params in [(p[:3], greedy), (p[1:2], greedy), (p[::-1], staggered), (p[:3], _seeded(3))]:
+        assert ids(graphed.generate(prompts, params)) == ids(direct.generate(prompts, params)), len(prompts)
+    decode_steps = modes.count(ForwardMode.DECODE)
+    assert decode_steps > 0 and graphs.replays == decode_steps  # nothing above the ladder: all replayed
+    assert {1, 4} <= set(graphs.graphs) and graphs.captures == len(graphs.graphs)
+    assert graphs.padded_rows >= 2 * (NEW_TOKENS - 1)  # the two three-prompt batches pad each decode step
+    assert graphed.capture_seconds > 0
+    assert not graphed.has_unfinished()

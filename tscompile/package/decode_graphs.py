@@ -39,7 +39,7 @@ from tscompile.runtime.piece_graphs import capture_graph
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
 from tscompile.step_plan import SamplingRows, StepPlan
-from tscompile.utils import bucket
+from tscompile.utils import UPLOAD_ALIGN_BYTES, bucket
 
 logger = logging.getLogger("tscompile")
 
@@ -77,7 +77,11 @@ class PackageDecodeGraphs:
         self.program, self.ladder, self.device, self.host_replay = program, ladder, device, host_replay
         self.k_caches, self.v_caches = k_caches, v_caches
         self.banned_width = banned_width
-        self.staging = DecodeStaging(max_num_seqs, num_groups, max_blocks, banned_width, device)
+        # the staging's views start at multiples of its row count: a count that is a multiple of
+        # 32 starts every view on an UPLOAD_ALIGN_BYTES boundary, as the program's inputs always were
+        # (``utils.upload``); its kernels may have been compiled for 16-byte aligned inputs
+        rows = -(-max_num_seqs // (UPLOAD_ALIGN_BYTES // 4)) * (UPLOAD_ALIGN_BYTES // 4)
+        self.staging = DecodeStaging(rows, num_groups, max_blocks, banned_width, device)
         # the sampling op's inputs are the staging's views, for the runner's other steps too
         self.sampling = SamplingBuffers(self.staging.sampling_inputs)
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
@@ -113,12 +117,15 @@ class PackageDecodeGraphs:
         self.padded_rows += bs - n
         return tokens[:n].tolist()
 
-    def _call(self, bs: int) -> torch.Tensor:
-        """The decode program over the first ``bs`` rows of the persistent buffers."""
+    def inputs(self, bs: int) -> tuple:
+        """The decode program's inputs of a ``bs``-row step: views of the persistent buffers."""
         st = self.staging
-        inputs = st.decode_inputs(bs)
-        return self.program(st.input_ids[:bs], st.positions[:bs], list(inputs.block_tables), list(inputs.seq_lens),
-                            *st.sampling_inputs.rows(bs), self.k_caches, self.v_caches)
+        staged = st.decode_inputs(bs)
+        return (st.input_ids[:bs], st.positions[:bs], list(staged.block_tables), list(staged.seq_lens),
+                *st.sampling_inputs.rows(bs), self.k_caches, self.v_caches)
+
+    def _call(self, bs: int) -> torch.Tensor:
+        return self.program(*self.inputs(bs))
 
     def _pad_tables(self, n: int, bs: int) -> None:
         """Rows ``[n, bs)`` of every group's block table and seq lens: the null block, length 0
