@@ -62,7 +62,9 @@ class PackageRunner:
 
     Extend and mixed metadata come from the router's host planner; decode metadata is refreshed
     inside the decode program from the plan's block tables and seq lens. The programs take host
-    token ids, so no step chains onto the one before (``can_chain`` is False)."""
+    token ids, so no step chains onto the one before (``can_chain`` is False). With
+    ``enable_decode_graphs`` a decode step of a ladder size runs padded, as a CUDA graph replay
+    (``package/decode_graphs.py``); larger ones call the decode program as before."""
 
     compile_seconds = 0.0  # the programs were compiled at export; nothing compiles here
 
