@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from . import report
+from . import package_mode, report
 
 # what two runs must share for their rows to sit in one table; args keys, then env keys
 SAME_ARGS = ("model", "dtype", "input_len", "output_len", "num_iters", "num_iters_warmup", "seed", "page_size",
@@ -105,6 +105,8 @@ def run(args) -> int:
     names = list(args.merge)
     result = merge([load(p) for p in names], names)
     md = report.markdown(result) + "\n" + runs_markdown(result)
+    section = package_mode.markdown_section(result["modes"])  # a package run says how it ran (graphs or not)
+    md += ("\n" + section) if section else ""
     report.write_outputs(result, md, args)
     print(md)
     if args.plot:
