@@ -15,6 +15,7 @@
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
 #   pkgbench:M     tscompile bench of that package (package mode) beside tscompile-triton
+#   pkgbench-graphs:M  the same with the package's decode in CUDA graphs (--package-cuda-graphs)
 #   py:PATH        python3 PATH, its output in $OUT/<name>.log
 #   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
 #   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
@@ -54,6 +55,7 @@ tests_for() {
     flashinfer) echo "tests/test_flashinfer.py" ;;
     user_compile) echo "tests/test_user_compile_gpu.py tests/test_bench_hf_model.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
+    pkg_graphs) echo "tests/test_gpu_packages.py -k cuda_graphs" ;;
     gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
     extend_fast) echo "tests/test_triton_extend_fast.py" ;;
     unverified) echo "tests/test_prefill_startup_capture.py tests/test_bench_kernel_table.py tests/test_gpu_packages.py tests/test_gpu_graphs.py -k startup_capture_or_kernel_table_or_kernel_times_or_checkpoint_package_or_default_prefill_graph_mode" ;;
@@ -101,12 +103,13 @@ run_job() {  # lane job
       timeout $left python3 scripts/startup.py --model $model ${skip:+--skip ${skip//,/ }} --keep-package /tmp/pkg_$model.pt2 \
         $extra --output-json "$OUT/startup_$model$tag.json" --output-md "$OUT/startup_$model$tag.md" 2> "$OUT/startup_$model$tag.log"
       echo "rc=$?"; head -8 "$OUT/startup_$model$tag.md" ;;
-    pkgbench:*)  # the package startup:M kept, beside the engine (prompt + output within its 2048 limit)
-      local model=${job#pkgbench:}
-      timeout $left tscompile bench --model $model --modes tscompile-triton package --package /tmp/pkg_$model.pt2 \
+    pkgbench:*|pkgbench-graphs:*)  # the package startup:M kept, beside the engine; -graphs: its decode graphed
+      local model=${job#*:} extra="" tag=""
+      case $job in pkgbench-graphs:*) extra="--package-cuda-graphs"; tag=_graphs ;; esac
+      timeout $left tscompile bench --model $model --modes tscompile-triton package --package /tmp/pkg_$model.pt2 $extra \
         --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 512 --num-iters 5 --num-iters-warmup 1 \
-        --output-json "$OUT/pkgbench_$model.json" --output-md "$OUT/pkgbench_$model.md" --no-progress \
-        2> "$OUT/pkgbench_$model.log"; echo "rc=$?"; cat "$OUT/pkgbench_$model.md" ;;
+        --output-json "$OUT/pkgbench_$model$tag.json" --output-md "$OUT/pkgbench_$model$tag.md" --no-progress \
+        2> "$OUT/pkgbench_$model$tag.log"; echo "rc=$?"; cat "$OUT/pkgbench_$model$tag.md" ;;
     py:*)  # py:scripts/NAME.py: its output in $OUT/NAME.log
       local script=${job#py:}; local name; name=$(basename "$script" .py)
       timeout $left python3 "$script" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/$name.log" | tail -30 ;;
