@@ -180,12 +180,16 @@ def run(args: argparse.Namespace) -> int:
     if args.merge:
         from . import merge
 
-        if args.hf_model:
-            raise ValueError("tscompile: --merge combines finished runs; it takes no --hf-model")
+        if args.hf_model or args.modes or args.package:
+            raise ValueError("tscompile: --merge combines finished runs; it runs nothing, so it takes no "
+                             "--hf-model, --modes or --package")
         return merge.run(args)
     if args.hf_model:
         return hf_model.run(args)
     hf_model.check_hf_flags_unused(args)
+    if args.package_cuda_graphs and not (args.package or package_mode.PACKAGE_MODE in (args.modes or ())):
+        raise ValueError("tscompile: --package-cuda-graphs changes the package mode, which this run does not "
+                         "measure; add `package` to --modes or give --package")
     device = fill_defaults(args)
     dtype = resolve_dtype(args.dtype, device)
     modes = resolve_modes(args, device)

@@ -18,16 +18,18 @@ from . import package_mode, report
 
 # what two runs must share for their rows to sit in one table; args keys, then env keys
 SAME_ARGS = ("model", "dtype", "input_len", "output_len", "num_iters", "num_iters_warmup", "seed", "page_size",
-             "max_num_batched_tokens")
+             "max_num_batched_tokens", "margin_threshold", "no_reference")
 SAME_ENV = ("device", "gpu_name", "cpu_name", "torch_version", "triton_version", "cuda_version")
 
 
 def load(path: str | os.PathLike) -> dict:
     with open(path) as f:
         result = json.load(f)
-    if "results" not in result or "prefill" not in result or "args" not in result:
+    if any(key not in result for key in ("results", "prefill", "args", "env")):
         raise ValueError(f"tscompile: --merge {os.fspath(path)!r} is not a `tscompile bench` JSON of the engine "
-                         f"modes (no results/prefill/args)")
+                         f"modes (no results/prefill/args/env)")
+    if "merged_from" in result:
+        raise ValueError(f"tscompile: --merge {os.fspath(path)!r} is itself a merge; merge the runs it names")
     return result
 
 
@@ -39,6 +41,11 @@ def _check_same(first: dict, other: dict, first_name: str, other_name: str) -> N
         if a != b:
             raise ValueError(f"tscompile: --merge needs runs of one workload on one kind of machine: {what} is "
                              f"{a!r} in {first_name!r} and {b!r} in {other_name!r}")
+    print_a = (first.get("reference") or {}).get("weights_fingerprint")
+    print_b = (other.get("reference") or {}).get("weights_fingerprint")
+    if print_a is not None and print_b is not None and print_a != print_b:
+        raise ValueError(f"tscompile: --merge: the weights of {first_name!r} and {other_name!r} differ "
+                         f"(fingerprints {print_a!r} and {print_b!r})")
     ref_a = ((first.get("reference") or {}).get("runs")) or {}
     ref_b = ((other.get("reference") or {}).get("runs")) or {}
     for bs in sorted(set(ref_a) & set(ref_b), key=int):
@@ -58,7 +65,9 @@ def merge(results: list[dict], names: list[str]) -> dict:
     modes_run: list[str] = []
     modes: dict[str, dict] = {}
     for result, name in zip(results, names):
-        measured = {r["mode"] for r in result["results"] + result["prefill"]} | set(result.get("modes", {}))
+        # a mode counts as measured when one of its rows ran: a refused mode (every row an error)
+        # leaves the mode free for the run that did measure it
+        measured = {r["mode"] for r in result["results"] + result["prefill"] if not r.get("error")}
         for mode in [m for m in result.get("modes_run", []) if m in measured]:
             if mode in owner:
                 raise ValueError(f"tscompile: --merge: mode {mode!r} was measured in both {owner[mode]!r} and "
@@ -68,18 +77,23 @@ def merge(results: list[dict], names: list[str]) -> dict:
             if mode in result.get("modes", {}):
                 modes[mode] = result["modes"][mode]
     runs = [{"source": name, "date": r.get("date"), "modes": [m for m in modes_run if owner[m] == name],
+             "source_tree": r["env"].get("source_tree"),
              "complete": r.get("complete", True), "copy_bandwidth_gbps": r.get("copy_bandwidth_gbps"),
              "peak_tflops": r.get("peak_tflops"), "peak_tflops_source": r.get("peak_tflops_source")}
             for r, name in zip(results, names)]
     first = results[0]
     return {
-        **{k: first.get(k) for k in ("model", "model_config", "device", "dtype", "args", "env", "reference")},
+        **{k: first.get(k) for k in ("model", "model_config", "device", "dtype", "args", "env")},
         "date": max(r.get("date") or "" for r in results),
         "copy_bandwidth_gbps": first.get("copy_bandwidth_gbps"),
         "peak_tflops": first.get("peak_tflops"), "peak_tflops_source": first.get("peak_tflops_source"),
         "modes_run": modes_run, "complete": all(run["complete"] for run in runs), "modes": modes,
-        "results": [r for res in results for r in res["results"] if r["mode"] in owner],
-        "prefill": [r for res in results for r in res["prefill"] if r["mode"] in owner],
+        # every run's float32 reference tokens (the check above made the shared batch sizes agree)
+        "reference": {**(first.get("reference") or {}),
+                      "runs": {bs: ref for r in results for bs, ref in ((r.get("reference") or {}).get("runs")
+                                                                         or {}).items()}},
+        "results": [r for res, name in zip(results, names) for r in res["results"] if owner.get(r["mode"]) == name],
+        "prefill": [r for res, name in zip(results, names) for r in res["prefill"] if owner.get(r["mode"]) == name],
         "merged_from": runs,
     }
 
@@ -92,6 +106,7 @@ def runs_markdown(result: dict) -> str:
              "copy bandwidth and matmul peak:", ""]
     for run in result["merged_from"]:
         facts = [", ".join(run["modes"]) or "no mode kept"]
+        facts.append(f"tscompile tree {run['source_tree']}" if run.get("source_tree") else "tscompile tree unknown")
         if run.get("copy_bandwidth_gbps"):
             facts.append(f"copy bandwidth {run['copy_bandwidth_gbps']:.1f} GB/s")
         if run.get("peak_tflops"):

@@ -70,6 +70,7 @@ class PackageRunner(EngineRunner):
         # server running that package would (the sequence and length limits still have to fit)
         limits["max_num_batched_tokens"] = min(max_num_batched_tokens, record["bounds"]["max_num_batched_tokens"])
         self.max_num_batched_tokens = limits["max_num_batched_tokens"]
+        self.bench_max_num_batched_tokens = max_num_batched_tokens
         self.path, self.record = package, record
         # load to first token: what a serving process pays before it answers, with the programs'
         # first-call work (kernel modules, library handles) inside
@@ -90,6 +91,7 @@ class PackageRunner(EngineRunner):
                 "package_weights": self.record["weights"], "attention_backend": self.record["attention_backend"],
                 "compiler": self.record.get("compiler"), "bounds": self.record["bounds"],
                 "max_num_batched_tokens": self.max_num_batched_tokens,
+                "bench_max_num_batched_tokens": self.bench_max_num_batched_tokens,
                 "cuda_graphs": self.cuda_graphs}
 
     def close(self) -> None:
@@ -107,10 +109,15 @@ def markdown_section(modes: dict) -> str:
     export = f"exported in {info['export_s']:.1f} s, " if info.get("export_s") is not None else "given by --package, "
     compiler = (info.get("compiler") or {}).get("path") or (info.get("compiler") or {}).get("command") or "unknown"
     graphs = ("Its decode program replays CUDA graphs (--package-cuda-graphs; a graph is captured on each padded "
-              "batch size's first use, in the warm-up runs); its prefill program runs without them."
+              "batch size's first use, in the warm-up runs when there are any); its prefill program, and batches "
+              "above the decode ladder, run without them."
               if info.get("cuda_graphs") else
               "Its programs run without CUDA graphs: its decode rows beside the tscompile rows show what the graphs "
               "are worth.")
+    budget, bench_budget = info.get("max_num_batched_tokens"), info.get("bench_max_num_batched_tokens")
+    if budget and bench_budget and budget < bench_budget:
+        graphs += (f" Its steps hold at most {budget} tokens (the package's bound; the other modes {bench_budget}), "
+                   f"so its larger batches' prompts are chunked: its TTFT is not the others' workload.")
     return (f"### Package\n\n`{PACKAGE_MODE}`: {export}{info['package_bytes'] / 2**20:.1f} MiB (weights "
             f"{info['package_weights']}, {info['attention_backend']} attention, C++ by {compiler}); load "
             f"{info['load_s']:.2f} s + first token {info['first_token_s']:.2f} s = load to first token "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
 import platform
 from pathlib import Path
 
@@ -20,6 +21,24 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def source_tree() -> str | None:
+    """The commit of the tscompile checkout that ran (``+dirty`` with local changes), or None where
+    it is not a git checkout: two runs merged into one table may come from other code."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # an installed copy: a git repository around it would be another's
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def environment(device: torch.device) -> dict:
@@ -41,6 +60,7 @@ def environment(device: torch.device) -> dict:
         "cpu_count": os.cpu_count(),
         "gpu_name": None,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+        "source_tree": source_tree(),
     }
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(device)

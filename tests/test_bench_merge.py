@@ -101,3 +101,41 @@ def test_merge_refuses_a_single_file_and_a_json_that_is_no_bench_run(tmp_path, e
     hf = _write(tmp_path, "hf.json", {"rows": [], "args": {}})
     assert tscompile_main(["bench", "--merge", a, hf]) == 2
     assert "is not a `tscompile bench` JSON" in capsys.readouterr().err
+
+
+def test_merge_refuses_a_merged_file_other_weights_and_other_reference_settings(tmp_path, eager_run):
+    other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
+    merged = bench_merge.merge([eager_run, other], ["a.json", "b.json"])
+    with pytest.raises(ValueError, match="is itself a merge"):
+        bench_merge.load(_write(tmp_path, "m.json", merged))
+    assert eager_run["reference"]["weights_fingerprint"] is not None
+    other_weights = copy.deepcopy(other)
+    other_weights["reference"]["weights_fingerprint"] = "not these weights"
+    with pytest.raises(ValueError, match="the weights of 'a.json' and 'b.json' differ"):
+        bench_merge.merge([eager_run, other_weights], ["a.json", "b.json"])
+    other_margin = copy.deepcopy(other)
+    other_margin["args"]["margin_threshold"] = 2.0
+    with pytest.raises(ValueError, match="--margin-threshold"):
+        bench_merge.merge([eager_run, other_margin], ["a.json", "b.json"])
+
+
+def test_a_refused_mode_leaves_the_mode_to_the_run_that_measured_it(eager_run):
+    refused = copy.deepcopy(eager_run)
+    for row in refused["results"] + refused["prefill"]:
+        row["error"] = "ValueError: tscompile: refused"
+    merged = bench_merge.merge([refused, _as_mode(eager_run, "compile-default", bandwidth=1.0),
+                                copy.deepcopy(eager_run)], ["refused.json", "b.json", "good.json"])
+    assert merged["modes_run"] == ["compile-default", "eager"]
+    assert all(not r.get("error") for r in merged["results"])  # the refused run's rows are left out
+    assert [run["modes"] for run in merged["merged_from"]] == [[], ["compile-default"], ["eager"]]
+
+
+def test_each_run_names_its_source_tree_in_the_merged_table(eager_run):
+    from tscompile.bench import report
+
+    assert eager_run["env"]["source_tree"] == report.source_tree()
+    other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
+    other["env"]["source_tree"] = "0123456789ab+dirty"
+    md = bench_merge.runs_markdown(bench_merge.merge([eager_run, other], ["a.json", "b.json"]))
+    assert "tscompile tree 0123456789ab+dirty" in md
+    assert (f"tscompile tree {report.source_tree()}" if report.source_tree() else "tscompile tree unknown") in md

@@ -77,6 +77,8 @@ def test_bench_package_mode_with_a_given_package(tmp_path, tiny_package):
     assert info["exported"] is False and info["export_s"] is None and info["package_path"] == str(tiny_package)
     assert info["bounds"] == {k: v for k, v in PACKAGE_BOUNDS.items() if k != "page_size"}
     assert info["max_num_batched_tokens"] == 8  # the package's bound, not the bench's 2048
+    assert info["bench_max_num_batched_tokens"] == 2048
+    assert "at most 8 tokens (the package's bound; the other modes 2048)" in result["markdown"]
     assert "given by --package" in result["markdown"]
 
 
@@ -150,3 +152,10 @@ def test_package_section_says_whether_the_decode_program_replayed_graphs():
     assert "run without CUDA graphs" in plain and "replays CUDA graphs" not in plain
     assert "Its decode program replays CUDA graphs (--package-cuda-graphs" in graphed
     assert "run without CUDA graphs: its decode rows" not in graphed
+
+
+def test_package_cuda_graphs_flag_is_refused_without_the_package_mode(capsys):
+    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--modes", "eager", "--package-cuda-graphs"]
+    assert tscompile_main(argv) == 2
+    assert "tscompile: --package-cuda-graphs changes the package mode, which this run does not measure" \
+        in capsys.readouterr().err

@@ -129,7 +129,7 @@ class WholeStepPrefill:
         buf.send(non_blocking=not self.host_replay)
         if not self.host_replay:
             buf.sent = torch.cuda.Event()
-            buf.sent.record()
+            buf.sent.record(torch.cuda.current_stream(self.device))  # the copy's stream, not the current device's
         return buf.tensors
 
     def run(self, key: GraphKey, step: Callable[[], None]) -> None:
