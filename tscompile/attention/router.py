@@ -9,7 +9,7 @@ through the forward context and call ``forward`` per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -155,13 +155,14 @@ class AttentionRouter(AttentionBackend):
         the null page."""
         self.publish_extend_metadata(plan, upload(self.extend_host_arrays(plan, pad_rows), self.device))
 
-    def extend_array_layout(self, tokens: int, requests: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+    def extend_array_layout(self, tokens: int | Sequence[int], requests: int) -> list[tuple[tuple[int, ...], np.dtype]]:
         """Shape and dtype of each ``extend_host_arrays`` array of a step padded to ``tokens`` rows
-        in every group and ``requests`` requests."""
+        (one count for every group, or one per group) and ``requests`` requests."""
+        rows = [tokens] * len(self.leaves) if isinstance(tokens, int) else list(tokens)
         i32, i64 = np.dtype(np.int32), np.dtype(np.int64)
         layout = []
-        for leaf in self.leaves:
-            layout += [((requests, leaf.max_pages), i32), ((requests,), i32), ((requests + 1,), i32), ((tokens,), i64)]
+        for leaf, n in zip(self.leaves, rows, strict=True):
+            layout += [((requests, leaf.max_pages), i32), ((requests,), i32), ((requests + 1,), i32), ((n,), i64)]
         return layout
 
     def extend_host_arrays(self, plan: StepPlan, pad_rows: Mapping[int, int], pad_requests: int = 0) -> list:
@@ -172,11 +173,9 @@ class AttentionRouter(AttentionBackend):
         page-table row, KV length 0 and an empty query range (the offsets repeat their last value),
         so no kernel gives them work. Token rows past the live ones write slot 0 (``pad_rows``)."""
         requests = max(pad_requests, plan.num_requests)
-        host = []
-        for gid, (group, leaf) in enumerate(zip(plan.groups, self.leaves)):
-            rows = max(pad_rows.get(gid, 0), int(group.qo_indptr[-1]))
-            host += [np.empty((requests, leaf.max_pages), dtype=np.int32), np.empty(requests, dtype=np.int32),
-                     np.empty(requests + 1, dtype=np.int32), np.empty(rows, dtype=np.int64)]
+        rows = [max(pad_rows.get(gid, 0), int(group.qo_indptr[-1])) for gid, group in enumerate(plan.groups)]
+        # the layout a whole-step bucket's staging has too: both paths fill the same arrays
+        host = [np.empty(shape, dtype=dtype) for shape, dtype in self.extend_array_layout(rows, requests)]
         self.fill_extend_host_arrays(plan, host)
         return host
 
