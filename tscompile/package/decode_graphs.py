@@ -11,7 +11,8 @@ per-group block tables and seq lens, the sampling rows, at fixed device addresse
 host and sent in one copy per dtype. Its ``fill`` pads ids, positions and sampling rows with the
 engine's padding (token 0 at position 0, greedy, nothing banned); the engine's refresh pads the
 table and length rows itself, but the program refreshes from the rows it is given, so the rows
-``[n, bs)`` of the tables and lengths are set here to the null block and length 0. Inside the
+``[n, bs)`` of the tables and lengths are staged as the null block and length 0 too
+(``DecodeStaging.fill(pad_tables=True)``). Inside the
 program's refresh such a row becomes what the engine's padded rows are: a page-table row of the
 null page, KV length 0 and write slot 0 (in the null block, which no request owns), so padding
 writes nothing a live request reads.
@@ -105,9 +106,8 @@ class PackageDecodeGraphs:
             return None
         if bs not in self.graphs:
             self._capture(bs)
-        self.staging.fill(plan, bs)
+        self.staging.fill(plan, bs, pad_tables=True)  # the program refreshes from the rows it is given
         self.staging.upload()
-        self._pad_tables(n, bs)
         if self.host_replay:
             tokens = self._call(bs)
         else:
@@ -127,15 +127,12 @@ class PackageDecodeGraphs:
     def _call(self, bs: int) -> torch.Tensor:
         return self.program(*self.inputs(bs))
 
-    def _pad_tables(self, n: int, bs: int) -> None:
-        """Rows ``[n, bs)`` of every group's block table and seq lens: the null block, length 0
-        (the staging writes only the live rows; the engine's refresh pads the rest itself)."""
-        if bs == n:
-            return
+    def _idle_tables(self, bs: int) -> None:
+        """Every group's block table and seq lens of ``bs`` rows: the null block, length 0."""
         inputs = self.staging.decode_inputs(bs)
         for table, lens in zip(inputs.block_tables, inputs.seq_lens):
-            table[n:].fill_(_NULL_BLOCK)
-            lens[n:].zero_()
+            table.fill_(_NULL_BLOCK)
+            lens.zero_()
 
     def _idle_inputs(self, bs: int) -> None:
         """Every one of the ``bs`` rows a padding row (the engine's sampling padding)."""
@@ -144,7 +141,7 @@ class PackageDecodeGraphs:
         st.upload()
         st.input_ids[:bs].zero_()
         st.positions[:bs].zero_()
-        self._pad_tables(0, bs)
+        self._idle_tables(bs)
 
     def _capture(self, bs: int) -> None:
         start = time.perf_counter()

@@ -85,10 +85,12 @@ class DecodeStaging:
             return inputs
         return inputs.with_host_rows(tuple(g.block_tables for g in plan.groups), tuple(g.seq_lens for g in plan.groups))
 
-    def fill(self, plan: StepPlan, bs: int, prev_rows=None) -> None:
+    def fill(self, plan: StepPlan, bs: int, prev_rows=None, *, pad_tables: bool = False) -> None:
         """Host-side writes for the plan's ``n`` decode rows; rows ``[n, bs)`` become padding
         (greedy, token 0, position 0). ``prev_rows`` (default all -1) says which rows take their
-        token from the device; a row whose plan id is ``ON_DEVICE`` must have one."""
+        token from the device; a row whose plan id is ``ON_DEVICE`` must have one. ``pad_tables``:
+        the padding rows' block tables and lengths become the null block and 0 too (for a reader
+        that takes the tables as they are; the engine's refresh pads those rows itself)."""
         n, b = plan.num_requests, self.max_bs
         host = self._writable_set()
         n64, n32 = host.n64, host.n32
@@ -97,10 +99,12 @@ class DecodeStaging:
         np.maximum(live, 0, out=live)  # an ON_DEVICE id is replaced on the device (prev_rows)
         _put_rows(n64, b, plan.positions, n, bs, 0)
         _put_rows(n64, 4 * b, -1 if prev_rows is None else prev_rows, n, bs, -1)
+        live = bs if pad_tables else n
+        mb = self.max_blocks
         for g, group in enumerate(plan.groups):
-            n32[g * b: g * b + n] = group.seq_lens
-            start = self._tables_at + g * b * self.max_blocks
-            n32[start: start + n * self.max_blocks] = group.block_tables.reshape(-1)
+            _put_rows(n32, g * b, group.seq_lens, n, live, 0)
+            # block 0 is the null block (the allocator never hands it out)
+            _put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
         self._fill_sampling(host, plan.sampling, bs)
 
     def fill_sampling(self, rows: SamplingRows, bs: int | None = None) -> None:
