@@ -56,6 +56,7 @@ tests_for() {
     user_compile) echo "tests/test_user_compile_gpu.py tests/test_bench_hf_model.py" ;;
     packages) echo "tests/test_gpu_packages.py" ;;
     pkg_graphs) echo "tests/test_gpu_packages.py -k cuda_graphs" ;;
+    pkg_new) echo "tests/test_gpu_packages.py -k cuda_graphs_or_checkpoint" ;;
     gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
     extend_fast) echo "tests/test_triton_extend_fast.py" ;;
     unverified) echo "tests/test_prefill_startup_capture.py tests/test_bench_kernel_table.py tests/test_gpu_packages.py tests/test_gpu_graphs.py -k startup_capture_or_kernel_table_or_kernel_times_or_checkpoint_package_or_default_prefill_graph_mode" ;;
