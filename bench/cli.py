@@ -15,7 +15,8 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
   tscompile-<backend>            tscompile.LLM(enforce_eager=False, attention_backend=<backend>)
   package                        the model exported by tscompile export (or --package PATH), loaded with
                                  tscompile.load_package; only when named in --modes or given --package.
-                                 Its programs run without CUDA graphs. Also reports load to first token.
+                                 Its programs run without CUDA graphs unless --package-cuda-graphs
+                                 (decode only). Also reports load to first token.
 A mode or a batch size that fails becomes an error row; the others still run.
 
 --kernel-table: after each row's timed runs (never inside them), a few steps of the same workload

@@ -345,9 +345,10 @@ def _child_package(args) -> dict:
     # first layer's excess over the second is the kernel's one-time loading (Triton's JIT and launcher)
     from tscompile.custom_ops import attention as attention_ops
 
-    for impl, fn in list(attention_ops._IMPLS.items()):
-        attention_ops._IMPLS[impl] = first_calls(
-            lambda *a, impl=impl: f"attention_{impl}_{'decode' if a[11] else 'extend'}", fn)
+    # (the op's body looks run_attention up at each call; an impl module may register only once the
+    # package names its backend, so the impls themselves cannot be wrapped here)
+    attention_ops.run_attention = first_calls(
+        lambda *a: f"attention_{a[12]}_{'decode' if a[11] else 'extend'}", attention_ops.run_attention)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda_init = _cuda_init(device)
     t0 = time.perf_counter()

@@ -21,6 +21,7 @@ import torch
 import tscompile
 import tscompile.version
 from tscompile import SamplingParams
+from tscompile.counters import counters
 from tscompile.export import export_package, read_package_metadata
 from tscompile.forward_context import ForwardMode
 from helpers import (assert_other_releases_refused, assert_text_package_stops_like_engine, ids, record_modes,
@@ -269,6 +270,7 @@ def test_cuda_graphs_decode_gives_the_direct_programs_tokens_and_replays_every_d
     assert direct.runner.decode_graphs is None
     assert graphs is not None and not graphs.host_replay and graphs.ladder == (1, 2, 4)
     modes = record_modes(graphed)
+    counters.clear()
     p = _prompts(tscompile.models.PRESETS["llama-tiny"].vocab_size)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS)
     staggered = [SamplingParams(max_new_tokens=n) for n in (3, 8, 5, 2, 7, 4)]
@@ -276,6 +278,9 @@ def test_cuda_graphs_decode_gives_the_direct_programs_tokens_and_replays_every_d
         assert ids(graphed.generate(prompts, params)) == ids(direct.generate(prompts, params)), len(prompts)
     decode_steps = modes.count(ForwardMode.DECODE)
     assert decode_steps > 0 and graphs.replays == decode_steps  # nothing above the ladder: all replayed
+    # the engine's counters, which the bench's captures column reads, see the same replays and captures
+    assert counters["decode_replays"] == decode_steps and counters["decode_eager"] == 0
+    assert counters["decode_captures"] == graphs.captures
     assert {1, 4} <= set(graphs.graphs) and graphs.captures == len(graphs.graphs)
     assert graphs.padded_rows >= 2 * (NEW_TOKENS - 1)  # the two three-prompt batches pad each decode step
     assert graphed.capture_seconds > 0

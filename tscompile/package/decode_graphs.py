@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tscompile.config import DEFAULT_DECODE_LADDER
+from tscompile.counters import counters
 from tscompile.runtime.piece_graphs import capture_graph
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
@@ -113,6 +114,7 @@ class PackageDecodeGraphs:
         else:
             self.graphs[bs].replay()
             tokens = self.outputs[bs]
+            counters["decode_replays"] += 1  # what the bench's captures/replays columns read
         self.replays += 1
         self.padded_rows += bs - n
         return tokens[:n].tolist()
@@ -149,11 +151,12 @@ class PackageDecodeGraphs:
         if self.host_replay:
             self._call(bs)  # what a capture's warm-up runs: idle rows write the null page only
             self.graphs[bs] = None
-        else:
-            self._call(bs)  # first launches load the program's kernels; capture_graph warms up once more
+        else:  # capture_graph's warm-up call loads the program's kernels on the capture stream
             graph, tokens = capture_graph(lambda: self._call(bs), self.device, self.stream, self.pool,
                                           f"the package decode step of batch {bs}")
             self.graphs[bs], self.outputs[bs] = graph, tokens
+            counters["decode_captures"] += 1
+            torch.cuda.synchronize(self.device)  # capture time includes the warm-up's device work
         self.captures += 1
         self.capture_seconds += time.perf_counter() - start
         if self.captures == 1:

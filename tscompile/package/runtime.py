@@ -12,6 +12,7 @@ import torch
 
 from tscompile.attention import create_attention_router
 from tscompile.attention.router import AttentionRouter
+from tscompile.counters import counters
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
@@ -113,6 +114,8 @@ class PackageRunner:
         sampling = self.sampling.inputs.rows(n)
         ids, pos = upload([plan.input_ids, plan.positions], self.device)
         if plan.mode is ForwardMode.DECODE:
+            if self.decode_graphs is not None:
+                counters["decode_eager"] += 1  # above the graphs' ladder
             dev = upload([a for g in plan.groups for a in (g.block_tables, g.seq_lens)], self.device)
             tokens = self.programs["decode"](ids, pos, dev[0::2], dev[1::2], *sampling, self.k_caches, self.v_caches)
             return tokens[:n].tolist()

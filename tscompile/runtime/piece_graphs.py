@@ -180,8 +180,15 @@ def capture_graph(fn: Callable, device: torch.device, stream: torch.cuda.Stream,
             graph.capture_begin(pool=pool)
             try:
                 outputs = fn()
-            finally:
-                graph.capture_end()
+            except Exception:
+                # end the capture, but report what broke it: capture_end's own "capture invalidated"
+                # error would otherwise replace the cause
+                try:
+                    graph.capture_end()
+                except Exception:
+                    pass
+                raise
+            graph.capture_end()
     except Exception as e:
         raise RuntimeError(f"tscompile: capturing {what} failed: {e}") from e
     current.wait_stream(stream)
