@@ -23,11 +23,19 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def source_tree() -> str | None:
-    """The commit of the tscompile checkout that ran (``+dirty`` with local changes), or None where
-    it is not a git checkout: two runs merged into one table may come from other code."""
+def _checkout_root() -> Path | None:
     root = Path(__file__).resolve().parents[1]
-    if not (root / ".git").exists():  # an installed copy: a git repository around it would be another's
+    # an installed copy: a git repository around it would be another's
+    return root if (root / ".git").exists() else None
+
+
+def source_tree(root: Path | None = None) -> str | None:
+    """The commit of the tscompile checkout that ran (``+dirty`` with local changes, then the content
+    tree, ``content_tree``), or None where it is not a git checkout: two runs merged into one table
+    may come from other code. A copied working tree (a GPU machine's copy of a checkout) can carry an
+    older ``.git`` than its files; the content tree names the files themselves."""
+    root = root or _checkout_root()
+    if root is None:
         return None
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
@@ -36,9 +44,35 @@ def source_tree() -> str | None:
             return None
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        if not dirty.stdout.strip():
+            return head.stdout.strip()
+        content = content_tree(root)
+        return head.stdout.strip() + "+dirty" + (f", content tree {content}" if content else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def content_tree(root: Path | None = None) -> str | None:
+    """The git tree hash (12 digits) of the checkout's files as they are, untracked files that git
+    does not ignore included: the ``%T`` of the commit that holds exactly these files
+    (``git log --format='%h %T'`` finds it), whatever the checkout's HEAD. Written through a
+    throwaway index, so the checkout's own index is untouched."""
+    root = root or _checkout_root()
+    if root is None:
+        return None
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tscompile_tree_") as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        try:
+            for cmd in (["add", "-A", "."], ["write-tree"]):
+                out = subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True, timeout=60,
+                                     env=env)
+                if out.returncode != 0:
+                    return None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return out.stdout.strip()[:12] or None
 
 
 def environment(device: torch.device) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
 
 import pytest
 
@@ -139,3 +141,38 @@ def test_each_run_names_its_source_tree_in_the_merged_table(eager_run):
     md = bench_merge.runs_markdown(bench_merge.merge([eager_run, other], ["a.json", "b.json"]))
     assert "tscompile tree 0123456789ab+dirty" in md
     assert (f"tscompile tree {report.source_tree()}" if report.source_tree() else "tscompile tree unknown") in md
+
+
+def _git(root, *args):
+    out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+                         env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                              "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+    return out.stdout.strip()
+
+
+def test_content_tree_names_the_files_as_they_are_whatever_the_head(tmp_path):
+    """A GPU machine's copy of a checkout can carry an older .git than its files: the content tree is
+    the tree of the commit holding exactly the files there, untracked ones included, ignored ones not,
+    and the checkout's own index is left as it was."""
+    from tscompile.bench import report
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    _git(root, "init", "-q")
+    (root / ".gitignore").write_text("*.log\n")
+    (root / "a.py").write_text("a = 1\n")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "one")
+    assert report.content_tree(root) == _git(root, "rev-parse", "HEAD^{tree}")[:12]
+    assert report.source_tree(root) == _git(root, "rev-parse", "--short=12", "HEAD")  # clean: the commit alone
+    # the files move on without the .git: changed and new files, an ignored one
+    (root / "a.py").write_text("a = 2\n")
+    (root / "b.py").write_text("b = 1\n")
+    (root / "run.log").write_text("ignored\n")
+    seen = report.content_tree(root)
+    stale_head = _git(root, "rev-parse", "--short=12", "HEAD")
+    assert report.source_tree(root) == f"{stale_head}+dirty, content tree {seen}"
+    assert _git(root, "diff", "--cached", "--name-only") == ""  # the checkout's index untouched
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "two")  # the commit that holds these files: the same tree
+    assert seen == _git(root, "rev-parse", "HEAD^{tree}")[:12] != _git(root, "rev-parse", "HEAD~1^{tree}")[:12]
