@@ -28,6 +28,7 @@ step and the reference's top-2 logit margin there (a near-tie, or a suspicious g
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -125,6 +126,9 @@ def add_parser(sub) -> None:
     p.add_argument("--package-cuda-graphs", action="store_true",
                    help="the package mode loads its package with cuda_graphs=True: decode steps replay CUDA graphs "
                         "(CUDA only)")
+    p.add_argument("--tscompile-options", type=_json_object, default=None, metavar="JSON",
+                   help="compile options of the compiled tscompile modes (TscompileConfig's fields), e.g. "
+                        "'{\"decode_ladder\": [2, 4, 8]}': a variant measured against the defaults of another run")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -203,6 +207,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         compile_stats.restore_compilation_metrics(metrics_limit)
         torch.set_num_threads(threads)
+
+
+def _json_object(text: str) -> dict:
+    """--tscompile-options: a JSON object, or a ``tscompile:`` refusal naming what was given."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"tscompile: --tscompile-options {text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"tscompile: --tscompile-options {text!r} must be a JSON object of "
+                                         "compile options")
+    return value
 
 
 def _matmul_peak(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str | None]:

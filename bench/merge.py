@@ -78,6 +78,7 @@ def merge(results: list[dict], names: list[str]) -> dict:
                 modes[mode] = result["modes"][mode]
     runs = [{"source": name, "date": r.get("date"), "modes": [m for m in modes_run if owner[m] == name],
              "source_tree": r["env"].get("source_tree"),
+             "tscompile_options": (r.get("args") or {}).get("tscompile_options"),
              "complete": r.get("complete", True), "copy_bandwidth_gbps": r.get("copy_bandwidth_gbps"),
              "peak_tflops": r.get("peak_tflops"), "peak_tflops_source": r.get("peak_tflops_source")}
             for r, name in zip(results, names)]
@@ -107,6 +108,8 @@ def runs_markdown(result: dict) -> str:
     for run in result["merged_from"]:
         facts = [", ".join(run["modes"]) or "no mode kept"]
         facts.append(f"tscompile tree {run['source_tree']}" if run.get("source_tree") else "tscompile tree unknown")
+        if run.get("tscompile_options"):
+            facts.append(f"tscompile options `{json.dumps(run['tscompile_options'])}`")
         if run.get("copy_bandwidth_gbps"):
             facts.append(f"copy bandwidth {run['copy_bandwidth_gbps']:.1f} GB/s")
         if run.get("peak_tflops"):

@@ -295,6 +295,8 @@ def markdown(result: dict) -> str:
                f"(\"Runs merged\" below)" if result.get("merged_from") else
                f"copy bandwidth {result['copy_bandwidth_gbps']:.1f} GB/s"
                + (f" · matmul peak {peak:.4g} TFLOP/s ({result.get('peak_tflops_source')})" if peak else "")) + "\n")
+    if args.get("tscompile_options") and not result.get("merged_from"):  # merged: per run, "Runs merged"
+        head += f"\ntscompile modes compiled with `{json.dumps(args['tscompile_options'])}` (--tscompile-options).\n"
     if result.get("complete") is False:
         head += "\n**Partial run**: cut short; the rows below are the ones that finished.\n"
     notes = ["", "Every timed figure is the median of the timed iterations, with the fastest and slowest. TPOT = one "

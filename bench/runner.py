@@ -140,10 +140,11 @@ class Bench:
             ok, why = backend_available(backend, self.device)
             if not ok:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
+        options = None if mode == "eager" else getattr(a, "tscompile_options", None)
         return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=mode == "eager",
                                       device=self.device, dtype=self.dtype, max_num_seqs=max(a.batch_size),
                                       max_model_len=self.max_model_len, page_size=a.page_size,
-                                      max_num_batched_tokens=budget, seed=a.seed)
+                                      max_num_batched_tokens=budget, seed=a.seed, compile_options=options)
 
     def decode_row(self, mode: str, runner, bs: int, prev: dict) -> dict:
         a = self.args

@@ -14,6 +14,8 @@
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
+#                  (STARTUP_ARGS: more startup.py flags, STARTUP_TAG: a suffix of its file names; BENCH_ARGS
+#                  and BENCH_TAG the same for bench jobs)
 #   pkgbench:M     tscompile bench of that package (package mode) beside tscompile-triton
 #   pkgbench-graphs:M  the same with the package's decode in CUDA graphs (--package-cuda-graphs)
 #   py:PATH        python3 PATH, its output in $OUT/<name>.log
@@ -57,6 +59,7 @@ tests_for() {
     packages) echo "tests/test_gpu_packages.py" ;;
     pkg_graphs) echo "tests/test_gpu_packages.py -k cuda_graphs" ;;
     pkg_new) echo "tests/test_gpu_packages.py -k cuda_graphs_or_checkpoint" ;;
+    ladder) echo "tests/test_gpu_graphs.py -k ladder_without_1" ;;
     gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
     extend_fast) echo "tests/test_triton_extend_fast.py" ;;
     unverified) echo "tests/test_prefill_startup_capture.py tests/test_bench_kernel_table.py tests/test_gpu_packages.py tests/test_gpu_graphs.py -k startup_capture_or_kernel_table_or_kernel_times_or_checkpoint_package_or_default_prefill_graph_mode" ;;
@@ -92,15 +95,17 @@ run_job() {  # lane job
         --num-iters-warmup 1 --kernel-table --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
         --no-progress 2>&1 | tail -40 ;;
     bench:*)
-      local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/_}
+      local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/_}${BENCH_TAG:-}
+      # shellcheck disable=SC2086  # BENCH_ARGS: more bench flags, e.g. --tscompile-options '{...}' (no spaces)
       timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size ${BENCH_BS:-1 8 32 64} --input-len 512 \
-        --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table \
+        --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table ${BENCH_ARGS:-} \
         --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
         2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
     startup:*|startup-tuned:*)  # startup-tuned: the same with the bs=1 decode graph's tuning
       local spec=${job#*:}; local model=${spec%%:*} skip="" tag="" extra=""
       [ "$spec" != "$model" ] && skip=${spec#*:}
       case $job in startup-tuned:*) tag=_tuned; extra="--decode-tuning on" ;; esac
+      tag=$tag${STARTUP_TAG:-}; extra="$extra ${STARTUP_ARGS:-}"  # e.g. STARTUP_ARGS="--decode-ladder 2 4 8"
       timeout $left python3 scripts/startup.py --model $model ${skip:+--skip ${skip//,/ }} --keep-package /tmp/pkg_$model.pt2 \
         $extra --output-json "$OUT/startup_$model$tag.json" --output-md "$OUT/startup_$model$tag.md" 2> "$OUT/startup_$model$tag.log"
       echo "rc=$?"; head -8 "$OUT/startup_$model$tag.md" ;;

@@ -397,6 +397,8 @@ def compile_options(args) -> dict:
     options = {"prefill_capture": args.prefill_capture}
     if args.decode_tuning == "on":  # the bs=1 decode graph with coordinate-descent tuning (its cost)
         options["static_inductor_options"] = {"coordinate_descent_tuning": True}
+    if args.decode_ladder:
+        options["decode_ladder"] = tuple(args.decode_ladder)
     return options
 
 
@@ -414,6 +416,8 @@ def _spawn(kind: str, args, env: dict) -> dict:
             argv += [f"--{flag}", str(getattr(args, flag))]
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if args.decode_ladder:
+        argv += ["--decode-ladder", *map(str, args.decode_ladder)]
     env = {**env, "STARTUP_SPAWNED_AT": repr(time.time())}
     print(f"== {kind}", file=sys.stderr, flush=True)
     run = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)  # stderr (logs, bars) passes through
@@ -506,7 +510,9 @@ def markdown(result: dict) -> str:
              f"prompt to its first token; seconds, each start a fresh process."
              + (" The engine runs without torch.compile (--enforce-eager)." if a.get("enforce_eager") else "")
              + (" The bs=1 decode graph is coordinate-descent tuned (--decode-tuning on)."
-                if a.get("decode_tuning") == "on" else ""), "",
+                if a.get("decode_tuning") == "on" else "")
+             + (f" Decode ladder {tuple(a['decode_ladder'])} (--decode-ladder)." if a.get("decode_ladder") else ""),
+             "",
              "| start | to first token | process start | imports | CUDA init | weights | compile | capture | "
              "of which prefill | other | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -557,6 +563,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="when the engine captures its prefill graphs (compile option prefill_capture)")
     p.add_argument("--decode-tuning", default="off", choices=("on", "off"),
                    help="on: coordinate-descent tuning of the bs=1 decode graph (the engine's default is off)")
+    p.add_argument("--decode-ladder", type=int, nargs="+", default=None, metavar="BS",
+                   help="the engine's decode ladder (compile option decode_ladder; default the engine's): "
+                        "without 1, a bs=1 step pads to the smallest size and no bs=1 graph is compiled")
     p.add_argument("--enforce-eager", action="store_true",
                    help="engine starts without torch.compile: what the rest of a start costs, alone")
     p.add_argument("--package", default=None, help="measure this package (default: export one first)")

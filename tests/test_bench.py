@@ -421,3 +421,34 @@ def test_compile_stats_count_dynamo_recompiles_and_graph_breaks():
     assert stats["recompiles"] == 2 and stats["graph_breaks"] == 2 and stats["graphs_compiled"] == 4
     assert all(type(v) is int for v in stats.values())
     assert reasons and all("dtype" in r for r in reasons)
+
+
+def test_tscompile_options_reach_the_compiled_modes_only_and_are_reported(tmp_path, monkeypatch, capsys):
+    """--tscompile-options '{"decode_ladder": [2, 4]}': the compiled tscompile mode's engine gets those
+    compile options, the eager engine none; the markdown header names them. Engines are recorded,
+    then stopped (an error row), so nothing compiles."""
+    seen = []
+
+    def recording_llm(model, **kw):
+        seen.append((kw["enforce_eager"], kw.get("compile_options")))
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(tscompile, "LLM", recording_llm)
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--batch-size", "1", "--input-len", "6",
+            "--output-len", "3", "--prefill-lens", "6", "--num-iters", "1", "--num-iters-warmup", "0",
+            "--modes", "eager", "tscompile-torch", "--tscompile-options", '{"decode_ladder": [2, 4]}',
+            "--output-json", str(out_json), "--output-md", str(out_md), "--no-progress", "--bandwidth-mib", "16",
+            "--no-reference"]
+    assert tscompile_main(argv) == 1  # every row an error row
+    assert sorted(seen, key=str) == sorted([(True, None), (False, {"decode_ladder": [2, 4]})], key=str)
+    result = json.loads(out_json.read_text())
+    assert result["args"]["tscompile_options"] == {"decode_ladder": [2, 4]}
+    assert 'tscompile modes compiled with `{"decode_ladder": [2, 4]}`' in out_md.read_text()
+
+
+@pytest.mark.parametrize("text", ["[2, 4]", "{decode_ladder: 2}"])
+def test_tscompile_options_other_than_a_json_object_are_refused(text, capsys):
+    with pytest.raises(SystemExit):
+        tscompile_main(["bench", "--tscompile-options", text])
+    assert "tscompile: --tscompile-options" in capsys.readouterr().err

@@ -106,6 +106,24 @@ def test_above_ladder_decode_runs_eagerly_and_matches():
     assert counters["decode_eager"] > before  # 7 requests > ladder top 4
 
 
+def test_a_ladder_without_1_pads_a_single_request_to_2_and_compiles_no_bs1_graph():
+    """``decode_ladder`` (2, 4, 8): a lone request's decode steps replay the bs=2 graph (one padding
+    row), its tokens are eager's, and the engine never compiles its bs=1 step (the start-up lever
+    `scripts/startup.py --decode-ladder` prices)."""
+    from tscompile.counters import counters
+
+    params = SamplingParams(max_new_tokens=6)
+    eager = ids(make(enforce_eager=True).generate(PROMPTS[:1], params))
+    llm = make(compile_options={"decode_ladder": (2, 4, 8)})
+    compiled_one = []
+    llm.runner.decode_step_one = lambda *a, **kw: compiled_one.append(1)  # would compile the bs=1 graph
+    replays, direct = counters["decode_replays"], counters["decode_eager"]
+    assert ids(llm.generate(PROMPTS[:1], params)) == eager
+    # every decode step a replay: none ran outside the graphs
+    assert counters["decode_replays"] > replays and counters["decode_eager"] == direct
+    assert not compiled_one and sorted(k[0] for k in llm.runner.decode_graphs.graphs) == [2, 4, 8]
+
+
 def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
     monkeypatch.setenv("TSCOMPILE_GRAPH_DEBUG", "1")
     llm = make()

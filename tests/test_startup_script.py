@@ -3,6 +3,7 @@ phases that explain the rest of a start (the engine's construction, the first ca
 
 import importlib.util
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,24 @@ def test_decode_tuning_on_turns_coordinate_descent_on_in_the_engine_the_child_bu
                         lambda argv, **kw: spawned.append(argv) or type("R", (), {"returncode": 1, "stdout": ""}))
     assert "error" in startup._spawn("engine", on, {})
     assert spawned[0][spawned[0].index("--decode-tuning") + 1] == "on"
+
+
+def test_decode_ladder_reaches_the_engine_options_and_the_child_argv(monkeypatch):
+    """--decode-ladder 2 4: the children's compile options carry that ladder (so a bs=1 step pads to
+    2 and no bs=1 graph is compiled), the spawned child gets the flag, the table says so."""
+    args = startup.parse_args(SMALL + ["--decode-ladder", "2", "4"])
+    assert startup.compile_options(args)["decode_ladder"] == (2, 4)
+    assert "decode_ladder" not in startup.compile_options(startup.parse_args(SMALL))
+    seen = {}
+
+    def fake_run(argv, **kw):
+        seen["argv"] = argv
+        return subprocess.CompletedProcess(argv, 1, stdout="", stderr="")
+
+    monkeypatch.setattr(startup.subprocess, "run", fake_run)
+    startup._spawn("engine", args, {})
+    i = seen["argv"].index("--decode-ladder")
+    assert seen["argv"][i + 1:i + 3] == ["2", "4"]
+    assert startup.parse_args(seen["argv"][2:]).decode_ladder == [2, 4]  # the child parses it back
+    md = startup.markdown({"args": vars(args), "env": "cpu", "starts": {}})
+    assert "Decode ladder (2, 4) (--decode-ladder)." in md
