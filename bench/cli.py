@@ -185,11 +185,14 @@ def run(args: argparse.Namespace) -> int:
     if args.merge:
         from . import merge
 
-        if args.hf_model or args.modes or args.package:
+        if args.hf_model or args.modes or args.package or args.tscompile_options is not None:
             raise ValueError("tscompile: --merge combines finished runs; it runs nothing, so it takes no "
-                             "--hf-model, --modes or --package")
+                             "--hf-model, --modes, --package or --tscompile-options")
         return merge.run(args)
     if args.hf_model:
+        if args.tscompile_options is not None:
+            raise ValueError("tscompile: --tscompile-options sets the engine modes' compile options; the "
+                             "--hf-model bench compiles a transformers model with its own --hf-modes")
         return hf_model.run(args)
     hf_model.check_hf_flags_unused(args)
     if args.package_cuda_graphs and not (args.package or package_mode.PACKAGE_MODE in (args.modes or ())):
@@ -198,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     device = fill_defaults(args)
     dtype = resolve_dtype(args.dtype, device)
     modes = resolve_modes(args, device)
+    if args.tscompile_options is not None:
+        _check_tscompile_options(args.tscompile_options, modes)
     threads = torch.get_num_threads()
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
@@ -207,6 +212,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         compile_stats.restore_compilation_metrics(metrics_limit)
         torch.set_num_threads(threads)
+
+
+def _check_tscompile_options(options: dict, modes: list[str]) -> None:
+    """Refuse --tscompile-options before any model is built: options no compiled tscompile mode of
+    the run would use, or that the engine would refuse (a misspelt option, a bad ladder)."""
+    from tscompile.config import TscompileConfig
+
+    if not any(m.startswith("tscompile-") for m in modes):
+        raise ValueError(f"tscompile: --tscompile-options sets the compiled tscompile modes' options, and this "
+                         f"run measures none of them (modes {modes})")
+    TscompileConfig.from_options(options)
 
 
 def _json_object(text: str) -> dict:

@@ -42,11 +42,12 @@ def source_tree(root: Path | None = None) -> str | None:
                               text=True, timeout=10)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        if not dirty.stdout.strip():
-            return head.stdout.strip()
+        committed = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD^{tree}"], capture_output=True,
+                                   text=True, timeout=10)
+        # new files count too: a copy whose .git is older than its files may differ only by them
         content = content_tree(root)
+        if content is not None and committed.stdout.strip().startswith(content):
+            return head.stdout.strip()
         return head.stdout.strip() + "+dirty" + (f", content tree {content}" if content else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -60,12 +61,21 @@ def content_tree(root: Path | None = None) -> str | None:
     root = root or _checkout_root()
     if root is None:
         return None
+
+    import shutil
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tscompile_tree_") as tmp:
-        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        index = os.path.join(tmp, "index")
+        env = {**os.environ, "GIT_INDEX_FILE": index}
         try:
-            for cmd in (["add", "-A", "."], ["write-tree"]):
+            # start from the checkout's own index: unchanged files are not hashed again, and their modes
+            # come from it (core.fileMode off), so a copy that lost execute bits still names the commit
+            own = subprocess.run(["git", "-C", str(root), "rev-parse", "--path-format=absolute", "--git-path",
+                                  "index"], capture_output=True, text=True, timeout=10)
+            if own.returncode == 0 and os.path.exists(own.stdout.strip()):
+                shutil.copyfile(own.stdout.strip(), index)
+            for cmd in (["-c", "core.fileMode=false", "add", "-A", "."], ["write-tree"]):
                 out = subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True, timeout=60,
                                      env=env)
                 if out.returncode != 0:

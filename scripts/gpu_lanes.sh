@@ -14,8 +14,8 @@
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
-#                  (STARTUP_ARGS: more startup.py flags, STARTUP_TAG: a suffix of its file names; BENCH_ARGS
-#                  and BENCH_TAG the same for bench jobs)
+#                  (STARTUP_ARGS: more startup.py flags, STARTUP_TAG: a suffix of its file names; for bench
+#                  jobs BENCH_OPTIONS, the tscompile modes' compile options as JSON, and BENCH_TAG)
 #   pkgbench:M     tscompile bench of that package (package mode) beside tscompile-triton
 #   pkgbench-graphs:M  the same with the package's decode in CUDA graphs (--package-cuda-graphs)
 #   py:PATH        python3 PATH, its output in $OUT/<name>.log
@@ -96,9 +96,10 @@ run_job() {  # lane job
         --no-progress 2>&1 | tail -40 ;;
     bench:*)
       local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/_}${BENCH_TAG:-}
-      # shellcheck disable=SC2086  # BENCH_ARGS: more bench flags, e.g. --tscompile-options '{...}' (no spaces)
+      # BENCH_OPTIONS: the tscompile modes' compile options as one JSON argument (spaces allowed)
       timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size ${BENCH_BS:-1 8 32 64} --input-len 512 \
-        --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table ${BENCH_ARGS:-} \
+        --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table \
+        ${BENCH_OPTIONS:+--tscompile-options "$BENCH_OPTIONS"} \
         --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
         2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
     startup:*|startup-tuned:*)  # startup-tuned: the same with the bs=1 decode graph's tuning

@@ -511,7 +511,8 @@ def markdown(result: dict) -> str:
              + (" The engine runs without torch.compile (--enforce-eager)." if a.get("enforce_eager") else "")
              + (" The bs=1 decode graph is coordinate-descent tuned (--decode-tuning on)."
                 if a.get("decode_tuning") == "on" else "")
-             + (f" Decode ladder {tuple(a['decode_ladder'])} (--decode-ladder)." if a.get("decode_ladder") else ""),
+             + (f" The engine starts use the decode ladder {tuple(a['decode_ladder'])} (--decode-ladder)."
+                if a.get("decode_ladder") else ""),
              "",
              "| start | to first token | process start | imports | CUDA init | weights | compile | capture | "
              "of which prefill | other | target |",

@@ -452,3 +452,21 @@ def test_tscompile_options_other_than_a_json_object_are_refused(text, capsys):
     with pytest.raises(SystemExit):
         tscompile_main(["bench", "--tscompile-options", text])
     assert "tscompile: --tscompile-options" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--modes", "eager", "tscompile-torch", "--tscompile-options", '{"decode_lader": [2]}'], "unknown option"),
+    (["--modes", "eager", "--tscompile-options", '{"decode_ladder": [2]}'], "measures none of them"),
+    (["--hf-model", "llama-tiny", "--tscompile-options", '{"decode_ladder": [2]}'], "own --hf-modes"),
+])
+def test_tscompile_options_are_refused_before_any_model_is_built(extra, match, monkeypatch, capsys):
+    """A misspelt option, options no compiled tscompile mode would use, options beside --hf-model:
+    refused up front (the CLI prints the refusal and exits 2), before a model or an engine exists."""
+    import re
+
+    monkeypatch.setattr(bench_runner.Bench, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    from tscompile.bench import hf_model
+
+    monkeypatch.setattr(hf_model, "run", lambda *a, **k: pytest.fail("the hf bench ran"))
+    assert tscompile_main(["bench", "--device", "cpu", "--no-progress", *extra]) == 2
+    assert re.search(r"^tscompile: .*" + re.escape(match), capsys.readouterr().err, re.MULTILINE)

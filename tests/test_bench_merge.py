@@ -165,6 +165,14 @@ def test_content_tree_names_the_files_as_they_are_whatever_the_head(tmp_path):
     _git(root, "commit", "-qm", "one")
     assert report.content_tree(root) == _git(root, "rev-parse", "HEAD^{tree}")[:12]
     assert report.source_tree(root) == _git(root, "rev-parse", "--short=12", "HEAD")  # clean: the commit alone
+    head = _git(root, "rev-parse", "--short=12", "HEAD")
+    # a copy that lost a file's execute bit still names the commit; one that only gained a file does not
+    os.chmod(root / "a.py", 0o755)
+    assert report.source_tree(root) == head
+    (root / "new.py").write_text("n = 1\n")
+    assert report.source_tree(root) == f"{head}+dirty, content tree {report.content_tree(root)}"
+    (root / "new.py").unlink()
+    os.chmod(root / "a.py", 0o644)
     # the files move on without the .git: changed and new files, an ignored one
     (root / "a.py").write_text("a = 2\n")
     (root / "b.py").write_text("b = 1\n")
@@ -176,3 +184,16 @@ def test_content_tree_names_the_files_as_they_are_whatever_the_head(tmp_path):
     _git(root, "add", "-A")
     _git(root, "commit", "-qm", "two")  # the commit that holds these files: the same tree
     assert seen == _git(root, "rev-parse", "HEAD^{tree}")[:12] != _git(root, "rev-parse", "HEAD~1^{tree}")[:12]
+
+
+def test_merged_runs_list_names_each_runs_tscompile_options(eager_run):
+    """A run made with --tscompile-options says so in the merged table's list of runs; one without
+    does not."""
+    from tscompile.bench import merge as bench_merge
+
+    variant = _as_mode(eager_run, "tscompile-torch", bandwidth=eager_run["copy_bandwidth_gbps"])
+    variant["args"]["tscompile_options"] = {"decode_ladder": [2, 4]}
+    md = bench_merge.runs_markdown(bench_merge.merge([eager_run, variant], ["plain.json", "variant.json"]))
+    lines = {line.split("`")[1]: line for line in md.splitlines() if line.startswith("- `")}
+    assert 'tscompile options `{"decode_ladder": [2, 4]}`' in lines["variant.json"]
+    assert "tscompile options" not in lines["plain.json"]

@@ -115,6 +115,7 @@ def test_a_ladder_without_1_pads_a_single_request_to_2_and_compiles_no_bs1_graph
     params = SamplingParams(max_new_tokens=6)
     eager = ids(make(enforce_eager=True).generate(PROMPTS[:1], params))
     llm = make(compile_options={"decode_ladder": (2, 4, 8)})
+    assert llm.runner.decode_bucket(1) == 2
     compiled_one = []
     llm.runner.decode_step_one = lambda *a, **kw: compiled_one.append(1)  # would compile the bs=1 graph
     replays, direct = counters["decode_replays"], counters["decode_eager"]

@@ -236,4 +236,4 @@ def test_decode_ladder_reaches_the_engine_options_and_the_child_argv(monkeypatch
     assert seen["argv"][i + 1:i + 3] == ["2", "4"]
     assert startup.parse_args(seen["argv"][2:]).decode_ladder == [2, 4]  # the child parses it back
     md = startup.markdown({"args": vars(args), "env": "cpu", "starts": {}})
-    assert "Decode ladder (2, 4) (--decode-ladder)." in md
+    assert "The engine starts use the decode ladder (2, 4) (--decode-ladder)." in md

@@ -180,7 +180,7 @@ def capture_graph(fn: Callable, device: torch.device, stream: torch.cuda.Stream,
             graph.capture_begin(pool=pool)
             try:
                 outputs = fn()
-            except Exception:
+            except BaseException:
                 # end the capture, but report what broke it: capture_end's own "capture invalidated"
                 # error would otherwise replace the cause
                 try:
