@@ -41,13 +41,18 @@ def arange_view(n: int) -> np.ndarray:
     return _ARANGE[:n]
 
 
+def put_rows(flat: np.ndarray, at: int, values, n: int, end: int, pad) -> None:
+    """``flat[at:at + n] = values`` and rows ``[n, end)`` after them ``pad``: a step's rows written
+    into a larger persistent buffer. The padding write is skipped when there is none: at a few rows
+    each numpy call costs more than its copy."""
+    flat[at: at + n] = values
+    if end > n:
+        flat[at + n: at + end] = pad
+
+
 def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:
-    """``dst[:len(src)] = src`` and every row past it ``pad``: a step's array written into a bucket's
-    larger buffer (the padding write is skipped when there is none: each numpy call costs)."""
-    n = src.shape[0]
-    dst[:n] = src
-    if n < dst.shape[0]:
-        dst[n:] = pad
+    """``dst[:len(src)] = src`` and every row past it ``pad`` (``put_rows`` over all of ``dst``)."""
+    put_rows(dst, 0, src, src.shape[0], dst.shape[0], pad)
 
 
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device

@@ -20,16 +20,7 @@ import torch
 
 from tscompile.attention.router import DecodeInputs
 from tscompile.sampling import SamplingInputs
-from tscompile.step_plan import SamplingRows, StepPlan
-
-
-def _put_rows(flat: np.ndarray, at: int, values, n: int, bs: int, pad) -> None:
-    """``flat[at:at + n] = values`` and rows ``[n, bs)`` after them ``pad``; the padding write is
-    skipped when there is none (a decode batch of a graph size, or without graphs): at a few rows
-    each numpy call costs more than its copy."""
-    flat[at: at + n] = values
-    if bs > n:
-        flat[at + n: at + bs] = pad
+from tscompile.step_plan import SamplingRows, StepPlan, put_rows
 
 
 class _HostSet:
@@ -94,17 +85,17 @@ class DecodeStaging:
         n, b = plan.num_requests, self.max_bs
         host = self._writable_set()
         n64, n32 = host.n64, host.n32
-        _put_rows(n64, 0, plan.input_ids, n, bs, 0)
+        put_rows(n64, 0, plan.input_ids, n, bs, 0)
         live = n64[:n]
         np.maximum(live, 0, out=live)  # an ON_DEVICE id is replaced on the device (prev_rows)
-        _put_rows(n64, b, plan.positions, n, bs, 0)
-        _put_rows(n64, 4 * b, -1 if prev_rows is None else prev_rows, n, bs, -1)
+        put_rows(n64, b, plan.positions, n, bs, 0)
+        put_rows(n64, 4 * b, -1 if prev_rows is None else prev_rows, n, bs, -1)
         live = bs if pad_tables else n
         mb = self.max_blocks
         for g, group in enumerate(plan.groups):
-            _put_rows(n32, g * b, group.seq_lens, n, live, 0)
+            put_rows(n32, g * b, group.seq_lens, n, live, 0)
             # block 0 is the null block (the allocator never hands it out)
-            _put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
+            put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
         self._fill_sampling(host, plan.sampling, bs)
 
     def fill_sampling(self, rows: SamplingRows, bs: int | None = None) -> None:
@@ -123,12 +114,12 @@ class DecodeStaging:
         """Rows ``[n, bs)`` become padding: greedy, nothing banned."""
         n, b, k = rows.seeds.shape[0], self.max_bs, self.banned_width
         n64, n32, nf = host.n64, host.n32, host.nf
-        _put_rows(n64, 2 * b, rows.seeds, n, bs, 0)
-        _put_rows(n64, 3 * b, rows.steps, n, bs, 0)
-        _put_rows(n64, 5 * b, rows.banned.reshape(-1), n * k, bs * k, -1)
-        _put_rows(n32, self._topk_at, rows.top_k, n, bs, 1)
-        _put_rows(nf, 0, rows.temperature, n, bs, 0.0)
-        _put_rows(nf, b, rows.top_p, n, bs, 1.0)
+        put_rows(n64, 2 * b, rows.seeds, n, bs, 0)
+        put_rows(n64, 3 * b, rows.steps, n, bs, 0)
+        put_rows(n64, 5 * b, rows.banned.reshape(-1), n * k, bs * k, -1)
+        put_rows(n32, self._topk_at, rows.top_k, n, bs, 1)
+        put_rows(nf, 0, rows.temperature, n, bs, 0.0)
+        put_rows(nf, b, rows.top_p, n, bs, 1.0)
 
     def upload(self) -> None:
         host = self._sets[self._turn]
