@@ -7,8 +7,8 @@
 #   fibench[:M]    FlashInfer's cold and warm start (scripts/flashinfer_start.py, its JIT cache kept),
 #                  then the bench of M (llama-1b), tscompile-triton next to tscompile-flashinfer, bs 1 8 32
 #                  64, prefill 32 and 2048, with kernel tables (FlashInfer's libraries already built)
-#   bench:M:MODES  the bench of M, MODES comma-separated (e.g. compile-reduce-overhead,compile-reduce-overhead-tuned),
-#                  bs 1 8 32 64 (BENCH_BS="1 32" for others), prefill 32 and 2048 (BENCH_PREFILL_LENS="32 128 512 2048"
+#   bench:M:MODES[@BS,BS][~NAME]  the bench of M, MODES comma-separated (e.g. compile-reduce-overhead,compile-reduce-overhead-tuned),
+#                  bs 1 8 32 64 (BENCH_BS="1 32" or @1,32 for others; ~NAME: options from BENCH_OPTIONS_NAME), prefill 32 and 2048 (BENCH_PREFILL_LENS="32 128 512 2048"
 #                  for others), 5 iterations,
 #                  kernel tables -> $OUT/bench_M_MODES.{json,md}
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
@@ -95,11 +95,19 @@ run_job() {  # lane job
         --num-iters-warmup 1 --kernel-table --output-json "$OUT/fibench_$model.json" --output-md "$OUT/fibench_$model.md" \
         --no-progress 2>&1 | tail -40 ;;
     bench:*)
-      local spec=${job#bench:}; local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/_}${BENCH_TAG:-}
-      # BENCH_OPTIONS: the tscompile modes' compile options as one JSON argument (spaces allowed)
-      timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size ${BENCH_BS:-1 8 32 64} --input-len 512 \
+      # bench:M:MODES[@BS,BS][~NAME]: @ sets this job's batch sizes (else BENCH_BS), ~NAME its tscompile
+      # compile options from the variable BENCH_OPTIONS_NAME (else BENCH_OPTIONS) and adds _NAME to its files
+      local spec=${job#bench:} opt_name="" bs=${BENCH_BS:-1 8 32 64}
+      case $spec in *~*) opt_name=${spec##*~}; spec=${spec%~*} ;; esac
+      case $spec in *@*) bs=${spec##*@}; bs=${bs//,/ }; spec=${spec%@*} ;; esac
+      local model=${spec%%:*} modes=${spec#*:}; local tag=${modes//,/_}${BENCH_TAG:-}${opt_name:+_$opt_name}
+      local options=${BENCH_OPTIONS:-}
+      if [ -n "$opt_name" ]; then local var=BENCH_OPTIONS_$opt_name; options=${!var:-}
+        [ -z "$options" ] && { echo "== $job: $var is empty"; return; }; fi
+      # the tscompile modes' compile options as one JSON argument (spaces allowed)
+      timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size $bs --input-len 512 \
         --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table \
-        ${BENCH_OPTIONS:+--tscompile-options "$BENCH_OPTIONS"} \
+        ${options:+--tscompile-options "$options"} \
         --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
         2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
     startup:*|startup-tuned:*)  # startup-tuned: the same with the bs=1 decode graph's tuning
