@@ -4,9 +4,10 @@ A GPU call can be too short for every mode of a model (the stock ``torch.compile
 for minutes per batch size), so an all-mode table may come from several runs. Merging is honest only
 when the runs measured the same thing on the same kind of machine: the same model, weights seed,
 dtype, prompt and output lengths, iterations, page size, GPU (or CPU) model and torch and triton
-versions, and float32 references that agree where both ran. Each mode must come from one run (a
-mode measured twice would need a choice the merge cannot make), and every row keeps the copy
-bandwidth and matmul peak of its own run, which the markdown lists per run.
+versions, and float32 references that agree where both ran. Each row must come from one run (a row
+measured twice would need a choice the merge cannot make; a mode's rows may come from several runs,
+which the markdown names), and every row keeps the copy bandwidth and matmul peak of its own run,
+which the markdown lists per run.
 """
 
 from __future__ import annotations
@@ -55,28 +56,66 @@ def _check_same(first: dict, other: dict, first_name: str, other_name: str) -> N
                              f"prompts")
 
 
+def _row_key(kind: str, row: dict) -> tuple:
+    return (kind, row["mode"], row["batch_size"] if kind == "decode" else row["prompt_len"])
+
+
+def _row_name(key: tuple) -> str:
+    kind, mode, size = key
+    return f"{mode} bs={size}" if kind == "decode" else f"{mode} prefill {size}"
+
+
 def merge(results: list[dict], names: list[str]) -> dict:
-    """The rows of every run in one result, each mode from the one run that measured it."""
+    """The rows of every run in one result, each row from the one run that measured it (a mode's rows
+    may come from several runs: say the bs=64 row of a mode whose first run was cut short)."""
     if len(results) < 2:
         raise ValueError(f"tscompile: --merge takes at least two bench JSON files, got {len(results)}")
     for result, name in zip(results[1:], names[1:]):
         _check_same(results[0], result, names[0], name)
-    owner: dict[str, str] = {}
+    owner: dict[tuple, str] = {}  # row key -> the run that measured it
+    for result, name in zip(results, names):
+        for kind, rows in (("decode", result["results"]), ("prefill", result["prefill"])):
+            for row in rows:
+                key = _row_key(kind, row)
+                if row.get("error"):
+                    continue
+                if key in owner:
+                    raise ValueError(f"tscompile: --merge: {_row_name(key)} was measured in both {owner[key]!r} "
+                                     f"and {name!r}; pass each row from one run")
+                owner[key] = name
+    kept: dict[str, list] = {"decode": [], "prefill": []}
+    errors_kept: set[tuple] = set()
     modes_run: list[str] = []
     modes: dict[str, dict] = {}
+    run_modes: dict[str, list[str]] = {name: [] for name in names}
     for result, name in zip(results, names):
-        # a mode counts as measured when one of its rows ran: a refused mode (every row an error)
-        # leaves the mode free for the run that did measure it
-        measured = {r["mode"] for r in result["results"] + result["prefill"] if not r.get("error")}
-        for mode in [m for m in result.get("modes_run", []) if m in measured]:
-            if mode in owner:
-                raise ValueError(f"tscompile: --merge: mode {mode!r} was measured in both {owner[mode]!r} and "
-                                 f"{name!r}; pass each mode from one run")
-            owner[mode] = name
-            modes_run.append(mode)
-            if mode in result.get("modes", {}):
-                modes[mode] = result["modes"][mode]
-    runs = [{"source": name, "date": r.get("date"), "modes": [m for m in modes_run if owner[m] == name],
+        for kind, rows in (("decode", result["results"]), ("prefill", result["prefill"])):
+            for row in rows:
+                key = _row_key(kind, row)
+                # an error row stands only where no run measured the row (a refused mode leaves the
+                # mode to the run that did measure it), and once
+                if owner.get(key) == name or (key not in owner and key not in errors_kept and row.get("error")):
+                    if row.get("error"):
+                        errors_kept.add(key)
+                    kept[kind].append(row)
+                if owner.get(key) == name:
+                    mode = row["mode"]
+                    if mode not in modes_run:
+                        modes_run.append(mode)
+                        if mode in result.get("modes", {}):
+                            modes[mode] = result["modes"][mode]  # compile counters: its first run's
+                    if mode not in run_modes[name]:
+                        run_modes[name].append(mode)
+    split = {mode for mode in modes_run if sum(mode in ms for ms in run_modes.values()) > 1}
+
+    def rows_of(name: str, mode: str) -> str:
+        decode = [str(k[2]) for k, n in owner.items() if n == name and k[:2] == ("decode", mode)]
+        prefill = [str(k[2]) for k, n in owner.items() if n == name and k[:2] == ("prefill", mode)]
+        return "; ".join(([f"bs {' '.join(decode)}"] if decode else []) +
+                         ([f"prefill {' '.join(prefill)}"] if prefill else []))
+
+    runs = [{"source": name, "date": r.get("date"), "modes": run_modes[name],
+             "rows": {m: rows_of(name, m) for m in run_modes[name] if m in split},
              "source_tree": r["env"].get("source_tree"),
              "tscompile_options": (r.get("args") or {}).get("tscompile_options"),
              "complete": r.get("complete", True), "copy_bandwidth_gbps": r.get("copy_bandwidth_gbps"),
@@ -93,8 +132,8 @@ def merge(results: list[dict], names: list[str]) -> dict:
         "reference": {**(first.get("reference") or {}),
                       "runs": {bs: ref for r in results for bs, ref in ((r.get("reference") or {}).get("runs")
                                                                          or {}).items()}},
-        "results": [r for res, name in zip(results, names) for r in res["results"] if owner.get(r["mode"]) == name],
-        "prefill": [r for res, name in zip(results, names) for r in res["prefill"] if owner.get(r["mode"]) == name],
+        "results": kept["decode"],
+        "prefill": kept["prefill"],
         "merged_from": runs,
     }
 
@@ -103,10 +142,11 @@ def runs_markdown(result: dict) -> str:
     """The merged table's provenance: one line per run with its modes and its own measurements."""
     lines = ["### Runs merged", "",
              "The rows above come from separate bench runs of the same workload on the same kind of machine "
-             "(`tscompile bench --merge`); each mode from one run. Roofline and MFU of a row use its own run's "
+             "(`tscompile bench --merge`); each row from one run. Roofline and MFU of a row use its own run's "
              "copy bandwidth and matmul peak:", ""]
     for run in result["merged_from"]:
-        facts = [", ".join(run["modes"]) or "no mode kept"]
+        rows = run.get("rows") or {}
+        facts = [", ".join(f"{m} ({rows[m]})" if m in rows else m for m in run["modes"]) or "no mode kept"]
         facts.append(f"tscompile tree {run['source_tree']}" if run.get("source_tree") else "tscompile tree unknown")
         if run.get("tscompile_options"):
             facts.append(f"tscompile options `{json.dumps(run['tscompile_options'])}`")

@@ -1,4 +1,4 @@
-"""``tscompile bench --merge``: one table from bench runs of the same workload, each mode from one run,
+"""``tscompile bench --merge``: one table from bench runs of the same workload, each row from one run,
 and a refusal for runs that did not measure the same thing."""
 
 from __future__ import annotations
@@ -67,12 +67,33 @@ def test_merge_puts_each_runs_modes_in_one_table_and_names_each_run(tmp_path, ea
     assert "2 runs merged" in md and "**Partial run**" in md
 
 
-def test_merge_refuses_a_mode_from_two_runs(tmp_path, eager_run, capsys):
+def test_merge_refuses_a_row_from_two_runs(tmp_path, eager_run, capsys):
     a, b = _write(tmp_path, "a.json", eager_run), _write(tmp_path, "b.json", eager_run)
     out_md = tmp_path / "m.md"
     assert tscompile_main(["bench", "--merge", a, b, "--output-md", str(out_md)]) == 2
-    assert "tscompile: --merge: mode 'eager' was measured in both" in capsys.readouterr().err
+    assert f"tscompile: --merge: eager bs=1 was measured in both {a!r} and {b!r}" in capsys.readouterr().err
     assert not out_md.exists()
+
+
+def test_a_modes_rows_may_come_from_two_runs_and_the_table_says_which(tmp_path, eager_run):
+    """A cut-short run's missing rows measured by a later run of the same mode: each row from the run
+    that measured it, and the runs list says which rows each run gave."""
+    first, second = copy.deepcopy(eager_run), copy.deepcopy(eager_run)
+    first["results"] = [r for r in first["results"] if r["batch_size"] == 1]
+    first["prefill"] = []
+    second["results"] = [r for r in second["results"] if r["batch_size"] == 2]
+    for row in second["results"]:
+        row["tpot_ms_median"] = 123.0  # tells the runs' rows apart
+    # a row one run failed and the other measured: the measured one stands
+    first["results"].append({**second["results"][0], "tpot_ms_median": None, "error": "RuntimeError: cut"})
+    merged = bench_merge.merge([first, second], ["first.json", "second.json"])
+    assert merged["modes_run"] == ["eager"]
+    assert sorted((r["batch_size"], r["tpot_ms_median"], r.get("error")) for r in merged["results"]) == \
+        [(1, next(r["tpot_ms_median"] for r in eager_run["results"] if r["batch_size"] == 1), None), (2, 123.0, None)]
+    assert [p["prompt_len"] for p in merged["prefill"]] == [8]
+    assert [run["rows"] for run in merged["merged_from"]] == [{"eager": "bs 1"}, {"eager": "bs 2; prefill 8"}]
+    md = bench_merge.runs_markdown(merged)
+    assert "`first.json`" in md and "eager (bs 1)" in md and "eager (bs 2; prefill 8)" in md
 
 
 @pytest.mark.parametrize("field, value, named", [
