@@ -37,10 +37,33 @@ class PieceWrappers:
     narrow: Callable[[str, Callable, list[bool], list[bool]], Callable]
 
 
+# Pieces of a split graph on CUDA get passes/residual_addmm.py's post-grad pass: without it every
+# residual add of a layer becomes an addmm that copies the residual first (two device copies per
+# layer). False restores Inductor's own choice (the fused addmm rounds the sum once).
+UNFUSE_RESIDUAL_ADDMM = True
+
+
+def piece_inductor_patches(config: TscompileConfig, static: bool, device_type: str, split_piece: bool) -> dict:
+    """The Inductor config patches of one graph: the config's, plus the residual-addmm pass for a
+    piece of a split graph on CUDA (unless the options set a post-grad post pass of their own)."""
+    patches = config.inductor_patches(static)
+    if split_piece and device_type == "cuda" and UNFUSE_RESIDUAL_ADDMM \
+            and patches.get("post_grad_custom_post_pass") is None:
+        from tscompile.passes.residual_addmm import UnfuseResidualAddmm
+
+        patches["post_grad_custom_post_pass"] = UnfuseResidualAddmm()
+    return patches
+
+
+def _device_type(example_inputs: list) -> str:
+    return next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+
+
 def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig,
-                  cudagraph_trees: bool = False) -> Callable:
+                  cudagraph_trees: bool = False, split_piece: bool = False) -> Callable:
     """One graph -> one callable with the configured piece compiler. ``cudagraph_trees``: Inductor
-    captures the graph itself (stock ``mode="reduce-overhead"``); only for a graph compiled whole."""
+    captures the graph itself (stock ``mode="reduce-overhead"``); only for a graph compiled whole.
+    ``split_piece``: a piece between breaks of a split graph (``piece_inductor_patches``)."""
     counters["pieces_compiled"] += 1
     if config.piece_compiler == "eager":
         return gm.forward
@@ -51,7 +74,8 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
 
     static = all(not isinstance(s, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
                  for s in t.shape) and not any(isinstance(t, torch.SymInt) for t in example_inputs)
-    patches = {**config.inductor_patches(static), "triton.cudagraphs": cudagraph_trees}
+    patches = {**piece_inductor_patches(config, static, _device_type(example_inputs), split_piece),
+               "triton.cudagraphs": cudagraph_trees}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -88,7 +112,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         self.fake_outputs[target] = out
         self.fake_args[target] = tuple(args)
         if target in self.compile_names:
-            self.compiled[target] = compile_piece(self.fetch_attr(target), list(args), self.config)
+            self.compiled[target] = compile_piece(self.fetch_attr(target), list(args), self.config, split_piece=True)
         else:
             # A narrowing piece's fake kernel minted an unbacked row count. It is bound right here,
             # as this piece's output; left pending, the next piece's trace would try to bind it to
