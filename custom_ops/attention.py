@@ -32,12 +32,19 @@ from tscompile.utils import cdiv
 
 AttentionImpl = Callable[..., None]
 _IMPLS: dict[str, AttentionImpl] = {}
+_ZEROES_PADDING: set[str] = set()  # impls whose extend zeroes the rows past qo_indptr[-1] itself
 
 
-def register_attention_impl(name: str, fn: AttentionImpl) -> None:
+def register_attention_impl(name: str, fn: AttentionImpl, *, zeroes_padding: bool = False) -> None:
     """Make ``fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
-    scale, decode)`` reachable as ``impl=name``."""
+    scale, decode)`` reachable as ``impl=name``. ``zeroes_padding``: its extend already writes
+    zeros to the rows past ``qo_indptr[-1]`` (in a kernel it launches anyway); otherwise
+    ``run_attention`` zeroes them after it, with three more device ops per layer."""
     _IMPLS[name] = fn
+    if zeroes_padding:
+        _ZEROES_PADDING.add(name)
+    else:
+        _ZEROES_PADDING.discard(name)
 
 
 def attention_impls() -> list[str]:
@@ -52,7 +59,7 @@ def run_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indpt
     if fn is None:
         raise ValueError(f"tscompile: unknown attention impl {impl!r}; known: {attention_impls()}")
     fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode)
-    if not decode and q.shape[0] > 0:
+    if not decode and q.shape[0] > 0 and impl not in _ZEROES_PADDING:
         # rows past qo_indptr[-1] pad a token bucket: zero them on the device, without a host read
         rows = torch.arange(q.shape[0], device=q.device)
         out.masked_fill_((rows >= qo_indptr[-1])[:, None, None], 0)

@@ -335,10 +335,16 @@ EXTEND_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 @triton.jit
 def _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs, max_kv,
                   BLOCK_M: tl.constexpr, REQS_PAD: tl.constexpr):
-    """Program ``tile``'s (request b, query block mb, q_start, q_len, prefix), from qo_indptr alone:
-    the requests' query blocks are numbered one after another, request b owning blocks
-    [ends[b] - blocks[b], ends[b]), each request's from its last (longest causal) block down. A
-    program past the last block gets q_len 0. prefix = the positions cached before this forward."""
+    """Program ``tile``'s (request b, query block mb, q_start, q_len, prefix, padding_row), from
+    qo_indptr alone: the requests' query blocks are numbered one after another, request b owning
+    blocks [ends[b] - blocks[b], ends[b]), each request's from its last (longest causal) block down.
+    A program past the last block gets q_len 0. prefix = the positions cached before this forward.
+
+    padding_row: the first of the BLOCK_M token rows past ``qo_indptr[num_reqs]`` (a step padded to
+    a token bucket) that this program owns, numbered from the first program past the last query
+    block; negative for a program with a query block. The grid has cdiv(T, BLOCK_M) + B programs
+    and the query blocks take at most (n + B * (BLOCK_M - 1)) / BLOCK_M of them (n live rows), so
+    the spare ones number at least (T - n + B) / BLOCK_M: enough to own every padding row."""
     reqs = tl.arange(0, REQS_PAD)
     in_batch = reqs < num_reqs
     lens = (tl.load(qo_indptr_ptr + reqs + 1, mask=in_batch, other=0)
@@ -353,7 +359,10 @@ def _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs, max_kv,
     q_start = tl.load(qo_indptr_ptr + b)
     q_len = tl.where(has_work, tl.load(qo_indptr_ptr + b + 1) - q_start, 0)
     kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)
-    return b, mb, q_start, q_len, kv_len - q_len
+    total = tl.sum(blocks, 0)
+    live_rows = tl.load(qo_indptr_ptr + num_reqs)
+    padding_row = tl.where(tile >= total, live_rows + (tile - total) * BLOCK_M, -1)
+    return b, mb, q_start, q_len, kv_len - q_len, padding_row
 
 
 @triton.jit
@@ -365,10 +374,10 @@ def _extend_kernel(
     stride_kcp, stride_kco, stride_kch, stride_kcd,
     stride_vcp, stride_vco, stride_vch, stride_vcd,
     stride_ptb, stride_ptp,
-    max_kv, num_reqs,
+    max_kv, num_reqs, num_tokens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, REQS_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, ZERO_PADDING: tl.constexpr,
 ):
     """Grid (cdiv(T, BLOCK_M) + B, Hkv): one program per query block of BLOCK_M positions of one
     request, for all GROUP query heads of KV head kvh, flattened into ROWS = BLOCK_M * GROUP_PAD tile
@@ -386,8 +395,8 @@ def _extend_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
 
-    b, mb, q_start, q_len, prefix = _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs, max_kv,
-                                                  BLOCK_M, REQS_PAD)
+    b, mb, q_start, q_len, prefix, padding_row = _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs,
+                                                               max_kv, BLOCK_M, REQS_PAD)
 
     r = tl.arange(0, ROWS)
     q_lo = mb * BLOCK_M
@@ -427,8 +436,24 @@ def _extend_kernel(
 
     # A live row with no visible key (kv_len == 0) keeps l = 0 and gets zeros, like the oracle.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if ZERO_PADDING:  # a spare program attended nothing (o is 0): it zeroes its padding rows
+        tok, row_live = _padding_rows(tok, row_live, padding_row, r, g, num_tokens, GROUP, GROUP_PAD)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+
+
+@triton.jit
+def _padding_rows(tok, row_live, padding_row, r, g, num_tokens, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr):
+    """The tile rows' (token, live) for the final store: a spare program (``padding_row >= 0``,
+    see ``_extend_block``) owns the padding rows [padding_row, padding_row + BLOCK_M) below
+    ``num_tokens``, one tile row per (row, query head of this KV head), laid out as a query block's."""
+    # scalar conditions enter only through scalar selects (the interpreter refuses a mask made by
+    # and-ing a scalar with a vector); a program with a query block gets rows at or past num_tokens
+    first = tl.where(padding_row >= 0, padding_row, num_tokens).to(tl.int64)
+    pad_tok = first + r // GROUP_PAD
+    pad_live = (pad_tok < num_tokens) & (g < GROUP)
+    # a spare program has no live query row, a busy one no padding row: each row is one or neither
+    return tl.where(row_live, tok, pad_tok), row_live | pad_live
 
 
 def extend_config(head_dim: int, group_pad: int) -> tuple[int, int, int, int]:
@@ -437,11 +462,15 @@ def extend_config(head_dim: int, group_pad: int) -> tuple[int, int, int, int]:
     return max(rows // group_pad, 1), block_n, warps, stages
 
 
-def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale) -> None:
-    """Ragged causal attention. q, out: [T, Hq, D]; qo_indptr [B + 1]; page_table [B, max_pages]."""
+def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, zero_padding: bool = False) -> None:
+    """Ragged causal attention. q, out: [T, Hq, D]; qo_indptr [B + 1]; page_table [B, max_pages].
+    ``zero_padding``: rows past ``qo_indptr[-1]`` (a step padded to a token bucket) get zeros; else
+    they are not written."""
     t, hq, d = q.shape
     b = page_table.shape[0]
     if t == 0 or b == 0:
+        if zero_padding:
+            out.zero_()  # no request: every row is padding
         return
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -453,10 +482,10 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
         q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr,
         scale * 1.4426950408889634,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
-        page_table.shape[1] * page_size, b,
+        page_table.shape[1] * page_size, b, t,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, REQS_PAD=max(_next_pow2(b), 2),
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), ZERO_PADDING=zero_padding,
         num_warps=warps, num_stages=stages,
     )
 
@@ -480,18 +509,26 @@ def register_dense_extend(fn) -> None:
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
                      scale, decode) -> None:
     """``tscompile::attention`` with Triton kernels: write the new K/V rows, then attend (decode:
-    split-KV + combine; otherwise ragged causal extend). Never syncs with the host."""
+    split-KV + combine; otherwise ragged causal extend, which also zeroes the rows past
+    ``qo_indptr[-1]``). Never syncs with the host.
+
+    The dense extend kernel writes the new K/V rows itself (it reads them from ``k``/``v``, never
+    from the cache), so that path launches one kernel per layer; the paged one reads them from the
+    cache and needs ``write_kv`` first."""
     _check_inputs(q, k, v, k_cache, v_cache, out)
-    write_kv(k, v, k_cache, v_cache, write_loc)
     if decode:
+        write_kv(k, v, k_cache, v_cache, write_loc)
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
     elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
         if _dense_extend is None:
             raise RuntimeError("tscompile: FAST_EXTEND_HEAD_DIMS selects the dense extend kernel, but "
                                "tscompile.custom_ops.triton_extend was never imported")
-        _dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
+        _dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale,
+                      write_loc=write_loc, zero_padding=True)
     else:
-        paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale)
+        write_kv(k, v, k_cache, v_cache, write_loc)
+        paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, zero_padding=True)
 
 
-register_attention_impl("triton", triton_attention)
+# the extend kernels zero the padding rows themselves: run_attention adds no masked_fill_
+register_attention_impl("triton", triton_attention, zeroes_padding=True)

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from tscompile.custom_ops.triton_attention import (
-    _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, check_supported, register_dense_extend,
+    _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows, check_supported,
+    register_dense_extend, write_kv,
 )
 
 LOG2_E = 1.4426950408889634
@@ -118,7 +119,7 @@ def _attend_dense_tile(
 @triton.jit
 def _extend_dense_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, seq_lens_ptr, qo_indptr_ptr,
-    scale_log2,
+    write_loc_ptr, scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -126,20 +127,22 @@ def _extend_dense_kernel(
     stride_kcp, stride_kco, stride_kch, stride_kcd,
     stride_vcp, stride_vco, stride_vch, stride_vcd,
     stride_ptb, stride_ptp,
-    max_kv, num_reqs,
+    max_kv, num_reqs, num_tokens,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     REQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    WRITE_KV: tl.constexpr, ZERO_PADDING: tl.constexpr,
 ):
     """Grid ((cdiv(T, BLOCK_M) + B) * Hkv,): program pid handles query block pid // Hkv of the
-    concatenated requests for KV head pid % Hkv. See the module docstring."""
+    concatenated requests for KV head pid % Hkv, or, past the last query block, BLOCK_M padding
+    rows (``_extend_block``). See the module docstring."""
     pid = tl.program_id(0)
     tile = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
 
     # prefix < 0 only when seq_len < q_len (a padded request)
-    b, mb, q_start, q_len, prefix = _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs, max_kv,
-                                                  BLOCK_M, REQS_PAD)
+    b, mb, q_start, q_len, prefix, padding_row = _extend_block(qo_indptr_ptr, seq_lens_ptr, tile, num_reqs,
+                                                               max_kv, BLOCK_M, REQS_PAD)
 
     q_lo = mb * BLOCK_M
     busy = (q_lo < q_len) & (q_lo >= 0)
@@ -194,10 +197,45 @@ def _extend_dense_kernel(
             stride_kt, stride_kd, stride_vt, stride_vd,
             BLOCK_N=BLOCK_N, MASKED=True, DOT_PRECISION=DOT_PRECISION)
 
+    if WRITE_KV:
+        # every token row's K/V for this KV head, each row by exactly one program: a query block's
+        # rows by its program, the padding rows by the spare programs. No program reads a new row
+        # from the cache (only the prefix cached before this forward), so the order does not matter.
+        spare = padding_row >= 0
+        first = tl.where(spare, padding_row, q_start + q_lo).to(tl.int64)
+        end = tl.where(spare, num_tokens, q_start + q_len)  # a query block's rows end with its request
+        row = first + tl.arange(0, BLOCK_M)
+        live = row < end
+        _write_kv_rows(row, live, kvh, d, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, write_loc_ptr,
+                       stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                       stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+                       PAGE_SIZE)
+
     # A live row with no visible key (kv_len == 0) keeps l = 0 and gets zeros, like the oracle.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if ZERO_PADDING:  # a spare program attended nothing (o is 0): it zeroes its padding rows
+        tok, row_live = _padding_rows(tok, row_live, padding_row, r, g, num_tokens, GROUP, GROUP_PAD)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
+
+
+@triton.jit
+def _write_kv_rows(row, live, kvh, d, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, write_loc_ptr,
+                   stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                   stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+                   PAGE_SIZE: tl.constexpr):
+    """KV head ``kvh`` of the token rows ``row`` (where ``live``) to their slots ``write_loc[row]``,
+    cast to the cache dtype: what ``_kv_write_kernel`` does for those rows and that head."""
+    slot = tl.load(write_loc_ptr + row, mask=live, other=0).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    m = live[:, None]
+    k = tl.load(k_ptr + row[:, None] * stride_kt + kvh * stride_kh + d[None, :] * stride_kd, mask=m)
+    v = tl.load(v_ptr + row[:, None] * stride_vt + kvh * stride_vh + d[None, :] * stride_vd, mask=m)
+    kc = k_cache_ptr + page[:, None] * stride_kcp + off[:, None] * stride_kco + kvh * stride_kch + d[None, :] * stride_kcd
+    vc = v_cache_ptr + page[:, None] * stride_vcp + off[:, None] * stride_vco + kvh * stride_vch + d[None, :] * stride_vcd
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=m)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
 def _check_config(config, head_dim: int) -> None:
@@ -229,14 +267,23 @@ def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: b
     return max(rows // group_pad, 1), block_n, warps, stages
 
 
-def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, config=None) -> None:
+def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, config=None, *,
+                 write_loc=None, zero_padding: bool = False) -> None:
     """Ragged causal attention of ``q [T, Hq, D]`` into ``out``: each request's cached prefix from
     the paged cache, its new rows from ``k``/``v [T, Hkv, D]`` (any strides). The new rows need not
-    be in the cache yet. Rows past ``qo_indptr[-1]`` are not written. ``config`` = (rows, block_n,
-    warps, stages) overrides ``EXTEND_DENSE_CONFIGS`` (for the sweep)."""
+    be in the cache yet. ``config`` = (rows, block_n, warps, stages) overrides
+    ``EXTEND_DENSE_CONFIGS`` (for the sweep).
+
+    ``write_loc [T] int64``: also write every new row (padding rows included) to its cache slot, as
+    ``triton_attention.write_kv`` would, inside this one launch. ``zero_padding``: rows past
+    ``qo_indptr[-1]`` get zeros; without it they are not written."""
     t, hq, d = q.shape
     b = page_table.shape[0]
     if t == 0 or b == 0:
+        if t and write_loc is not None:
+            write_kv(k, v, k_cache, v_cache, write_loc)
+        if zero_padding:
+            out.zero_()  # no request: every row is padding
         return
     check_supported(d, k_cache.dtype, "dense extend")
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -253,13 +300,15 @@ def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr
     grid = ((triton.cdiv(t, block_m) + b) * hkv,)
     _extend_dense_kernel[grid](
         q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr,
+        write_loc if write_loc is not None else qo_indptr,  # not read without WRITE_KV
         scale * LOG2_E,  # scores in log2 units so the kernel can use exp2
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         *page_table.stride(),
-        page_table.shape[1] * page_size, b,
+        page_table.shape[1] * page_size, b, t,
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, REQS_PAD=max(_next_pow2(b), 2),
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
+        WRITE_KV=write_loc is not None, ZERO_PADDING=zero_padding,
         num_warps=warps, num_stages=stages,
     )
 

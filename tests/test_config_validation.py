@@ -67,15 +67,17 @@ def test_tensorrt_refused_up_front_when_not_importable(monkeypatch):
 def test_cuda_pieces_get_combo_kernels_unless_the_user_sets_it():
     from tscompile.piece_compiler import piece_inductor_patches
 
+    def patches(config, static, device_type, cudagraph_trees=False):
+        # a whole graph (split_piece=False): no residual-addmm pass, only the options under test
+        return piece_inductor_patches(config, static, device_type=device_type, split_piece=False,
+                                      cudagraph_trees=cudagraph_trees)
+
     default = TscompileConfig()
-    assert piece_inductor_patches(default, static=False, on_cuda=True, cudagraph_trees=False) == \
-        {"combo_kernels": True, "triton.cudagraphs": False}
+    assert patches(default, False, "cuda") == {"combo_kernels": True, "triton.cudagraphs": False}
     # the CPU's C++ backend has no combo kernels: nothing is added there
-    assert piece_inductor_patches(default, static=True, on_cuda=False, cudagraph_trees=True) == \
-        {"triton.cudagraphs": True}
+    assert patches(default, True, "cpu", cudagraph_trees=True) == {"triton.cudagraphs": True}
     off = TscompileConfig(inductor_options={"combo_kernels": False},
                           static_inductor_options={"coordinate_descent_tuning": True})
-    assert piece_inductor_patches(off, static=True, on_cuda=True, cudagraph_trees=False) == \
+    assert patches(off, True, "cuda") == \
         {"combo_kernels": False, "coordinate_descent_tuning": True, "triton.cudagraphs": False}
-    assert piece_inductor_patches(off, static=False, on_cuda=True, cudagraph_trees=False) == \
-        {"combo_kernels": False, "triton.cudagraphs": False}
+    assert patches(off, False, "cuda") == {"combo_kernels": False, "triton.cudagraphs": False}

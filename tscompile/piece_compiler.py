@@ -45,10 +45,21 @@ class PieceWrappers:
     narrow: Callable[[str, Callable, list[bool], list[bool]], Callable]
 
 
+# Pieces of a split graph on CUDA get passes/residual_addmm.py's post-grad pass: without it every
+# residual add of a layer becomes an addmm that copies the residual first (two device copies per
+# layer). False restores Inductor's own choice (the fused addmm rounds the sum once).
+UNFUSE_RESIDUAL_ADDMM = True
+
+
+def _device_type(example_inputs: list) -> str:
+    return next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+
+
 def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: TscompileConfig,
-                  cudagraph_trees: bool = False) -> Callable:
+                  cudagraph_trees: bool = False, split_piece: bool = False) -> Callable:
     """One graph -> one callable with the configured piece compiler. ``cudagraph_trees``: Inductor
-    captures the graph itself (stock ``mode="reduce-overhead"``); only for a graph compiled whole."""
+    captures the graph itself (stock ``mode="reduce-overhead"``); only for a graph compiled whole.
+    ``split_piece``: a piece between breaks of a split graph (``piece_inductor_patches``)."""
     counters["pieces_compiled"] += 1
     if config.piece_compiler == "eager":
         return gm.forward
@@ -59,16 +70,24 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
 
     static = all(not isinstance(s, torch.SymInt) for t in example_inputs if isinstance(t, torch.Tensor)
                  for s in t.shape) and not any(isinstance(t, torch.SymInt) for t in example_inputs)
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    patches = piece_inductor_patches(config, static, on_cuda, cudagraph_trees)
+    patches = piece_inductor_patches(config, static, device_type=_device_type(example_inputs),
+                                     split_piece=split_piece, cudagraph_trees=cudagraph_trees)
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def piece_inductor_patches(config: TscompileConfig, static: bool, on_cuda: bool, cudagraph_trees: bool) -> dict:
-    """The ``torch._inductor.config`` patches one piece compiles under: the CUDA defaults, then the
-    user's options (which win), then whether Inductor captures the graph itself."""
-    defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda else {}
-    return {**defaults, **config.inductor_patches(static), "triton.cudagraphs": cudagraph_trees}
+def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type: str, split_piece: bool,
+                           cudagraph_trees: bool) -> dict:
+    """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults, then the
+    user's options (which win), the residual-addmm pass for a piece of a split graph on CUDA (unless
+    the options set a post-grad post pass of their own), and whether Inductor captures the graph."""
+    on_cuda = device_type == "cuda"
+    patches = {**(CUDA_INDUCTOR_DEFAULTS if on_cuda else {}), **config.inductor_patches(static)}
+    if split_piece and on_cuda and UNFUSE_RESIDUAL_ADDMM and patches.get("post_grad_custom_post_pass") is None:
+        from tscompile.passes.residual_addmm import UnfuseResidualAddmm
+
+        patches["post_grad_custom_post_pass"] = UnfuseResidualAddmm()
+    patches["triton.cudagraphs"] = cudagraph_trees
+    return patches
 
 
 def _fake_mode(example_inputs: list):
@@ -104,7 +123,7 @@ class _PieceCompileInterpreter(torch.fx.Interpreter):
         self.fake_outputs[target] = out
         self.fake_args[target] = tuple(args)
         if target in self.compile_names:
-            self.compiled[target] = compile_piece(self.fetch_attr(target), list(args), self.config)
+            self.compiled[target] = compile_piece(self.fetch_attr(target), list(args), self.config, split_piece=True)
         else:
             # A narrowing piece's fake kernel minted an unbacked row count. It is bound right here,
             # as this piece's output; left pending, the next piece's trace would try to bind it to
