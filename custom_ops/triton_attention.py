@@ -3,6 +3,8 @@
 Three kernels (plus a split combiner), all launched with grids that depend only on static shapes,
 and none of them reads a tensor value on the host. That makes every path CUDA-graph safe: the
 same launches replay correctly whatever ``seq_lens`` / ``qo_indptr`` / ``page_table`` hold.
+Decode runs the KV write, the splits and their combine as one kernel (``fused_decode``); the
+three-launch path stays behind ``FUSED_DECODE = False`` and gives bitwise-identical results.
 
 Layout (the op contract, see ``custom_ops/attention.py``):
     q:          [T, Hq, D]             float32 / bfloat16 / float16, any strides
@@ -193,35 +195,18 @@ def _attend_paged_tile(
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2,
+def _decode_partial(
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, b, kvh, lo, hi, scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kcp, stride_kco, stride_kch, stride_kcd,
     stride_vcp, stride_vco, stride_vch, stride_vcd,
     stride_ptb, stride_ptp,
-    max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
-    of request b over KV positions [s * L, (s + 1) * L) clipped to seq_lens[b], where
-    L = max(ceil(seq_lens[b] / NUM_SPLITS) rounded up to whole tiles, MIN_SPLIT).
-
-    Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
-    part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split).
-    Query rows are padded to GROUP_PAD (>= 16, what tl.dot needs); the pad rows are masked out.
-    """
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-
-    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)  # never read past the page table row
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_len)  # hi <= lo: empty split, the loop below does not run
-
+    """The GROUP query heads of KV head kvh of request b over KV positions [lo, hi): returns
+    (o [GROUP_PAD, HEAD_DIM] normalised, lse [GROUP_PAD] log2-sum-exp2, -inf when empty).
+    Query rows are padded to GROUP_PAD (>= 16, what tl.dot needs); the pad rows are masked out."""
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + g
@@ -245,9 +230,88 @@ def _decode_split_kernel(
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """(kv_len, split_len, lo, hi): split ``split`` of request b covers KV positions [lo, hi), where
+    L = max(ceil(kv_len / NUM_SPLITS) rounded up to whole tiles, MIN_SPLIT); hi <= lo: empty."""
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv)  # never read past the page table row
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+    return kv_len, split_len, lo, hi
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kcp, stride_kco, stride_kch, stride_kcd,
+    stride_vcp, stride_vco, stride_vch, stride_vcd,
+    stride_ptb, stride_ptp,
+    max_kv,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
+    of request b over its split s (``_split_range``).
+
+    Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
+    part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split).
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len, split_len, lo, hi = _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    o, lse = _decode_partial(
+        q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, b, kvh, lo, hi, scale_log2,
+        stride_qt, stride_qh, stride_qd, stride_kcp, stride_kco, stride_kch, stride_kcd,
+        stride_vcp, stride_vco, stride_vch, stride_vcd, stride_ptb, stride_ptp,
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_FP32)
+    _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP, GROUP_PAD, HEAD_DIM, NUM_HEADS,
+                   NUM_SPLITS)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr):
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    g_live = g < GROUP
     row = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS] contiguous
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=g_live[:, None])
     tl.store(part_lse_ptr + row, lse, mask=g_live)
+
+
+@triton.jit
+def _combine_head(part_out_ptr, part_lse_ptr, out_ptr, b, h, stride_ot, stride_oh, stride_od,
+                  NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+    """out[b, h] = sum_s w_s * part_out[b, h, s] / sum_s w_s, w_s = 2^(lse_s - max lse).
+
+    A request with no KV at all (seq_len 0, a padded row) has every lse = -inf: it gets exact zeros.
+    CACHE: the partials' load cache modifier (".cg" when other programs wrote them in this launch)."""
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    s_live = s < NUM_SPLITS
+    row = (b * NUM_HEADS + h).to(tl.int64) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=s_live, other=float("-inf"), cache_modifier=CACHE)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all empty: every weight below is 2^-inf = 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_live[:, None], other=0.0,
+                    cache_modifier=CACHE)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d * stride_od,
+             o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -256,24 +320,9 @@ def _decode_combine_kernel(
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """Grid (B, Hq): out[b, h] = sum_s w_s * part_out[b, h, s] / sum_s w_s, w_s = 2^(lse_s - max lse).
-
-    A request with no KV at all (seq_len 0, a padded row) has every lse = -inf: it gets exact zeros."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    s_live = s < NUM_SPLITS
-    row = (b * NUM_HEADS + h).to(tl.int64) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + row, mask=s_live, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all empty: every weight below is 2^-inf = 0
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_live[:, None], other=0.0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d * stride_od,
-             o.to(out_ptr.dtype.element_ty))
+    """Grid (B, Hq): ``_combine_head`` of (b, h)."""
+    _combine_head(part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
+                  stride_ot, stride_oh, stride_od, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, "")
 
 
 def _min_split(block_n: int) -> int:
@@ -294,7 +343,8 @@ def _decode_block_n(head_dim: int) -> int:
 
 
 def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
-    """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B]."""
+    """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B].
+    The unfused path: split kernel, then combine kernel (the K/V write is the caller's)."""
     bs, hq, d = q.shape
     if bs == 0:
         return
@@ -317,6 +367,184 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# b2. fused decode: the K/V write, the splits and the combine in one launch per layer
+
+
+# Fused decode (one kernel per layer) or the unfused path (KV write, split and combine kernels, one
+# launch each). Both give bitwise-identical outputs and caches; module-level so a GPU run can time
+# one against the other.
+FUSED_DECODE = True
+
+# Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
+# launches (the last program of each pair resets its own). One buffer per device: launches on one
+# device run one after another on its stream, so every layer, cache group and batch size can share
+# it. It must exist before a CUDA graph is captured (a buffer made during capture would live in the
+# graph's private pool): the triton attention backend reserves it in ``allocate_decode_buffers``;
+# other callers get one on their first (uncaptured) call, as a captured call's warm-up does.
+_ARRIVAL_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Buffers a larger reservation replaced: never freed, since a graph captured earlier still points at them.
+_OUTGROWN_COUNTERS: list[torch.Tensor] = []
+_MIN_ARRIVAL_COUNTERS = 4096  # 16 KiB: 512 requests x 8 KV heads, so a lazily made buffer rarely grows
+
+
+def _counter_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def reserve_decode_counters(device, count: int) -> torch.Tensor:
+    """The arrival-counter buffer of ``device`` with room for ``count`` (request, KV head) pairs;
+    made (zeros) or grown here, never during a CUDA graph capture."""
+    device = _counter_device(device)
+    have = _ARRIVAL_COUNTERS.get(device)
+    if have is not None and have.numel() >= count:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            f"tscompile: the fused triton decode needs {count} arrival counters on {device}, "
+            f"{0 if have is None else have.numel()} are reserved, and a CUDA graph is being captured (a "
+            "buffer made now would belong to the graph); call "
+            "triton_attention.reserve_decode_counters(device, batch * num_kv_heads) before capturing "
+            "(the triton attention backend's allocate_decode_buffers does)")
+    if have is not None:
+        _OUTGROWN_COUNTERS.append(have)
+    counters = torch.zeros(max(count, _MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+    _ARRIVAL_COUNTERS[device] = counters
+    return counters
+
+
+@triton.jit
+def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
+                  stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                  stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``_kv_write_kernel`` for one (row, KV head): k[b, kvh], v[b, kvh] to slot write_loc[b]."""
+    t = b.to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    d = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + kvh * stride_kh + d * stride_kd)
+    v = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + d * stride_vd)
+    tl.store(k_cache_ptr + page * stride_kcp + off * stride_kco + kvh * stride_kch + d * stride_kcd,
+             k.to(k_cache_ptr.dtype.element_ty))
+    tl.store(v_cache_ptr + page * stride_vcp + off * stride_vco + kvh * stride_vch + d * stride_vcd,
+             v.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _decode_fused_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, loc_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, arrivals_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcp, stride_kco, stride_kch, stride_kcd,
+    stride_vcp, stride_vco, stride_vch, stride_vcd,
+    stride_ptb, stride_ptp,
+    stride_ot, stride_oh, stride_od,
+    max_kv,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Grid (B, Hkv, NUM_SPLITS): ``_kv_write_kernel``, ``_decode_split_kernel`` and
+    ``_decode_combine_kernel`` in one launch, with the same arithmetic in the same order.
+
+    KV write: the new row of request b sits at position kv_len - 1 (position 0 when kv_len is 0, a
+    padded row, which still writes its slot); the one split whose range holds that position writes
+    row b's K/V for its KV head, then waits for the whole program (a CTA barrier orders global
+    memory within it) before its own tiles read that slot. No other split reads it.
+
+    Combine: with one split the program normalises its own partial as the combine would. Otherwise
+    every split stores its partial and bumps the (b, kvh) arrival counter (acq_rel: its stores are
+    visible before the bump, the last one's loads see everyone's); the last to arrive combines the
+    GROUP heads and resets the counter to 0 for the next launch."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len, split_len, lo, hi = _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+
+    if split == tl.maximum(kv_len - 1, 0) // split_len:  # NUM_SPLITS * split_len >= kv_len: one split
+        _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
+                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                      stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
+                      HEAD_DIM, PAGE_SIZE)
+        tl.debug_barrier()
+
+    o, lse = _decode_partial(
+        q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, b, kvh, lo, hi, scale_log2,
+        stride_qt, stride_qh, stride_qd, stride_kcp, stride_kco, stride_kch, stride_kcd,
+        stride_vcp, stride_vco, stride_vch, stride_vcd, stride_ptb, stride_ptp,
+        GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_FP32)
+
+    if NUM_SPLITS == 1:
+        # _combine_head over one split (its pad split has weight 0) in registers: m = lse (0 when
+        # empty), w = 2^(lse - m), out = (o * w + 0) / (w + 0); the "+ 0" terms are the pad split's,
+        # kept so a -0.0 comes out as the combine's +0.0.
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        heads = kvh * GROUP + g
+        m = tl.where(lse == float("-inf"), 0.0, lse)
+        w = tl.exp2(lse - m)
+        denom = w + 0.0
+        res = (o * w[:, None] + 0.0) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                 res.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+    else:
+        _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP, GROUP_PAD, HEAD_DIM,
+                       NUM_HEADS, NUM_SPLITS)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        counter = arrivals_ptr + b * (NUM_HEADS // GROUP) + kvh
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            for g in tl.static_range(GROUP):
+                # ".cg": read the partials from L2, never from this SM's L1
+                _combine_head(part_out_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP + g,
+                              stride_ot, stride_oh, stride_od, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, ".cg")
+            tl.atomic_xchg(counter, 0, sem="relaxed")  # the next launch starts from zero
+
+
+def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc, scale) -> None:
+    """``write_kv`` + ``paged_decode`` in one launch. q, out: [B, Hq, D]; k, v: [B, Hkv, D];
+    write_loc [B]; page_table [B, max_pages]; seq_lens [B]. Same split count, outputs and cache
+    contents as the unfused path."""
+    bs, hq, d = q.shape
+    for name, rows in (("k", k.shape[0]), ("v", v.shape[0]), ("write_loc", write_loc.shape[0])):
+        if rows != bs:
+            raise ValueError(f"tscompile: the fused triton decode writes one new K/V row per request: {name} has "
+                             f"{rows} rows, q has {bs}; decode needs one row per request in both")
+    if bs == 0:
+        return
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    max_kv = page_table.shape[1] * page_size
+    block_n = _decode_block_n(d)
+    num_splits = decode_num_splits(max_kv, bs, hkv, block_n)
+    if num_splits > 1:
+        part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
+        arrivals = reserve_decode_counters(q.device, bs * hkv)
+    else:  # one split writes out directly: no partials, no counters (the kernel never touches these)
+        part_out = part_lse = out
+        arrivals = seq_lens
+    _decode_fused_kernel[(bs, hkv, num_splits)](
+        q, k, v, k_cache, v_cache, page_table, seq_lens, write_loc, part_out, part_lse, out, arrivals,
+        scale * 1.4426950408889634,  # scores in log2 units so the kernel can use exp2
+        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
+        *out.stride(),
+        max_kv,
+        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
+        NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)),
+        MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
     )
 
 
@@ -509,14 +737,17 @@ def register_dense_extend(fn) -> None:
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
                      scale, decode) -> None:
     """``tscompile::attention`` with Triton kernels: write the new K/V rows, then attend (decode:
-    split-KV + combine; otherwise ragged causal extend, which also zeroes the rows past
-    ``qo_indptr[-1]``). Never syncs with the host.
+    split-KV + combine, fused into one launch with the write unless ``FUSED_DECODE`` is off;
+    otherwise ragged causal extend, which also zeroes the rows past ``qo_indptr[-1]``). Never
+    syncs with the host.
 
     The dense extend kernel writes the new K/V rows itself (it reads them from ``k``/``v``, never
     from the cache), so that path launches one kernel per layer; the paged one reads them from the
     cache and needs ``write_kv`` first."""
     _check_inputs(q, k, v, k_cache, v_cache, out)
-    if decode:
+    if decode and FUSED_DECODE:
+        fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc, scale)
+    elif decode:
         write_kv(k, v, k_cache, v_cache, write_loc)
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
     elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
