@@ -1,0 +1,247 @@
+"""The fused Triton decode (KV write + split-KV + combine in one launch) against the three-launch path.
+
+Both paths must agree bit for bit: the output and the whole K/V caches, NaN payloads included (the
+caches are poisoned around the live prefix, the new rows' slots too, so a program that read a slot
+before its new row landed, or read past a request's length, shows). The arrival counters must be
+all zeros after every call, or the next launch (the next layer, the next graph replay) would combine
+too early. Without CUDA the kernels run under the Triton interpreter, so shapes stay small; the
+``gpu`` test captures the fused decode in a CUDA graph and replays it with new inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import random_paged_batch
+from tscompile.attention.triton_backend import TritonAttentionBackend
+from tscompile.custom_ops import triton_attention as ta
+from tscompile.kv_cache.pool import KVCachePool
+from tscompile.kv_cache.spec import CacheGroupSpec
+
+SCALE = 0.25
+PAGE = 16
+# live KV lengths the batches draw from: one token, both sides of page and tile boundaries, long
+LENGTHS = [1, 16, 17, 130, 33, 15, 64, 2, 97]
+_INT_VIEW = {4: torch.int32, 2: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits, so NaNs compare equal to themselves (and -0.0 differs from +0.0)."""
+    return t.contiguous().view(_INT_VIEW[t.element_size()])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(_bits(a), _bits(b))
+
+
+@pytest.fixture
+def many_splits(monkeypatch):
+    """16-token tiles and splits: tiny shapes get several splits, some of them empty."""
+    monkeypatch.setattr(ta, "DECODE_MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
+
+
+@pytest.fixture
+def one_split(monkeypatch):
+    """Every request in one split however long: the fused kernel writes ``out`` without counters."""
+    monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
+    monkeypatch.setattr(ta, "DECODE_MAX_SPLITS", 1)
+
+
+@pytest.fixture(params=["one_split", "many_splits"])
+def splits(request):
+    request.getfixturevalue(request.param)
+    return request.param
+
+
+def _poisoned_batch(kv_lens, pad_rows, device, **kw):
+    """A decode batch whose cache holds random values only in each request's prefix (positions
+    [0, kv_len - 1)); its new row's slot, the slots past it and the null page hold NaN (keys) / inf
+    (values)."""
+    batch = random_paged_batch([1] * len(kv_lens), kv_lens, page_size=PAGE, pad_rows=pad_rows, **kw)
+    prefix = torch.zeros(batch["k_cache"].shape[0] * PAGE, dtype=torch.bool)
+    for b, kv in enumerate(kv_lens):
+        for p in range(kv - 1):
+            prefix[int(batch["page_table"][b, p // PAGE]) * PAGE + p % PAGE] = True
+    for name, poison in (("k_cache", float("nan")), ("v_cache", float("inf"))):
+        batch[name].view(-1, *batch[name].shape[2:])[~prefix] = poison
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _run(batch, fused: bool, monkeypatch):
+    """One decode through ``triton_attention`` (the op's body) on fresh copies of the caches, ``out``
+    poisoned with NaN."""
+    monkeypatch.setattr(ta, "FUSED_DECODE", fused)
+    out = torch.full_like(batch["q"], float("nan"))
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    ta.triton_attention(batch["q"], batch["k"], batch["v"], k_cache, v_cache, out, batch["page_table"],
+                        batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True)
+    return out, k_cache, v_cache
+
+
+def _num_splits(batch) -> int:
+    bs, _, d = batch["q"].shape
+    return ta.decode_num_splits(batch["page_table"].shape[1] * PAGE, bs, batch["k"].shape[1], ta._decode_block_n(d))
+
+
+def _assert_counters_clear(device):
+    counters = ta._ARRIVAL_COUNTERS.get(ta._counter_device(device))
+    assert counters is None or not counters.any(), "an arrival counter was left non-zero for the next launch"
+
+
+def _assert_fused_equals_unfused(batch, device, monkeypatch, splits, calls=1):
+    num_splits = _num_splits(batch)
+    assert (num_splits > 1) == (splits == "many_splits"), f"{splits} gave {num_splits} splits"
+    want = _run(batch, False, monkeypatch)
+    assert not want[0].isnan().any(), "the unfused path left an output row unwritten"
+    for call in range(calls):  # a second call runs on the counters the first one left behind
+        got = _run(batch, True, monkeypatch)
+        for name, g, w in zip(("out", "k_cache", "v_cache"), got, want):
+            assert _same_bits(g, w), f"call {call}: fused {name} differs from the three-kernel path"
+        _assert_counters_clear(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", range(1, 10))
+def test_fused_decode_equals_unfused_over_batch_sizes(bs, dtype, splits, device, monkeypatch):
+    pad_rows = bs // 3  # from bs 3 on, the last rows are padding: seq_len 0, write slot 0
+    kv_lens = [LENGTHS[(bs + i) % len(LENGTHS)] for i in range(bs - pad_rows)]
+    batch = _poisoned_batch(kv_lens, pad_rows, device, num_kv_heads=1, group=4, head_dim=64, dtype=dtype,
+                            seed=100 + bs)
+    _assert_fused_equals_unfused(batch, device, monkeypatch, splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (8, 64), (8, 128)])
+def test_fused_decode_equals_unfused_over_head_shapes(group, head_dim, dtype, splits, device, monkeypatch):
+    batch = _poisoned_batch([33, 1, 200, 16], 1, device, num_kv_heads=2, group=group, head_dim=head_dim,
+                            dtype=dtype, seed=group * 1000 + head_dim)
+    _assert_fused_equals_unfused(batch, device, monkeypatch, splits, calls=2)
+
+
+def test_fused_decode_of_only_padded_rows_writes_the_null_slot(device, monkeypatch, many_splits):
+    """An idle step (every row seq_len 0, as at capture): zeros out, every row's K/V still written."""
+    batch = _poisoned_batch([5], 3, device, seed=7)
+    batch["seq_lens"][0] = 0
+    got = _run(batch, True, monkeypatch)
+    want = _run(batch, False, monkeypatch)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    assert all(_same_bits(g, w) for g, w in zip(got[1:], want[1:]))
+    assert not got[1].view(-1, 2, 16)[batch["write_loc"][0]].isnan().any(), "row 0's K never reached its slot"
+    _assert_counters_clear(device)
+
+
+@pytest.mark.parametrize("splits_fixture", ["one_split", "many_splits"])
+def test_fused_decode_matches_torch_oracle(splits_fixture, device, monkeypatch, request):
+    request.getfixturevalue(splits_fixture)
+    batch = _poisoned_batch([1, 17, 200, 64, 33], 2, device, num_kv_heads=2, group=4, head_dim=64, seed=21)
+    out, k_cache, v_cache = _run(batch, True, monkeypatch)
+    ref_out = torch.full_like(batch["q"], float("nan"))
+    ref_k, ref_v = batch["k_cache"].clone(), batch["v_cache"].clone()
+    torch.ops.tscompile.attention(batch["q"], batch["k"], batch["v"], ref_k, ref_v, ref_out, batch["page_table"],
+                                  batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True, "torch")
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))  # padded rows: exact zeros
+    # page 0 is the null page every padded row writes: which of them lands last is the kernels' race
+    assert _same_bits(k_cache[1:], ref_k[1:]) and _same_bits(v_cache[1:], ref_v[1:])
+
+
+def test_fused_decode_refuses_rows_that_do_not_match_the_queries(device):
+    batch = _poisoned_batch([3, 4], 0, device, seed=3)
+    out = torch.empty_like(batch["q"])
+    with pytest.raises(ValueError, match=r"^tscompile: .*k has 1 rows, q has 2"):
+        ta.fused_decode(batch["q"], batch["k"][:1], batch["v"], batch["k_cache"], batch["v_cache"], out,
+                        batch["page_table"], batch["seq_lens"], batch["write_loc"], SCALE)
+
+
+# -- the arrival-counter buffer -----------------------------------------------------------------------
+
+
+def test_counter_buffer_grows_and_keeps_the_one_it_outgrew(monkeypatch):
+    monkeypatch.setattr(ta, "_ARRIVAL_COUNTERS", {})
+    monkeypatch.setattr(ta, "_OUTGROWN_COUNTERS", [])
+    first = ta.reserve_decode_counters("cpu", 10)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
+    assert ta.reserve_decode_counters("cpu", 5) is first  # big enough: the same storage
+    bigger = ta.reserve_decode_counters("cpu", first.numel() + 1)
+    assert bigger.numel() > first.numel() and not bigger.any()
+    assert ta.reserve_decode_counters("cpu", 1) is bigger
+    assert ta._OUTGROWN_COUNTERS == [first]  # a graph captured with it may still use it
+
+
+def test_backend_reserves_counters_for_its_largest_batch(monkeypatch):
+    monkeypatch.setattr(ta, "_ARRIVAL_COUNTERS", {})
+    monkeypatch.setattr(ta, "_OUTGROWN_COUNTERS", [])
+    monkeypatch.setattr(ta, "_MIN_ARRIVAL_COUNTERS", 1)  # so the size shows what the backend asked for
+    specs = [CacheGroupSpec("full", (0,), num_kv_heads=2, head_dim=16)]
+    pool = KVCachePool.allocate(specs, [4], page_size=4, dtype=torch.float32, device="cpu")
+    leaf = TritonAttentionBackend(0, max_pages=4, device="cpu")
+    leaf.set_cache_pool(pool)
+    leaf.bind_query_heads(8)
+    assert leaf.decode_counters is None  # no batch bound yet
+    leaf.allocate_decode_buffers(6)
+    assert leaf.decode_counters is ta._ARRIVAL_COUNTERS[torch.device("cpu")]
+    assert leaf.decode_counters.numel() == 6 * 8 and not leaf.decode_counters.any()
+
+
+# -- GPU: the fused decode inside a captured CUDA graph -----------------------------------------------
+
+
+def _fill(dst: dict, src: dict) -> None:
+    for name in ("q", "k", "v", "page_table", "seq_lens", "write_loc"):
+        dst[name].copy_(src[name])
+
+
+@pytest.mark.gpu
+def test_fused_decode_replays_in_a_cuda_graph_like_the_unfused_path(monkeypatch):
+    """Capture one fused decode (llama-1b's head layout, bf16, 16 splits), replay it twice with new
+    q/k/v/seq_lens/page tables; each replay must equal the three-kernel path run eagerly on the same
+    cache, bit for bit (the null page apart: padded rows race to write it)."""
+    device = torch.device("cuda")
+    kw = dict(num_kv_heads=8, group=4, head_dim=64, dtype=torch.bfloat16, device=device)
+    lens = [[1000, 1, 0], [1000, 64, 65], [5, 999, 300]]  # one table width: 999 or 1000 tokens -> 64 pages
+    batches = [random_paged_batch([1] * 3, [max(n, 1) for n in ls], page_size=PAGE, seed=s, pad_rows=2, **kw)
+               for s, ls in enumerate(lens)]
+    for batch, ls in zip(batches, lens):
+        batch["seq_lens"][:3] = torch.tensor(ls, dtype=torch.int32)  # a 0 here: an idle live row
+    widths = {b["page_table"].shape[1] for b in batches}
+    assert len(widths) == 1
+    static = {name: batches[0][name].clone() for name in ("q", "k", "v", "page_table", "seq_lens", "write_loc")}
+    static["qo_indptr"] = batches[0]["qo_indptr"]
+    assert _num_splits(static) > 1
+    # one cache for every step, as large as the largest batch's (each batch numbers its own pages)
+    num_pages = max(b["k_cache"].shape[0] for b in batches)
+    k_cache = torch.randn(num_pages, PAGE, 8, 64, device=device).to(torch.bfloat16)
+    v_cache = torch.randn(num_pages, PAGE, 8, 64, device=device).to(torch.bfloat16)
+    out = torch.full_like(static["q"], float("nan"))
+
+    def step():
+        ta.triton_attention(static["q"], static["k"], static["v"], k_cache, v_cache, out, static["page_table"],
+                            static["seq_lens"], static["qo_indptr"], static["write_loc"], SCALE, True)
+
+    monkeypatch.setattr(ta, "FUSED_DECODE", True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: compiles, and the counters exist before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    for batch in batches[1:]:
+        _fill(static, batch)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        monkeypatch.setattr(ta, "FUSED_DECODE", False)
+        want_out = torch.full_like(out, float("nan"))
+        ta.triton_attention(static["q"], static["k"], static["v"], k_before, v_before, want_out,
+                            static["page_table"], static["seq_lens"], static["qo_indptr"], static["write_loc"],
+                            SCALE, True)
+        monkeypatch.setattr(ta, "FUSED_DECODE", True)
+        torch.cuda.synchronize()
+        assert _same_bits(out, want_out), "the replayed fused decode differs from the three-kernel path"
+        assert _same_bits(k_cache[1:], k_before[1:]) and _same_bits(v_cache[1:], v_before[1:])
+        assert not out[3:].any()  # padded rows: zeros
+        _assert_counters_clear(device)
