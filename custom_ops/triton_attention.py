@@ -281,6 +281,7 @@ def _decode_split_kernel(
 def _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
                    NUM_SPLITS: tl.constexpr):
+    """Split ``split``'s (o, lse) of the GROUP heads of KV head kvh into part_out / part_lse."""
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + g

@@ -255,7 +255,7 @@ def test_fused_decode_equals_unfused_on_gpu(num_kv_heads, group, head_dim, dtype
     """Compiled kernels at the real tile sizes: the fused decode must still match the three-kernel
     path bit for bit (the interpreter cannot show what the GPU compiler does to either)."""
     device = torch.device("cuda")
-    for bs in (1, 4, 9):
+    for bs in (1, 9):
         kv_lens = [longest, 1, 16, 17, longest // 2, 33, 47, 2, 15][:bs]
         batch = _poisoned_batch(kv_lens, 1 if bs > 1 else 0, device, num_kv_heads=num_kv_heads, group=group,
                                 head_dim=head_dim, dtype=dtype, seed=bs)
