@@ -12,12 +12,38 @@ Which chunk completes its prompt, and so which rows the narrowing keeps, is deci
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
 from tscompile.forward_context import ForwardMode
-from tscompile.kv_cache.slots import slot_from_block_rows
+from tscompile.kv_cache.slots import slot_from_block_rows, slots_of_run
+
+class cached_property:  # noqa: N801 - a drop-in for functools' name
+    """``functools.cached_property`` without its lock: computed on first access, then stored in the
+    instance's ``__dict__``, where later reads find it before this (non-data) descriptor. Python 3.11's
+    version takes an ``RLock`` on every first access, which at a few properties per step costs more
+    than most of them compute; a plan is built and read by one thread."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.func(instance)
+        return value
+
+
+def seed_cached(obj, **values) -> None:
+    """Store ``values`` as ``obj``'s already-computed ``cached_property`` results: a builder that
+    has them at hand for free (``build_step_plan``) saves the numpy calls. A ``dataclasses.replace``
+    copy starts without them, so a replaced field is never read through a stale cache."""
+    obj.__dict__.update(values)
+
 
 def row_offsets(lens: np.ndarray) -> np.ndarray:
     """``[B] -> [B + 1]`` int32 exclusive prefix sums: request b's rows are ``[out[b], out[b + 1])``."""
@@ -105,9 +131,10 @@ class GroupPlan:
     @cached_property
     def write_slots(self) -> np.ndarray:
         """[rows] int64: the KV slot each row writes, ``table[req, pos // block] * block + pos % block``."""
-        # one request: the scalar index 0 broadcasts over the rows (no per-row request array)
-        req = 0 if self.query_lens.shape[0] == 1 else self.row_requests
-        return slot_from_block_rows(self.block_tables, req, self.positions, self.block_size)
+        if self.query_lens.shape[0] == 1:  # one request (a lone prompt): its rows are consecutive positions
+            rows = int(self.query_lens[0])
+            return slots_of_run(self.block_tables[0], int(self.seq_lens[0]) - rows, rows, self.block_size)
+        return slot_from_block_rows(self.block_tables, self.row_requests, self.positions, self.block_size)
 
 
 @dataclass(frozen=True, eq=False)
