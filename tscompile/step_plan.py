@@ -82,8 +82,8 @@ def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:
 
 
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.setflags(write=False)
+NO_ROWS = np.zeros(0, dtype=np.int64)
+NO_ROWS.setflags(write=False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,5 +203,5 @@ class StepPlan:
         are the prompt's, or generated tokens read back before a recompute), so only those are scanned."""
         first = self.num_tokens - self.num_decodes
         if first == self.num_tokens:
-            return _NO_ROWS
+            return NO_ROWS
         return (self.input_ids[first:] == ON_DEVICE).nonzero()[0] + first

@@ -179,10 +179,16 @@ class LLM:
         try:
             yield
         except BaseException as exc:
-            if isinstance(exc, EngineDeadError) or not is_cuda_fault(exc):
-                raise
-            self._die(exc)
-            raise EngineDeadError(self._dead) from exc
+            self._fault(exc)
+            raise
+
+    def _fault(self, exc: BaseException) -> None:
+        """A CUDA fault ``exc`` kills the engine: raises ``EngineDeadError`` from it. Anything else
+        returns, for the caller to re-raise as it is."""
+        if isinstance(exc, EngineDeadError) or not is_cuda_fault(exc):
+            return
+        self._die(exc)
+        raise EngineDeadError(self._dead) from exc
 
     def _die(self, fault: BaseException) -> None:
         """Mark the engine dead after ``fault``. The step in flight is dropped unread (waiting on a
@@ -249,8 +255,13 @@ class LLM:
         step's tokens are read, and they are read while it runs; any other step first waits for the
         step in flight. A CUDA fault kills the engine: ``EngineDeadError``, then and on every later
         call."""
-        with self._device_work():
+        # _device_work's rule, inline: a generator context manager costs microseconds per step
+        self._refuse_if_dead()
+        try:
             return self._step()
+        except BaseException as exc:
+            self._fault(exc)
+            raise
 
     def _step(self) -> list[Request]:
         if self._inflight is not None and self.scheduler.may_preempt():
@@ -316,9 +327,10 @@ class LLM:
     @staticmethod
     def _prev_rows(plan: StepPlan, prev: _InFlight) -> list[int]:
         """Per decode row: the row of ``prev``'s sample holding its input token, or -1 (on the host)."""
-        sampled = {rid: i for i, (rid, emit) in enumerate(zip(prev.plan.request_ids, prev.plan.emits)) if emit}
-        return [sampled.get(rid, -1) if plan.input_ids[i] < 0 else -1
-                for i, rid in enumerate(plan.request_ids[plan.num_extends:])]
+        sampled = {rid: i for i, (rid, emit) in enumerate(zip(prev.plan.request_ids, prev.plan.emits.tolist())) if emit}
+        first = plan.num_extends
+        ids = plan.input_ids[plan.num_tokens - plan.num_decodes:].tolist()  # Python ints: no numpy scalar per row
+        return [sampled.get(rid, -1) if t < 0 else -1 for rid, t in zip(plan.request_ids[first:], ids)]
 
     @property
     def compile_seconds(self) -> float:

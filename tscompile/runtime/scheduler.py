@@ -28,7 +28,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
 from tscompile.sampling import SamplingParams
-from tscompile.step_plan import ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
+from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
 from tscompile.utils import cdiv
 
 MAX_STOP_IDS_BANNED = 8  # stop_token_ids a request may ban (before min_tokens) besides the model's eos ids
@@ -190,8 +190,9 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
         lens_at.append(len(i32))
         i32 += [r.group_lens[g] + k for r, k in zip(reqs, kept)]
     # int64: the rows sampled (the last layer's group), seeds, steps, then the decode rows' ids and positions
+    last_tokens = [r.last_token for r in decodes]
     i64 = ([x - 1 for x in last_qo[1:]] + [r.seed for r in reqs] + [len(r.prompt) + r.num_generated for r in reqs]
-           + [r.last_token for r in decodes] + [r.num_computed for r in decodes])
+           + last_tokens + [r.num_computed for r in decodes])
     a32 = np.array(i32, dtype=np.int32)
     a64 = np.array(i64, dtype=np.int64)
     floats = np.array([p.temperature for p in params] + [p.top_p for p in params], dtype=np.float32)
@@ -220,7 +221,10 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
         input_ids=ids, positions=pos, query_lens=query_lens, prefix_lens=a32[b: 2 * b],
         completes=flags[:b], emits=flags[b:], groups=tuple(groups), logits_rows=a64[:b], sampling=sampling,
     )
-    seed_cached(plan, qo_indptr=qo_indptr)
+    first_decode = len(ids) - d
+    unread = [first_decode + i for i, t in enumerate(last_tokens) if t == ON_DEVICE]
+    seed_cached(plan, qo_indptr=qo_indptr,
+                tokens_on_device=np.array(unread, dtype=np.int64) if unread else NO_ROWS)
     return plan
 
 
@@ -399,7 +403,7 @@ class Scheduler:
             return plan
         ids = plan.input_ids.copy()
         first_decode = plan.num_tokens - plan.num_decodes  # decode rows follow the extend rows, one each
-        for row in rows:
+        for row in rows.tolist():
             ids[row] = self._by_id[plan.request_ids[plan.num_extends + row - first_decode]].last_token
         return plan if np.array_equal(ids, plan.input_ids) else dataclasses.replace(plan, input_ids=ids)
 
@@ -407,12 +411,14 @@ class Scheduler:
         """Advance every request past this step (its tokens need not be known: nothing here depends
         on their values) and release the finished, which it returns."""
         finished = []
-        for i, rid in enumerate(plan.request_ids):
+        # Python lists once per array: a numpy scalar per request and field costs more than the update
+        group_lens = [group.seq_lens.tolist() for group in plan.groups]
+        for i, (rid, rows, emits) in enumerate(zip(plan.request_ids, plan.query_lens.tolist(), plan.emits.tolist())):
             r = self._by_id[rid]
-            for g, group in enumerate(plan.groups):
-                r.group_lens[g] = int(group.seq_lens[i])
-            r.num_computed += int(plan.query_lens[i])
-            if plan.emits[i]:  # an open chunk's sample is discarded
+            for g, lens in enumerate(group_lens):
+                r.group_lens[g] = lens[i]
+            r.num_computed += rows
+            if emits:  # an open chunk's sample is discarded
                 r.num_generated += 1
             if r.finished:
                 self.release(r)

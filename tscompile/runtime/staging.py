@@ -105,9 +105,12 @@ class DecodeStaging:
         n, b = plan.num_requests, self.max_bs
         host = self._writable_set()
         n64, n32 = host.n64, host.n32
-        put_rows(n64, 0, plan.input_ids, n, bs, 0)
-        live = n64[:n]
-        np.maximum(live, 0, out=live)  # an ON_DEVICE id is replaced on the device (prev_rows)
+        if plan.tokens_on_device.shape[0]:  # an ON_DEVICE id is replaced on the device (prev_rows): 0 here
+            np.maximum(plan.input_ids, 0, out=n64[:n])
+            if bs > n:
+                n64[n:bs] = 0
+        else:
+            put_rows(n64, 0, plan.input_ids, n, bs, 0)
         put_rows(n64, b, plan.positions, n, bs, 0)
         put_rows(n64, 4 * b, -1 if prev_rows is None else prev_rows, n, bs, -1)
         live = bs if pad_tables else n
