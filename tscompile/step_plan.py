@@ -71,9 +71,15 @@ def put_rows(flat: np.ndarray, at: int, values, n: int, end: int, pad) -> None:
     """``flat[at:at + n] = values`` and rows ``[n, end)`` after them ``pad``: a step's rows written
     into a larger persistent buffer. The padding write is skipped when there is none: at a few rows
     each numpy call costs more than its copy."""
-    flat[at: at + n] = values
-    if end > n:
-        flat[at + n: at + end] = pad
+    # one row, or one padding row: an item store costs a fraction of a one-row slice assignment
+    if n == 1 and type(values) is np.ndarray:
+        flat[at] = values[0]
+    else:
+        flat[at: at + n] = values
+    if end == n + 1:
+        flat[at + n] = pad
+    elif end > n:
+        flat[at + n: at + end].fill(pad)
 
 
 def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -171,20 +170,11 @@ class LLM:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
-    @contextmanager
-    def _device_work(self):
-        """Around work that touches the device: refused on a dead engine; a CUDA fault inside kills
-        the engine (``EngineDeadError`` raised from the fault), anything else propagates as it is."""
-        self._refuse_if_dead()
-        try:
-            yield
-        except BaseException as exc:
-            self._fault(exc)
-            raise
-
     def _fault(self, exc: BaseException) -> None:
-        """A CUDA fault ``exc`` kills the engine: raises ``EngineDeadError`` from it. Anything else
-        returns, for the caller to re-raise as it is."""
+        """What work that touches the device does with an exception ``exc`` it raised: a CUDA fault
+        kills the engine (``EngineDeadError`` raised from the fault); anything else returns, for the
+        caller to re-raise as it is. (An ``except`` clause, not a context manager: a generator-based
+        one costs microseconds on every step.)"""
         if isinstance(exc, EngineDeadError) or not is_cuda_fault(exc):
             return
         self._die(exc)
@@ -255,7 +245,6 @@ class LLM:
         step's tokens are read, and they are read while it runs; any other step first waits for the
         step in flight. A CUDA fault kills the engine: ``EngineDeadError``, then and on every later
         call."""
-        # _device_work's rule, inline: a generator context manager costs microseconds per step
         self._refuse_if_dead()
         try:
             return self._step()
@@ -300,8 +289,12 @@ class LLM:
     def sync(self) -> list[Request]:
         """Wait for the step in flight, hand its tokens to its requests; returns the requests finished
         and read back that no ``step()`` has returned yet."""
-        with self._device_work():
+        self._refuse_if_dead()
+        try:
             self._read_back()
+        except BaseException as exc:
+            self._fault(exc)
+            raise
         return self._take_ready()
 
     def _read_back(self) -> None:
