@@ -58,7 +58,7 @@ class EngineDeadError(RuntimeError):
     device; the process must be restarted."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     """A launched step whose tokens the host has not read yet."""
 

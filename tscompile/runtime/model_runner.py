@@ -258,7 +258,8 @@ class ModelRunner:
             if prev_rows is not None:
                 raise RuntimeError("tscompile: only a decode step takes its input tokens from the device")
             self._extend(plan)
-        return self.readback.start(self._sampled_rows(plan.num_requests))
+        n = plan.num_requests
+        return self.readback.start(self._sampled_rows(n), n)
 
     def _sampled_rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the sampled-token buffer (a view made once per ``n``: a torch

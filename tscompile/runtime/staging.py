@@ -94,7 +94,10 @@ class DecodeStaging:
             inputs = self._decode_inputs[n] = DecodeInputs(tables, lens)
         if plan is None:
             return inputs
-        return inputs.with_host_rows(tuple(g.block_tables for g in plan.groups), tuple(g.seq_lens for g in plan.groups))
+        groups = plan.groups
+        # the device views with the step's host arrays (``with_host_rows`` without its tuple copies)
+        return DecodeInputs(inputs.block_tables, inputs.seq_lens, tuple([g.block_tables for g in groups]),
+                            tuple([g.seq_lens for g in groups]))
 
     def fill(self, plan: StepPlan, bs: int, prev_rows=None, *, pad_tables: bool = False) -> None:
         """Host-side writes for the plan's ``n`` decode rows; rows ``[n, bs)`` become padding
