@@ -92,7 +92,13 @@ NO_ROWS = np.zeros(0, dtype=np.int64)
 NO_ROWS.setflags(write=False)
 
 
-@dataclass(frozen=True, eq=False)
+# The plan classes are frozen dataclasses with a hand-written ``__init__``: the generated one of a
+# frozen dataclass stores each field through ``object.__setattr__``, which at a dozen fields costs
+# more than one ``__dict__.update`` by several microseconds on every step. Assignment after
+# construction still raises ``FrozenInstanceError``.
+
+
+@dataclass(frozen=True, eq=False, init=False)
 class GroupPlan:
     """One cache group's view of a step.
 
@@ -107,6 +113,10 @@ class GroupPlan:
     seq_lens: np.ndarray
     block_tables: np.ndarray
     block_size: int
+
+    def __init__(self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int):
+        self.__dict__.update(query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
+                             block_size=block_size)
 
     @property
     def num_rows(self) -> int:
@@ -143,7 +153,7 @@ class GroupPlan:
         return slot_from_block_rows(self.block_tables, self.row_requests, self.positions, self.block_size)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class SamplingRows:
     """Per request: temperature [B] f32, top_k [B] i32, top_p [B] f32, seed [B] i64, step [B] i64
     (the position its token will take, which with the seed fixes its random draw) and banned [B, K]
@@ -157,8 +167,13 @@ class SamplingRows:
     banned: np.ndarray
     all_greedy: bool  # a host fact: an all-greedy batch skips the vocabulary sort
 
+    def __init__(self, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
+                 steps: np.ndarray, banned: np.ndarray, all_greedy: bool):
+        self.__dict__.update(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps,
+                             banned=banned, all_greedy=all_greedy)
 
-@dataclass(frozen=True, eq=False)
+
+@dataclass(frozen=True, eq=False, init=False)
 class StepPlan:
     """Everything one step reads, decided on the host before anything launches.
 
@@ -185,6 +200,14 @@ class StepPlan:
     groups: tuple[GroupPlan, ...]
     logits_rows: np.ndarray
     sampling: SamplingRows
+
+    def __init__(self, mode: ForwardMode, request_ids: tuple[int, ...], num_extends: int, input_ids: np.ndarray,
+                 positions: np.ndarray, query_lens: np.ndarray, prefix_lens: np.ndarray, completes: np.ndarray,
+                 emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows):
+        self.__dict__.update(mode=mode, request_ids=request_ids, num_extends=num_extends, input_ids=input_ids,
+                             positions=positions, query_lens=query_lens, prefix_lens=prefix_lens,
+                             completes=completes, emits=emits, groups=groups, logits_rows=logits_rows,
+                             sampling=sampling)
 
     @property
     def num_requests(self) -> int:
