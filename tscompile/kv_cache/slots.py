@@ -73,7 +73,7 @@ def slots_of_run(block_row: np.ndarray, first: int, rows: int, block_size: int) 
     if rows <= 0 or end_block > block_row.shape[0]:  # nothing to place, or past the table: the gather's answer
         positions = np.arange(first, first + max(rows, 0), dtype=np.int64)
         return slot_from_block_rows(block_row[None], 0, positions, block_size)
-    blocks = block_row[start_block:end_block].astype(np.int64)
-    slots = (blocks[:, None] * block_size + offsets).reshape(-1)
+    # int64 before multiplying (block ids times the block size may pass int32)
+    slots = (np.multiply(block_row[start_block:end_block, None], block_size, dtype=np.int64) + offsets).reshape(-1)
     skip = first - start_block * block_size
     return slots[skip: skip + rows]
