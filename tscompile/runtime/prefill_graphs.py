@@ -136,6 +136,8 @@ class WholeStepPrefill:
         self.request_ladder = request_ladder
         self.host_replay = host_replay
         self.buffers: dict[tuple[int, int], ExtendBuffers] = {}
+        self._token_buckets: dict[int, int | None] = {}
+        self._request_buckets: dict[int, int | None] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph | None] = {}
         self.capture_seconds = 0.0
         self.replay = True  # False: keep the padding and buffers, run the step without its graph (tests)
@@ -145,8 +147,14 @@ class WholeStepPrefill:
 
     def bucket_of(self, num_tokens: int, num_requests: int) -> tuple[int, int] | None:
         """``(T, R)`` of a step, or None above either ladder (the step runs without this graph)."""
-        tokens = bucket(self.token_ladder, num_tokens)
-        requests = bucket(self.request_ladder, num_requests)
+        # each ladder scanned once per count (a generator scan costs microseconds on every step);
+        # the memos hold at most one entry per token count and one per request count
+        tokens = self._token_buckets.get(num_tokens, -1)
+        if tokens == -1:
+            tokens = self._token_buckets[num_tokens] = bucket(self.token_ladder, num_tokens)
+        requests = self._request_buckets.get(num_requests, -1)
+        if requests == -1:
+            requests = self._request_buckets[num_requests] = bucket(self.request_ladder, num_requests)
         if tokens is None or requests is None:
             return None
         return tokens, min(requests, tokens)  # never more requests than token rows
