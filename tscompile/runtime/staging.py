@@ -3,9 +3,9 @@
 Every per-step host fact of a decode (token ids, where a token still on the device lives, positions,
 lengths, block tables, sampling parameters) lands in pinned host buffers at fixed offsets: one int64,
 one int32 and one float32 region of a single byte arena, so one non-blocking copy moves them all to
-the persistent device arena of the same layout (a copy launch costs microseconds of host time). The device views are what the
-refresh reads and what the captured graphs read (token ids, positions, sampling parameters), so
-their addresses never move.
+the persistent device arena of the same layout (a copy launch costs microseconds of host time). The
+device views are what the refresh reads and what the captured graphs read (token ids, positions,
+sampling parameters), so their addresses never move.
 
 There are two host sets, used in turn: with asynchronous scheduling the host fills step N + 1
 while step N's upload may still be queued behind step N - 1 on the stream, so one set would be
