@@ -12,12 +12,38 @@ Which chunk completes its prompt, and so which rows the narrowing keeps, is deci
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
 from tscompile.forward_context import ForwardMode
-from tscompile.kv_cache.slots import slot_from_block_rows
+from tscompile.kv_cache.slots import slot_from_block_rows, slots_of_run
+
+class cached_property:  # noqa: N801 - a drop-in for functools' name
+    """``functools.cached_property`` without its lock: computed on first access, then stored in the
+    instance's ``__dict__``, where later reads find it before this (non-data) descriptor. Python 3.11's
+    version takes an ``RLock`` on every first access, which at a few properties per step costs more
+    than most of them compute; a plan is built and read by one thread."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = instance.__dict__[self.name] = self.func(instance)
+        return value
+
+
+def seed_cached(obj, **values) -> None:
+    """Store ``values`` as ``obj``'s already-computed ``cached_property`` results: a builder that
+    has them at hand for free (``build_step_plan``) saves the numpy calls. A ``dataclasses.replace``
+    copy starts without them, so a replaced field is never read through a stale cache."""
+    obj.__dict__.update(values)
+
 
 def row_offsets(lens: np.ndarray) -> np.ndarray:
     """``[B] -> [B + 1]`` int32 exclusive prefix sums: request b's rows are ``[out[b], out[b + 1])``."""
@@ -45,9 +71,15 @@ def put_rows(flat: np.ndarray, at: int, values, n: int, end: int, pad) -> None:
     """``flat[at:at + n] = values`` and rows ``[n, end)`` after them ``pad``: a step's rows written
     into a larger persistent buffer. The padding write is skipped when there is none: at a few rows
     each numpy call costs more than its copy."""
-    flat[at: at + n] = values
-    if end > n:
-        flat[at + n: at + end] = pad
+    # one row, or one padding row: an item store costs a fraction of a one-row slice assignment
+    if n == 1 and type(values) is np.ndarray:
+        flat[at] = values[0]
+    else:
+        flat[at: at + n] = values
+    if end == n + 1:
+        flat[at + n] = pad
+    elif end > n:
+        flat[at + n: at + end].fill(pad)
 
 
 def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:
@@ -56,11 +88,17 @@ def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:
 
 
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.setflags(write=False)
+NO_ROWS = np.zeros(0, dtype=np.int64)
+NO_ROWS.setflags(write=False)
 
 
-@dataclass(frozen=True, eq=False)
+# The plan classes are frozen dataclasses with a hand-written ``__init__``: the generated one of a
+# frozen dataclass stores each field through ``object.__setattr__``, which at a dozen fields costs
+# more than one ``__dict__.update`` by several microseconds on every step. Assignment after
+# construction still raises ``FrozenInstanceError``.
+
+
+@dataclass(frozen=True, eq=False, init=False)
 class GroupPlan:
     """One cache group's view of a step.
 
@@ -75,6 +113,10 @@ class GroupPlan:
     seq_lens: np.ndarray
     block_tables: np.ndarray
     block_size: int
+
+    def __init__(self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int):
+        self.__dict__.update(query_lens=query_lens, seq_lens=seq_lens, block_tables=block_tables,
+                             block_size=block_size)
 
     @property
     def num_rows(self) -> int:
@@ -105,12 +147,13 @@ class GroupPlan:
     @cached_property
     def write_slots(self) -> np.ndarray:
         """[rows] int64: the KV slot each row writes, ``table[req, pos // block] * block + pos % block``."""
-        # one request: the scalar index 0 broadcasts over the rows (no per-row request array)
-        req = 0 if self.query_lens.shape[0] == 1 else self.row_requests
-        return slot_from_block_rows(self.block_tables, req, self.positions, self.block_size)
+        if self.query_lens.shape[0] == 1:  # one request (a lone prompt): its rows are consecutive positions
+            rows = int(self.query_lens[0])
+            return slots_of_run(self.block_tables[0], int(self.seq_lens[0]) - rows, rows, self.block_size)
+        return slot_from_block_rows(self.block_tables, self.row_requests, self.positions, self.block_size)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class SamplingRows:
     """Per request: temperature [B] f32, top_k [B] i32, top_p [B] f32, seed [B] i64, step [B] i64
     (the position its token will take, which with the seed fixes its random draw) and banned [B, K]
@@ -124,8 +167,13 @@ class SamplingRows:
     banned: np.ndarray
     all_greedy: bool  # a host fact: an all-greedy batch skips the vocabulary sort
 
+    def __init__(self, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
+                 steps: np.ndarray, banned: np.ndarray, all_greedy: bool):
+        self.__dict__.update(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps,
+                             banned=banned, all_greedy=all_greedy)
 
-@dataclass(frozen=True, eq=False)
+
+@dataclass(frozen=True, eq=False, init=False)
 class StepPlan:
     """Everything one step reads, decided on the host before anything launches.
 
@@ -153,6 +201,14 @@ class StepPlan:
     logits_rows: np.ndarray
     sampling: SamplingRows
 
+    def __init__(self, mode: ForwardMode, request_ids: tuple[int, ...], num_extends: int, input_ids: np.ndarray,
+                 positions: np.ndarray, query_lens: np.ndarray, prefix_lens: np.ndarray, completes: np.ndarray,
+                 emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows):
+        self.__dict__.update(mode=mode, request_ids=request_ids, num_extends=num_extends, input_ids=input_ids,
+                             positions=positions, query_lens=query_lens, prefix_lens=prefix_lens,
+                             completes=completes, emits=emits, groups=groups, logits_rows=logits_rows,
+                             sampling=sampling)
+
     @property
     def num_requests(self) -> int:
         return len(self.request_ids)
@@ -176,5 +232,5 @@ class StepPlan:
         are the prompt's, or generated tokens read back before a recompute), so only those are scanned."""
         first = self.num_tokens - self.num_decodes
         if first == self.num_tokens:
-            return _NO_ROWS
+            return NO_ROWS
         return (self.input_ids[first:] == ON_DEVICE).nonzero()[0] + first

@@ -36,6 +36,12 @@ def kept_rows(q_lens, completes, window: int | None):
     return np.where(completes, np.minimum(q_lens, window), np.minimum(q_lens, 1))
 
 
+def kept_row_count(q_len: int, completes: bool, window: int) -> int:
+    """``kept_rows`` of one chunk in plain Python: a step plan takes it per request, where a numpy
+    call per request would cost more than the rule."""
+    return min(q_len, window) if completes else min(q_len, 1)
+
+
 @dataclass(frozen=True)
 class CacheGeometry:
     """The storage geometry of one group in a pool; a rebind may change ``num_pages`` only."""

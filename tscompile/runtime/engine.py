@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -59,7 +58,7 @@ class EngineDeadError(RuntimeError):
     device; the process must be restarted."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     """A launched step whose tokens the host has not read yet."""
 
@@ -171,18 +170,15 @@ class LLM:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
-    @contextmanager
-    def _device_work(self):
-        """Around work that touches the device: refused on a dead engine; a CUDA fault inside kills
-        the engine (``EngineDeadError`` raised from the fault), anything else propagates as it is."""
-        self._refuse_if_dead()
-        try:
-            yield
-        except BaseException as exc:
-            if isinstance(exc, EngineDeadError) or not is_cuda_fault(exc):
-                raise
-            self._die(exc)
-            raise EngineDeadError(self._dead) from exc
+    def _fault(self, exc: BaseException) -> None:
+        """What work that touches the device does with an exception ``exc`` it raised: a CUDA fault
+        kills the engine (``EngineDeadError`` raised from the fault); anything else returns, for the
+        caller to re-raise as it is. (An ``except`` clause, not a context manager: a generator-based
+        one costs microseconds on every step.)"""
+        if isinstance(exc, EngineDeadError) or not is_cuda_fault(exc):
+            return
+        self._die(exc)
+        raise EngineDeadError(self._dead) from exc
 
     def _die(self, fault: BaseException) -> None:
         """Mark the engine dead after ``fault``. The step in flight is dropped unread (waiting on a
@@ -249,8 +245,12 @@ class LLM:
         step's tokens are read, and they are read while it runs; any other step first waits for the
         step in flight. A CUDA fault kills the engine: ``EngineDeadError``, then and on every later
         call."""
-        with self._device_work():
+        self._refuse_if_dead()
+        try:
             return self._step()
+        except BaseException as exc:
+            self._fault(exc)
+            raise
 
     def _step(self) -> list[Request]:
         if self._inflight is not None and self.scheduler.may_preempt():
@@ -289,8 +289,12 @@ class LLM:
     def sync(self) -> list[Request]:
         """Wait for the step in flight, hand its tokens to its requests; returns the requests finished
         and read back that no ``step()`` has returned yet."""
-        with self._device_work():
+        self._refuse_if_dead()
+        try:
             self._read_back()
+        except BaseException as exc:
+            self._fault(exc)
+            raise
         return self._take_ready()
 
     def _read_back(self) -> None:
@@ -316,9 +320,10 @@ class LLM:
     @staticmethod
     def _prev_rows(plan: StepPlan, prev: _InFlight) -> list[int]:
         """Per decode row: the row of ``prev``'s sample holding its input token, or -1 (on the host)."""
-        sampled = {rid: i for i, (rid, emit) in enumerate(zip(prev.plan.request_ids, prev.plan.emits)) if emit}
-        return [sampled.get(rid, -1) if plan.input_ids[i] < 0 else -1
-                for i, rid in enumerate(plan.request_ids[plan.num_extends:])]
+        sampled = {rid: i for i, (rid, emit) in enumerate(zip(prev.plan.request_ids, prev.plan.emits.tolist())) if emit}
+        first = plan.num_extends
+        ids = plan.input_ids[plan.num_tokens - plan.num_decodes:].tolist()  # Python ints: no numpy scalar per row
+        return [sampled.get(rid, -1) if t < 0 else -1 for rid, t in zip(plan.request_ids[first:], ids)]
 
     @property
     def compile_seconds(self) -> float:

@@ -6,7 +6,7 @@ replay alike); extend and mixed metadata only from the router's ``extend_host_ar
 by ``publish_extend_metadata`` (uploaded fresh, or staged into a whole-step graph's buffers).
 
 Decode: pad to the smallest ladder size ``bs >= actual_bs`` (above the ladder, or without graphs,
-``bs = actual_bs``), stage the plan's host facts in one upload per dtype, refresh, then replay the
+``bs = actual_bs``), stage the plan's host facts in one upload, refresh, then replay the
 captured step for ``bs`` (``decode_graphs.py``) or run the very same compiled step without a
 graph. Rows ``[actual_bs, bs)`` are padding and resolve to the null page.
 
@@ -46,23 +46,28 @@ from tscompile.runtime.dynamic_sizes import (SpareRowSampling, drop_input_size_a
                                              min_logits_rows)
 from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRuntime, PrefillBuckets
 from tscompile.runtime.prefill_capture import request_ladder
-from tscompile.runtime.prefill_graphs import WholeStepPrefill
+from tscompile.runtime.prefill_graphs import WholeStepPrefill, upload_packed
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.step_plan import StepPlan, put_padded
-from tscompile.utils import upload
 
 StepFn = Callable[..., torch.Tensor]
 # what counts steps run, not graphs: start-up placeholder steps leave these as they were
 STEP_COUNTERS = ("prefill_graphed", "prefill_eager", "decoder_rows_graphed", "decoder_rows_eager")
 logger = logging.getLogger("tscompile")
+# what ``torch.inference_mode(True)`` enters, without its Python wrapper (torch 2.11-2.13 have it)
+_inference_mode = getattr(torch._C, "_InferenceMode", None) or torch.inference_mode
 
 
 def check_inputs_on_host(plan: StepPlan, prev_rows: list[int] | None) -> None:
     """Refuse a step whose row needs a token the host has not read and ``prev_rows`` does not place
     on the device (a runner called directly while the engine has a step in flight)."""
-    for row in plan.tokens_on_device:
-        decode_row = row - (plan.num_tokens - plan.num_decodes)
+    rows = plan.tokens_on_device
+    if rows.shape[0] == 0:
+        return
+    first_decode = plan.num_tokens - plan.num_decodes
+    for row in rows.tolist():  # Python ints: numpy scalar arithmetic costs more than the check
+        decode_row = row - first_decode
         if prev_rows is None or decode_row < 0 or prev_rows[decode_row] < 0:
             rid = plan.request_ids[plan.num_extends + max(decode_row, 0)]
             raise RuntimeError(f"tscompile: request {rid}'s last token is still on the device; call "
@@ -222,18 +227,29 @@ class ModelRunner:
         start = time.perf_counter()
         # every caller (launch, the start-up decode capture) reaches the same compiled entries: Dynamo
         # guards on grad mode, and with grad on it would trace a training graph
-        with torch.inference_mode():
+        if torch.is_inference_mode_enabled():
             out = step(*args)
+        else:
+            with _inference_mode(True):
+                out = step(*args)
         if counters["graphs"] != before:
             self.compile_seconds += time.perf_counter() - start
         return out
 
     # -- the runner interface -------------------------------------------------------------------------
-    @torch.inference_mode()  # Dynamo guards on it: every caller must reach the same compiled entries
     def launch(self, plan: StepPlan, prev_rows: list[int] | None = None) -> PendingTokens:
         """Launch one step; its tokens (one per request of ``plan``, in plan order) come back through
         the returned handle. ``prev_rows[i]`` (decode only) is the row of the previous step's sample
         that is decode row i's input token, or -1 when the host knows it (see ``can_chain``)."""
+        # Dynamo guards on inference mode: every caller must reach the same compiled entries. The
+        # C++ guard itself, not ``torch.inference_mode()``, whose decorator and Python context cost
+        # several microseconds per step
+        if torch.is_inference_mode_enabled():
+            return self._launch(plan, prev_rows)
+        with _inference_mode(True):
+            return self._launch(plan, prev_rows)
+
+    def _launch(self, plan: StepPlan, prev_rows: list[int] | None) -> PendingTokens:
         check_inputs_on_host(plan, prev_rows)
         self.launches += 1
         if plan.mode is ForwardMode.DECODE:
@@ -242,7 +258,8 @@ class ModelRunner:
             if prev_rows is not None:
                 raise RuntimeError("tscompile: only a decode step takes its input tokens from the device")
             self._extend(plan)
-        return self.readback.start(self._sampled_rows(plan.num_requests))
+        n = plan.num_requests
+        return self.readback.start(self._sampled_rows(n), n)
 
     def _sampled_rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the sampled-token buffer (a view made once per ``n``: a torch
@@ -401,10 +418,10 @@ class ModelRunner:
             requests = min_logits_rows(self.max_num_seqs)  # why: dynamic_sizes.py
         if requests is not None:  # padded logits rows read row 0; their samples land in rows nobody reads
             logits_rows = np.concatenate([logits_rows, np.zeros(requests - plan.num_requests, dtype=logits_rows.dtype)])
-        # one upload in the whole-step buffers' order: every metadata view then sits at the same kind
-        # of offset as there (0 for the first of its dtype, >= 2 after it), and Dynamo, which
+        # one upload in the whole-step buffers' order and layout: every metadata view then sits at the
+        # same kind of offset as there (0 for the first, >= 2 after it), and Dynamo, which
         # specializes a storage offset of 0 or 1, compiles one graph for both paths
-        dev = upload([ids, pos, logits_rows, plan.qo_indptr, plan.completes, *groups], self.device)
+        dev = upload_packed([ids, pos, logits_rows, plan.qo_indptr, plan.completes, *groups], self.device)
         self.attention.publish_extend_metadata(plan, dev[5:])
         ids, pos, logits_rows, qo_indptr, completes = dev[:5]
         if padded is not None:  # the graphed first piece reads them at a fixed address

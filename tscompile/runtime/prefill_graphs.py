@@ -10,10 +10,10 @@ rows depend on the request count, and a graph fixes every shape it was captured 
 Persistent inputs. A captured graph reads its inputs at the addresses of its capture, so each
 bucket owns its buffers (``ExtendBuffers``): token ids, positions, logits rows, the query offsets
 and ``completes`` the forward context carries, and per cache group the page table, KV lengths,
-query offsets and write slots. One arena per dtype holds a bucket's buffers, mirrored by a pinned
-host arena with the same layout: a step writes its padded arrays straight into the host views (no
-intermediate arrays, no packing) and sends each dtype's arena in one copy, into the arena its graph
-reads. The sampler's inputs already live in the decode staging (persistent).
+query offsets and write slots. One byte arena holds a bucket's buffers (typed views, each dtype's
+together), mirrored by a pinned host arena with the same layout: a step writes its padded arrays
+straight into the host views (no intermediate arrays, no packing) and sends the arena in one copy,
+into the arena its graph reads. The sampler's inputs already live in the decode staging (persistent).
 
 Padding (``AttentionRouter.fill_extend_host_arrays``): token rows past the live ones are token 0 at
 position 0 writing slot 0, the null page; request rows past the live ones have a null page-table
@@ -46,38 +46,75 @@ logger = logging.getLogger("tscompile")
 GraphKey = tuple  # (tokens, requests, all_greedy, mode)
 
 
+def arena_places(layout: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[int], int]:
+    """Byte offset of each array of ``layout`` in one arena, and the arena's size. The arrays of each
+    dtype sit together, in the order of the dtypes' first appearance (as ``utils.upload`` packs them
+    per dtype), each on an ``UPLOAD_ALIGN_BYTES`` boundary (see ``utils.upload``): only the first
+    array has storage offset 0, on every path that packs this way (Dynamo specializes 0 and 1)."""
+    starts: list[int] = [0] * len(layout)
+    at = 0
+    for dtype in dict.fromkeys(dt for _, dt in layout):
+        for i, (shape, dt) in enumerate(layout):
+            if dt == dtype:
+                starts[i] = at
+                at += -(-max(math.prod(shape) * dt.itemsize, 1) // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES
+    return starts, at
+
+
+def typed_views(arena, layout: list[tuple[tuple[int, ...], np.dtype]], starts: list[int]) -> list:
+    """The arrays of ``layout`` as views of the byte ``arena`` (a torch tensor or a numpy array)."""
+    views = []
+    for (shape, dt), start in zip(layout, starts):
+        raw = arena[start: start + math.prod(shape) * dt.itemsize]
+        views.append(raw.view(dt).reshape(shape) if isinstance(raw, np.ndarray)
+                     else raw.view(_torch_dtype(dt)).view(shape))
+    return views
+
+
+def upload_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays -> device tensors in one copy, laid out as a whole-step bucket's buffers
+    (``arena_places``): a step without a bucket gets its metadata at the same kinds of storage
+    offset as one with, so both reach the same compiled graph."""
+    layout = [(a.shape, a.dtype) for a in arrays]
+    starts, nbytes = arena_places(layout)
+    flat = np.empty(nbytes, dtype=np.uint8)
+    for view, a in zip(typed_views(flat, layout, starts), arrays):
+        view[...] = a
+    return typed_views(torch.from_numpy(flat).to(device), layout, starts)
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None:
+        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+    return found
+
+
 class ExtendBuffers:
     """The persistent device inputs of one ``(tokens, requests)`` bucket and their host staging:
     ``tensors[i]`` (device) and ``host[i]`` (numpy, pinned on CUDA) have the shape and dtype of
-    entry ``i`` of the bucket's layout. Both are views into one arena per dtype, at the same
-    offsets, so a step writes its arrays straight into ``host`` and ``send`` moves each dtype's
-    arena in one copy."""
+    entry ``i`` of the bucket's layout. Both are typed views into one byte arena, at the same
+    offsets (``arena_places``), so a step writes its arrays straight into ``host`` and ``send``
+    moves the whole arena in one copy (a copy launch costs microseconds of host time: one per
+    step, not one per dtype)."""
 
     def __init__(self, layout: list[tuple[tuple[int, ...], np.dtype]], device: torch.device, *, pin: bool):
-        offsets: list[tuple[np.dtype, int, int, tuple[int, ...]]] = []  # (dtype, start, numel, shape) per array
-        sizes: dict[np.dtype, int] = {}
-        for shape, dtype in layout:
-            step = max(1, UPLOAD_ALIGN_BYTES // dtype.itemsize)  # aligned views: see utils.upload
-            start = sizes.get(dtype, 0)
-            numel = math.prod(shape)
-            offsets.append((dtype, start, numel, shape))
-            sizes[dtype] = start + -(-max(numel, 1) // step) * step
-        self.arenas = {dt: torch.from_numpy(np.zeros(n, dtype=dt)).to(device) for dt, n in sizes.items()}
+        starts, nbytes = arena_places(layout)
         # the staging of one bucket is as large as its device buffers (a few KB to a few MB)
-        self.host_arenas = {dt: torch.from_numpy(np.zeros(n, dtype=dt)) for dt, n in sizes.items()}
+        self.host_arena = torch.zeros(nbytes, dtype=torch.uint8)
         if pin:
-            self.host_arenas = {dt: t.pin_memory() for dt, t in self.host_arenas.items()}
-        flat = {dt: t.numpy() for dt, t in self.host_arenas.items()}
-        self.tensors: list[torch.Tensor] = [self.arenas[dt][start: start + numel].view(shape)
-                                            for dt, start, numel, shape in offsets]
-        self.host: list[np.ndarray] = [flat[dt][start: start + numel].reshape(shape)
-                                       for dt, start, numel, shape in offsets]
+            self.host_arena = self.host_arena.pin_memory()
+        self.arena = self.host_arena.to(device, copy=True)
+        self.tensors: list[torch.Tensor] = typed_views(self.arena, layout, starts)
+        self.host: list[np.ndarray] = typed_views(self.host_arena.numpy(), layout, starts)
         self.sent: torch.cuda.Event | None = None  # recorded after the last copy out of ``host``
 
     def send(self, non_blocking: bool) -> None:
-        """Copy the staging to the device buffers, one copy per dtype."""
-        for dt, host in self.host_arenas.items():
-            self.arenas[dt].copy_(host, non_blocking=non_blocking)
+        """Copy the staging to the device buffers, in one copy."""
+        self.arena.copy_(self.host_arena, non_blocking=non_blocking)
 
 
 class WholeStepPrefill:
@@ -99,6 +136,8 @@ class WholeStepPrefill:
         self.request_ladder = request_ladder
         self.host_replay = host_replay
         self.buffers: dict[tuple[int, int], ExtendBuffers] = {}
+        self._token_buckets: dict[int, int | None] = {}
+        self._request_buckets: dict[int, int | None] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph | None] = {}
         self.capture_seconds = 0.0
         self.replay = True  # False: keep the padding and buffers, run the step without its graph (tests)
@@ -108,8 +147,14 @@ class WholeStepPrefill:
 
     def bucket_of(self, num_tokens: int, num_requests: int) -> tuple[int, int] | None:
         """``(T, R)`` of a step, or None above either ladder (the step runs without this graph)."""
-        tokens = bucket(self.token_ladder, num_tokens)
-        requests = bucket(self.request_ladder, num_requests)
+        # each ladder scanned once per count (a generator scan costs microseconds on every step);
+        # the memos hold at most one entry per token count and one per request count
+        tokens = self._token_buckets.get(num_tokens, -1)
+        if tokens == -1:
+            tokens = self._token_buckets[num_tokens] = bucket(self.token_ladder, num_tokens)
+        requests = self._request_buckets.get(num_requests, -1)
+        if requests == -1:
+            requests = self._request_buckets[num_requests] = bucket(self.request_ladder, num_requests)
         if tokens is None or requests is None:
             return None
         return tokens, min(requests, tokens)  # never more requests than token rows

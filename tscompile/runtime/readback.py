@@ -13,6 +13,8 @@ import torch
 
 
 class PendingTokens:
+    __slots__ = ("_host", "_n", "_event", "_tokens")
+
     def __init__(self, host: torch.Tensor | None, n: int, event=None, tokens: list[int] | None = None):
         self._host, self._n, self._event, self._tokens = host, n, event, tokens
 
@@ -48,9 +50,12 @@ class TokenReadback:
             rows = self._rows[turn, n] = self._host[turn][:n]
         return rows
 
-    def start(self, tokens: torch.Tensor) -> PendingTokens:
-        """Queue the copy of ``tokens`` (on the device, ``[n]``) behind the work launched so far."""
-        n, turn = tokens.shape[0], self._turn
+    def start(self, tokens: torch.Tensor, n: int | None = None) -> PendingTokens:
+        """Queue the copy of ``tokens`` (on the device, ``[n]``) behind the work launched so far.
+        ``n``: its row count where the caller knows it (a torch size read costs more than the int)."""
+        turn = self._turn
+        if n is None:
+            n = tokens.shape[0]
         earlier = self._pending[turn]
         if earlier is not None:
             earlier.wait()  # whoever holds it still gets its tokens: read them before reusing the buffer

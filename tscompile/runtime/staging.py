@@ -1,10 +1,11 @@
 """Decode-step inputs with a fixed layout: filled on the host, uploaded in one copy per dtype.
 
 Every per-step host fact of a decode (token ids, where a token still on the device lives, positions,
-lengths, block tables, sampling parameters) lands in pinned host buffers at fixed offsets; one
-non-blocking copy per dtype moves them to persistent device buffers. The device views are what the
-refresh reads and what the captured graphs read (token ids, positions, sampling parameters), so
-their addresses never move.
+lengths, block tables, sampling parameters) lands in pinned host buffers at fixed offsets: one int64,
+one int32 and one float32 region of a single byte arena, so one non-blocking copy moves them all to
+the persistent device arena of the same layout (a copy launch costs microseconds of host time). The
+device views are what the refresh reads and what the captured graphs read (token ids, positions,
+sampling parameters), so their addresses never move.
 
 There are two host sets, used in turn: with asynchronous scheduling the host fills step N + 1
 while step N's upload may still be queued behind step N - 1 on the stream, so one set would be
@@ -21,13 +22,32 @@ import torch
 from tscompile.attention.router import DecodeInputs
 from tscompile.sampling import SamplingInputs
 from tscompile.step_plan import SamplingRows, StepPlan, put_rows
+from tscompile.utils import UPLOAD_ALIGN_BYTES
+
+
+_DTYPES = (torch.int64, torch.int32, torch.float32)
+
+
+def byte_arena_views(arena: torch.Tensor, counts: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+                     ) -> list[torch.Tensor]:
+    """Typed views of one uint8 ``arena``, ``counts[i]`` elements of ``dtypes[i]`` each, in order, every
+    view starting on an ``UPLOAD_ALIGN_BYTES`` boundary (Triton specializes on pointer alignment)."""
+    views, at = [], 0
+    for n, dtype in zip(counts, dtypes):
+        nbytes = n * dtype.itemsize
+        views.append(arena[at: at + nbytes].view(dtype))
+        at += -(-max(nbytes, 1) // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES
+    return views
+
+
+def byte_arena_size(counts: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> int:
+    return sum(-(-max(n * dt.itemsize, 1) // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES for n, dt in zip(counts, dtypes))
 
 
 class _HostSet:
     def __init__(self, sizes: tuple[int, int, int], pin: bool):
-        self.h64 = torch.zeros(sizes[0], dtype=torch.int64, pin_memory=pin)
-        self.h32 = torch.zeros(sizes[1], dtype=torch.int32, pin_memory=pin)
-        self.hf = torch.zeros(sizes[2], dtype=torch.float32, pin_memory=pin)
+        self.arena = torch.zeros(byte_arena_size(sizes, _DTYPES), dtype=torch.uint8, pin_memory=pin)
+        self.h64, self.h32, self.hf = byte_arena_views(self.arena, sizes, _DTYPES)
         self.n64, self.n32, self.nf = self.h64.numpy(), self.h32.numpy(), self.hf.numpy()
         # recorded after this set's upload; waited for before the set is written again
         self.uploaded = torch.cuda.Event() if pin else None
@@ -47,8 +67,8 @@ class DecodeStaging:
         sizes = (5 * b + b * banned_width, self._topk_at + b, 2 * b)
         self._sets = [_HostSet(sizes, pin), _HostSet(sizes, pin)]
         self._turn = 0
-        first = self._sets[0]
-        self.d64, self.d32, self.df = (t.to(device, copy=True) for t in (first.h64, first.h32, first.hf))
+        self.arena = self._sets[0].arena.to(device, copy=True)
+        self.d64, self.d32, self.df = byte_arena_views(self.arena, sizes, _DTYPES)
 
         self.input_ids, self.positions = self.d64[:b], self.d64[b:2 * b]
         # row of the sampled-token buffer that holds this row's input token (the previous step's
@@ -74,7 +94,10 @@ class DecodeStaging:
             inputs = self._decode_inputs[n] = DecodeInputs(tables, lens)
         if plan is None:
             return inputs
-        return inputs.with_host_rows(tuple(g.block_tables for g in plan.groups), tuple(g.seq_lens for g in plan.groups))
+        groups = plan.groups
+        # the device views with the step's host arrays (``with_host_rows`` without its tuple copies)
+        return DecodeInputs(inputs.block_tables, inputs.seq_lens, tuple([g.block_tables for g in groups]),
+                            tuple([g.seq_lens for g in groups]))
 
     def fill(self, plan: StepPlan, bs: int, prev_rows=None, *, pad_tables: bool = False) -> None:
         """Host-side writes for the plan's ``n`` decode rows; rows ``[n, bs)`` become padding
@@ -85,9 +108,12 @@ class DecodeStaging:
         n, b = plan.num_requests, self.max_bs
         host = self._writable_set()
         n64, n32 = host.n64, host.n32
-        put_rows(n64, 0, plan.input_ids, n, bs, 0)
-        live = n64[:n]
-        np.maximum(live, 0, out=live)  # an ON_DEVICE id is replaced on the device (prev_rows)
+        if plan.tokens_on_device.shape[0]:  # an ON_DEVICE id is replaced on the device (prev_rows): 0 here
+            np.maximum(plan.input_ids, 0, out=n64[:n])
+            if bs > n:
+                n64[n:bs] = 0
+        else:
+            put_rows(n64, 0, plan.input_ids, n, bs, 0)
         put_rows(n64, b, plan.positions, n, bs, 0)
         put_rows(n64, 4 * b, -1 if prev_rows is None else prev_rows, n, bs, -1)
         live = bs if pad_tables else n
@@ -123,10 +149,8 @@ class DecodeStaging:
 
     def upload(self) -> None:
         host = self._sets[self._turn]
-        self.d64.copy_(host.h64, non_blocking=True)
-        self.d32.copy_(host.h32, non_blocking=True)
-        self.df.copy_(host.hf, non_blocking=True)
+        self.arena.copy_(host.arena, non_blocking=True)
         if host.uploaded is not None:
-            host.uploaded.record(torch.cuda.current_stream(self.d64.device))
+            host.uploaded.record(torch.cuda.current_stream(self.arena.device))
             host.used = True
         self._turn ^= 1
