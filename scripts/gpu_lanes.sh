@@ -66,7 +66,7 @@ tests_for() {
     merge_check) echo "tests/test_gpu_graphs.py tests/test_prefill_startup_capture.py -k prefill_graph_or_startup_capture_or_start_up_capture_or_compiled_graphs_equal_or_triton_equals_torch_or_replay_equals_eager" ;;
     final) echo "tests/test_triton_extend_fast.py tests/test_gpu_graphs.py -k gpu_new_kernel_or_gpu_float32_or_bs1_decode_or_whole-triton_or_llama-tiny-whole" ;;
     hostwork) echo "tests/test_gpu_graphs.py tests/test_prefill_startup_capture.py -k whole-triton_or_llama-tiny-whole_or_async_scheduling_or_compiled_graphs_equal_or_bs1_decode_or_padded_rows_write_or_start_up_capture" ;;
-    fused) echo "tests/test_triton_fused_decode.py tests/test_prefill_step_ops.py tests/test_triton_extend_fast.py" ;;
+    fused) echo "tests/test_triton_fused_decode.py tests/test_prefill_step_ops.py tests/test_triton_extend_fast.py tests/test_host_fast_paths.py" ;;
     session7) echo "tests/test_gpu_graphs.py -k ladder_without_1_or_padded_rows_write_or_compiled_graphs_equal_or_synchronous_steps[triton]_or_triton_equals_torch_on_llama_1b_or_null_page_with_a_poisoned_pool[whole-triton]" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
