@@ -3,8 +3,8 @@
 Three kernels (plus a split combiner), all launched with grids that depend only on static shapes,
 and none of them reads a tensor value on the host. That makes every path CUDA-graph safe: the
 same launches replay correctly whatever ``seq_lens`` / ``qo_indptr`` / ``page_table`` hold.
-Decode runs the KV write, the splits and their combine as one kernel (``fused_decode``); the
-three-launch path stays behind ``FUSED_DECODE = False`` and gives bitwise-identical results.
+Decode runs the KV write, the splits and their combine as three launches; ``FUSED_DECODE = True``
+runs them as one kernel (``fused_decode``) with bitwise-identical results, measured slower (below).
 
 Layout (the op contract, see ``custom_ops/attention.py``):
     q:          [T, Hq, D]             float32 / bfloat16 / float16, any strides
@@ -377,8 +377,13 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
 
 # Fused decode (one kernel per layer) or the unfused path (KV write, split and combine kernels, one
 # launch each). Both give bitwise-identical outputs and caches; module-level so a GPU run can time
-# one against the other.
-FUSED_DECODE = True
+# one against the other. Off by default: on the H200 (2026-12-01, tree d437502, kernel tables of
+# `tscompile bench`) the fused kernel took longer than the three kernels it replaces together, by
+# 14 / 54 / 5 / 12 us per step on llama-1b (16 layers) and 51 / 205 / 58 / 35 us on llama-8b (32
+# layers) at bs 1 / 8 / 32 / 64, while the two launches it saves per layer are worth about 1 us: a
+# net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
+# of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
+FUSED_DECODE = False
 
 # Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
 # launches (the last program of each pair resets its own). One buffer per device: launches on one
@@ -738,7 +743,7 @@ def register_dense_extend(fn) -> None:
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
                      scale, decode) -> None:
     """``tscompile::attention`` with Triton kernels: write the new K/V rows, then attend (decode:
-    split-KV + combine, fused into one launch with the write unless ``FUSED_DECODE`` is off;
+    split-KV + combine, fused into one launch with the write when ``FUSED_DECODE`` is on;
     otherwise ragged causal extend, which also zeroes the rows past ``qo_indptr[-1]``). Never
     syncs with the host.
 

@@ -64,20 +64,26 @@ def test_tensorrt_refused_up_front_when_not_importable(monkeypatch):
     check_piece_compiler_importable(TscompileConfig.from_options({"piece_compiler": "eager"}))
 
 
-def test_cuda_pieces_get_combo_kernels_unless_the_user_sets_it():
+def test_static_graphs_and_split_pieces_on_cuda_get_combo_kernels_unless_the_user_sets_it():
     from tscompile.piece_compiler import piece_inductor_patches
 
-    def patches(config, static, device_type, cudagraph_trees=False):
-        # a whole graph (split_piece=False): no residual-addmm pass, only the options under test
-        return piece_inductor_patches(config, static, device_type=device_type, split_piece=False,
-                                      cudagraph_trees=cudagraph_trees)
+    def patches(config, static, device_type, cudagraph_trees=False, split_piece=False):
+        out = piece_inductor_patches(config, static, device_type=device_type, split_piece=split_piece,
+                                     cudagraph_trees=cudagraph_trees)
+        out.pop("post_grad_custom_post_pass", None)  # the residual-addmm pass: tests/test_residual_addmm.py
+        return out
 
     default = TscompileConfig()
-    assert patches(default, False, "cuda") == {"combo_kernels": True, "triton.cudagraphs": False}
+    assert patches(default, True, "cuda") == {"combo_kernels": True, "triton.cudagraphs": False}
+    assert patches(default, False, "cuda", split_piece=True) == {"combo_kernels": True, "triton.cudagraphs": False}
+    # a whole dynamic-shape graph (the bs>1 decode step): measured slower with it on llama-8b
+    assert patches(default, False, "cuda") == {"triton.cudagraphs": False}
     # the CPU's C++ backend has no combo kernels: nothing is added there
     assert patches(default, True, "cpu", cudagraph_trees=True) == {"triton.cudagraphs": True}
     off = TscompileConfig(inductor_options={"combo_kernels": False},
                           static_inductor_options={"coordinate_descent_tuning": True})
     assert patches(off, True, "cuda") == \
         {"combo_kernels": False, "coordinate_descent_tuning": True, "triton.cudagraphs": False}
-    assert patches(off, False, "cuda") == {"combo_kernels": False, "triton.cudagraphs": False}
+    assert patches(off, False, "cuda", split_piece=True) == {"combo_kernels": False, "triton.cudagraphs": False}
+    on = TscompileConfig(inductor_options={"combo_kernels": True})
+    assert patches(on, False, "cuda") == {"combo_kernels": True, "triton.cudagraphs": False}

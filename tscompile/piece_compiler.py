@@ -23,12 +23,16 @@ from tscompile.passes.split import SplitPlan
 
 logger = logging.getLogger("tscompile")
 
-# Inductor patches every CUDA piece gets unless the user's inductor_options set them. combo_kernels
-# fuses independent pointwise kernels of one graph into one launch (RoPE's query and key rotations,
-# 32 and 8 heads): on the H200 (llama-1b, bf16, tscompile bench, one call, 2026-12-01) it took the
-# decode step from 219 to 203 kernels, bs=1 TPOT 1.162 -> 1.142 ms, bs=32 1.453 -> 1.430 ms, the
-# 32-token prefill 285 -> 269 kernels (2.00 -> 1.88 ms), at no compile-time cost (34.5 s vs 47.6 s).
-# The CPU's C++ backend has no combo kernels: it is left as it is there.
+# Inductor patches CUDA graphs get unless the user's inductor_options set them. combo_kernels fuses
+# independent pointwise kernels of one graph into one launch (RoPE's query and key rotations, 32 and
+# 8 heads). On the H200 (bf16, tscompile bench, 2026-12-01) it took llama-1b's decode step from 219
+# to 203 kernels (bs=1 TPOT 1.162 -> 1.142 ms, bs=32 1.453 -> 1.430 ms, same call). Against an older
+# tree's kernel tables (dfa0508), llama-8b's rotations took 62 us per bs=1 step instead of 93 and
+# 47 / 68 / 195 / 707 us per 32 / 128 / 512 / 2048-token prefill instead of 82 / 100 / 241 / 641;
+# but in llama-8b's dynamic-batch decode graph (bs 8-64) the combined kernel took 334-361 us per
+# step against 132-170 us for the two it replaced (llama-1b's: 30-42 us against 50-54). So static
+# graphs (the bs=1 decode step) and the pieces of a split graph (prefill) get it, a whole
+# dynamic-shape graph does not. The CPU's C++ backend has no combo kernels: nothing is added there.
 CUDA_INDUCTOR_DEFAULTS = {"combo_kernels": True}
 
 
@@ -77,11 +81,12 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
 
 def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type: str, split_piece: bool,
                            cudagraph_trees: bool) -> dict:
-    """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults, then the
-    user's options (which win), the residual-addmm pass for a piece of a split graph on CUDA (unless
+    """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults (static
+    graphs and split pieces only), then the user's options (which win), the residual-addmm pass for a piece of a split graph on CUDA (unless
     the options set a post-grad post pass of their own), and whether Inductor captures the graph."""
     on_cuda = device_type == "cuda"
-    patches = {**(CUDA_INDUCTOR_DEFAULTS if on_cuda else {}), **config.inductor_patches(static)}
+    defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
+    patches = {**defaults, **config.inductor_patches(static)}
     if split_piece and on_cuda and UNFUSE_RESIDUAL_ADDMM and patches.get("post_grad_custom_post_pass") is None:
         from tscompile.passes.residual_addmm import UnfuseResidualAddmm
 
