@@ -102,10 +102,10 @@ def _assert_fused_equals_unfused(batch, device, monkeypatch, splits, calls=1):
         _assert_counters_clear(device)
 
 
-# batch sizes 1, 2 (no padding), 3, 5, 9 (padded rows) under the interpreter, which runs every program
+# batch sizes 1 (no padding), 3 and 9 (padded rows) under the interpreter, which runs every program
 # in turn; the GPU sweep below covers the rest at real tile sizes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bs", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("bs", [1, 3, 9])
 def test_fused_decode_equals_unfused_over_batch_sizes(bs, dtype, splits, device, monkeypatch):
     pad_rows = bs // 3  # from bs 3 on, the last rows are padding: seq_len 0, write slot 0
     kv_lens = [LENGTHS[(bs + i) % len(LENGTHS)] for i in range(bs - pad_rows)]
@@ -114,9 +114,9 @@ def test_fused_decode_equals_unfused_over_batch_sizes(bs, dtype, splits, device,
     _assert_fused_equals_unfused(batch, device, monkeypatch, splits)
 
 
-# each GQA group and head_dim once, each dtype twice (the interpreter takes ~12 s a case)
-@pytest.mark.parametrize("group,head_dim,dtype", [(1, 64, torch.float32), (4, 128, torch.bfloat16),
-                                                  (8, 64, torch.bfloat16), (8, 128, torch.float32)])
+# GQA groups 1 and 8 over both head_dims and dtypes (the interpreter takes ~12 s a case; the fused
+# path is opt-in, and the GPU sweep below covers group 4)
+@pytest.mark.parametrize("group,head_dim,dtype", [(1, 64, torch.float32), (8, 128, torch.bfloat16)])
 def test_fused_decode_equals_unfused_over_head_shapes(group, head_dim, dtype, splits, device, monkeypatch):
     batch = _poisoned_batch([33, 1, 200, 16], 1, device, num_kv_heads=2, group=group, head_dim=head_dim,
                             dtype=dtype, seed=group * 1000 + head_dim)
