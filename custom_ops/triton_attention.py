@@ -383,7 +383,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
 # layers) at bs 1 / 8 / 32 / 64, while the two launches it saves per layer are worth about 1 us: a
 # net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
-FUSED_DECODE = False
+FUSED_DECODE = os.environ.get("TSCOMPILE_FUSED_DECODE", "0") == "1"  # env: A/B runs in fresh processes
 
 # Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
 # launches (the last program of each pair resets its own). One buffer per device: launches on one

@@ -24,6 +24,7 @@
 #   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
+#   env:VAR=VALUE  export VAR for the lane's later jobs (TSCOMPILE_FUSED_DECODE=1: the fused decode attention)
 # FlashInfer's wheels are installed from .whl/ when carried.
 # Compile caches (scripts/gpu_cache.sh; its header has the lead's call sequence): GPU_CACHE_IN=.gpu_cache
 # (a carried folder of gpucache-NNofMM.tar.xz parts) restores Inductor's and Triton's caches before the
@@ -78,6 +79,8 @@ run_job() {  # lane job
   [ $left -lt 30 ] && { echo "== $job skipped: ${left}s left"; return; }
   echo "== $job (${left}s left, $(date +%T))"
   case $job in
+    env:*=*)  # env:VAR=VALUE exports VAR for the lane's later jobs (e.g. env:TSCOMPILE_FUSED_DECODE=1)
+      local pair=${job#env:}; export "${pair%%=*}=${pair#*=}"; echo "exported ${pair%%=*}=${pair#*=}"; return ;;
     compare)
       OUT=/tmp/compare SKIP_INSTALL=1 GPU_CACHE_IN= GPU_CACHE_OUT=0 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
         bash scripts/gpu_check.sh compare > /tmp/compare.out 2>&1
