@@ -343,17 +343,23 @@ def _decode_block_n(head_dim: int) -> int:
     return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
 
 
+def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int]:
+    """(page size, KV heads, GQA group, max KV positions, keys per tile, splits) of a decode launch:
+    the same for the unfused and the fused path, so both split alike."""
+    bs, hq, d = q.shape
+    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    max_kv = page_table.shape[1] * page_size
+    block_n = _decode_block_n(d)
+    return page_size, hkv, hq // hkv, max_kv, block_n, decode_num_splits(max_kv, bs, hkv, block_n)
+
+
 def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
     """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B].
     The unfused path: split kernel, then combine kernel (the K/V write is the caller's)."""
     bs, hq, d = q.shape
     if bs == 0:
         return
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    max_kv = page_table.shape[1] * page_size
-    block_n = _decode_block_n(d)
-    num_splits = decode_num_splits(max_kv, bs, hkv, block_n)
+    page_size, hkv, group, max_kv, block_n, num_splits = _decode_launch(q, k_cache, page_table)
     part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bs, hkv, num_splits)](
@@ -529,11 +535,7 @@ def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc
                              f"{rows} rows, q has {bs}; decode needs one row per request in both")
     if bs == 0:
         return
-    page_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    max_kv = page_table.shape[1] * page_size
-    block_n = _decode_block_n(d)
-    num_splits = decode_num_splits(max_kv, bs, hkv, block_n)
+    page_size, hkv, group, max_kv, block_n, num_splits = _decode_launch(q, k_cache, page_table)
     if num_splits > 1:
         part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)

@@ -173,10 +173,11 @@ def test_counter_buffer_grows_and_keeps_the_one_it_outgrew(monkeypatch):
     assert ta._OUTGROWN_COUNTERS == [first]  # a graph captured with it may still use it
 
 
-def test_backend_reserves_counters_for_its_largest_batch(monkeypatch):
+def test_backend_reserves_counters_for_its_largest_batch_only_for_the_fused_decode(monkeypatch):
     monkeypatch.setattr(ta, "_ARRIVAL_COUNTERS", {})
     monkeypatch.setattr(ta, "_OUTGROWN_COUNTERS", [])
     monkeypatch.setattr(ta, "_MIN_ARRIVAL_COUNTERS", 1)  # so the size shows what the backend asked for
+    monkeypatch.setattr(ta, "FUSED_DECODE", True)
     specs = [CacheGroupSpec("full", (0,), num_kv_heads=2, head_dim=16)]
     pool = KVCachePool.allocate(specs, [4], page_size=4, dtype=torch.float32, device="cpu")
     leaf = TritonAttentionBackend(0, max_pages=4, device="cpu")
@@ -186,6 +187,13 @@ def test_backend_reserves_counters_for_its_largest_batch(monkeypatch):
     leaf.allocate_decode_buffers(6)
     assert leaf.decode_counters is ta._ARRIVAL_COUNTERS[torch.device("cpu")]
     assert leaf.decode_counters.numel() == 6 * 8 and not leaf.decode_counters.any()
+    monkeypatch.setattr(ta, "FUSED_DECODE", False)
+    monkeypatch.setattr(ta, "_ARRIVAL_COUNTERS", {})
+    unfused = TritonAttentionBackend(0, max_pages=4, device="cpu")
+    unfused.set_cache_pool(pool)
+    unfused.bind_query_heads(8)
+    unfused.allocate_decode_buffers(6)
+    assert unfused.decode_counters is None and not ta._ARRIVAL_COUNTERS
 
 
 # -- GPU: the fused decode inside a captured CUDA graph -----------------------------------------------

@@ -8,8 +8,9 @@ On a machine without CUDA the kernels run only under ``TRITON_INTERPRET=1`` (slo
 
 The fused decode kernel counts the split programs that have finished each (request, KV head) in a
 zeroed int32 buffer that must outlive every captured graph. The op's schema has no room for it, so
-it lives in ``triton_attention``'s per-device registry; this backend reserves it with its other
-persistent decode buffers (before any capture), sized for ``max_decode_bs`` x the heads it serves.
+it lives in ``triton_attention``'s per-device registry; with ``FUSED_DECODE`` on, this backend
+reserves it with its other persistent decode buffers (before any capture), sized for
+``max_decode_bs`` x the heads it serves.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
         heads from above, so whichever of the two is known sizes it; runs again (growing, never
         during a capture) whenever the batch bound or a head count arrives."""
         heads = max(self.num_q_heads or 0, self.num_kv_heads or 0)
-        if self.seq_lens_buf is None or heads == 0:
-            return
+        if not triton_attention.FUSED_DECODE or self.seq_lens_buf is None or heads == 0:
+            return  # the unfused decode (the default) counts nothing
         self.decode_counters = triton_attention.reserve_decode_counters(self.device, self.max_decode_bs * heads)
 

@@ -41,7 +41,6 @@ class DecodeGraphRunner:
                  compile_seconds: Callable[[], float]):
         self.device = device
         self.ladder = tuple(sorted(ladder))
-        self._padded: dict[int, int] = {}  # batch size -> its padded size
         self._prepare_capture, self._run_step, self._guard_roots = prepare_capture, run_step, guard_roots
         self._compile_seconds = compile_seconds
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -52,10 +51,7 @@ class DecodeGraphRunner:
 
     def padded_size(self, actual_bs: int) -> int:
         """The smallest ladder size >= ``actual_bs``; above the ladder, ``actual_bs`` (no graph)."""
-        size = self._padded.get(actual_bs)
-        if size is None:  # once per batch size: the ladder scan is a generator, microseconds per step
-            size = self._padded[actual_bs] = bucket(self.ladder, actual_bs) or actual_bs
-        return size
+        return bucket(self.ladder, actual_bs) or actual_bs
 
     def covers(self, bs: int) -> bool:
         """Whether a batch padded to ``bs`` replays a graph (captured now or on first use)."""

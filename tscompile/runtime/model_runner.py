@@ -46,7 +46,8 @@ from tscompile.runtime.dynamic_sizes import (SpareRowSampling, drop_input_size_a
                                              min_logits_rows)
 from tscompile.runtime.piece_graphs import PIECE_GRAPH_WRAPPERS, PieceGraphRuntime, PrefillBuckets
 from tscompile.runtime.prefill_capture import request_ladder
-from tscompile.runtime.prefill_graphs import WholeStepPrefill, upload_packed
+from tscompile.runtime.arena import upload_packed
+from tscompile.runtime.prefill_graphs import WholeStepPrefill
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.step_plan import StepPlan, put_padded

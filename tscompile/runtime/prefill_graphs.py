@@ -30,7 +30,6 @@ replay (the sample is copied out of the sampled-token buffer, which is not pool 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Callable
 
@@ -38,59 +37,13 @@ import numpy as np
 import torch
 
 from tscompile.counters import counters
+from tscompile.runtime.arena import arena_places, typed_views
 from tscompile.runtime.piece_graphs import capture_graph
-from tscompile.utils import UPLOAD_ALIGN_BYTES, bucket
+from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
 
 GraphKey = tuple  # (tokens, requests, all_greedy, mode)
-
-
-def arena_places(layout: list[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[int], int]:
-    """Byte offset of each array of ``layout`` in one arena, and the arena's size. The arrays of each
-    dtype sit together, in the order of the dtypes' first appearance (as ``utils.upload`` packs them
-    per dtype), each on an ``UPLOAD_ALIGN_BYTES`` boundary (see ``utils.upload``): only the first
-    array has storage offset 0, on every path that packs this way (Dynamo specializes 0 and 1)."""
-    starts: list[int] = [0] * len(layout)
-    at = 0
-    for dtype in dict.fromkeys(dt for _, dt in layout):
-        for i, (shape, dt) in enumerate(layout):
-            if dt == dtype:
-                starts[i] = at
-                at += -(-max(math.prod(shape) * dt.itemsize, 1) // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES
-    return starts, at
-
-
-def typed_views(arena, layout: list[tuple[tuple[int, ...], np.dtype]], starts: list[int]) -> list:
-    """The arrays of ``layout`` as views of the byte ``arena`` (a torch tensor or a numpy array)."""
-    views = []
-    for (shape, dt), start in zip(layout, starts):
-        raw = arena[start: start + math.prod(shape) * dt.itemsize]
-        views.append(raw.view(dt).reshape(shape) if isinstance(raw, np.ndarray)
-                     else raw.view(_torch_dtype(dt)).view(shape))
-    return views
-
-
-def upload_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host arrays -> device tensors in one copy, laid out as a whole-step bucket's buffers
-    (``arena_places``): a step without a bucket gets its metadata at the same kinds of storage
-    offset as one with, so both reach the same compiled graph."""
-    layout = [(a.shape, a.dtype) for a in arrays]
-    starts, nbytes = arena_places(layout)
-    flat = np.empty(nbytes, dtype=np.uint8)
-    for view, a in zip(typed_views(flat, layout, starts), arrays):
-        view[...] = a
-    return typed_views(torch.from_numpy(flat).to(device), layout, starts)
-
-
-_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {}
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    found = _TORCH_DTYPES.get(dtype)
-    if found is None:
-        found = _TORCH_DTYPES[dtype] = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
-    return found
 
 
 class ExtendBuffers:
@@ -136,8 +89,6 @@ class WholeStepPrefill:
         self.request_ladder = request_ladder
         self.host_replay = host_replay
         self.buffers: dict[tuple[int, int], ExtendBuffers] = {}
-        self._token_buckets: dict[int, int | None] = {}
-        self._request_buckets: dict[int, int | None] = {}
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph | None] = {}
         self.capture_seconds = 0.0
         self.replay = True  # False: keep the padding and buffers, run the step without its graph (tests)
@@ -147,14 +98,8 @@ class WholeStepPrefill:
 
     def bucket_of(self, num_tokens: int, num_requests: int) -> tuple[int, int] | None:
         """``(T, R)`` of a step, or None above either ladder (the step runs without this graph)."""
-        # each ladder scanned once per count (a generator scan costs microseconds on every step);
-        # the memos hold at most one entry per token count and one per request count
-        tokens = self._token_buckets.get(num_tokens, -1)
-        if tokens == -1:
-            tokens = self._token_buckets[num_tokens] = bucket(self.token_ladder, num_tokens)
-        requests = self._request_buckets.get(num_requests, -1)
-        if requests == -1:
-            requests = self._request_buckets[num_requests] = bucket(self.request_ladder, num_requests)
+        tokens = bucket(self.token_ladder, num_tokens)
+        requests = bucket(self.request_ladder, num_requests)
         if tokens is None or requests is None:
             return None
         return tokens, min(requests, tokens)  # never more requests than token rows

@@ -20,34 +20,23 @@ import numpy as np
 import torch
 
 from tscompile.attention.router import DecodeInputs
+from tscompile.runtime.arena import Layout, arena_places, typed_views
 from tscompile.sampling import SamplingInputs
 from tscompile.step_plan import SamplingRows, StepPlan, put_rows
-from tscompile.utils import UPLOAD_ALIGN_BYTES
+
+_DTYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32))
 
 
-_DTYPES = (torch.int64, torch.int32, torch.float32)
-
-
-def byte_arena_views(arena: torch.Tensor, counts: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
-                     ) -> list[torch.Tensor]:
-    """Typed views of one uint8 ``arena``, ``counts[i]`` elements of ``dtypes[i]`` each, in order, every
-    view starting on an ``UPLOAD_ALIGN_BYTES`` boundary (Triton specializes on pointer alignment)."""
-    views, at = [], 0
-    for n, dtype in zip(counts, dtypes):
-        nbytes = n * dtype.itemsize
-        views.append(arena[at: at + nbytes].view(dtype))
-        at += -(-max(nbytes, 1) // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES
-    return views
-
-
-def byte_arena_size(counts: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> int:
-    return sum(-(-max(n * dt.itemsize, 1) // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES for n, dt in zip(counts, dtypes))
+def _layout(sizes: tuple[int, int, int]) -> Layout:
+    """The staging's one int64, one int32 and one float32 region, in that order."""
+    return [((n,), dt) for n, dt in zip(sizes, _DTYPES)]
 
 
 class _HostSet:
     def __init__(self, sizes: tuple[int, int, int], pin: bool):
-        self.arena = torch.zeros(byte_arena_size(sizes, _DTYPES), dtype=torch.uint8, pin_memory=pin)
-        self.h64, self.h32, self.hf = byte_arena_views(self.arena, sizes, _DTYPES)
+        starts, nbytes = arena_places(_layout(sizes))
+        self.arena = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.h64, self.h32, self.hf = typed_views(self.arena, _layout(sizes), starts)
         self.n64, self.n32, self.nf = self.h64.numpy(), self.h32.numpy(), self.hf.numpy()
         # recorded after this set's upload; waited for before the set is written again
         self.uploaded = torch.cuda.Event() if pin else None
@@ -68,7 +57,8 @@ class DecodeStaging:
         self._sets = [_HostSet(sizes, pin), _HostSet(sizes, pin)]
         self._turn = 0
         self.arena = self._sets[0].arena.to(device, copy=True)
-        self.d64, self.d32, self.df = byte_arena_views(self.arena, sizes, _DTYPES)
+        layout = _layout(sizes)
+        self.d64, self.d32, self.df = typed_views(self.arena, layout, arena_places(layout)[0])
 
         self.input_ids, self.positions = self.d64[:b], self.d64[b:2 * b]
         # row of the sampled-token buffer that holds this row's input token (the previous step's
