@@ -83,6 +83,11 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
     args.num_iters = args.num_iters if args.num_iters is not None else (5 if gpu else 2)
     if min(args.batch_size + args.prefill_lens + [args.input_len, args.output_len, args.num_iters]) < 1:
         raise ValueError("tscompile: batch sizes, lengths and --num-iters must be >= 1")
+    for flag, given, known in (("--skip-decode", getattr(args, "skip_decode", []), args.batch_size),
+                               ("--skip-prefill", getattr(args, "skip_prefill", []), args.prefill_lens)):
+        stray = sorted(set(given) - set(known))
+        if stray:
+            raise ValueError(f"tscompile: {flag} {stray} names rows this run would not have ({known})")
     if getattr(args, "package_cuda_graphs", False) and not gpu:
         raise ValueError(f"tscompile: --package-cuda-graphs needs a CUDA device (the decode graphs are CUDA graphs); "
                          f"--device is {args.device!r}")
@@ -113,6 +118,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=None, help="default: 1 8 32 64 cuda, 1 4 cpu")
     p.add_argument("--prefill-lens", type=int, nargs="+", default=None,
                    help="bs=1 prompt lengths for the prefill figures (default 32 128 512 2048 cuda, 16 64 cpu)")
+    p.add_argument("--skip-decode", type=int, nargs="+", default=[], metavar="BS",
+                   help="batch sizes whose decode rows an earlier run of the same workload measured (a run cut by a "
+                        "time limit, resumed): not run again; the engine is still sized for every --batch-size")
+    p.add_argument("--skip-prefill", type=int, nargs="+", default=[], metavar="LEN",
+                   help="prompt lengths whose prefill rows an earlier run measured: not run again")
     p.add_argument("--num-iters", type=int, default=None, help="measured runs per point (default 5 cuda, 2 cpu)")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="warm-up runs per point (compile, capture)")
     p.add_argument("--modes", nargs="+", default=None,
@@ -253,8 +263,9 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mod
     bandwidth = roofline.measure_copy_bandwidth(device, nbytes)
     peak, peak_source = _matmul_peak(args, device, dtype)
     bench = Bench(args, device, dtype, bandwidth, peak)
-    total = len(modes) * (len(args.batch_size) + len(args.prefill_lens))
-    total += 0 if args.no_reference else len(args.batch_size)
+    decode_sizes, prefill_lens = bench.decode_sizes, bench.prefill_lens
+    total = len(modes) * (len(decode_sizes) + len(prefill_lens))
+    total += 0 if args.no_reference else len(decode_sizes)
     env = {**report.environment(device), "torch_threads": torch.get_num_threads()}
 
     def save(complete: bool) -> tuple[dict, str]:
@@ -287,7 +298,7 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mod
             report.plot(result, args.plot)
         except ImportError as e:
             print(f"bench: --plot needs matplotlib ({e})", file=sys.stderr)
-    ok = any(not r.get("error") for r in bench.results)
+    ok = any(not r.get("error") for r in bench.results + bench.prefill)
     return 0 if ok else 1
 
 

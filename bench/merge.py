@@ -65,6 +65,16 @@ def _row_name(key: tuple) -> str:
     return f"{mode} bs={size}" if kind == "decode" else f"{mode} prefill {size}"
 
 
+def _rows_supplied(result: dict, owner: dict) -> bool:
+    """Whether every row a cut-short run set out to measure was measured by some run of the merge (a
+    resumed run, say): then the merged table is whole although that run was not."""
+    args = result["args"]
+    sizes = [bs for bs in args.get("batch_size") or [] if bs not in (args.get("skip_decode") or [])]
+    lens = [n for n in args.get("prefill_lens") or [] if n not in (args.get("skip_prefill") or [])]
+    return all(("decode", mode, bs) in owner for mode in result.get("modes_run", []) for bs in sizes) and \
+        all(("prefill", mode, n) in owner for mode in result.get("modes_run", []) for n in lens)
+
+
 def merge(results: list[dict], names: list[str]) -> dict:
     """The rows of every run in one result, each row from the one run that measured it (a mode's rows
     may come from several runs: say the bs=64 row of a mode whose first run was cut short)."""
@@ -106,6 +116,11 @@ def merge(results: list[dict], names: list[str]) -> dict:
                             modes[mode] = result["modes"][mode]  # compile counters: its first run's
                     if mode not in run_modes[name]:
                         run_modes[name].append(mode)
+    # a mode's rows together and in size order, whichever runs they came from (a resumed run adds its
+    # rows after the first run's)
+    for kind in kept:
+        kept[kind].sort(key=lambda row: (modes_run.index(row["mode"]) if row["mode"] in modes_run else len(modes_run),
+                                         _row_key(kind, row)[2]))
     split = {mode for mode in modes_run if sum(mode in ms for ms in run_modes.values()) > 1}
 
     def rows_of(name: str, mode: str) -> str:
@@ -127,7 +142,8 @@ def merge(results: list[dict], names: list[str]) -> dict:
         "date": max(r.get("date") or "" for r in results),
         "copy_bandwidth_gbps": first.get("copy_bandwidth_gbps"),
         "peak_tflops": first.get("peak_tflops"), "peak_tflops_source": first.get("peak_tflops_source"),
-        "modes_run": modes_run, "complete": all(run["complete"] for run in runs), "modes": modes,
+        "modes_run": modes_run, "complete": all(run["complete"] or _rows_supplied(r, owner) for r, run in zip(results, runs)),
+        "modes": modes,
         # every run's float32 reference tokens (the check above made the shared batch sizes agree)
         "reference": {**(first.get("reference") or {}),
                       "runs": {bs: ref for r in results for bs, ref in ((r.get("reference") or {}).get("runs")

@@ -75,6 +75,13 @@ def _float32_matmuls():
         torch.set_float32_matmul_precision(previous)
 
 
+def rows_to_run(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The decode batch sizes and prefill lengths this run measures: all but the skipped ones."""
+    skip_decode, skip_prefill = set(getattr(args, "skip_decode", [])), set(getattr(args, "skip_prefill", []))
+    return ([bs for bs in args.batch_size if bs not in skip_decode],
+            [n for n in args.prefill_lens if n not in skip_prefill])
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth_gbps: float,
                  peak_tflops: float | None = None):
@@ -87,6 +94,7 @@ class Bench:
         self.results: list[dict] = []
         self.prefill: list[dict] = []
         self.modes: dict[str, dict] = {}
+        self.decode_sizes, self.prefill_lens = rows_to_run(args)
         self.tokens: dict[tuple[str, int], list[list[int]]] = {}
         self.references: dict[int, reference.ReferenceRun] = {}  # batch size -> its first request's run
         self.reference_info: dict = {"error": None, "skipped": bool(getattr(args, "no_reference", False))}
@@ -109,13 +117,13 @@ class Bench:
             model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed).float()
             self.reference_info["weights_fingerprint"] = _fingerprint(model)
             with _float32_matmuls():
-                for bs in a.batch_size:
+                for bs in self.decode_sizes:
                     prompt = _prompts(a.seed, bs, a.input_len, self.cfg.vocab_size)[0]
                     self.references[bs] = reference.reference_greedy(model, prompt, a.output_len, self.device)
                     bar.update(1)
         except Exception as e:  # noqa: BLE001  (no reference: the rows say so, the modes still run)
             self.reference_info["error"] = self._report("float32 reference", "run", e, bar)
-            bar.update(len(a.batch_size) - len(self.references))
+            bar.update(len(self.decode_sizes) - len(self.references))
         self.reference_info["seconds"] = time.perf_counter() - t0
         self.reference_info["runs"] = {
             str(bs): {"tokens": r.tokens, "margins": [reference.margin_at(c, c.ids[0])["margin"] for c in r.steps]}
@@ -282,7 +290,7 @@ class Bench:
         except Exception as e:  # noqa: BLE001
             info["error"] = self._report(mode, "setup", e, bar)
         prev: dict = {}
-        for bs in a.batch_size:
+        for bs in self.decode_sizes:
             bar.set_postfix_str(f"{mode} bs={bs}")
             try:
                 if runner is None:
@@ -294,7 +302,7 @@ class Bench:
             note_compiles()
             self.on_row()
             bar.update(1)
-        for length in a.prefill_lens:
+        for length in self.prefill_lens:
             bar.set_postfix_str(f"{mode} prefill {length}")
             try:
                 if runner is None:

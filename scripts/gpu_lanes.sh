@@ -11,6 +11,8 @@
 #                  bs 1 8 32 64 (BENCH_BS="1 32" or @1,32 for others; ~NAME: options from BENCH_OPTIONS_NAME), prefill 32 and 2048 (BENCH_PREFILL_LENS="32 128 512 2048"
 #                  for others), 5 iterations,
 #                  kernel tables -> $OUT/bench_M_MODES.{json,md}
+#                  BENCH_RESUME=1: rows an earlier call of the same warm machine measured (kept in .bench_live/)
+#                  are skipped, the rest written as ..._rN files (merge them with bench --merge)
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
@@ -47,6 +49,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -n "${GPU_CACHE_IN:-}" ] || [ "${GPU_CACHE_OUT:-0}" = 1 ]; then
   eval "$(bash scripts/gpu_cache.sh restore "${GPU_CACHE_IN:-}")"
+elif [ "${BENCH_RESUME:-0}" = 1 ]; then
+  # a resumed job recompiles from the caches its cut-short run left on this (still warm) machine
+  export TORCHINDUCTOR_CACHE_DIR=$PWD/.live_cache/inductor TRITON_CACHE_DIR=$PWD/.live_cache/triton
 fi
 
 tests_for() {
@@ -109,12 +114,23 @@ run_job() {  # lane job
       local options=${BENCH_OPTIONS:-}
       if [ -n "$opt_name" ]; then local var=BENCH_OPTIONS_$opt_name; options=${!var:-}
         [ -z "$options" ] && { echo "== $job: $var is empty"; return; }; fi
+      local lens=${BENCH_PREFILL_LENS:-32 2048} skip="" file=bench_${model}_$tag
+      if [ "${BENCH_RESUME:-0}" = 1 ]; then
+        # a job an earlier call of this warm machine cut short measures only its missing rows
+        # (its runs are kept in .bench_live/, which the device keeps between calls as an ignored folder)
+        mkdir -p .bench_live; local prev=(.bench_live/${file}.json .bench_live/${file}_r*.json); local runs=()
+        for f in "${prev[@]}"; do [ -f "$f" ] && runs+=("$f"); done
+        skip=$(python3 scripts/bench_resume.py --modes ${modes//,/ } --batch-size $bs --prefill-lens $lens --runs "${runs[@]}")
+        [ "$skip" = DONE ] && { echo "== $job: every row measured in ${runs[*]}"; return; }
+        [ ${#runs[@]} -gt 0 ] && { file=${file}_r$((${#runs[@]} + 1)); echo "== resumed as $file: $skip"; }
+      fi
       # the tscompile modes' compile options as one JSON argument (spaces allowed)
       timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size $bs --input-len 512 \
-        --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 5 --num-iters-warmup 1 --kernel-table \
+        --output-len 128 --prefill-lens $lens $skip --num-iters 5 --num-iters-warmup 1 --kernel-table \
         ${options:+--tscompile-options "$options"} \
-        --output-json "$OUT/bench_${model}_$tag.json" --output-md "$OUT/bench_${model}_$tag.md" --no-progress \
-        2> "$OUT/bench_${model}_$tag.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/bench_${model}_$tag.md" ;;
+        --output-json "$OUT/$file.json" --output-md "$OUT/$file.md" --no-progress \
+        2> "$OUT/$file.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/$file.md"
+      [ "${BENCH_RESUME:-0}" = 1 ] && [ -f "$OUT/$file.json" ] && cp "$OUT/$file.json" .bench_live/ ;;
     startup:*|startup-tuned:*)  # startup-tuned: the same with the bs=1 decode graph's tuning
       local spec=${job#*:}; local model=${spec%%:*} skip="" tag="" extra=""
       [ "$spec" != "$model" ] && skip=${spec#*:}

@@ -38,7 +38,8 @@ def _as_mode(run: dict, mode: str, *, bandwidth: float) -> dict:
     other["modes"] = {mode: other["modes"]["eager"]}
     other["modes_run"] = [mode]
     other["copy_bandwidth_gbps"] = bandwidth
-    other["complete"] = False
+    other["complete"] = False  # cut short before a prefill row it set out to measure
+    other["args"] = {**other["args"], "prefill_lens": [*other["args"]["prefill_lens"], 4096]}
     return other
 
 
@@ -218,3 +219,33 @@ def test_merged_runs_list_names_each_runs_tscompile_options(eager_run):
     lines = {line.split("`")[1]: line for line in md.splitlines() if line.startswith("- `")}
     assert 'tscompile options `{"decode_ladder": [2, 4]}`' in lines["variant.json"]
     assert "tscompile options" not in lines["plain.json"]
+
+
+def test_a_resumed_run_measures_only_the_rows_not_skipped_and_merges_in_size_order(tmp_path, eager_run):
+    """A run cut by a time limit, resumed with --skip-decode/--skip-prefill for the rows it finished:
+    the resumed run measures only the others (no float32 reference for a skipped batch size), and the
+    merge lists each mode's rows in size order although the resumed rows come second."""
+    resumed_path = tmp_path / "resumed.json"
+    assert tscompile_main(["bench", *WORKLOAD, "--modes", "eager", "--batch-size", "1", "2", "--skip-decode", "2",
+                           "--skip-prefill", "8", "--output-json", str(resumed_path)]) == 0
+    resumed = json.loads(resumed_path.read_text())
+    assert [r["batch_size"] for r in resumed["results"]] == [1] and resumed["prefill"] == []
+    assert sorted(resumed["reference"]["runs"]) == ["1"]
+    first = copy.deepcopy(eager_run)
+    first["results"] = [r for r in first["results"] if r["batch_size"] == 2]  # the first run lost bs=1
+    merged = bench_merge.merge([first, resumed], ["first.json", "resumed.json"])
+    assert [r["batch_size"] for r in merged["results"]] == [1, 2]
+    assert merged["results"][0]["tpot_ms_median"] == resumed["results"][0]["tpot_ms_median"]
+    assert [run["rows"] for run in merged["merged_from"]] == [{"eager": "bs 2; prefill 8"}, {"eager": "bs 1"}]
+    # the first run was cut short, but the resumed run measured what it lost: the table is whole
+    first["complete"] = False
+    assert bench_merge.merge([first, resumed], ["first.json", "resumed.json"])["complete"] is True
+    # without the resumed run's row it is not
+    assert bench_merge.merge([first, {**resumed, "results": [], "args": {**resumed["args"], "batch_size": [2]}}],
+                             ["first.json", "other.json"])["complete"] is False
+
+
+def test_skipping_a_row_the_run_would_not_have_is_refused(tmp_path, capsys):
+    assert tscompile_main(["bench", *WORKLOAD, "--modes", "eager", "--batch-size", "1", "--skip-decode", "4",
+                           "--output-json", str(tmp_path / "x.json")]) == 2
+    assert "tscompile: --skip-decode [4] names rows this run would not have ([1])" in capsys.readouterr().err
