@@ -12,6 +12,7 @@ which the markdown lists per run.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -65,6 +66,19 @@ def _row_name(key: tuple) -> str:
     return f"{mode} bs={size}" if kind == "decode" else f"{mode} prefill {size}"
 
 
+def _add_mode_info(info: dict | None, other: dict) -> dict:
+    """A mode measured over several runs (processes): its Dynamo and tscompile counters summed over them
+    (each process compiles its own graphs), the rest from its first run."""
+    if info is None:
+        return copy.deepcopy(other)
+    merged = copy.deepcopy(info)
+    stats, more = merged.get("compile_stats") or {}, other.get("compile_stats") or {}
+    merged["compile_stats"] = {k: stats.get(k, 0) + more.get(k, 0) for k in {**stats, **more}}
+    merged["recompile_reasons"] = (info.get("recompile_reasons") or []) + (other.get("recompile_reasons") or [])
+    merged["runs"] = info.get("runs", 1) + 1
+    return merged
+
+
 def _rows_supplied(result: dict, owner: dict) -> bool:
     """Whether every row a cut-short run set out to measure was measured by some run of the merge (a
     resumed run, say): then the merged table is whole although that run was not."""
@@ -112,10 +126,15 @@ def merge(results: list[dict], names: list[str]) -> dict:
                     mode = row["mode"]
                     if mode not in modes_run:
                         modes_run.append(mode)
-                        if mode in result.get("modes", {}):
-                            modes[mode] = result["modes"][mode]  # compile counters: its first run's
                     if mode not in run_modes[name]:
                         run_modes[name].append(mode)
+                        if mode in result.get("modes", {}):
+                            modes[mode] = _add_mode_info(modes.get(mode), result["modes"][mode])
+    for mode, info in modes.items():  # a split mode's compile and capture time: the sum over its kept rows
+        if info.get("runs", 1) > 1:
+            for key in ("compile_s", "capture_s"):
+                vals = [r.get(key) for r in kept["decode"] if r["mode"] == mode and not r.get("error")]
+                info[key] = sum(vals) if vals and None not in vals else None
     # a mode's rows together and in size order, whichever runs they came from (a resumed run adds its
     # rows after the first run's)
     for kind in kept:

@@ -237,6 +237,12 @@ def test_a_resumed_run_measures_only_the_rows_not_skipped_and_merges_in_size_ord
     assert [r["batch_size"] for r in merged["results"]] == [1, 2]
     assert merged["results"][0]["tpot_ms_median"] == resumed["results"][0]["tpot_ms_median"]
     assert [run["rows"] for run in merged["merged_from"]] == [{"eager": "bs 2; prefill 8"}, {"eager": "bs 1"}]
+    # two processes compiled the mode: its counters are their sums, its compile time its rows' sum
+    first["modes"]["eager"]["compile_stats"]["graphs_compiled"] = 2
+    resumed["modes"]["eager"]["compile_stats"]["graphs_compiled"] = 3
+    first["results"][0]["compile_s"], resumed["results"][0]["compile_s"] = 10.0, 2.5
+    info = bench_merge.merge([first, resumed], ["first.json", "resumed.json"])["modes"]["eager"]
+    assert (info["runs"], info["compile_stats"]["graphs_compiled"], info["compile_s"]) == (2, 5, 12.5)
     # the first run was cut short, but the resumed run measured what it lost: the table is whole
     first["complete"] = False
     assert bench_merge.merge([first, resumed], ["first.json", "resumed.json"])["complete"] is True
