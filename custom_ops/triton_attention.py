@@ -52,6 +52,14 @@ DECODE_MIN_SPLIT_TOKENS = 64  # no split shorter than this (a whole number of ti
 DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
 DECODE_MAX_SPLITS = 32
 DECODE_BLOCK_N = 64  # keys per tile (split lengths are whole tiles); 32 for head_dim 256
+# the split kernel's warps and pipeline stages; None: Triton's defaults (4 warps, 3 stages). Module
+# level so scripts/decode_attn_sweep.py can time other settings on the GPU before one is chosen
+DECODE_NUM_WARPS: int | None = None
+DECODE_NUM_STAGES: int | None = None
+
+
+def _decode_launch_options() -> dict:
+    return {k: v for k, v in (("num_warps", DECODE_NUM_WARPS), ("num_stages", DECODE_NUM_STAGES)) if v is not None}
 
 
 def _next_pow2(x: int) -> int:
@@ -369,7 +377,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
         max_kv,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **_decode_launch_options(),
     )
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
