@@ -20,7 +20,8 @@
 #                  jobs BENCH_OPTIONS, the tscompile modes' compile options as JSON, and BENCH_TAG)
 #   pkgbench:M     tscompile bench of that package (package mode) beside tscompile-triton
 #   pkgbench-graphs:M  the same with the package's decode in CUDA graphs (--package-cuda-graphs)
-#   py:PATH        python3 PATH, its output in $OUT/<name>.log
+#   py:PATH[:A,B]  python3 PATH A B, its output in $OUT/<name>.log (e.g. py:scripts/decode_attn_sweep.py:--budget-s,200,
+#                  which writes decode_attn_sweep.{json,md} into $OUT too; py:scripts/decode_graph_code.py:8,32)
 #   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
 #   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
 #   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
@@ -146,9 +147,10 @@ run_job() {  # lane job
         --batch-size 1 8 32 64 --input-len 512 --output-len 128 --prefill-lens 32 512 --num-iters 5 --num-iters-warmup 1 \
         --output-json "$OUT/pkgbench_$model$tag.json" --output-md "$OUT/pkgbench_$model$tag.md" --no-progress \
         2> "$OUT/pkgbench_$model$tag.log"; echo "rc=$?"; cat "$OUT/pkgbench_$model$tag.md" ;;
-    py:*)  # py:scripts/NAME.py: its output in $OUT/NAME.log
-      local script=${job#py:}; local name; name=$(basename "$script" .py)
-      timeout $left python3 "$script" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/$name.log" | tail -30 ;;
+    py:*)  # py:scripts/NAME.py[:ARG,ARG]: its output in $OUT/NAME.log (commas in ARGS become spaces)
+      local script=${job#py:} args=""; case $script in *:*) args=${script#*:}; args=${args//,/ }; script=${script%%:*} ;; esac
+      local name; name=$(basename "$script" .py)
+      timeout $left python3 "$script" $args > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/$name.log" | tail -30 ;;
     hfbench|hfbench:*)
       local parts=${job#hfbench}; parts=${parts#:}; parts=${parts:-forward generate}; local tag=${parts// /_}
       timeout $left tscompile bench --hf-model llama-1b --device cuda --dtype bfloat16 --hf-lens 32 512 2048 \
