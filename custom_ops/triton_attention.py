@@ -255,12 +255,13 @@ def _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS: tl.constexpr, MIN_S
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kcp, stride_kco, stride_kch, stride_kcd,
     stride_vcp, stride_vco, stride_vch, stride_vcd,
     stride_ptb, stride_ptp,
+    stride_ot, stride_oh, stride_od,
     max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -270,7 +271,8 @@ def _decode_split_kernel(
     of request b over its split s (``_split_range``).
 
     Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
-    part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split).
+    part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split);
+    with one split, the output itself (``_store_one_split``: the combine's arithmetic, no combine launch).
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -281,8 +283,11 @@ def _decode_split_kernel(
         stride_qt, stride_qh, stride_qd, stride_kcp, stride_kco, stride_kch, stride_kcd,
         stride_vcp, stride_vco, stride_vch, stride_vcd, stride_ptb, stride_ptp,
         GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_FP32)
-    _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP, GROUP_PAD, HEAD_DIM, NUM_HEADS,
-                   NUM_SPLITS)
+    if NUM_SPLITS == 1:
+        _store_one_split(out_ptr, o, lse, b, kvh, stride_ot, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM)
+    else:
+        _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP, GROUP_PAD, HEAD_DIM, NUM_HEADS,
+                       NUM_SPLITS)
 
 
 @triton.jit
@@ -297,6 +302,23 @@ def _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP: tl.
     row = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS] contiguous
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=g_live[:, None])
     tl.store(part_lse_ptr + row, lse, mask=g_live)
+
+
+@triton.jit
+def _store_one_split(out_ptr, o, lse, b, kvh, stride_ot, stride_oh, stride_od, GROUP: tl.constexpr,
+                     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The output of a launch with one split: ``_combine_head`` over that split (its pad split has
+    weight 0) in registers: m = lse (0 when empty), w = 2^(lse - m), out = (o * w + 0) / (w + 0); the
+    "+ 0" terms are the pad split's, kept so a -0.0 comes out as the combine's +0.0."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    m = tl.where(lse == float("-inf"), 0.0, lse)
+    w = tl.exp2(lse - m)
+    denom = w + 0.0
+    res = (o * w[:, None] + 0.0) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
 @triton.jit
@@ -363,22 +385,28 @@ def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int
 
 def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
     """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B].
-    The unfused path: split kernel, then combine kernel (the K/V write is the caller's)."""
+    The unfused path: split kernel, then combine kernel (the K/V write is the caller's); with one
+    split, the split kernel alone (it writes ``out`` as the combine would)."""
     bs, hq, d = q.shape
     if bs == 0:
         return
     page_size, hkv, group, max_kv, block_n, num_splits = _decode_launch(q, k_cache, page_table)
-    part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:  # the split kernel writes out itself; the partials are never touched
+        part_out = part_lse = out
     _decode_split_kernel[(bs, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
         scale * 1.4426950408889634,  # scores in log2 units so the kernel can use exp2
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(), *out.stride(),
         max_kv,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **_decode_launch_options(),
     )
+    if num_splits == 1:
+        return
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
@@ -506,18 +534,7 @@ def _decode_fused_kernel(
         GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_FP32)
 
     if NUM_SPLITS == 1:
-        # _combine_head over one split (its pad split has weight 0) in registers: m = lse (0 when
-        # empty), w = 2^(lse - m), out = (o * w + 0) / (w + 0); the "+ 0" terms are the pad split's,
-        # kept so a -0.0 comes out as the combine's +0.0.
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
-        heads = kvh * GROUP + g
-        m = tl.where(lse == float("-inf"), 0.0, lse)
-        w = tl.exp2(lse - m)
-        denom = w + 0.0
-        res = (o * w[:, None] + 0.0) / tl.where(denom > 0.0, denom, 1.0)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
-                 res.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
+        _store_one_split(out_ptr, o, lse, b, kvh, stride_ot, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM)
     else:
         _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP, GROUP_PAD, HEAD_DIM,
                        NUM_HEADS, NUM_SPLITS)

@@ -145,11 +145,37 @@ def test_decode_gqa_shapes_match_torch(num_kv_heads, group, head_dim, device, ma
     _compare(batch, decode=True)
 
 
-def test_decode_all_rows_padded_gives_zeros(device, many_splits):
+@pytest.mark.parametrize("split", ["one_split", "many_splits"])
+def test_decode_all_rows_padded_gives_zeros(split, device, request):
+    if split == "many_splits":
+        request.getfixturevalue("many_splits")
     batch = _batch([1], [20], device, page_size=16, seed=9, pad_rows=3)
     batch["seq_lens"][0] = 0  # the one "live" request has no KV either (idle graph capture)
     out, _, _ = run_attention(batch, "triton", decode=True, scale=SCALE)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("split", ["one_split", "many_splits"])
+def test_one_split_writes_the_output_without_a_combine_launch(split, device, request, monkeypatch):
+    """With one split the split kernel stores the output itself (the combine's arithmetic over one
+    split); the combine kernel runs only when there are partials to combine."""
+    if split == "many_splits":
+        request.getfixturevalue("many_splits")
+    launched = []
+    real = ta._decode_combine_kernel
+
+    class Watch:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ta, "_decode_combine_kernel", Watch())
+    batch = _batch([1, 1], [9, 40], device, page_size=16, seed=21, pad_rows=1)
+    bs, _, d = batch["q"].shape
+    splits = ta.decode_num_splits(batch["page_table"].shape[1] * 16, bs, batch["k"].shape[1], ta._decode_block_n(d))
+    assert (splits == 1) == (split == "one_split")
+    _compare(batch, decode=True)
+    assert len(launched) == (0 if splits == 1 else 1)
 
 
 def test_decode_float16_matches_torch(device, many_splits):
