@@ -43,18 +43,18 @@ def make_layers(bs: int, ctx: int, max_kv: int, hq: int, hkv: int, d: int, page:
     """Per layer: q, a paged cache holding each request's ``ctx`` positions (page 0 the null page,
     the table's unused columns pointing at it), the table and the lengths; and the same K/V as the
     tuned baseline's static cache [bs, hkv, S, d] with S = the bench's prompt + output (640)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn where they live: GBs at bs=64
     per_req = cdiv(ctx, page)
-    table = torch.zeros(bs, max_kv // page, dtype=torch.int32)
-    table[:, :per_req] = 1 + torch.arange(bs * per_req, dtype=torch.int32).view(bs, per_req)
-    out = []
-    for _ in range(layers):
-        k = torch.randn(1 + bs * per_req, page, hkv, d, generator=gen).to(dtype)
-        v = torch.randn(1 + bs * per_req, page, hkv, d, generator=gen).to(dtype)
-        out.append({"q": torch.randn(bs, hq, d, generator=gen).to(dtype).to(device),
-                    "k_cache": k.to(device), "v_cache": v.to(device), "page_table": table.to(device),
-                    "seq_lens": torch.full((bs,), ctx, dtype=torch.int32, device=device)})
-    return out
+    table = torch.zeros(bs, max_kv // page, dtype=torch.int32, device=device)
+    table[:, :per_req] = 1 + torch.arange(bs * per_req, dtype=torch.int32, device=device).view(bs, per_req)
+    pages = 1 + bs * per_req
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    return [{"q": draw(bs, hq, d), "k_cache": draw(pages, page, hkv, d), "v_cache": draw(pages, page, hkv, d),
+             "page_table": table, "seq_lens": torch.full((bs,), ctx, dtype=torch.int32, device=device)}
+            for _ in range(layers)]
 
 
 def static_view(layer: dict, bs: int, ctx: int, static_len: int) -> tuple[torch.Tensor, torch.Tensor]:
