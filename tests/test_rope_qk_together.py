@@ -64,3 +64,18 @@ def test_a_compiled_engine_gives_the_same_tokens_with_one_rotation(monkeypatch):
         llm = small_llm(enforce_eager=False, dtype=torch.float32)
         got[together] = ids(llm.generate(prompts, params))
     assert got[True] == got[False] and all(len(t) == 6 for t in got[True])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_graphs_give_the_same_tokens_with_one_rotation(backend, monkeypatch):
+    """On CUDA: the decode graphs (the bs=1 static one and the dynamic-batch one) and the whole-step
+    prefill graph compiled with q and k rotated together give the default's greedy tokens."""
+    prompts = [[5, 9, 2, 7, 1, 3, 11, 4], [8, 8, 4], [1, 2, 3, 4, 5]]
+    params = SamplingParams(max_new_tokens=8)
+    got = {}
+    for together in (False, True):
+        monkeypatch.setattr(llama, "ROPE_QK_TOGETHER", together)
+        llm = small_llm(device="cuda", attention_backend=backend, dtype=torch.float32, max_model_len=64)
+        got[together] = [ids(llm.generate(prompts[:1], params)), ids(llm.generate(prompts, params))]
+    assert got[True] == got[False]
