@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import tscompile
@@ -250,3 +251,31 @@ def one_thread_fixture():
     yield
     torch.set_num_threads(threads)
 
+
+def random_scheduled_batch(rng, specs, *, max_blocks: int, sampling, max_generated: int = 4, rid_base: int = 0):
+    """A random ``ScheduledBatch`` and its per-group block tables: extends (some completing their
+    prompt, some not) then decodes (some with the last token still on the device), each request
+    owning its own table row. ``sampling(rng)`` draws each request's ``SamplingParams``; decodes have
+    generated 1..``max_generated`` tokens."""
+    from tscompile.runtime.scheduler import Request, ScheduledBatch
+
+    n_ext, n_dec = int(rng.integers(0, 4)), int(rng.integers(0, 4))
+    n_dec = max(n_dec, 1 - n_ext)
+    tables = [(rng.permutation(8 * max_blocks) + 1).astype(np.int32).reshape(8, max_blocks) for _ in specs]
+    extends, decodes = [], []
+    for i in range(n_ext + n_dec):
+        plen = int(rng.integers(1, 20))
+        params = sampling(rng)
+        r = Request(rid_base + i, [int(x) for x in rng.integers(1, 500, plen)], params,
+                    seed=int(rng.integers(0, 2**62)), slot=i)
+        if i < n_ext:
+            r.num_computed = int(rng.integers(0, plen))
+            r.group_lens = [r.num_computed] + [int(rng.integers(0, 3))] * (len(specs) - 1)
+            extends.append((r, int(rng.integers(1, plen - r.num_computed + 1))))
+        else:
+            gen = int(rng.integers(1, max_generated + 1))
+            r.num_computed, r.num_generated = plen + gen - 1, gen
+            r.output = [int(x) for x in rng.integers(1, 500, gen - int(rng.integers(0, 2)))]  # maybe one unread
+            r.group_lens = [r.num_computed] + [int(rng.integers(1, 6))] * (len(specs) - 1)
+            decodes.append(r)
+    return ScheduledBatch(extends, decodes), tables

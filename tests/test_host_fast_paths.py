@@ -22,6 +22,7 @@ from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import ON_DEVICE, GroupPlan, SamplingRows, StepPlan, put_rows, row_offsets
 from tscompile.utils import UPLOAD_ALIGN_BYTES
+from helpers import random_scheduled_batch
 
 BLOCK = 4
 MAX_BLOCKS = 12
@@ -29,31 +30,17 @@ EOS = (2, 7)
 WIDTH = len(EOS) + 8
 
 
+def _sampling(rng) -> SamplingParams:
+    """Random sampling parameters, some requests still below ``min_tokens`` (they ban eos and their
+    stop ids)."""
+    return SamplingParams(max_new_tokens=12, temperature=float(rng.choice([0.0, 0.7, 1.3])),
+                          top_k=int(rng.integers(0, 5)), top_p=float(rng.choice([1.0, 0.5])),
+                          min_tokens=int(rng.choice([0, 6])), stop_token_ids=[int(rng.integers(10, 20))])
+
+
 def _random_batch(rng, specs):
-    """Extends (completing their prompt or not) then decodes (some tokens unread), random sampling
-    parameters, some requests still below ``min_tokens`` (they ban eos and their stop ids)."""
-    n_ext, n_dec = int(rng.integers(0, 4)), int(rng.integers(0, 4))
-    n_dec = max(n_dec, 1 - n_ext)
-    tables = [(rng.permutation(8 * MAX_BLOCKS) + 1).astype(np.int32).reshape(8, MAX_BLOCKS) for _ in specs]
-    extends, decodes = [], []
-    for i in range(n_ext + n_dec):
-        plen = int(rng.integers(1, 20))
-        params = SamplingParams(max_new_tokens=12, temperature=float(rng.choice([0.0, 0.7, 1.3])),
-                                top_k=int(rng.integers(0, 5)), top_p=float(rng.choice([1.0, 0.5])),
-                                min_tokens=int(rng.choice([0, 6])), stop_token_ids=[int(rng.integers(10, 20))])
-        r = Request(100 + i, [int(x) for x in rng.integers(1, 500, plen)], params, seed=int(rng.integers(0, 2**62)),
-                    slot=i)
-        if i < n_ext:
-            r.num_computed = int(rng.integers(0, plen))
-            r.group_lens = [r.num_computed] + [int(rng.integers(0, 3))] * (len(specs) - 1)
-            extends.append((r, int(rng.integers(1, plen - r.num_computed + 1))))
-        else:
-            gen = int(rng.integers(1, 9))
-            r.num_computed, r.num_generated = plen + gen - 1, gen
-            r.output = [int(x) for x in rng.integers(1, 500, gen - int(rng.integers(0, 2)))]  # maybe one unread
-            r.group_lens = [r.num_computed] + [int(rng.integers(1, 6))] * (len(specs) - 1)
-            decodes.append(r)
-    return ScheduledBatch(extends, decodes), tables
+    return random_scheduled_batch(rng, specs, max_blocks=MAX_BLOCKS, sampling=_sampling, max_generated=8,
+                                  rid_base=100)
 
 
 def _specs(window):

@@ -58,11 +58,17 @@ def test_a_compiled_engine_gives_the_same_tokens_with_one_rotation(monkeypatch):
     compiled graph and the greedy tokens do not move."""
     prompts = [[5, 9, 2, 7, 1, 3], [8, 8, 4]]
     params = SamplingParams(max_new_tokens=6)
-    got = {}
+    got, rotations = {}, {}
+    real_rope = llama.apply_rope
     for together in (False, True):
+        calls = []
+        monkeypatch.setattr(llama, "apply_rope", lambda x, c, s: calls.append(x.shape[1]) or real_rope(x, c, s))
         monkeypatch.setattr(llama, "ROPE_QK_TOGETHER", together)
         llm = small_llm(enforce_eager=False, dtype=torch.float32)
         got[together] = ids(llm.generate(prompts, params))
+        rotations[together] = sorted(set(calls))  # head counts rotated, traced into the compiled graphs
+    cfg = build_config("llama-tiny")
+    assert rotations == {False: sorted({cfg.n_heads, cfg.n_kv_heads}), True: [cfg.n_heads + cfg.n_kv_heads]}
     assert got[True] == got[False] and all(len(t) == 6 for t in got[True])
 
 

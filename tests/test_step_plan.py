@@ -11,6 +11,7 @@ from tscompile.kv_cache import CacheGroupSpec, kept_rows
 from tscompile.runtime.scheduler import Request, ScheduledBatch, Scheduler, build_step_plan
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import ON_DEVICE
+from helpers import random_scheduled_batch
 
 BLOCK = 4
 MAX_BLOCKS = 16
@@ -24,30 +25,8 @@ def _specs(window):
 
 
 def random_batch(rng, specs):
-    """Extends (some completing their prompt, some not) and decodes (some with the last token still
-    on the device), each request owning its own table row."""
-    n_ext, n_dec = rng.integers(0, 4), rng.integers(0, 4)
-    if n_ext + n_dec == 0:
-        n_dec = 1
-    tables = [np.zeros((8, MAX_BLOCKS), dtype=np.int32) for _ in specs]
-    for t in tables:
-        t[:] = (rng.permutation(8 * MAX_BLOCKS) + 1).reshape(8, MAX_BLOCKS)
-    extends, decodes = [], []
-    for i in range(n_ext + n_dec):
-        plen = int(rng.integers(1, 20))
-        params = SamplingParams(max_new_tokens=8, temperature=float(rng.choice([0.0, 0.7])), top_k=int(rng.integers(0, 5)))
-        r = Request(i, [int(x) for x in rng.integers(1, 500, plen)], params, seed=int(rng.integers(0, 2**62)), slot=i)
-        if i < n_ext:
-            r.num_computed = int(rng.integers(0, plen))
-            r.group_lens = [r.num_computed] + [int(rng.integers(0, 3))] * (len(specs) - 1)
-            extends.append((r, int(rng.integers(1, plen - r.num_computed + 1))))
-        else:
-            gen = int(rng.integers(1, 5))
-            r.num_computed, r.num_generated = plen + gen - 1, gen
-            r.output = [int(x) for x in rng.integers(1, 500, gen - int(rng.integers(0, 2)))]  # maybe one unread
-            r.group_lens = [r.num_computed] + [int(rng.integers(1, 6))] * (len(specs) - 1)
-            decodes.append(r)
-    return ScheduledBatch(extends, decodes), tables
+    return random_scheduled_batch(rng, specs, max_blocks=MAX_BLOCKS, sampling=lambda rng: SamplingParams(
+        max_new_tokens=8, temperature=float(rng.choice([0.0, 0.7])), top_k=int(rng.integers(0, 5))))
 
 
 @pytest.mark.parametrize("window", [None, 1, 3])
