@@ -87,7 +87,10 @@ run_job() {  # lane job
   echo "== $job (${left}s left, $(date +%T))"
   case $job in
     env:*=*)  # env:VAR=VALUE exports VAR for the lane's later jobs (e.g. env:TSCOMPILE_FUSED_DECODE=1)
-      local pair=${job#env:}; export "${pair%%=*}=${pair#*=}"; echo "exported ${pair%%=*}=${pair#*=}"; return ;;
+      # (the lists BENCH_BS and BENCH_PREFILL_LENS take commas for spaces: env:BENCH_PREFILL_LENS=32,2048)
+      local pair=${job#env:}; local var=${pair%%=*} val=${pair#*=}
+      case $var in BENCH_BS|BENCH_PREFILL_LENS) val=${val//,/ } ;; esac
+      export "$var=$val"; echo "exported $var=$val"; return ;;
     compare)
       OUT=/tmp/compare SKIP_INSTALL=1 GPU_CACHE_IN= GPU_CACHE_OUT=0 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
         bash scripts/gpu_check.sh compare > /tmp/compare.out 2>&1
