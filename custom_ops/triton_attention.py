@@ -51,15 +51,32 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 DECODE_MIN_SPLIT_TOKENS = 64  # no split shorter than this (a whole number of tiles)
 DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
 DECODE_MAX_SPLITS = 32
-DECODE_BLOCK_N = 64  # keys per tile (split lengths are whole tiles); 32 for head_dim 256
-# the split kernel's warps and pipeline stages; None: Triton's defaults (4 warps, 3 stages). Module
-# level so scripts/decode_attn_sweep.py can time other settings on the GPU before one is chosen
+# Keys per tile (split lengths are whole tiles) and the split kernel's warps / pipeline stages. None:
+# the measured choice per shape (``_decode_block_n``, ``_decode_launch_options``); a number overrides
+# it for every shape (tests shrink the tile; scripts/decode_attn_sweep.py times other settings).
+DECODE_BLOCK_N: int | None = None
 DECODE_NUM_WARPS: int | None = None
 DECODE_NUM_STAGES: int | None = None
+# From scripts/decode_attn_sweep.py on the H200 (llama-8b's decode shape: 32 query / 8 KV heads of 128,
+# 576-token contexts in a 2064-position table; bench/results/llama-8b-cc681f9/): 32-key tiles beat 64
+# at bs 8, 32 and 64 (split + combine per layer 14.0 -> 12.0, 30.2 -> 27.9, 46.3 -> 43.8 us), and with
+# 256 or more (request, KV head) programs 2 warps beat 4 (more programs resident per SM for the long
+# per-split loops; with fewer programs the splits are short and 4 warps win). head_dim 64 (llama-1b)
+# was not swept and keeps the 64-key tile and Triton's defaults it was measured with.
+DECODE_WARPS_2_FROM_PROGRAMS = 256
 
 
-def _decode_launch_options() -> dict:
-    return {k: v for k, v in (("num_warps", DECODE_NUM_WARPS), ("num_stages", DECODE_NUM_STAGES)) if v is not None}
+def _decode_block_n(head_dim: int) -> int:
+    if DECODE_BLOCK_N is not None:  # wide heads get a shorter tile to bound registers / shared memory
+        return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
+    return 32 if head_dim >= 128 else 64
+
+
+def _decode_launch_options(batch: int, num_kv_heads: int, head_dim: int) -> dict:
+    warps = DECODE_NUM_WARPS
+    if warps is None and head_dim >= 128 and batch * num_kv_heads >= DECODE_WARPS_2_FROM_PROGRAMS:
+        warps = 2
+    return {k: v for k, v in (("num_warps", warps), ("num_stages", DECODE_NUM_STAGES)) if v is not None}
 
 
 def _next_pow2(x: int) -> int:
@@ -360,17 +377,12 @@ def _min_split(block_n: int) -> int:
     return cdiv(DECODE_MIN_SPLIT_TOKENS, block_n) * block_n
 
 
-def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int = DECODE_BLOCK_N) -> int:
+def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int) -> int:
     """Static split count: enough splits to fill the GPU, no more than a full table has minimum-length
     splits."""
     by_length = cdiv(max_kv, _min_split(block_n))
     by_occupancy = cdiv(DECODE_TARGET_PROGRAMS, max(batch * num_kv_heads, 1))
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
-
-
-def _decode_block_n(head_dim: int) -> int:
-    # wide heads get a shorter tile to bound registers / shared memory
-    return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
 
 
 def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int]:
@@ -403,7 +415,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
         max_kv,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **_decode_launch_options(),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **_decode_launch_options(bs, hkv, d),
     )
     if num_splits == 1:
         return

@@ -178,6 +178,31 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
     assert len(launched) == (0 if splits == 1 else 1)
 
 
+def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
+    """head_dim 128 (swept on the H200) gets 32-key tiles and, from 256 (request, KV head) programs,
+    2 warps; head_dim 64 (not swept) keeps 64-key tiles and Triton's defaults; the module knobs
+    override both."""
+    assert [ta._decode_block_n(d) for d in (64, 128, 256)] == [64, 32, 32]
+    assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 2}
+    assert ta._decode_launch_options(31, 8, 128) == {}
+    assert ta._decode_launch_options(64, 8, 64) == {}
+    monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
+    monkeypatch.setattr(ta, "DECODE_NUM_WARPS", 8)
+    monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 2)
+    assert [ta._decode_block_n(d) for d in (64, 128)] == [16, 16]
+    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 2}
+
+
+def test_decode_head_dim_128_past_the_two_warp_threshold_matches_torch(device):
+    """The default head_dim-128 launch of a large batch (32-key tiles, the 2-warp options) against the
+    oracle; the interpreter ignores warps, the GPU twin of this test does not."""
+    kv_lens = [int(x) for x in torch.randint(1, 70, (33,), generator=torch.Generator().manual_seed(7))]
+    assert ta._decode_launch_options(len(kv_lens), 8, 128) == {"num_warps": 2}
+    batch = _batch([1] * len(kv_lens), kv_lens, device, page_size=16, num_kv_heads=8, group=1, head_dim=128,
+                   seed=13, pad_rows=1)
+    _compare(batch, decode=True)
+
+
 def test_decode_float16_matches_torch(device, many_splits):
     batch = _batch([1] * 3, [2, 40, 17], device, page_size=16, dtype=torch.float16, seed=10, pad_rows=1)
     _compare(batch, decode=True, atol=2e-3, rtol=2e-3)
@@ -371,6 +396,19 @@ def test_gpu_decode_matches_torch(dtype, head_dim, page_size):
     kv_lens = [1, 17, 256, 1023, 2000, 1999, 64, 700]
     batch = _batch([1] * len(kv_lens), kv_lens, "cuda", page_size=page_size, num_kv_heads=8, group=4,
                    head_dim=head_dim, dtype=dtype, seed=head_dim * page_size, pad_rows=3)
+    out = _compare(batch, decode=True, **_GPU_TOL[dtype])
+    assert torch.equal(out[len(kv_lens):], torch.zeros_like(out[len(kv_lens):]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_decode_with_two_warp_launches_matches_torch(dtype):
+    """36 requests x 8 KV heads: past DECODE_WARPS_2_FROM_PROGRAMS, so head_dim 128 launches the split
+    kernel with 2 warps and 32-key tiles (the bench's bs=32/64 llama-8b geometry)."""
+    kv_lens = [int(x) for x in torch.randint(1, 900, (36,), generator=torch.Generator().manual_seed(41))]
+    assert ta._decode_launch_options(len(kv_lens), 8, 128) == {"num_warps": 2}
+    batch = _batch([1] * len(kv_lens), kv_lens, "cuda", page_size=16, num_kv_heads=8, group=4, head_dim=128,
+                   dtype=dtype, seed=42, pad_rows=2)
     out = _compare(batch, decode=True, **_GPU_TOL[dtype])
     assert torch.equal(out[len(kv_lens):], torch.zeros_like(out[len(kv_lens):]))
 
