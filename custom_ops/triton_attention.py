@@ -57,19 +57,27 @@ DECODE_MAX_SPLITS = 32
 DECODE_BLOCK_N: int | None = None
 DECODE_NUM_WARPS: int | None = None
 DECODE_NUM_STAGES: int | None = None
-# From scripts/decode_attn_sweep.py on the H200 (llama-8b's decode shape: 32 query / 8 KV heads of 128,
-# 576-token contexts in a 2064-position table; bench/results/llama-8b-cc681f9/): 32-key tiles beat 64
-# at bs 8, 32 and 64 (split + combine per layer 14.0 -> 12.0, 30.2 -> 27.9, 46.3 -> 43.8 us), and with
-# 256 or more (request, KV head) programs 2 warps beat 4 (more programs resident per SM for the long
-# per-split loops; with fewer programs the splits are short and 4 warps win). head_dim 64 (llama-1b)
-# was not swept and keeps the 64-key tile and Triton's defaults it was measured with.
+# From the H200 (llama-8b's decode shape: 32 query / 8 KV heads of 128, 576-token contexts in a
+# 2064-position table; bench/results/llama-8b-0d6d148/README.md): scripts/decode_attn_sweep.py found
+# 32-key tiles faster than 64 at bs 8, 32 and 64 (split + combine per layer 14.0 -> 12.0, 30.2 -> 27.9,
+# 46.3 -> 43.8 us), and with 256 or more (request, KV head) programs 2 warps faster than 4 (more
+# programs resident per SM for the long per-split loops; with fewer the splits are short and 4 warps
+# win). In the bench's kernel tables the split kernel per step went 357 -> 295 us at bs=8, 812 -> 729
+# at 32 and 1397 -> 1307 at 64, but 153 -> 170 at bs=1 (8 programs, two-tile splits): below 64
+# programs the 64-key tile stays. head_dim 64 (llama-1b) was not swept and keeps the 64-key tile and
+# Triton's defaults it was measured with; head_dim 256 always takes 32 (registers, shared memory).
+DECODE_SHORT_TILE_FROM_PROGRAMS = 64
 DECODE_WARPS_2_FROM_PROGRAMS = 256
 
 
-def _decode_block_n(head_dim: int) -> int:
-    if DECODE_BLOCK_N is not None:  # wide heads get a shorter tile to bound registers / shared memory
+def _decode_block_n(head_dim: int, programs: int) -> int:
+    """Keys per tile for ``programs`` = batch x KV heads (static shapes only: a captured graph's
+    launch never changes)."""
+    if DECODE_BLOCK_N is not None:
         return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
-    return 32 if head_dim >= 128 else 64
+    if head_dim >= 256 or (head_dim >= 128 and programs >= DECODE_SHORT_TILE_FROM_PROGRAMS):
+        return 32
+    return 64
 
 
 def _decode_launch_options(batch: int, num_kv_heads: int, head_dim: int) -> dict:
@@ -391,7 +399,7 @@ def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int
     bs, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     max_kv = page_table.shape[1] * page_size
-    block_n = _decode_block_n(d)
+    block_n = _decode_block_n(d, bs * hkv)
     return page_size, hkv, hq // hkv, max_kv, block_n, decode_num_splits(max_kv, bs, hkv, block_n)
 
 

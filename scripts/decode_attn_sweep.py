@@ -119,7 +119,7 @@ def run_setting(setting: dict, layers: list, want: torch.Tensor, scale: float, d
         first = layers[0]
         bs, hq, d = first["q"].shape
         row["splits"] = ta.decode_num_splits(first["page_table"].shape[1] * first["k_cache"].shape[1], bs,
-                                             first["k_cache"].shape[2], ta._decode_block_n(d))
+                                             first["k_cache"].shape[2], ta._decode_block_n(d, bs * first["k_cache"].shape[2]))
         outs = [torch.full_like(layer["q"], float("nan")) for layer in layers]
         for layer, out in zip(layers, outs):
             layer["out"] = out

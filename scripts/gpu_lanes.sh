@@ -54,6 +54,11 @@ elif [ "${BENCH_RESUME:-0}" = 1 ]; then
   # a resumed job recompiles from the caches its cut-short run left on this (still warm) machine
   export TORCHINDUCTOR_CACHE_DIR=$PWD/.live_cache/inductor TRITON_CACHE_DIR=$PWD/.live_cache/triton
 fi
+# Runs of an earlier lease to resume from travel as carry=[".bench_seed"] (their JSON copied in,
+# named as .bench_live/ names them). Never carry .bench_live itself: a carried path replaces the
+# device's copy, so the rows an earlier call of the same warm machine left there would be lost
+# (it happened: a cut eager run was measured again from its first row).
+if [ -d .bench_seed ]; then mkdir -p .bench_live && cp -n .bench_seed/*.json .bench_live/ 2>/dev/null; fi
 
 tests_for() {
   case $1 in

@@ -172,24 +172,25 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
     monkeypatch.setattr(ta, "_decode_combine_kernel", Watch())
     batch = _batch([1, 1], [9, 40], device, page_size=16, seed=21, pad_rows=1)
     bs, _, d = batch["q"].shape
-    splits = ta.decode_num_splits(batch["page_table"].shape[1] * 16, bs, batch["k"].shape[1], ta._decode_block_n(d))
+    splits = ta.decode_num_splits(batch["page_table"].shape[1] * 16, bs, batch["k"].shape[1], ta._decode_block_n(d, bs * batch["k"].shape[1]))
     assert (splits == 1) == (split == "one_split")
     _compare(batch, decode=True)
     assert len(launched) == (0 if splits == 1 else 1)
 
 
 def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
-    """head_dim 128 (swept on the H200) gets 32-key tiles and, from 256 (request, KV head) programs,
-    2 warps; head_dim 64 (not swept) keeps 64-key tiles and Triton's defaults; the module knobs
-    override both."""
-    assert [ta._decode_block_n(d) for d in (64, 128, 256)] == [64, 32, 32]
+    """head_dim 128 (measured on the H200) gets 32-key tiles from 64 (request, KV head) programs and
+    2 warps from 256; head_dim 64 (not swept) keeps 64-key tiles and Triton's defaults; the module
+    knobs override both."""
+    assert [ta._decode_block_n(d, 64) for d in (64, 128, 256)] == [64, 32, 32]
+    assert [ta._decode_block_n(d, 63) for d in (64, 128, 256)] == [64, 64, 32]  # bs=1 of 8 KV heads: 64
     assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 2}
     assert ta._decode_launch_options(31, 8, 128) == {}
     assert ta._decode_launch_options(64, 8, 64) == {}
     monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
     monkeypatch.setattr(ta, "DECODE_NUM_WARPS", 8)
     monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 2)
-    assert [ta._decode_block_n(d) for d in (64, 128)] == [16, 16]
+    assert [ta._decode_block_n(d, 8) for d in (64, 128)] == [16, 16]
     assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 2}
 
 
