@@ -194,12 +194,16 @@ def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 2}
 
 
-def test_decode_head_dim_128_past_the_two_warp_threshold_matches_torch(device):
-    """The default head_dim-128 launch of a large batch (32-key tiles, the 2-warp options) against the
-    oracle; the interpreter ignores warps, the GPU twin of this test does not."""
-    kv_lens = [int(x) for x in torch.randint(1, 70, (33,), generator=torch.Generator().manual_seed(7))]
+def test_decode_head_dim_128_past_the_two_warp_threshold_matches_torch(device, monkeypatch):
+    """The default head_dim-128 launch past both thresholds (32-key tiles, the 2-warp options) against
+    the oracle; the thresholds are lowered so the interpreter runs 40 programs, not 256 (it ignores
+    warps; the GPU twin of this test runs the real thresholds)."""
+    monkeypatch.setattr(ta, "DECODE_WARPS_2_FROM_PROGRAMS", 40)
+    monkeypatch.setattr(ta, "DECODE_SHORT_TILE_FROM_PROGRAMS", 40)
+    kv_lens = [3, 32, 17, 70, 1]
     assert ta._decode_launch_options(len(kv_lens), 8, 128) == {"num_warps": 2}
-    batch = _batch([1] * len(kv_lens), kv_lens, device, page_size=16, num_kv_heads=8, group=1, head_dim=128,
+    assert ta._decode_block_n(128, len(kv_lens) * 8) == 32
+    batch = _batch([1] * len(kv_lens), kv_lens, device, page_size=16, num_kv_heads=8, group=2, head_dim=128,
                    seed=13, pad_rows=1)
     _compare(batch, decode=True)
 
