@@ -12,7 +12,9 @@
 #                  for others), 5 iterations,
 #                  kernel tables -> $OUT/bench_M_MODES.{json,md}
 #                  BENCH_RESUME=1: rows an earlier call of the same warm machine measured (kept in .bench_live/)
-#                  are skipped, the rest written as ..._rN files (merge them with bench --merge)
+#                  are skipped, the rest written as ..._rN files (merge them with bench --merge); runs
+#                  of an earlier lease: copy their JSON into .bench_seed/ under .bench_live/'s names
+#                  and carry .bench_seed (never .bench_live: a carried path replaces the device's copy)
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
