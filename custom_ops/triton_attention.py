@@ -64,8 +64,9 @@ DECODE_NUM_STAGES: int | None = None
 # programs resident per SM for the long per-split loops; with fewer the splits are short and 4 warps
 # win). In the bench's kernel tables the split kernel per step went 357 -> 295 us at bs=8, 812 -> 729
 # at 32 and 1397 -> 1307 at 64, but 153 -> 170 at bs=1 (8 programs, two-tile splits): below 64
-# programs the 64-key tile stays. head_dim 64 (llama-1b) was not swept and keeps the 64-key tile and
-# Triton's defaults it was measured with; head_dim 256 always takes 32 (registers, shared memory).
+# programs the 64-key tile stays. Only head_dim 128 was swept: other head dims keep the 64-key tile
+# and Triton's defaults they were measured with (head_dim 256 always takes 32: registers, shared
+# memory). The fused kernel launches with the same options, so both paths reduce alike.
 DECODE_SHORT_TILE_FROM_PROGRAMS = 64
 DECODE_WARPS_2_FROM_PROGRAMS = 256
 
@@ -75,14 +76,14 @@ def _decode_block_n(head_dim: int, programs: int) -> int:
     launch never changes)."""
     if DECODE_BLOCK_N is not None:
         return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
-    if head_dim >= 256 or (head_dim >= 128 and programs >= DECODE_SHORT_TILE_FROM_PROGRAMS):
+    if head_dim >= 256 or (head_dim == 128 and programs >= DECODE_SHORT_TILE_FROM_PROGRAMS):
         return 32
     return 64
 
 
 def _decode_launch_options(batch: int, num_kv_heads: int, head_dim: int) -> dict:
     warps = DECODE_NUM_WARPS
-    if warps is None and head_dim >= 128 and batch * num_kv_heads >= DECODE_WARPS_2_FROM_PROGRAMS:
+    if warps is None and head_dim == 128 and batch * num_kv_heads >= DECODE_WARPS_2_FROM_PROGRAMS:
         warps = 2
     return {k: v for k, v in (("num_warps", warps), ("num_stages", DECODE_NUM_STAGES)) if v is not None}
 
@@ -597,7 +598,7 @@ def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)),
         MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **_decode_launch_options(bs, hkv, d),
     )
 
 

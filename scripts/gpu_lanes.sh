@@ -13,8 +13,8 @@
 #                  kernel tables -> $OUT/bench_M_MODES.{json,md}
 #                  BENCH_RESUME=1: rows an earlier call of the same warm machine measured (kept in .bench_live/)
 #                  are skipped, the rest written as ..._rN files (merge them with bench --merge); runs
-#                  of an earlier lease: copy their JSON into .bench_seed/ under .bench_live/'s names
-#                  and carry .bench_seed (never .bench_live: a carried path replaces the device's copy)
+#                  of an earlier lease: put their JSON in .bench_seed/ under .bench_live/'s names and
+#                  carry .bench_seed (never .bench_live: a carried path replaces the device's copy)
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
@@ -56,11 +56,10 @@ elif [ "${BENCH_RESUME:-0}" = 1 ]; then
   # a resumed job recompiles from the caches its cut-short run left on this (still warm) machine
   export TORCHINDUCTOR_CACHE_DIR=$PWD/.live_cache/inductor TRITON_CACHE_DIR=$PWD/.live_cache/triton
 fi
-# Runs of an earlier lease to resume from travel as carry=[".bench_seed"] (their JSON copied in,
-# named as .bench_live/ names them). Never carry .bench_live itself: a carried path replaces the
-# device's copy, so the rows an earlier call of the same warm machine left there would be lost
-# (it happened: a cut eager run was measured again from its first row).
-if [ -d .bench_seed ]; then mkdir -p .bench_live && cp -n .bench_seed/*.json .bench_live/ 2>/dev/null; fi
+# Runs of an earlier lease to resume from travel as carry=[".bench_seed"] (JSON named as .bench_live/
+# names them; a bench job reads both folders). Never carry .bench_live itself: a carried path
+# replaces the device's copy, so the rows an earlier call of the same warm machine left there would
+# be lost (it happened: a cut eager run was measured again from its first row).
 
 tests_for() {
   case $1 in
@@ -95,9 +94,10 @@ run_job() {  # lane job
   case $job in
     env:*=*)  # env:VAR=VALUE exports VAR for the lane's later jobs (e.g. env:TSCOMPILE_FUSED_DECODE=1)
       # (the lists BENCH_BS and BENCH_PREFILL_LENS take commas for spaces: env:BENCH_PREFILL_LENS=32,2048)
-      local pair=${job#env:}; local var=${pair%%=*} val=${pair#*=}
-      case $var in BENCH_BS|BENCH_PREFILL_LENS) val=${val//,/ } ;; esac
-      export "$var=$val"; echo "exported $var=$val"; return ;;
+      # (locals named so that no job's variable can be one of them: export would set the local)
+      local _env_pair=${job#env:}; local _env_var=${_env_pair%%=*} _env_val=${_env_pair#*=}
+      case $_env_var in BENCH_BS|BENCH_PREFILL_LENS) _env_val=${_env_val//,/ } ;; esac
+      export "$_env_var=$_env_val"; echo "exported $_env_var=$_env_val"; return ;;
     compare)
       OUT=/tmp/compare SKIP_INSTALL=1 GPU_CACHE_IN= GPU_CACHE_OUT=0 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
         bash scripts/gpu_check.sh compare > /tmp/compare.out 2>&1
@@ -130,11 +130,15 @@ run_job() {  # lane job
       if [ "${BENCH_RESUME:-0}" = 1 ]; then
         # a job an earlier call of this warm machine cut short measures only its missing rows
         # (its runs are kept in .bench_live/, which the device keeps between calls as an ignored folder)
-        mkdir -p .bench_live; local prev=(.bench_live/${file}.json .bench_live/${file}_r*.json); local runs=()
-        for f in "${prev[@]}"; do [ -f "$f" ] && runs+=("$f"); done
+        mkdir -p .bench_live; local runs=() f n=1
+        for f in .bench_seed/${file}.json .bench_seed/${file}_r*.json .bench_live/${file}.json .bench_live/${file}_r*.json; do
+          [ -f "$f" ] && runs+=("$f"); done
         skip=$(python3 scripts/bench_resume.py --modes ${modes//,/ } --batch-size $bs --prefill-lens $lens --runs "${runs[@]}")
         [ "$skip" = DONE ] && { echo "== $job: every row measured in ${runs[*]}"; return; }
-        [ ${#runs[@]} -gt 0 ] && { file=${file}_r$((${#runs[@]} + 1)); echo "== resumed as $file: $skip"; }
+        if [ ${#runs[@]} -gt 0 ]; then  # the next _rN no run in either folder has
+          while [ -f .bench_live/${file}_r$n.json ] || [ -f .bench_seed/${file}_r$n.json ] || [ $n = 1 ]; do n=$((n + 1)); done
+          file=${file}_r$n; echo "== resumed as $file: $skip"
+        fi
       fi
       # the tscompile modes' compile options as one JSON argument (spaces allowed)
       timeout $left tscompile bench --model $model --modes ${modes//,/ } --batch-size $bs --input-len 512 \

@@ -279,3 +279,17 @@ def random_scheduled_batch(rng, specs, *, max_blocks: int, sampling, max_generat
             r.group_lens = [r.num_computed] + [int(rng.integers(1, 6))] * (len(specs) - 1)
             decodes.append(r)
     return ScheduledBatch(extends, decodes), tables
+
+
+class LaunchSpy:
+    """Stands in for a ``@triton.jit`` kernel: ``spy[grid](*args, **kwargs)`` records the grid and the
+    keyword arguments (constexprs, num_warps, ...) and launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({"grid": grid, **kwargs})
+            return self.kernel[grid](*args, **kwargs)
+        return launch

@@ -67,7 +67,7 @@ def test_a_compiled_engine_gives_the_same_tokens_with_one_rotation(monkeypatch):
         monkeypatch.setattr(llama, "ROPE_QK_TOGETHER", together)
         llm = small_llm(enforce_eager=not together, dtype=torch.float32)
         got[together] = ids(llm.generate(prompts, params))
-        rotations[together] = sorted(set(calls))  # head counts rotated, traced into the compiled graphs
+        rotations[together] = sorted(set(calls))  # head counts rotated (together: traced into the compiled graphs)
     cfg = build_config("llama-tiny")
     assert rotations == {False: sorted({cfg.n_heads, cfg.n_kv_heads}), True: [cfg.n_heads + cfg.n_kv_heads]}
     assert got[True] == got[False] and all(len(t) == 6 for t in got[True])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tscompile
-from helpers import dense_reference, random_paged_batch, run_attention, ids
+from helpers import LaunchSpy, dense_reference, random_paged_batch, run_attention, ids
 from tscompile.attention import leaf_class
 from tscompile.attention.triton_backend import TritonAttentionBackend
 from tscompile.custom_ops import triton_attention as ta
@@ -180,13 +180,14 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
 
 def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     """head_dim 128 (measured on the H200) gets 32-key tiles from 64 (request, KV head) programs and
-    2 warps from 256; head_dim 64 (not swept) keeps 64-key tiles and Triton's defaults; the module
-    knobs override both."""
+    2 warps from 256; head_dim 64 (not swept) keeps 64-key tiles and Triton's defaults, 256 its
+    32-key tile and Triton's defaults; the module knobs override both."""
     assert [ta._decode_block_n(d, 64) for d in (64, 128, 256)] == [64, 32, 32]
     assert [ta._decode_block_n(d, 63) for d in (64, 128, 256)] == [64, 64, 32]  # bs=1 of 8 KV heads: 64
     assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 2}
     assert ta._decode_launch_options(31, 8, 128) == {}
     assert ta._decode_launch_options(64, 8, 64) == {}
+    assert ta._decode_launch_options(64, 8, 256) == {}  # only head_dim 128 was measured with 2 warps
     monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
     monkeypatch.setattr(ta, "DECODE_NUM_WARPS", 8)
     monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 2)
@@ -195,17 +196,18 @@ def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
 
 
 def test_decode_head_dim_128_past_the_two_warp_threshold_matches_torch(device, monkeypatch):
-    """The default head_dim-128 launch past both thresholds (32-key tiles, the 2-warp options) against
-    the oracle; the thresholds are lowered so the interpreter runs 40 programs, not 256 (it ignores
-    warps; the GPU twin of this test runs the real thresholds)."""
-    monkeypatch.setattr(ta, "DECODE_WARPS_2_FROM_PROGRAMS", 40)
-    monkeypatch.setattr(ta, "DECODE_SHORT_TILE_FROM_PROGRAMS", 40)
-    kv_lens = [3, 32, 17, 70, 1]
-    assert ta._decode_launch_options(len(kv_lens), 8, 128) == {"num_warps": 2}
-    assert ta._decode_block_n(128, len(kv_lens) * 8) == 32
-    batch = _batch([1] * len(kv_lens), kv_lens, device, page_size=16, num_kv_heads=8, group=2, head_dim=128,
+    """The default head_dim-128 launch past both thresholds against the oracle, and the split kernel
+    launched with 32-key tiles and 2 warps. The thresholds are lowered so the interpreter runs 48
+    (request, KV head) programs, not 256 (it ignores warps; the GPU twin runs the real thresholds)."""
+    monkeypatch.setattr(ta, "DECODE_WARPS_2_FROM_PROGRAMS", 48)
+    monkeypatch.setattr(ta, "DECODE_SHORT_TILE_FROM_PROGRAMS", 48)
+    spy = LaunchSpy(ta._decode_split_kernel)
+    monkeypatch.setattr(ta, "_decode_split_kernel", spy)
+    batch = _batch([1] * 5, [3, 32, 17, 70, 1], device, page_size=16, num_kv_heads=8, group=2, head_dim=128,
                    seed=13, pad_rows=1)
+    assert batch["q"].shape[0] * 8 == 48
     _compare(batch, decode=True)
+    assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(32, 2)]
 
 
 def test_decode_float16_matches_torch(device, many_splits):
@@ -407,15 +409,17 @@ def test_gpu_decode_matches_torch(dtype, head_dim, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_decode_with_two_warp_launches_matches_torch(dtype):
+def test_gpu_decode_with_two_warp_launches_matches_torch(dtype, monkeypatch):
     """36 requests x 8 KV heads: past DECODE_WARPS_2_FROM_PROGRAMS, so head_dim 128 launches the split
     kernel with 2 warps and 32-key tiles (the bench's bs=32/64 llama-8b geometry)."""
+    spy = LaunchSpy(ta._decode_split_kernel)
+    monkeypatch.setattr(ta, "_decode_split_kernel", spy)
     kv_lens = [int(x) for x in torch.randint(1, 900, (36,), generator=torch.Generator().manual_seed(41))]
-    assert ta._decode_launch_options(len(kv_lens), 8, 128) == {"num_warps": 2}
     batch = _batch([1] * len(kv_lens), kv_lens, "cuda", page_size=16, num_kv_heads=8, group=4, head_dim=128,
                    dtype=dtype, seed=42, pad_rows=2)
     out = _compare(batch, decode=True, **_GPU_TOL[dtype])
     assert torch.equal(out[len(kv_lens):], torch.zeros_like(out[len(kv_lens):]))
+    assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(32, 2)]
 
 
 @pytest.mark.gpu

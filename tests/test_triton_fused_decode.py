@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import random_paged_batch
+from helpers import LaunchSpy, random_paged_batch
 from tscompile.attention.triton_backend import TritonAttentionBackend
 from tscompile.custom_ops import triton_attention as ta
 from tscompile.kv_cache.pool import KVCachePool
@@ -277,3 +277,26 @@ def test_fused_decode_equals_unfused_on_gpu(num_kv_heads, group, head_dim, dtype
             assert _same_bits(got[0], want[0]), f"bs {bs}: the fused output differs"
             assert all(_same_bits(g[1:], w[1:]) for g, w in zip(got[1:], want[1:])), f"bs {bs}: caches differ"
             _assert_counters_clear(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("longest", [48, 2000])
+def test_fused_decode_equals_unfused_on_gpu_with_two_warp_launches(dtype, longest, monkeypatch):
+    """33 requests x 8 KV heads of 128: both paths launch with the 2-warp, 32-key geometry (the same
+    launch options, so the same reductions) and still agree bit for bit."""
+    device = torch.device("cuda")
+    split_spy, fused_spy = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_fused_kernel)
+    monkeypatch.setattr(ta, "_decode_split_kernel", split_spy)
+    monkeypatch.setattr(ta, "_decode_fused_kernel", fused_spy)
+    kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (32,),
+                                                          generator=torch.Generator().manual_seed(longest))]
+    batch = _poisoned_batch(kv_lens, 0, device, num_kv_heads=8, group=4, head_dim=128, dtype=dtype, seed=33)
+    assert (_num_splits(batch) > 1) == (longest > 64)
+    want = _run(batch, False, monkeypatch)
+    got = _run(batch, True, monkeypatch)
+    assert _same_bits(got[0], want[0]), "the fused output differs"
+    assert all(_same_bits(g[1:], w[1:]) for g, w in zip(got[1:], want[1:])), "caches differ"
+    _assert_counters_clear(device)
+    geometry = [(x["BLOCK_N"], x.get("num_warps")) for x in split_spy.launches + fused_spy.launches]
+    assert geometry == [(32, 2), (32, 2)]

@@ -24,7 +24,8 @@ from tscompile.forward_context import get_forward_context
 # instead of two in a compiled graph (on llama-8b the dynamic-batch decode graph spent 4.2 + 1.6 us
 # per layer on two RoPE kernels; bench/results/llama-8b-b964437/). The same arithmetic per element,
 # so the same bits; q and k become strided views of the one tensor (every backend takes strides).
-# Opt-in (TSCOMPILE_ROPE_QK_TOGETHER=1, read at import) until a GPU run shows it faster.
+# Opt-in (TSCOMPILE_ROPE_QK_TOGETHER=1, read at import): on the H200 it measured slower, because the
+# attention op then copies q and k out of the strided views (bench/results/llama-8b-0d6d148/).
 ROPE_QK_TOGETHER = os.environ.get("TSCOMPILE_ROPE_QK_TOGETHER", "0") == "1"
 
 # RoPE scaling types and the parameters each needs ("default" is stored as rope_scaling=None)
