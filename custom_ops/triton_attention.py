@@ -394,14 +394,15 @@ def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int) 
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
 
 
-def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int]:
-    """(page size, KV heads, GQA group, max KV positions, keys per tile, splits) of a decode launch:
-    the same for the unfused and the fused path, so both split alike."""
+def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int, dict]:
+    """(page size, KV heads, GQA group, max KV positions, keys per tile, splits, launch options) of a
+    decode launch: one answer for the unfused and the fused path, so both split and reduce alike."""
     bs, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     max_kv = page_table.shape[1] * page_size
     block_n = _decode_block_n(d, bs * hkv)
-    return page_size, hkv, hq // hkv, max_kv, block_n, decode_num_splits(max_kv, bs, hkv, block_n)
+    return (page_size, hkv, hq // hkv, max_kv, block_n, decode_num_splits(max_kv, bs, hkv, block_n),
+            _decode_launch_options(bs, hkv, d))
 
 
 def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
@@ -411,7 +412,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
     bs, hq, d = q.shape
     if bs == 0:
         return
-    page_size, hkv, group, max_kv, block_n, num_splits = _decode_launch(q, k_cache, page_table)
+    page_size, hkv, group, max_kv, block_n, num_splits, options = _decode_launch(q, k_cache, page_table)
     if num_splits > 1:
         part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -424,7 +425,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
         max_kv,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **_decode_launch_options(bs, hkv, d),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **options,
     )
     if num_splits == 1:
         return
@@ -581,7 +582,7 @@ def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc
                              f"{rows} rows, q has {bs}; decode needs one row per request in both")
     if bs == 0:
         return
-    page_size, hkv, group, max_kv, block_n, num_splits = _decode_launch(q, k_cache, page_table)
+    page_size, hkv, group, max_kv, block_n, num_splits, options = _decode_launch(q, k_cache, page_table)
     if num_splits > 1:
         part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -598,7 +599,7 @@ def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)),
         MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **_decode_launch_options(bs, hkv, d),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **options,
     )
 
 

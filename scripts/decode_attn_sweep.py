@@ -117,9 +117,7 @@ def run_setting(setting: dict, layers: list, want: torch.Tensor, scale: float, d
         for k, v in setting.items():
             setattr(ta, k, v)
         first = layers[0]
-        bs, hq, d = first["q"].shape
-        row["splits"] = ta.decode_num_splits(first["page_table"].shape[1] * first["k_cache"].shape[1], bs,
-                                             first["k_cache"].shape[2], ta._decode_block_n(d, bs * first["k_cache"].shape[2]))
+        row["splits"] = ta._decode_launch(first["q"], first["k_cache"], first["page_table"])[5]
         outs = [torch.full_like(layer["q"], float("nan")) for layer in layers]
         for layer, out in zip(layers, outs):
             layer["out"] = out

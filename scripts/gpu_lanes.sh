@@ -81,7 +81,7 @@ tests_for() {
     hostwork) echo "tests/test_gpu_graphs.py tests/test_prefill_startup_capture.py -k whole-triton_or_llama-tiny-whole_or_async_scheduling_or_compiled_graphs_equal_or_bs1_decode_or_padded_rows_write_or_start_up_capture" ;;
     fused) echo "tests/test_triton_fused_decode.py tests/test_prefill_step_ops.py tests/test_triton_extend_fast.py tests/test_host_fast_paths.py" ;;
     session7) echo "tests/test_gpu_graphs.py -k ladder_without_1_or_padded_rows_write_or_compiled_graphs_equal_or_synchronous_steps[triton]_or_triton_equals_torch_on_llama_1b_or_null_page_with_a_poisoned_pool[whole-triton]" ;;
-    session8) echo "tests/test_rope_qk_together.py tests/test_triton_backend.py tests/test_triton_fused_decode.py" ;;
+    session8) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py" ;;
     session9) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py -k two_warp_or_gpu_decode_matches_torch" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;

@@ -161,21 +161,13 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
     split); the combine kernel runs only when there are partials to combine."""
     if split == "many_splits":
         request.getfixturevalue("many_splits")
-    launched = []
-    real = ta._decode_combine_kernel
-
-    class Watch:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(ta, "_decode_combine_kernel", Watch())
+    combine = LaunchSpy(ta._decode_combine_kernel)
+    monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
     batch = _batch([1, 1], [9, 40], device, page_size=16, seed=21, pad_rows=1)
-    bs, _, d = batch["q"].shape
-    splits = ta.decode_num_splits(batch["page_table"].shape[1] * 16, bs, batch["k"].shape[1], ta._decode_block_n(d, bs * batch["k"].shape[1]))
+    splits = ta._decode_launch(batch["q"], batch["k_cache"], batch["page_table"])[5]
     assert (splits == 1) == (split == "one_split")
     _compare(batch, decode=True)
-    assert len(launched) == (0 if splits == 1 else 1)
+    assert len(combine.launches) == (0 if splits == 1 else 1)
 
 
 def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):

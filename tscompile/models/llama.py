@@ -8,7 +8,6 @@ plan lives in the forward context). The KV cache is per-layer module buffers bou
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,14 +18,6 @@ from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.forward_context import get_forward_context
 
-
-# Rotate the query and key heads of a layer as one [rows, Hq + Hkv, D] tensor: one elementwise kernel
-# instead of two in a compiled graph (on llama-8b the dynamic-batch decode graph spent 4.2 + 1.6 us
-# per layer on two RoPE kernels; bench/results/llama-8b-b964437/). The same arithmetic per element,
-# so the same bits; q and k become strided views of the one tensor (every backend takes strides).
-# Opt-in (TSCOMPILE_ROPE_QK_TOGETHER=1, read at import): on the H200 it measured slower, because the
-# attention op then copies q and k out of the strided views (bench/results/llama-8b-0d6d148/).
-ROPE_QK_TOGETHER = os.environ.get("TSCOMPILE_ROPE_QK_TOGETHER", "0") == "1"
 
 # RoPE scaling types and the parameters each needs ("default" is stored as rope_scaling=None)
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
@@ -183,16 +174,11 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         rows = x.shape[0]
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        if ROPE_QK_TOGETHER and not self.qk_norm:
-            qk, v = self.wqkv(x).split([q_size + kv_size, kv_size], dim=-1)
-            qk = apply_rope(qk.view(rows, self.n_heads + self.n_kv_heads, self.head_dim), cos, sin)
-            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
-        else:
-            q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-            q, k = q.view(rows, self.n_heads, self.head_dim), k.view(rows, self.n_kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = q.view(rows, self.n_heads, self.head_dim), k.view(rows, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(rows, self.n_kv_heads, self.head_dim)
         out = torch.empty_like(q)
         ctx.attention.forward(self.layer_id, ctx.attention_mode, q, k, v, self.k_cache, self.v_cache, out, self.scale)
