@@ -429,9 +429,13 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
     )
     if num_splits == 1:
         return
+    # The combine's sums over the splits follow the warp layout; the fused kernel runs them at the
+    # split's warps, so this launch takes the same count to stay bitwise equal to it (in float32 the
+    # 4-warp combine differed from the 2-warp fused one, H200 2026-12-01).
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
+        **{k: v for k, v in options.items() if k == "num_warps"},
     )
 
 

@@ -188,18 +188,24 @@ def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
 
 
 def test_decode_head_dim_128_past_the_two_warp_threshold_matches_torch(device, monkeypatch):
-    """The default head_dim-128 launch past both thresholds against the oracle, and the split kernel
-    launched with 32-key tiles and 2 warps. The thresholds are lowered so the interpreter runs 48
-    (request, KV head) programs, not 256 (it ignores warps; the GPU twin runs the real thresholds)."""
+    """The default head_dim-128 launch past both thresholds against the oracle: the split kernel
+    launched with 32-key tiles and 2 warps, and the combine with the same 2 warps (its sums over the
+    splits follow the warp layout, and the fused kernel runs them at the split's warps). The
+    thresholds are lowered so the interpreter runs 48 (request, KV head) programs, not 256 (it
+    ignores warps; the GPU twin runs the real thresholds)."""
     monkeypatch.setattr(ta, "DECODE_WARPS_2_FROM_PROGRAMS", 48)
     monkeypatch.setattr(ta, "DECODE_SHORT_TILE_FROM_PROGRAMS", 48)
-    spy = LaunchSpy(ta._decode_split_kernel)
+    monkeypatch.setattr(ta, "DECODE_MIN_SPLIT_TOKENS", 32)  # several splits, so the combine runs
+    spy, combine = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_combine_kernel)
     monkeypatch.setattr(ta, "_decode_split_kernel", spy)
+    monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
     batch = _batch([1] * 5, [3, 32, 17, 70, 1], device, page_size=16, num_kv_heads=8, group=2, head_dim=128,
                    seed=13, pad_rows=1)
     assert batch["q"].shape[0] * 8 == 48
     _compare(batch, decode=True)
     assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(32, 2)]
+    assert spy.launches[0]["NUM_SPLITS"] > 1
+    assert [x.get("num_warps") for x in combine.launches] == [2]
 
 
 def test_decode_float16_matches_torch(device, many_splits):
@@ -404,14 +410,16 @@ def test_gpu_decode_matches_torch(dtype, head_dim, page_size):
 def test_gpu_decode_with_two_warp_launches_matches_torch(dtype, monkeypatch):
     """36 requests x 8 KV heads: past DECODE_WARPS_2_FROM_PROGRAMS, so head_dim 128 launches the split
     kernel with 2 warps and 32-key tiles (the bench's bs=32/64 llama-8b geometry)."""
-    spy = LaunchSpy(ta._decode_split_kernel)
+    spy, combine = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_combine_kernel)
     monkeypatch.setattr(ta, "_decode_split_kernel", spy)
+    monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
     kv_lens = [int(x) for x in torch.randint(1, 900, (36,), generator=torch.Generator().manual_seed(41))]
     batch = _batch([1] * len(kv_lens), kv_lens, "cuda", page_size=16, num_kv_heads=8, group=4, head_dim=128,
                    dtype=dtype, seed=42, pad_rows=2)
     out = _compare(batch, decode=True, **_GPU_TOL[dtype])
     assert torch.equal(out[len(kv_lens):], torch.zeros_like(out[len(kv_lens):]))
     assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(32, 2)]
+    assert [x.get("num_warps") for x in combine.launches] == [2]
 
 
 @pytest.mark.gpu

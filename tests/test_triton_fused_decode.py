@@ -283,11 +283,14 @@ def test_fused_decode_equals_unfused_on_gpu(num_kv_heads, group, head_dim, dtype
 @pytest.mark.parametrize("longest", [48, 2000])
 def test_fused_decode_equals_unfused_on_gpu_with_two_warp_launches(dtype, longest, monkeypatch):
     """33 requests x 8 KV heads of 128: both paths launch with the 2-warp, 32-key geometry (the same
-    launch options, so the same reductions) and still agree bit for bit."""
+    launch options, so the same reductions; the combine kernel too) and still agree bit for bit.
+    (Before the combine took the split's warps, float32 at 2000 positions differed on the H200.)"""
     device = torch.device("cuda")
     split_spy, fused_spy = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_fused_kernel)
+    combine_spy = LaunchSpy(ta._decode_combine_kernel)
     monkeypatch.setattr(ta, "_decode_split_kernel", split_spy)
     monkeypatch.setattr(ta, "_decode_fused_kernel", fused_spy)
+    monkeypatch.setattr(ta, "_decode_combine_kernel", combine_spy)
     kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (32,),
                                                           generator=torch.Generator().manual_seed(longest))]
     batch = _poisoned_batch(kv_lens, 0, device, num_kv_heads=8, group=4, head_dim=128, dtype=dtype, seed=33)
@@ -299,3 +302,4 @@ def test_fused_decode_equals_unfused_on_gpu_with_two_warp_launches(dtype, longes
     _assert_counters_clear(device)
     geometry = [(x["BLOCK_N"], x.get("num_warps")) for x in split_spy.launches + fused_spy.launches]
     assert geometry == [(32, 2), (32, 2)]
+    assert [x.get("num_warps") for x in combine_spy.launches] == ([2] if longest > 64 else [])
