@@ -4,7 +4,8 @@ Three kernels (plus a split combiner), all launched with grids that depend only 
 and none of them reads a tensor value on the host. That makes every path CUDA-graph safe: the
 same launches replay correctly whatever ``seq_lens`` / ``qo_indptr`` / ``page_table`` hold.
 Decode runs the KV write, the splits and their combine as three launches; ``FUSED_DECODE = True``
-runs them as one kernel (``fused_decode``) with bitwise-identical results, measured slower (below).
+runs them as one kernel (``fused_decode``) with bitwise-identical results (GPU-tested at 4 warps; at
+2 warps since the combine takes the split's warps, not yet on the GPU), measured slower (below).
 
 Layout (the op contract, see ``custom_ops/attention.py``):
     q:          [T, Hq, D]             float32 / bfloat16 / float16, any strides
@@ -51,7 +52,8 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 DECODE_MIN_SPLIT_TOKENS = 64  # no split shorter than this (a whole number of tiles)
 DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
 DECODE_MAX_SPLITS = 32
-# Keys per tile (split lengths are whole tiles) and the split kernel's warps / pipeline stages. None:
+# Keys per tile (split lengths are whole tiles) and the split kernel's warps / pipeline stages (the
+# warps are the combine kernel's too, so its sums match the fused kernel's). None:
 # the measured choice per shape (``_decode_block_n``, ``_decode_launch_options``); a number overrides
 # it for every shape (tests shrink the tile; scripts/decode_attn_sweep.py times other settings).
 DECODE_BLOCK_N: int | None = None

@@ -409,7 +409,8 @@ def test_gpu_decode_matches_torch(dtype, head_dim, page_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_decode_with_two_warp_launches_matches_torch(dtype, monkeypatch):
     """36 requests x 8 KV heads: past DECODE_WARPS_2_FROM_PROGRAMS, so head_dim 128 launches the split
-    kernel with 2 warps and 32-key tiles (the bench's bs=32/64 llama-8b geometry)."""
+    kernel with 2 warps and 32-key tiles (the bench's bs=32/64 llama-8b geometry), and the combine
+    kernel with the same 2 warps."""
     spy, combine = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_combine_kernel)
     monkeypatch.setattr(ta, "_decode_split_kernel", spy)
     monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
