@@ -5,14 +5,16 @@
 Why: at llama-8b's shape (32 query / 8 KV heads of 128) one 2048-token prompt's extend attention took
 100.8 us per layer in scripts/extend_sweep.py (341 TFLOP/s, the same launch replayed on the same
 inputs) but 130 us per layer inside the engine's prefill step (264 TFLOP/s, 4158 us over 32 layers;
-bench/results/llama-8b-fdfb5a4/), against a 350 TFLOP/s target. The engine's launch has the same
-grid (token bucket 2048, request bucket 1). This script separates the candidates, each as one CUDA
-graph of --layers launches, the kernel's own time read from torch.profiler:
+bench/results/llama-8b-fdfb5a4/), against a 350 TFLOP/s target. The engine's launch has nearly the
+same grid (token bucket 2048; request bucket 2, the prompt and one empty padded request: 1040
+programs against 1032). This script separates the candidates, each as one CUDA graph of --layers
+launches, the kernel's own time read from torch.profiler:
 
     hot      one layer's inputs replayed --layers times (what extend_sweep.py timed)
     layers   a separate q/k/v and cache per layer (no layer finds the previous one's bytes in L2)
     engine   ``layers`` with the engine's launch: new K/V rows written by the kernel (write_loc),
-             padding rows zeroed, a page table as wide as the engine's (--max-kv positions)
+             padding rows zeroed, a page table as wide as the engine's (--max-kv positions) and the
+             request bucket's empty second request (null table row, length 0, no query rows)
     mlp      ``engine`` with a llama-8b MLP's matmuls (gate/up, SiLU-mul, down) between launches, so
              the kernel runs among the step's other work (L2 contents, clocks) as in the engine
 
@@ -57,7 +59,10 @@ def make_layer(a, gen, device, dtype) -> dict:
     table = torch.zeros(1, a.max_kv // page, dtype=torch.int32, device=device)
     table[0, :pages] = 1 + torch.arange(pages, dtype=torch.int32, device=device)
     pos = torch.arange(t, device=device)
-    return {"q": q.contiguous(), "k": k.contiguous(), "v": v,
+    padded = {"page_table": torch.cat([table, torch.zeros_like(table)]),
+              "seq_lens": torch.tensor([t, 0], dtype=torch.int32, device=device),
+              "qo_indptr": torch.tensor([0, t, t], dtype=torch.int32, device=device)}
+    return {"q": q.contiguous(), "k": k.contiguous(), "v": v, "padded": padded,
             "k_cache": torch.randn(1 + pages, page, hkv, d, generator=gen, device=device).to(dtype),
             "v_cache": torch.randn(1 + pages, page, hkv, d, generator=gen, device=device).to(dtype),
             "page_table": table, "seq_lens": torch.tensor([t], dtype=torch.int32, device=device),
@@ -67,20 +72,22 @@ def make_layer(a, gen, device, dtype) -> dict:
 
 
 def launch(layer: dict, config, engine: bool, scale: float) -> None:
+    meta = layer["padded"] if engine else layer
     te.dense_extend(layer["q"], layer["k"], layer["v"], layer["k_cache"], layer["v_cache"], layer["out"],
-                    layer["page_table"], layer["seq_lens"], layer["qo_indptr"], scale, config=config,
+                    meta["page_table"], meta["seq_lens"], meta["qo_indptr"], scale, config=config,
                     write_loc=layer["write_loc"] if engine else None, zero_padding=engine)
 
 
 def check(layer: dict, config, scale: float, tol: float) -> float:
-    """Max |kernel - float32 oracle| on this layer (the kernel writes the new rows into the cache, so
-    the oracle reads the same keys); raises when above ``tol``."""
+    """Max |kernel - float32 oracle| on this layer, launched as the engine launches it (the kernel
+    writes the new rows into the cache, so the oracle reads the same keys); raises when above ``tol``."""
     layer["out"].fill_(float("nan"))
     launch(layer, config, True, scale)
     f32 = {n: layer[n].float() for n in ("q", "k_cache", "v_cache")}
     want = torch.empty_like(f32["q"])
-    torch_attention._torch_extend(f32["q"], f32["k_cache"], f32["v_cache"], want, layer["page_table"],
-                                  layer["seq_lens"], layer["qo_indptr"], scale)
+    meta = layer["padded"]
+    torch_attention._torch_extend(f32["q"], f32["k_cache"], f32["v_cache"], want, meta["page_table"],
+                                  meta["seq_lens"], meta["qo_indptr"], scale)
     err = (layer["out"].float() - want).abs().max().item()
     if not err <= tol:  # NaN fails too
         raise AssertionError(f"max abs error {err:.3g} against the float32 oracle (tolerance {tol})")
