@@ -284,16 +284,19 @@ def _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS: tl.constexpr, MIN_S
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+    k_ptr, v_ptr, loc_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kcp, stride_kco, stride_kch, stride_kcd,
     stride_vcp, stride_vco, stride_vch, stride_vcd,
     stride_ptb, stride_ptp,
     stride_ot, stride_oh, stride_od,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
     max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
     """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
     of request b over its split s (``_split_range``).
@@ -301,11 +304,22 @@ def _decode_split_kernel(
     Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
     part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split);
     with one split, the output itself (``_store_one_split``: the combine's arithmetic, no combine launch).
+
+    WRITE_KV: first write request b's new K/V row (k, v at ``loc``) as the fused kernel does: the one
+    split whose range holds position kv_len - 1 writes it, then waits for its whole program before
+    its tiles read that slot; no other program reads it.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len, split_len, lo, hi = _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
+    if WRITE_KV:
+        if split == tl.maximum(kv_len - 1, 0) // split_len:
+            _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
+                          stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                          stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch,
+                          stride_vcd, HEAD_DIM, PAGE_SIZE)
+            tl.debug_barrier()
     o, lse = _decode_partial(
         q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, b, kvh, lo, hi, scale_log2,
         stride_qt, stride_qh, stride_qd, stride_kcp, stride_kco, stride_kch, stride_kcd,
@@ -407,11 +421,14 @@ def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int
             _decode_launch_options(bs, hkv, d))
 
 
-def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
+def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=None) -> None:
     """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B].
-    The unfused path: split kernel, then combine kernel (the K/V write is the caller's); with one
-    split, the split kernel alone (it writes ``out`` as the combine would)."""
+    The unfused path: split kernel, then combine kernel; with one split, the split kernel alone (it
+    writes ``out`` as the combine would). The K/V write is the caller's, or, with ``new_kv = (k, v,
+    write_loc)``, the split kernel's (``DECODE_WRITE_IN_SPLIT``)."""
     bs, hq, d = q.shape
+    if new_kv is not None:
+        _check_one_row_per_request(bs, *new_kv)
     if bs == 0:
         return
     page_size, hkv, group, max_kv, block_n, num_splits, options = _decode_launch(q, k_cache, page_table)
@@ -420,14 +437,17 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
         part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
     else:  # the split kernel writes out itself; the partials are never touched
         part_out = part_lse = out
+    k, v, write_loc = new_kv if new_kv is not None else (q, q, seq_lens)  # not read without WRITE_KV
     _decode_split_kernel[(bs, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out, k, v, write_loc,
         scale * 1.4426950408889634,  # scores in log2 units so the kernel can use exp2
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(), *out.stride(),
+        *k.stride(), *v.stride(),
         max_kv,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **options,
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), WRITE_KV=new_kv is not None,
+        **options,
     )
     if num_splits == 1:
         return
@@ -454,6 +474,11 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
 # net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
 FUSED_DECODE = os.environ.get("TSCOMPILE_FUSED_DECODE", "0") == "1"  # env: A/B runs in fresh processes
+# The middle way: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
+# stays a launch of its own, so a layer launches two kernels and no program combines alone. Saves
+# the KV-write launch per layer (40 us per llama-8b step in its kernel tables, 32 launches, plus the
+# gaps between them). Off by default until a GPU bench measures it (unmeasured as of 2026-12-01).
+DECODE_WRITE_IN_SPLIT = os.environ.get("TSCOMPILE_DECODE_WRITE_IN_SPLIT", "0") == "1"
 
 # Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
 # launches (the last program of each pair resets its own). One buffer per device: launches on one
@@ -577,15 +602,19 @@ def _decode_fused_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed")  # the next launch starts from zero
 
 
+def _check_one_row_per_request(bs: int, k, v, write_loc) -> None:
+    for name, rows in (("k", k.shape[0]), ("v", v.shape[0]), ("write_loc", write_loc.shape[0])):
+        if rows != bs:
+            raise ValueError(f"tscompile: a triton decode that writes the new K/V rows in its attention kernel "
+                             f"needs one row per request: {name} has {rows} rows, q has {bs}")
+
+
 def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc, scale) -> None:
     """``write_kv`` + ``paged_decode`` in one launch. q, out: [B, Hq, D]; k, v: [B, Hkv, D];
     write_loc [B]; page_table [B, max_pages]; seq_lens [B]. Same split count, outputs and cache
     contents as the unfused path."""
     bs, hq, d = q.shape
-    for name, rows in (("k", k.shape[0]), ("v", v.shape[0]), ("write_loc", write_loc.shape[0])):
-        if rows != bs:
-            raise ValueError(f"tscompile: the fused triton decode writes one new K/V row per request: {name} has "
-                             f"{rows} rows, q has {bs}; decode needs one row per request in both")
+    _check_one_row_per_request(bs, k, v, write_loc)
     if bs == 0:
         return
     page_size, hkv, group, max_kv, block_n, num_splits, options = _decode_launch(q, k_cache, page_table)
@@ -808,6 +837,8 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     _check_inputs(q, k, v, k_cache, v_cache, out)
     if decode and FUSED_DECODE:
         fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc, scale)
+    elif decode and DECODE_WRITE_IN_SPLIT:
+        paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc))
     elif decode:
         write_kv(k, v, k_cache, v_cache, write_loc)
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)

@@ -83,6 +83,7 @@ tests_for() {
     session7) echo "tests/test_gpu_graphs.py -k ladder_without_1_or_padded_rows_write_or_compiled_graphs_equal_or_synchronous_steps[triton]_or_triton_equals_torch_on_llama_1b_or_null_page_with_a_poisoned_pool[whole-triton]" ;;
     session8) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py" ;;
     session9) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py -k two_warp_or_gpu_decode_matches_torch" ;;
+    session10) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py -k two_warp_or_gpu_decode_matches_torch_or_write_in_split" ;;
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
   esac

@@ -1,4 +1,5 @@
-"""The fused Triton decode (KV write + split-KV + combine in one launch) against the three-launch path.
+"""The fused Triton decode (KV write + split-KV + combine in one launch), and the split kernel that
+writes the new K/V rows itself (``DECODE_WRITE_IN_SPLIT``: two launches), against the three-launch path.
 
 Both paths must agree bit for bit: the output and the whole K/V caches, NaN payloads included (the
 caches are poisoned around the live prefix, the new rows' slots too, so a program that read a slot
@@ -155,6 +156,63 @@ def test_fused_decode_refuses_rows_that_do_not_match_the_queries(device):
     with pytest.raises(ValueError, match=r"^tscompile: .*k has 1 rows, q has 2"):
         ta.fused_decode(batch["q"], batch["k"][:1], batch["v"], batch["k_cache"], batch["v_cache"], out,
                         batch["page_table"], batch["seq_lens"], batch["write_loc"], SCALE)
+
+
+# -- the K/V write inside the split kernel (DECODE_WRITE_IN_SPLIT) -------------------------------------
+
+
+def _run_write_in_split(batch, monkeypatch):
+    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", True)
+    try:
+        return _run(batch, False, monkeypatch)
+    finally:
+        monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", False)
+
+
+def _assert_write_in_split_equals_three_kernels(batch, monkeypatch):
+    want = _run(batch, False, monkeypatch)
+    writes, split = LaunchSpy(ta._kv_write_kernel), LaunchSpy(ta._decode_split_kernel)
+    monkeypatch.setattr(ta, "_kv_write_kernel", writes)
+    monkeypatch.setattr(ta, "_decode_split_kernel", split)
+    got = _run_write_in_split(batch, monkeypatch)
+    assert not want[0].isnan().any()
+    assert _same_bits(got[0], want[0]), "the output differs from the three-kernel path"
+    # page 0 is the null page every padded row writes: which of them lands last is the kernels' race
+    for name, g, w in zip(("k_cache", "v_cache"), got[1:], want[1:]):
+        assert _same_bits(g[1:], w[1:]), f"{name} differs from the three-kernel path"
+    assert writes.launches == [] and [x["WRITE_KV"] for x in split.launches] == [True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_in_split_equals_the_three_kernel_path(dtype, splits, device, monkeypatch):
+    """Nine rows, three of them padding (seq_len 0, slot 0): the same output and caches bit for bit
+    (NaN-poisoned slots past each prefix, so a read before the write shows), and no K/V-write launch."""
+    batch = _poisoned_batch([130, 1, 17, 64, 33, 2], 3, device, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
+                            seed=71)
+    assert (_num_splits(batch) > 1) == (splits == "many_splits")
+    _assert_write_in_split_equals_three_kernels(batch, monkeypatch)
+
+
+def test_write_in_split_refuses_rows_that_do_not_match_the_queries(device):
+    batch = _poisoned_batch([3, 4], 0, device, seed=3)
+    out = torch.empty_like(batch["q"])
+    with pytest.raises(ValueError, match=r"^tscompile: .*write_loc has 1 rows, q has 2"):
+        ta.paged_decode(batch["q"], batch["k_cache"], batch["v_cache"], out, batch["page_table"], batch["seq_lens"],
+                        SCALE, new_kv=(batch["k"], batch["v"], batch["write_loc"][:1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bs,longest", [(9, 48), (9, 2000), (33, 2000)])
+def test_write_in_split_equals_the_three_kernel_path_on_gpu(bs, longest, dtype, monkeypatch):
+    """Compiled kernels at the real tile sizes: one split (48), several (2000), and at 33 requests x 8
+    KV heads of 128 the 2-warp, 32-key launch."""
+    kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (bs - 1,),
+                                                          generator=torch.Generator().manual_seed(bs + longest))]
+    batch = _poisoned_batch(kv_lens, 2, torch.device("cuda"), num_kv_heads=8, group=4, head_dim=128, dtype=dtype,
+                            seed=bs)
+    assert (_num_splits(batch) > 1) == (longest > 64)
+    _assert_write_in_split_equals_three_kernels(batch, monkeypatch)
 
 
 # -- the arrival-counter buffer -----------------------------------------------------------------------
