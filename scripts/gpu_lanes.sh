@@ -26,7 +26,10 @@
 #                  which writes decode_attn_sweep.{json,md} into $OUT too; py:scripts/decode_graph_code.py:8,32)
 #   extend_sweep   old vs dense extend kernels, their launch grids, llama-1b/8b shapes (scripts/extend_sweep.py)
 #   unverified     the GPU tests of code changed since its last GPU run (tests_for unverified)
-#   hfbench[:PART] a transformers llama-1b under eager / stock torch.compile / tscompile (bench --hf-model)
+#   hfbench[:PART][@MODEL]  a transformers MODEL (default llama-1b) under eager / stock torch.compile /
+#                  tscompile (bench --hf-model), PART forward or generate (default both); forward lengths
+#                  HF_LENS (default "32 128 512 2048", the engine bench's prefill rows), modes HF_MODES
+#                  (default all; e.g. "compile-reduce-overhead tscompile")
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
 #   env:VAR=VALUE  export VAR for the lane's later jobs (TSCOMPILE_FUSED_DECODE=1: the fused decode attention)
@@ -98,7 +101,7 @@ run_job() {  # lane job
       # (the lists BENCH_BS and BENCH_PREFILL_LENS take commas for spaces: env:BENCH_PREFILL_LENS=32,2048)
       # (locals named so that no job's variable can be one of them: export would set the local)
       local _env_pair=${job#env:}; local _env_var=${_env_pair%%=*} _env_val=${_env_pair#*=}
-      case $_env_var in BENCH_BS|BENCH_PREFILL_LENS) _env_val=${_env_val//,/ } ;; esac
+      case $_env_var in BENCH_BS|BENCH_PREFILL_LENS|HF_LENS|HF_MODES) _env_val=${_env_val//,/ } ;; esac
       export "$_env_var=$_env_val"; echo "exported $_env_var=$_env_val"; return ;;
     compare)
       OUT=/tmp/compare SKIP_INSTALL=1 GPU_CACHE_IN= GPU_CACHE_OUT=0 COMPARE_TESTS=0 COMPARE_SECONDS=$left COMPARE_TREES="base=.gpu_trees/base head=." \
@@ -168,12 +171,15 @@ run_job() {  # lane job
       local script=${job#py:} args=""; case $script in *:*) args=${script#*:}; args=${args//,/ }; script=${script%%:*} ;; esac
       local name; name=$(basename "$script" .py)
       timeout $left python3 "$script" $args > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v -i warn "$OUT/$name.log" | tail -30 ;;
-    hfbench|hfbench:*)
-      local parts=${job#hfbench}; parts=${parts#:}; parts=${parts:-forward generate}; local tag=${parts// /_}
-      timeout $left tscompile bench --hf-model llama-1b --device cuda --dtype bfloat16 --hf-lens 32 512 2048 \
+    hfbench|hfbench:*|hfbench@*)
+      local spec=${job#hfbench} hf_model=llama-1b
+      case $spec in *@*) hf_model=${spec#*@}; spec=${spec%%@*} ;; esac
+      local parts=${spec#:}; parts=${parts:-forward generate}; local tag=${hf_model}_${parts// /_}
+      timeout $left tscompile bench --hf-model "$hf_model" --device cuda --dtype bfloat16 \
+        --hf-lens ${HF_LENS:-32 128 512 2048} ${HF_MODES:+--hf-modes $HF_MODES} \
         --hf-generate-tokens 32 --num-iters 5 --hf-parts $parts --no-progress --verbose \
-        --output-json "$OUT/hfbench_llama-1b_$tag.json" --output-md "$OUT/hfbench_llama-1b_$tag.md" \
-        2> "$OUT/hfbench_$tag.log"; echo "rc=$?"; cat "$OUT/hfbench_llama-1b_$tag.md" ;;
+        --output-json "$OUT/hfbench_$tag.json" --output-md "$OUT/hfbench_$tag.md" \
+        2> "$OUT/hfbench_$tag.log"; echo "rc=$?"; cat "$OUT/hfbench_$tag.md" ;;
     extend_sweep)
       timeout $left python3 scripts/extend_sweep.py "$OUT/extend_sweep.json" 2>&1 | grep -v -i warn | tail -40 ;;
     prefill_modes)
