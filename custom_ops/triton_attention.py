@@ -282,6 +282,17 @@ def _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS: tl.constexpr, MIN_S
 
 
 @triton.jit
+def _writer_split(kv_len, split_len):
+    """The split that writes request b's new K/V row when a decode kernel writes it itself: the one
+    whose range holds the row's position kv_len - 1 (split 0 for kv_len 0, a padded row, which reads
+    nothing and still writes its slot). Exactly one per request, since NUM_SPLITS * split_len >= kv_len.
+    No other program reads that slot in the same launch, provided write_loc[b] is the slot of position
+    kv_len - 1 in b's own page-table row and no two requests share a page they write (tscompile's pool
+    shares none)."""
+    return tl.maximum(kv_len - 1, 0) // split_len
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
     k_ptr, v_ptr, loc_ptr,
@@ -305,16 +316,16 @@ def _decode_split_kernel(
     part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split);
     with one split, the output itself (``_store_one_split``: the combine's arithmetic, no combine launch).
 
-    WRITE_KV: first write request b's new K/V row (k, v at ``loc``) as the fused kernel does: the one
-    split whose range holds position kv_len - 1 writes it, then waits for its whole program before
-    its tiles read that slot; no other program reads it.
+    WRITE_KV: first write request b's new K/V row (k, v at ``loc``) as the fused kernel does: the
+    ``_writer_split`` writes it, then waits for its whole program (a CTA barrier; every thread takes
+    the same branch) before its tiles read that slot.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len, split_len, lo, hi = _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     if WRITE_KV:
-        if split == tl.maximum(kv_len - 1, 0) // split_len:
+        if split == _writer_split(kv_len, split_len):
             _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
                           stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                           stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch,
@@ -475,9 +486,11 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
 FUSED_DECODE = os.environ.get("TSCOMPILE_FUSED_DECODE", "0") == "1"  # env: A/B runs in fresh processes
 # The middle way: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
-# stays a launch of its own, so a layer launches two kernels and no program combines alone. Saves
-# the KV-write launch per layer (40 us per llama-8b step in its kernel tables, 32 launches, plus the
-# gaps between them). Off by default until a GPU bench measures it (unmeasured as of 2026-12-01).
+# stays a launch of its own, so a layer launches two kernels instead of three (one instead of two
+# with one split) and no program combines alone. Saves at most the KV-write kernel's time (40-42 us
+# per llama-8b step in its kernel tables, 32 launches; the writes themselves move into the writing
+# splits) and the gaps between launches. Off by default until a GPU bench measures it (unmeasured as
+# of 2026-12-01). With FUSED_DECODE also on, the fused kernel runs.
 DECODE_WRITE_IN_SPLIT = os.environ.get("TSCOMPILE_DECODE_WRITE_IN_SPLIT", "0") == "1"
 
 # Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
@@ -573,7 +586,7 @@ def _decode_fused_kernel(
     split = tl.program_id(2)
     kv_len, split_len, lo, hi = _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
 
-    if split == tl.maximum(kv_len - 1, 0) // split_len:  # NUM_SPLITS * split_len >= kv_len: one split
+    if split == _writer_split(kv_len, split_len):
         _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
                       stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                       stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
