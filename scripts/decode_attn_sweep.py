@@ -31,6 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tscompile.bench.graph_timing import capture_graph, replay_us
 from tscompile.custom_ops import attention as torch_attention
 from tscompile.custom_ops import triton_attention as ta
 from tscompile.utils import cdiv
@@ -88,25 +89,10 @@ def time_layers(fn, layers: list, device: torch.device, reps: int) -> float:
             for layer in layers:
                 fn(layer)
         return (time.perf_counter() - t0) / (reps * len(layers)) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in layers:  # warm-up outside the capture (compiles, allocator)
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def step():
         for layer in layers:
             fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(layers))
+    return replay_us(capture_graph(step), reps) / len(layers)
 
 
 def run_setting(setting: dict, layers: list, want: torch.Tensor, scale: float, device, reps: int,

@@ -36,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tscompile.bench.graph_timing import capture_graph, replay_us
 from tscompile.custom_ops import attention as torch_attention
 from tscompile.custom_ops import triton_extend as te
 from tscompile.utils import cdiv
@@ -109,30 +110,15 @@ def step_fn(layers: list[dict], condition: str, config, scale: float, mlp):
 def time_step(run, device: torch.device, reps: int, launches: int) -> dict:
     """us per launch of the extend kernel (profiler device time on CUDA; wall time on the CPU) and the
     step's wall time per replay."""
-    run()  # compiles, and warms the allocator before capture
     if device.type != "cuda":
+        run()  # compiles
         t0 = time.perf_counter()
         for _ in range(reps):
             run()
         wall = (time.perf_counter() - t0) / reps
         return {"kernel_us": wall / launches * 1e6, "step_us": wall * 1e6, "timer": "cpu wall"}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    step_us = start.elapsed_time(end) / reps * 1e3
+    graph = capture_graph(run)
+    step_us = replay_us(graph, reps)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
