@@ -3,9 +3,10 @@
 Three kernels (plus a split combiner), all launched with grids that depend only on static shapes,
 and none of them reads a tensor value on the host. That makes every path CUDA-graph safe: the
 same launches replay correctly whatever ``seq_lens`` / ``qo_indptr`` / ``page_table`` hold.
-Decode runs the KV write, the splits and their combine as three launches; ``FUSED_DECODE = True``
-runs them as one kernel (``fused_decode``) with bitwise-identical results (GPU-tested at 4 warps; at
-2 warps since the combine takes the split's warps, not yet on the GPU), measured slower (below).
+Decode runs the splits (the one holding a request's new position writes its K/V row first) and
+their combine as two launches (``DECODE_WRITE_IN_SPLIT``; off: the KV write as a third launch before
+them); ``FUSED_DECODE = True`` runs all of it as one kernel (``fused_decode``). All three give
+bitwise-identical results (GPU-tested on the H200 at 2 and 4 warps); the fused one measured slower (below).
 
 Layout (the op contract, see ``custom_ops/attention.py``):
     q:          [T, Hq, D]             float32 / bfloat16 / float16, any strides
@@ -485,13 +486,14 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 # net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
 FUSED_DECODE = os.environ.get("TSCOMPILE_FUSED_DECODE", "0") == "1"  # env: A/B runs in fresh processes
-# The middle way: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
+# The default: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
 # stays a launch of its own, so a layer launches two kernels instead of three (one instead of two
-# with one split) and no program combines alone. Saves at most the KV-write kernel's time (40-42 us
-# per llama-8b step in its kernel tables, 32 launches; the writes themselves move into the writing
-# splits) and the gaps between launches. Off by default until a GPU bench measures it (unmeasured as
-# of 2026-12-01). With FUSED_DECODE also on, the fused kernel runs.
-DECODE_WRITE_IN_SPLIT = os.environ.get("TSCOMPILE_DECODE_WRITE_IN_SPLIT", "0") == "1"
+# with one split) and no program combines alone. It drops the KV-write kernel (37-41 us per llama-8b
+# step, 32 launches; the writes move into the writing splits). Measured on the H200 in one lease
+# (tree 008212b, bench/results/llama-8b-008212b/): llama-8b TPOT 4.630 / 5.553 ms at bs 1 / 32
+# against 4.700 / 5.678 for the three-kernel path, its GPU test bitwise equal to that path.
+# TSCOMPILE_DECODE_WRITE_IN_SPLIT=0 runs the three kernels. With FUSED_DECODE on, the fused kernel runs.
+DECODE_WRITE_IN_SPLIT = os.environ.get("TSCOMPILE_DECODE_WRITE_IN_SPLIT", "1") != "0"
 
 # Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
 # launches (the last program of each pair resets its own). One buffer per device: launches on one

@@ -35,6 +35,8 @@ this one for the head dims measured faster on the H200 (64 and 128), the paged o
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -249,6 +251,30 @@ def _check_config(config, head_dim: int) -> None:
         )
 
 
+def parse_config_overrides(text: str) -> dict[int, tuple[int, int, int, int]]:
+    """``TSCOMPILE_EXTEND_CONFIG``: "HEAD_DIM:rows,keys,warps,stages", several joined by ";" (e.g.
+    "128:128,64,8,3"), each replacing that head_dim's configuration for every step shape. It exists so
+    that a GPU bench can A/B a launch configuration inside the engine, where the kernel's time differs
+    from the sweeps' (bench/results/llama-8b-008212b/: 130.7 us per llama-8b layer in the engine,
+    113.6 among MLP matmuls in scripts/extend_in_context.py)."""
+    overrides: dict[int, tuple[int, int, int, int]] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        head, sep, values = item.partition(":")
+        try:
+            head_dim, config = int(head), tuple(int(v) for v in values.split(","))
+        except ValueError:
+            config = ()
+        if not sep or len(config) != 4:
+            raise ValueError(f"tscompile: TSCOMPILE_EXTEND_CONFIG entry {item!r} is not "
+                             "HEAD_DIM:rows,keys,warps,stages (e.g. 128:128,64,8,3)")
+        _check_config(config, head_dim)
+        overrides[head_dim] = config
+    return overrides
+
+
+EXTEND_CONFIG_OVERRIDES = parse_config_overrides(os.environ.get("TSCOMPILE_EXTEND_CONFIG", ""))
+
+
 def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: bool = False,
                         tokens: int = 0, requests: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M query positions, BLOCK_N keys, warps, stages); ``config`` overrides the tables, which
@@ -258,7 +284,8 @@ def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: b
     tile sides and keep at most 2 stages, so the doubled bytes still fit in shared memory (a 128 x
     128 tile at head_dim 128 with 3 stages would need ~450 KB in float32)."""
     if config is None:
-        config = EXTEND_DENSE_SHAPE_CONFIGS.get((head_dim, extend_shape(tokens, requests)), EXTEND_DENSE_CONFIGS[head_dim])
+        config = EXTEND_CONFIG_OVERRIDES.get(head_dim) or EXTEND_DENSE_SHAPE_CONFIGS.get(
+            (head_dim, extend_shape(tokens, requests)), EXTEND_DENSE_CONFIGS[head_dim])
     config = tuple(config)
     _check_config(config, head_dim)
     rows, block_n, warps, stages = config

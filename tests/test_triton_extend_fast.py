@@ -173,6 +173,25 @@ def test_the_launch_follows_the_step_shape():
     assert te.extend_dense_config(64, 4, (16, 16, 4, 1), tokens=2048) == (4, 16, 4, 1)  # an explicit config wins
 
 
+def test_the_config_override_replaces_one_head_dims_launch_for_every_shape(monkeypatch):
+    """TSCOMPILE_EXTEND_CONFIG (parsed at import into EXTEND_CONFIG_OVERRIDES): head_dim 128's launch
+    is the override at every step shape, head_dim 64 keeps its per-shape tables, an explicit config
+    still wins; malformed entries are refused with the entry named."""
+    overrides = te.parse_config_overrides(" 128:128,64,8,3 ; ")
+    assert overrides == {128: (128, 64, 8, 3)}
+    before_64 = [te.extend_dense_config(64, 4, tokens=t, requests=b) for t, b in [(512, 1), (2048, 1), (16384, 32)]]
+    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", overrides)
+    pick = lambda d, t, b: te.extend_dense_config(d, 4, tokens=t, requests=b)  # noqa: E731  (GQA group 4)
+    assert pick(128, 512, 1) == pick(128, 2048, 1) == pick(128, 16384, 32) == (128 // 4, 64, 8, 3)
+    assert [pick(64, t, b) for t, b in [(512, 1), (2048, 1), (16384, 32)]] == before_64
+    assert te.extend_dense_config(128, 4, (16, 16, 4, 1), tokens=2048) == (4, 16, 4, 1)
+    for bad, named in [("128", "'128'"), ("128:64,64,4", "'128:64,64,4'"), ("d:64,64,4,2", "'d:64,64,4,2'")]:
+        with pytest.raises(ValueError, match=rf"^tscompile: TSCOMPILE_EXTEND_CONFIG entry {named}"):
+            te.parse_config_overrides(bad)
+    with pytest.raises(ValueError, match=r"^tscompile: dense extend config \(96, 64, 4, 2\) for head_dim 128"):
+        te.parse_config_overrides("128:96,64,4,2")
+
+
 @pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3)])
 def test_the_shipped_head_dim_64_configs_match_torch(config, device):
     """The tile shapes the launch picks for llama-1b's head_dim (GQA group 4), on a ragged batch

@@ -72,10 +72,11 @@ def _poisoned_batch(kv_lens, pad_rows, device, **kw):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
-def _run(batch, fused: bool, monkeypatch):
+def _run(batch, fused: bool, monkeypatch, write_in_split: bool = False):
     """One decode through ``triton_attention`` (the op's body) on fresh copies of the caches, ``out``
-    poisoned with NaN."""
+    poisoned with NaN; neither flag set: the three-kernel path (KV write, splits, combine)."""
     monkeypatch.setattr(ta, "FUSED_DECODE", fused)
+    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", write_in_split)
     out = torch.full_like(batch["q"], float("nan"))
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
     ta.triton_attention(batch["q"], batch["k"], batch["v"], k_cache, v_cache, out, batch["page_table"],
@@ -204,11 +205,7 @@ def test_exactly_one_split_writes_each_row_and_its_range_holds_the_row(num_split
 
 
 def _run_write_in_split(batch, monkeypatch):
-    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", True)
-    try:
-        return _run(batch, False, monkeypatch)
-    finally:
-        monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", False)
+    return _run(batch, False, monkeypatch, write_in_split=True)
 
 
 def _assert_write_in_split_equals_three_kernels(batch, monkeypatch, calls=1) -> dict:
