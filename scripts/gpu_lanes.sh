@@ -32,7 +32,9 @@
 #                  (default all; e.g. "compile-reduce-overhead tscompile")
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
-#   env:VAR=VALUE  export VAR for the lane's later jobs (TSCOMPILE_FUSED_DECODE=1: the fused decode attention)
+#   env:VAR=VALUE  export VAR for the lane's later jobs (TSCOMPILE_FUSED_DECODE=1: the fused decode attention;
+#                  TSCOMPILE_DECODE_WRITE_IN_SPLIT=0: the three-kernel decode; TSCOMPILE_EXTEND_CONFIG=128:128,64,8,3:
+#                  another extend tile for head_dim 128)
 # FlashInfer's wheels are installed from .whl/ when carried.
 # Compile caches (scripts/gpu_cache.sh; its header has the lead's call sequence): GPU_CACHE_IN=.gpu_cache
 # (a carried folder of gpucache-NNofMM.tar.xz parts) restores Inductor's and Triton's caches before the
