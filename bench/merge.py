@@ -68,13 +68,18 @@ def _row_name(key: tuple) -> str:
 
 def _add_mode_info(info: dict | None, other: dict) -> dict:
     """A mode measured over several runs (processes): its Dynamo and tscompile counters summed over them
-    (each process compiles its own graphs), the rest from its first run."""
+    (each process compiles its own graphs), its run-time-chosen kernel configurations listed from all
+    of them, the rest from its first run."""
     if info is None:
         return copy.deepcopy(other)
     merged = copy.deepcopy(info)
     stats, more = merged.get("compile_stats") or {}, other.get("compile_stats") or {}
     merged["compile_stats"] = {k: stats.get(k, 0) + more.get(k, 0) for k in {**stats, **more}}
     merged["recompile_reasons"] = (info.get("recompile_reasons") or []) + (other.get("recompile_reasons") or [])
+    if info.get("autotuned_kernels") or other.get("autotuned_kernels"):  # each process chose its own
+        mine, theirs = info.get("autotuned_kernels") or {}, other.get("autotuned_kernels") or {}
+        merged["autotuned_kernels"] = {"kernels": (mine.get("kernels") or []) + (theirs.get("kernels") or []),
+                                       "graphs": mine.get("graphs", 0) + theirs.get("graphs", 0)}
     merged["runs"] = info.get("runs", 1) + 1
     return merged
 

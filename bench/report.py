@@ -279,6 +279,39 @@ def kernels_markdown(result: dict) -> list[str]:
     return ["### Kernels", "", note, "", *[b + "\n" for b in blocks]]
 
 
+AUTOTUNE_ROWS_PER_MODE = 60  # the markdown's share; the JSON keeps every kernel (bench/autotune_record.py)
+
+
+def _chosen_text(config: dict | None) -> str:
+    if not config:
+        return "- (never launched)"
+    return ", ".join(f"{k} {v}" for k, v in config.items())
+
+
+def autotune_markdown(modes: dict) -> list[str]:
+    """Per mode, the Triton kernels whose launch configuration Inductor chose at run time and the one
+    chosen (nothing when no mode has one: on the CPU, or where the JSON predates the record)."""
+    blocks = []
+    for mode, info in modes.items():
+        kernels = (info.get("autotuned_kernels") or {}).get("kernels") or []
+        if not kernels:
+            continue
+        rows = [[k["graph"], f"`{k['kernel']}`",
+                 ("coordinate descent, " if k.get("coordinate_descent") else "")
+                 + {"hit": "autotune cache hit", "miss": f"benchmarked ({k.get('num_configs') or '?'} candidates)"}
+                 .get(k.get("cache"), str(k.get("cache"))),
+                 _chosen_text(k.get("chosen"))] for k in kernels[:AUTOTUNE_ROWS_PER_MODE]]
+        more = len(kernels) - len(rows)
+        blocks.append(f"**{mode}**: {len(kernels)} kernels" + (f" ({more} more in the JSON)" if more > 0 else "")
+                      + "\n\n" + _table(["graph module", "kernel", "how chosen", "chosen config"], rows) + "\n")
+    if not blocks:
+        return []
+    note = ("Kernels with several candidate launch configurations (or coordinate-descent tuning) get theirs "
+            "chosen at run time, so two compiles of one graph can run the same code differently; per mode, "
+            "the choice each kernel runs with. A cache hit reuses an earlier compile's choice.")
+    return ["### Launch configurations chosen at run time", "", note, "", *blocks]
+
+
 def _reference_line(result: dict) -> str:
     ref = result.get("reference") or {}
     threshold = result["args"].get("margin_threshold")
@@ -330,7 +363,7 @@ def markdown(result: dict) -> str:
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
                       "### Compiles per mode", "", compile_table(result.get("modes", {})), "",
                       "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, "",
-                      *kernels_markdown(result)])
+                      *kernels_markdown(result), *autotune_markdown(result.get("modes", {}))])
 
 
 # -- plot ------------------------------------------------------------------------------------------

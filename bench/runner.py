@@ -16,7 +16,7 @@ import torch
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import compile_stats, kernel_table, reference, report, roofline, workloads
+from . import autotune_record, compile_stats, kernel_table, reference, report, roofline, workloads
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -269,11 +269,13 @@ class Bench:
         info: dict = {"error": None}
         self.modes[mode] = info
         torch._dynamo.reset()
-        compiled_before = compile_stats.snapshot()
+        compiled_before, modules_before = compile_stats.snapshot(), autotune_record.snapshot()
 
         def note_compiles() -> None:  # after every row, so a run cut short keeps them too
             info["compile_stats"] = compile_stats.since(compiled_before)
             info["recompile_reasons"] = compile_stats.recompile_reasons(compiled_before)
+            # the launch configurations Inductor chose at run time (two runs differ there, not in code)
+            info["autotuned_kernels"] = autotune_record.collect(modules_before)
 
         runner = model = None
         try:

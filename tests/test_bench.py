@@ -151,6 +151,10 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     # size under dynamic=True recompiles (0/1 specialization of the batch dimension)
     assert not any(result["modes"]["eager"]["compile_stats"].values())
     assert result["modes"]["compile-default"]["compile_stats"]["graphs_compiled"] >= 2
+    # the modules Inductor loaded per mode (on the CPU C++ kernels: no run-time-chosen Triton config)
+    assert result["modes"]["eager"]["autotuned_kernels"] == {"kernels": [], "graphs": 0}
+    assert result["modes"]["compile-default"]["autotuned_kernels"]["graphs"] >= 2
+    assert result["modes"]["compile-default"]["autotuned_kernels"]["kernels"] == []
     assert "| eager | 2 | " in stdout and "| - | agrees (4 tok) |" in stdout
     assert result["peak_tflops"] is None and all(p["mfu"] is None and p["prefill_tflops"] > 0 for p in result["prefill"])
     assert "MFU \"-\"" in stdout and "% roofline \"-\"" in stdout
