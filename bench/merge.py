@@ -66,20 +66,37 @@ def _row_name(key: tuple) -> str:
     return f"{mode} bs={size}" if kind == "decode" else f"{mode} prefill {size}"
 
 
+def _tagged(info: dict, name: str) -> dict:
+    """A run's mode info with each recorded kernel naming that run (a merged mode lists the kernels
+    of every process that ran it, and two processes' choices are what a reader compares)."""
+    record = info.get("autotuned_kernels")
+    if not record:
+        return info
+    kernels = [{**k, "run": os.path.basename(name)} for k in record.get("kernels") or []]
+    return {**info, "autotuned_kernels": {**record, "kernels": kernels}}
+
+
 def _add_mode_info(info: dict | None, other: dict) -> dict:
     """A mode measured over several runs (processes): its Dynamo and tscompile counters summed over them
-    (each process compiles its own graphs), its run-time-chosen kernel configurations listed from all
-    of them, the rest from its first run."""
+    (each process compiles its own graphs), its recorded kernel configurations listed from all of them
+    (with each run's error or truncation kept), the rest from its first run."""
     if info is None:
         return copy.deepcopy(other)
     merged = copy.deepcopy(info)
     stats, more = merged.get("compile_stats") or {}, other.get("compile_stats") or {}
     merged["compile_stats"] = {k: stats.get(k, 0) + more.get(k, 0) for k in {**stats, **more}}
     merged["recompile_reasons"] = (info.get("recompile_reasons") or []) + (other.get("recompile_reasons") or [])
-    if info.get("autotuned_kernels") or other.get("autotuned_kernels"):  # each process chose its own
+    if info.get("autotuned_kernels") or other.get("autotuned_kernels"):
         mine, theirs = info.get("autotuned_kernels") or {}, other.get("autotuned_kernels") or {}
-        merged["autotuned_kernels"] = {"kernels": (mine.get("kernels") or []) + (theirs.get("kernels") or []),
-                                       "graphs": mine.get("graphs", 0) + theirs.get("graphs", 0)}
+        record = {"kernels": (mine.get("kernels") or []) + (theirs.get("kernels") or []),
+                  "graphs": mine.get("graphs", 0) + theirs.get("graphs", 0)}
+        errors = [e for e in (mine.get("error"), theirs.get("error")) if e]
+        if errors:
+            record["error"] = "; ".join(errors)
+        if mine.get("truncated") or theirs.get("truncated"):
+            record["truncated"] = (mine.get("truncated") or len(mine.get("kernels") or [])) + \
+                (theirs.get("truncated") or len(theirs.get("kernels") or []))
+        merged["autotuned_kernels"] = record
     merged["runs"] = info.get("runs", 1) + 1
     return merged
 
@@ -134,7 +151,7 @@ def merge(results: list[dict], names: list[str]) -> dict:
                     if mode not in run_modes[name]:
                         run_modes[name].append(mode)
                         if mode in result.get("modes", {}):
-                            modes[mode] = _add_mode_info(modes.get(mode), result["modes"][mode])
+                            modes[mode] = _add_mode_info(modes.get(mode), _tagged(result["modes"][mode], name))
     for mode, info in modes.items():  # a split mode's compile and capture time: the sum over its kept rows
         if info.get("runs", 1) > 1:
             for key in ("compile_s", "capture_s"):
@@ -156,6 +173,7 @@ def merge(results: list[dict], names: list[str]) -> dict:
     runs = [{"source": name, "date": r.get("date"), "modes": run_modes[name],
              "rows": {m: rows_of(name, m) for m in run_modes[name] if m in split},
              "source_tree": r["env"].get("source_tree"),
+             "kernel_paths": r["env"].get("kernel_paths"),
              "tscompile_options": (r.get("args") or {}).get("tscompile_options"),
              "complete": r.get("complete", True), "copy_bandwidth_gbps": r.get("copy_bandwidth_gbps"),
              "peak_tflops": r.get("peak_tflops"), "peak_tflops_source": r.get("peak_tflops_source")}
@@ -190,6 +208,8 @@ def runs_markdown(result: dict) -> str:
         facts.append(f"tscompile tree {run['source_tree']}" if run.get("source_tree") else "tscompile tree unknown")
         if run.get("tscompile_options"):
             facts.append(f"tscompile options `{json.dumps(run['tscompile_options'])}`")
+        if run.get("kernel_paths"):  # runs written before 2026-12-02 do not record them
+            facts.append(f"attention kernel switches `{json.dumps(run['kernel_paths'], sort_keys=True)}`")
         if run.get("copy_bandwidth_gbps"):
             facts.append(f"copy bandwidth {run['copy_bandwidth_gbps']:.1f} GB/s")
         if run.get("peak_tflops"):

@@ -85,6 +85,16 @@ def content_tree(root: Path | None = None) -> str | None:
     return out.stdout.strip()[:12] or None
 
 
+def kernel_paths() -> dict:
+    """The environment switches of the Triton attention kernels, as this process runs them (an A/B run
+    sets one; two runs of one mode then differ in them, and a merged table says so per run)."""
+    from tscompile.custom_ops import triton_attention, triton_extend
+
+    return {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
+            "fused_decode": triton_attention.FUSED_DECODE,
+            "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
+
+
 def environment(device: torch.device) -> dict:
     """Versions and hardware every result JSON carries."""
     try:
@@ -105,6 +115,7 @@ def environment(device: torch.device) -> dict:
         "gpu_name": None,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "source_tree": source_tree(),
+        "kernel_paths": kernel_paths(),
     }
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -288,26 +299,31 @@ def _chosen_text(config: dict | None) -> str:
     return ", ".join(f"{k} {v}" for k, v in config.items())
 
 
+def _how_chosen(k: dict) -> str:
+    how = {"hit": "autotune cache hit", "miss": f"benchmarked ({k.get('num_configs') or '?'} candidates)"}
+    text = how.get(k.get("cache"), f"autotune cache {k.get('cache') or 'off'}")
+    return ("coordinate descent, " if k.get("coordinate_descent") else "") + text
+
+
 def autotune_markdown(modes: dict) -> list[str]:
     """Per mode, the Triton kernels whose launch configuration Inductor chose at run time and the one
-    chosen (nothing when no mode has one: on the CPU, or where the JSON predates the record)."""
+    chosen (the JSON also keeps the single-candidate ones; nothing when no mode has any: on the CPU,
+    or where the JSON predates the record)."""
     blocks = []
     for mode, info in modes.items():
-        kernels = (info.get("autotuned_kernels") or {}).get("kernels") or []
+        record = info.get("autotuned_kernels") or {}
+        kernels = [k for k in record.get("kernels") or [] if k.get("cache") != "only 1 config"]
         if not kernels:
             continue
-        rows = [[k["graph"], f"`{k['kernel']}`",
-                 ("coordinate descent, " if k.get("coordinate_descent") else "")
-                 + {"hit": "autotune cache hit", "miss": f"benchmarked ({k.get('num_configs') or '?'} candidates)"}
-                 .get(k.get("cache"), str(k.get("cache"))),
-                 _chosen_text(k.get("chosen"))] for k in kernels[:AUTOTUNE_ROWS_PER_MODE]]
+        rows = [[k["graph"], f"`{k['kernel']}`", _how_chosen(k), _chosen_text(k.get("chosen"))]
+                for k in kernels[:AUTOTUNE_ROWS_PER_MODE]]
         more = len(kernels) - len(rows)
         blocks.append(f"**{mode}**: {len(kernels)} kernels" + (f" ({more} more in the JSON)" if more > 0 else "")
                       + "\n\n" + _table(["graph module", "kernel", "how chosen", "chosen config"], rows) + "\n")
     if not blocks:
         return []
     note = ("Kernels with several candidate launch configurations (or coordinate-descent tuning) get theirs "
-            "chosen at run time, so two compiles of one graph can run the same code differently; per mode, "
+            "chosen at run time, so two compiles of one graph may run the same code differently; per mode, "
             "the choice each kernel runs with. A cache hit reuses an earlier compile's choice.")
     return ["### Launch configurations chosen at run time", "", note, "", *blocks]
 

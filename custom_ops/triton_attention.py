@@ -485,7 +485,16 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 # layers) at bs 1 / 8 / 32 / 64, while the two launches it saves per layer are worth about 1 us: a
 # net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
-FUSED_DECODE = os.environ.get("TSCOMPILE_FUSED_DECODE", "0") == "1"  # env: A/B runs in fresh processes
+def env_flag(name: str, default: bool) -> bool:
+    """A 0/1 switch from the environment (A/B runs in fresh processes; unset or empty: the default);
+    anything else is refused, so a typo cannot silently run the other path."""
+    value = os.environ.get(name, "").strip() or ("1" if default else "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"tscompile: {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+FUSED_DECODE = env_flag("TSCOMPILE_FUSED_DECODE", False)
 # The default: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
 # stays a launch of its own, so a layer launches two kernels instead of three (one instead of two
 # with one split) and no program combines alone. It drops the KV-write kernel (37-41 us per llama-8b
@@ -493,7 +502,7 @@ FUSED_DECODE = os.environ.get("TSCOMPILE_FUSED_DECODE", "0") == "1"  # env: A/B 
 # (tree 008212b, bench/results/llama-8b-008212b/): llama-8b TPOT 4.630 / 5.553 ms at bs 1 / 32
 # against 4.700 / 5.678 for the three-kernel path, its GPU test bitwise equal to that path.
 # TSCOMPILE_DECODE_WRITE_IN_SPLIT=0 runs the three kernels. With FUSED_DECODE on, the fused kernel runs.
-DECODE_WRITE_IN_SPLIT = os.environ.get("TSCOMPILE_DECODE_WRITE_IN_SPLIT", "1") != "0"
+DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
 
 # Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
 # launches (the last program of each pair resets its own). One buffer per device: launches on one

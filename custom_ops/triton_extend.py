@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from tscompile.custom_ops.triton_attention import (
-    _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows, check_supported,
-    register_dense_extend, write_kv,
+    FAST_EXTEND_HEAD_DIMS, _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows,
+    check_supported, register_dense_extend, write_kv,
 )
 
 LOG2_E = 1.4426950408889634
@@ -267,6 +267,9 @@ def parse_config_overrides(text: str) -> dict[int, tuple[int, int, int, int]]:
         if not sep or len(config) != 4:
             raise ValueError(f"tscompile: TSCOMPILE_EXTEND_CONFIG entry {item!r} is not "
                              "HEAD_DIM:rows,keys,warps,stages (e.g. 128:128,64,8,3)")
+        if head_dim not in FAST_EXTEND_HEAD_DIMS:  # the paged kernel runs those: the entry would do nothing
+            raise ValueError(f"tscompile: TSCOMPILE_EXTEND_CONFIG entry {item!r}: head_dim {head_dim} does not run "
+                             f"the dense extend kernel (it runs for head_dim {sorted(FAST_EXTEND_HEAD_DIMS)})")
         _check_config(config, head_dim)
         overrides[head_dim] = config
     return overrides

@@ -6,7 +6,7 @@ Why: on llama-8b at bs=32 the tuned stock baseline's cuDNN flash decode (SDPA, e
 640-position cache) read its cache at about 3.4 TB/s while tscompile's split-KV Triton kernel read the
 paged cache at about 2.97 TB/s plus a combine kernel (bench/results/llama-8b-b964437/). This script
 times `triton_attention.paged_decode` (the split and combine kernels, what a decode step launches per
-layer) on the llama-8b decode shape of the bench (32 query / 8 KV heads of 128, pages of 16, a table of
+layer; the split kernel writing the new K/V rows too, as the default ``DECODE_WRITE_IN_SPLIT`` runs it) on the llama-8b decode shape of the bench (32 query / 8 KV heads of 128, pages of 16, a table of
 2064 positions, every request at the bench's mean decode context of 576) for each setting of
 DECODE_BLOCK_N x DECODE_NUM_WARPS x DECODE_NUM_STAGES at the default split target, then the split
 target (DECODE_TARGET_PROGRAMS) for the three fastest, and SDPA the way the tuned baseline calls it.
@@ -53,9 +53,25 @@ def make_layers(bs: int, ctx: int, max_kv: int, hq: int, hkv: int, d: int, page:
     def draw(*shape):
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
-    return [{"q": draw(bs, hq, d), "k_cache": draw(pages, page, hkv, d), "v_cache": draw(pages, page, hkv, d),
-             "page_table": table, "seq_lens": torch.full((bs,), ctx, dtype=torch.int32, device=device)}
-            for _ in range(layers)]
+    # each request's newest position: its slot, and the K/V already there as the rows the step writes
+    # (the default decode writes them in the split kernel; writing the same values keeps the oracle's cache)
+    rows = torch.arange(bs, device=device)
+    write_loc = (table[rows, (ctx - 1) // page].long() * page + (ctx - 1) % page)
+    out = []
+    for _ in range(layers):
+        layer = {"q": draw(bs, hq, d), "k_cache": draw(pages, page, hkv, d), "v_cache": draw(pages, page, hkv, d),
+                 "page_table": table, "seq_lens": torch.full((bs,), ctx, dtype=torch.int32, device=device)}
+        layer["new_kv"] = (layer["k_cache"].view(-1, hkv, d)[write_loc].clone(),
+                           layer["v_cache"].view(-1, hkv, d)[write_loc].clone(), write_loc)
+        out.append(layer)
+    return out
+
+
+def decode(layer: dict, scale: float) -> None:
+    """One layer's decode attention as the engine's step runs it: the split kernel writing the new
+    K/V rows too when ``DECODE_WRITE_IN_SPLIT`` is on (the default), else the caller having written them."""
+    ta.paged_decode(layer["q"], layer["k_cache"], layer["v_cache"], layer["out"], layer["page_table"],
+                    layer["seq_lens"], scale, new_kv=layer["new_kv"] if ta.DECODE_WRITE_IN_SPLIT else None)
 
 
 def static_view(layer: dict, bs: int, ctx: int, static_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,15 +123,12 @@ def run_setting(setting: dict, layers: list, want: torch.Tensor, scale: float, d
         outs = [torch.full_like(layer["q"], float("nan")) for layer in layers]
         for layer, out in zip(layers, outs):
             layer["out"] = out
-        ta.paged_decode(first["q"], first["k_cache"], first["v_cache"], first["out"], first["page_table"],
-                        first["seq_lens"], scale)
+        decode(first, scale)
         err = (first["out"].float() - want).abs().max().item()
         row["max_abs_err"] = err
         if not err <= tol:  # NaN too
             raise AssertionError(f"max |error| {err:.3g} against the float32 oracle (tolerance {tol})")
-        row["us_per_layer"] = time_layers(
-            lambda L: ta.paged_decode(L["q"], L["k_cache"], L["v_cache"], L["out"], L["page_table"], L["seq_lens"],
-                                      scale), layers, device, reps)
+        row["us_per_layer"] = time_layers(lambda L: decode(L, scale), layers, device, reps)
     except Exception as e:  # noqa: BLE001  (a setting that does not compile or match is a result too)
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     finally:
@@ -230,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
               **{k: getattr(a, k) for k in ("hq", "hkv", "d", "page", "ctx", "max_kv", "static_len", "layers", "reps")},
-              "per_bs": []}
+              "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT, "per_bs": []}
     os.makedirs(a.out, exist_ok=True)
     if a.min_split_tokens is not None:
         ta.DECODE_MIN_SPLIT_TOKENS = a.min_split_tokens

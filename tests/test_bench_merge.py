@@ -243,11 +243,17 @@ def test_a_resumed_run_measures_only_the_rows_not_skipped_and_merges_in_size_ord
     first["results"][0]["compile_s"], resumed["results"][0]["compile_s"] = 10.0, 2.5
     info = bench_merge.merge([first, resumed], ["first.json", "resumed.json"])["modes"]["eager"]
     assert (info["runs"], info["compile_stats"]["graphs_compiled"], info["compile_s"]) == (2, 5, 12.5)
-    # and each process's run-time-chosen kernel configurations are listed, the first run's first
-    first["modes"]["eager"]["autotuned_kernels"] = {"kernels": [{"kernel": "a"}], "graphs": 1}
-    resumed["modes"]["eager"]["autotuned_kernels"] = {"kernels": [{"kernel": "b"}, {"kernel": "c"}], "graphs": 2}
-    info = bench_merge.merge([first, resumed], ["first.json", "resumed.json"])["modes"]["eager"]
-    assert info["autotuned_kernels"] == {"kernels": [{"kernel": "a"}, {"kernel": "b"}, {"kernel": "c"}], "graphs": 3}
+    # and each process's recorded kernel configurations are listed, each naming its run, the first run's
+    # first, with a run's error and truncation kept
+    first["modes"]["eager"]["autotuned_kernels"] = {"kernels": [{"kernel": "a"}], "graphs": 1, "truncated": 7}
+    resumed["modes"]["eager"]["autotuned_kernels"] = {"kernels": [{"kernel": "b"}, {"kernel": "c"}], "graphs": 2,
+                                                      "error": "KeyError: 'x'"}
+    info = bench_merge.merge([first, resumed], ["runs/first.json", "runs/resumed.json"])["modes"]["eager"]
+    assert info["autotuned_kernels"] == {
+        "kernels": [{"kernel": "a", "run": "first.json"}, {"kernel": "b", "run": "resumed.json"},
+                    {"kernel": "c", "run": "resumed.json"}],
+        "graphs": 3, "error": "KeyError: 'x'", "truncated": 9}
+    assert "run" not in first["modes"]["eager"]["autotuned_kernels"]["kernels"][0]  # the inputs are not changed
     # the first run was cut short, but the resumed run measured what it lost: the table is whole
     first["complete"] = False
     assert bench_merge.merge([first, resumed], ["first.json", "resumed.json"])["complete"] is True

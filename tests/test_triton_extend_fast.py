@@ -160,9 +160,10 @@ def test_the_op_runs_the_dense_kernel_only_for_the_head_dims_measured_faster(hea
     torch.testing.assert_close(out, _oracle(batch), atol=1e-5, rtol=1e-5)
 
 
-def test_the_launch_follows_the_step_shape():
+def test_the_launch_follows_the_step_shape(monkeypatch):
     """head_dim 64: small tiles for a short step, 4-warp 128-row tiles for a few long prompts (a
     whole-step graph pads one request to two), 8 warps for many prompts; head_dim 128: one config."""
+    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})  # the shipped tables, whatever the environment says
     assert [te.extend_shape(t, b) for t, b in [(512, 1), (1024, 1), (2048, 1), (2048, 2), (16384, 32), (4096, 8)]] \
         == ["short", "short", "long", "long", "many", "many"]
     pick = lambda d, t, b: te.extend_dense_config(d, 4, tokens=t, requests=b)  # noqa: E731  (GQA group 4)
@@ -179,6 +180,7 @@ def test_the_config_override_replaces_one_head_dims_launch_for_every_shape(monke
     still wins; malformed entries are refused with the entry named."""
     overrides = te.parse_config_overrides(" 128:128,64,8,3 ; ")
     assert overrides == {128: (128, 64, 8, 3)}
+    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})
     before_64 = [te.extend_dense_config(64, 4, tokens=t, requests=b) for t, b in [(512, 1), (2048, 1), (16384, 32)]]
     monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", overrides)
     pick = lambda d, t, b: te.extend_dense_config(d, 4, tokens=t, requests=b)  # noqa: E731  (GQA group 4)
@@ -190,6 +192,11 @@ def test_the_config_override_replaces_one_head_dims_launch_for_every_shape(monke
             te.parse_config_overrides(bad)
     with pytest.raises(ValueError, match=r"^tscompile: dense extend config \(96, 64, 4, 2\) for head_dim 128"):
         te.parse_config_overrides("128:96,64,4,2")
+    with pytest.raises(ValueError, match=r"^tscompile: TSCOMPILE_EXTEND_CONFIG entry '32:64,64,4,2': head_dim 32 does "
+                                         r"not run the dense extend kernel"):
+        te.parse_config_overrides("32:64,64,4,2")
+    # float32 still halves the override's tiles to fit shared memory
+    assert te.extend_dense_config(128, 4, four_byte=True, tokens=2048) == (64 // 4, 32, 8, 2)
 
 
 @pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3)])
@@ -207,7 +214,8 @@ def test_bad_launch_configs_are_refused(config):
         _dense_extend(batch, config=config)
 
 
-def test_float32_configs_shrink_to_fit_shared_memory():
+def test_float32_configs_shrink_to_fit_shared_memory(monkeypatch):
+    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})  # the shipped tables, whatever the environment says
     rows, block_n, warps, stages = te.EXTEND_DENSE_CONFIGS[128]
     assert te.extend_dense_config(128, 4, four_byte=False) == (rows // 4, block_n, warps, stages)
     assert te.extend_dense_config(128, 4, four_byte=True) == (rows // 8, block_n // 2, warps, min(stages, 2))

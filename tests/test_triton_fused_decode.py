@@ -247,6 +247,21 @@ def test_write_in_split_of_only_padded_rows_writes_their_slots(device, monkeypat
     assert not got[1].view(-1, 2, 16)[batch["write_loc"][0]].isnan().any(), "row 0's K never reached its slot"
 
 
+def test_the_decode_path_switches_read_only_0_or_1(monkeypatch):
+    """TSCOMPILE_DECODE_WRITE_IN_SPLIT (default on) and TSCOMPILE_FUSED_DECODE (default off): unset or
+    empty gives the default, 0 / 1 the path, anything else a refusal naming the variable."""
+    name = "TSCOMPILE_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert ta.env_flag(name, True) is True and ta.env_flag(name, False) is False
+    for value, want in [("0", False), ("1", True), (" 1 ", True), ("", True)]:
+        monkeypatch.setenv(name, value)
+        assert ta.env_flag(name, True) is want, value
+    for value in ["yes", "false", "2"]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=rf"^tscompile: {name} must be 0 or 1, got '{value}'"):
+            ta.env_flag(name, True)
+
+
 def test_write_in_split_refuses_rows_that_do_not_match_the_queries(device):
     batch = _poisoned_batch([3, 4], 0, device, seed=3)
     out = torch.empty_like(batch["q"])
@@ -317,11 +332,19 @@ def _fill(dst: dict, src: dict) -> None:
         dst[name].copy_(src[name])
 
 
+def _set_path(monkeypatch, path: str) -> None:
+    """"fused": one kernel; "write_in_split": the default two; "three": KV write, splits, combine."""
+    monkeypatch.setattr(ta, "FUSED_DECODE", path == "fused")
+    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", path == "write_in_split")
+
+
 @pytest.mark.gpu
-def test_fused_decode_replays_in_a_cuda_graph_like_the_unfused_path(monkeypatch):
-    """Capture one fused decode (llama-1b's head layout, bf16, 16 splits), replay it twice with new
-    q/k/v/seq_lens/page tables; each replay must equal the three-kernel path run eagerly on the same
-    cache, bit for bit (the null page apart: padded rows race to write it)."""
+@pytest.mark.parametrize("path", ["fused", "write_in_split"])
+def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(path, monkeypatch):
+    """Capture one decode whose kernels write the new K/V rows themselves (the fused kernel, or the
+    split kernel of the default path; llama-1b's head layout, bf16, 16 splits), replay it twice with
+    new q/k/v/seq_lens/page tables; each replay must equal the three-kernel path run eagerly on the
+    same cache, bit for bit (the null page apart: padded rows race to write it)."""
     device = torch.device("cuda")
     kw = dict(num_kv_heads=8, group=4, head_dim=64, dtype=torch.bfloat16, device=device)
     lens = [[1000, 1, 0], [1000, 64, 65], [5, 999, 300]]  # one table width: 999 or 1000 tokens -> 64 pages
@@ -344,7 +367,7 @@ def test_fused_decode_replays_in_a_cuda_graph_like_the_unfused_path(monkeypatch)
         ta.triton_attention(static["q"], static["k"], static["v"], k_cache, v_cache, out, static["page_table"],
                             static["seq_lens"], static["qo_indptr"], static["write_loc"], SCALE, True)
 
-    monkeypatch.setattr(ta, "FUSED_DECODE", True)
+    _set_path(monkeypatch, path)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -358,14 +381,14 @@ def test_fused_decode_replays_in_a_cuda_graph_like_the_unfused_path(monkeypatch)
         k_before, v_before = k_cache.clone(), v_cache.clone()
         out.fill_(float("nan"))
         graph.replay()
-        monkeypatch.setattr(ta, "FUSED_DECODE", False)
+        _set_path(monkeypatch, "three")
         want_out = torch.full_like(out, float("nan"))
         ta.triton_attention(static["q"], static["k"], static["v"], k_before, v_before, want_out,
                             static["page_table"], static["seq_lens"], static["qo_indptr"], static["write_loc"],
                             SCALE, True)
-        monkeypatch.setattr(ta, "FUSED_DECODE", True)
+        _set_path(monkeypatch, path)
         torch.cuda.synchronize()
-        assert _same_bits(out, want_out), "the replayed fused decode differs from the three-kernel path"
+        assert _same_bits(out, want_out), f"the replayed {path} decode differs from the three-kernel path"
         assert _same_bits(k_cache[1:], k_before[1:]) and _same_bits(v_cache[1:], v_before[1:])
         assert not out[3:].any()  # padded rows: zeros
         _assert_counters_clear(device)
