@@ -165,6 +165,29 @@ def test_each_run_names_its_source_tree_in_the_merged_table(eager_run):
     assert (f"tscompile tree {report.source_tree()}" if report.source_tree() else "tscompile tree unknown") in md
 
 
+def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_names_them(eager_run):
+    """A run's env says which decode/extend path its process ran (an A/B run sets a switch), and a
+    merged table names each run's switches; a run written before the record says nothing."""
+    from tscompile.custom_ops import triton_attention as ta
+    from tscompile.custom_ops import triton_extend as te
+
+    assert eager_run["env"]["kernel_paths"] == {
+        "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT, "fused_decode": ta.FUSED_DECODE,
+        "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
+    other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
+    other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,
+                                    "extend_config_overrides": {"128": [128, 64, 8, 3]}}
+    older = _as_mode(eager_run, "compile-reduce-overhead", bandwidth=1.0)
+    del older["env"]["kernel_paths"]
+    md = bench_merge.runs_markdown(bench_merge.merge([eager_run, other, older], ["a.json", "b.json", "c.json"]))
+    line_b = next(line for line in md.splitlines() if line.startswith("- `b.json`"))
+    assert ('attention kernel switches `{"decode_write_in_split": false, "extend_config_overrides": {"128": '
+            '[128, 64, 8, 3]}, "fused_decode": false}`') in line_b
+    assert "attention kernel switches `{\"decode_write_in_split\": " in \
+        next(line for line in md.splitlines() if line.startswith("- `a.json`"))
+    assert "attention kernel switches" not in next(line for line in md.splitlines() if line.startswith("- `c.json`"))
+
+
 def _git(root, *args):
     out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
                          env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
