@@ -356,11 +356,11 @@ def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(
     assert len(widths) == 1
     static = {name: batches[0][name].clone() for name in ("q", "k", "v", "page_table", "seq_lens", "write_loc")}
     static["qo_indptr"] = batches[0]["qo_indptr"]
-    assert _num_splits(static) > 1
     # one cache for every step, as large as the largest batch's (each batch numbers its own pages)
     num_pages = max(b["k_cache"].shape[0] for b in batches)
     k_cache = torch.randn(num_pages, PAGE, 8, 64, device=device).to(torch.bfloat16)
     v_cache = torch.randn(num_pages, PAGE, 8, 64, device=device).to(torch.bfloat16)
+    assert _num_splits({**static, "k_cache": k_cache}) > 1
     out = torch.full_like(static["q"], float("nan"))
 
     def step():
