@@ -224,6 +224,35 @@ def test_rope_frequencies_match_transformers(checkpoints):
         torch.testing.assert_close(model.inv_freq, hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
 
 
+def test_rope_rows_match_transformers_and_stay_float32_in_any_dtype(checkpoints):
+    """The forward gathers cos / sin rows from tables built once; they must be transformers' own cos /
+    sin at those positions (its rotary embedding in float32), and stay float32 under a bf16 load."""
+    for family in ("llama3", "llama-linear"):
+        path, hf = checkpoints[family]
+        for dtype in (torch.float32, torch.bfloat16):
+            model, _ = load_checkpoint(path, device="cpu", dtype=dtype)
+            assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+            assert model.rope_cos.shape == (model.config.max_position, model.config.head_dim // 2)
+            positions = torch.randint(0, model.config.max_position, (37,))
+            positions[0] = model.config.max_position - 1
+            cos, sin = model.rope(positions)
+            want_cos, want_sin = hf.model.rotary_emb(torch.randn(1, 37, model.config.head_dim), positions[None])
+            half = model.config.head_dim // 2
+            torch.testing.assert_close(cos, want_cos[0, :, :half].float())
+            torch.testing.assert_close(sin, want_sin[0, :, :half].float())
+
+
+def test_a_random_bf16_model_gathers_the_float32_rope_rows_it_would_compute():
+    model = build_model(ModelConfig(max_position=300, rope_theta=500000.0,
+                                    rope_scaling=tscompile.models.PRESETS["llama-1b"].rope_scaling),
+                        dtype=torch.bfloat16, device="cpu")
+    assert model.tok_embeddings.weight.dtype == torch.bfloat16 and model.rope_cos.dtype == torch.float32
+    positions = torch.tensor([299, 0, 7, 150, 7])
+    freqs = positions.float()[:, None] * model.inv_freq[None, :]  # what each forward computed before the tables
+    cos, sin = model.rope(positions)
+    assert torch.equal(cos, torch.cos(freqs)) and torch.equal(sin, torch.sin(freqs))
+
+
 def test_eos_ids_union_keeps_order():
     assert eos_token_ids({"eos_token_id": [5, 7]}, {"eos_token_id": 9}) == (5, 7, 9)
     assert eos_token_ids({"eos_token_id": 7}, {"eos_token_id": [9, 7]}) == (7, 9)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tscompile.models.checkpoint import CheckpointInfo, is_checkpoint_dir, load_checkpoint
-from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config, rope_frequencies
+from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config
 from tscompile.models.narrow import NarrowingTransformer
 
 
@@ -60,7 +60,7 @@ def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
         model = cls(cfg)
     model.init_weights(seed)
     model = model.to(dtype=dtype).eval()
-    model.inv_freq = rope_frequencies(cfg).float().to(device)  # RoPE stays float32 in any dtype
+    model.reset_rope(device)  # RoPE stays float32 in any dtype
     return model
 
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from tscompile.models.hf_config import architecture_of, check_sliding_window, checkpoint_dtype, eos_token_ids, \
     model_config_from_hf
-from tscompile.models.llama import PRESETS, ModelConfig, Transformer, rope_frequencies
+from tscompile.models.llama import PRESETS, ModelConfig, Transformer
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -172,7 +172,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> T
     model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty gives each module its own tensor, which unties them
         model.output.weight = model.tok_embeddings.weight
-    model.inv_freq = rope_frequencies(cfg).float().to(device)  # RoPE stays float32 in any dtype
+    model.reset_rope(device)  # RoPE stays float32 in any dtype
     return model.eval()
 
 

@@ -136,6 +136,18 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return _ROPE_SCALERS[s["rope_type"]](inv, s)
 
 
+def rope_tables(inv_freq: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency for every position below ``max_position``,
+    ``[max_position, head_dim // 2]`` float32, computed with the ops a forward once ran per step (a
+    float32 product, then cos / sin). A step gathers its rows instead: evaluated inline, Inductor put
+    cos and sin into every layer's query and key RoPE kernels, for every head, which made those
+    kernels compute-bound and their speed hang on the launch configuration Inductor benchmarked
+    (1.9 or 4.2 us per layer at llama-8b bs 8-32 on the H200, from run to run)."""
+    positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq[None, :]
+    return torch.cos(freqs), torch.sin(freqs)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] (halves rotated, HF layout); cos, sin: [T, D // 2] float32."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -229,6 +241,15 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_frequencies(cfg).float(), persistent=False)
+        cos, sin = rope_tables(self.inv_freq, cfg.max_position)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def reset_rope(self, device: torch.device | str) -> None:
+        """RoPE's frequencies and tables, recomputed in float32 on ``device``: a cast of the model to
+        a lower dtype (or ``to_empty``) leaves them rounded or uninitialised."""
+        self.inv_freq = rope_frequencies(self.config).float().to(device)
+        self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, self.config.max_position)
 
     # -- structure the runtime reads ---------------------------------------------------------------
     @property
@@ -256,8 +277,8 @@ class Transformer(nn.Module):
 
     # -- the forward, as four stages --------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return torch.cos(freqs), torch.sin(freqs)
+        """cos, sin ``[T, head_dim // 2]`` float32 of each row's position (``rope_tables``' rows)."""
+        return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         cos, sin = self.rope(positions)
