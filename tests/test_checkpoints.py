@@ -251,6 +251,11 @@ def test_a_random_bf16_model_gathers_the_float32_rope_rows_it_would_compute():
     freqs = positions.float()[:, None] * model.inv_freq[None, :]  # what each forward computed before the tables
     cos, sin = model.rope(positions)
     assert torch.equal(cos, torch.cos(freqs)) and torch.equal(sin, torch.sin(freqs))
+    model.to(torch.bfloat16)  # a cast of the whole model rounds the tables: refused, not used
+    with pytest.raises(ValueError, match=r"^tscompile: RoPE tables are torch.bfloat16.*reset_rope"):
+        model.rope(positions)
+    model.reset_rope("cpu")
+    assert torch.equal(model.rope(positions)[0], cos)
 
 
 def test_eos_ids_union_keeps_order():

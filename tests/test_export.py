@@ -191,7 +191,7 @@ def test_package_holds_both_programs_custom_ops_and_metadata(model, package):
     # weights inside are stored once and shared by both programs
     with zipfile.ZipFile(path) as zf:
         stored = [n for n in zf.namelist() if "/data/weights/" in n]
-    # + RoPE's cos / sin tables (inv_freq, which no program reads, is not stored)
+    # + RoPE's cos / sin tables (inv_freq, which no program reads, is not stored inside the package)
     assert len(stored) == len(list(tscompile.models.build_model(model).parameters())) + 2
 
 

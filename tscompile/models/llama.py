@@ -139,10 +139,13 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 def rope_tables(inv_freq: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency for every position below ``max_position``,
     ``[max_position, head_dim // 2]`` float32, computed with the ops a forward once ran per step (a
-    float32 product, then cos / sin). A step gathers its rows instead: evaluated inline, Inductor put
-    cos and sin into every layer's query and key RoPE kernels, for every head, which made those
-    kernels compute-bound and their speed hang on the launch configuration Inductor benchmarked
-    (1.9 or 4.2 us per layer at llama-8b bs 8-32 on the H200, from run to run)."""
+    float32 product, then cos / sin). A step gathers its rows instead. Evaluated per step, cos and
+    sin were inlined by Inductor into every layer's query and key RoPE kernels, for every head, and
+    those kernels' speed varied from one compile to the next with the launch configuration Inductor's
+    one-off benchmark chose (on the H200: 1.9 or 4.0-4.4 us per layer; the tuned static-cache
+    baseline's RoPE kernel 394 us per llama-8b bs=32 step in one compile, 52 in another).
+    The tables cost ``max_position`` x ``head_dim`` x 4 bytes: 32 MiB for llama-1b's 131072
+    positions, 64 MiB for a 131072-position head_dim-128 checkpoint."""
     positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
     freqs = positions[:, None] * inv_freq[None, :]
     return torch.cos(freqs), torch.sin(freqs)
@@ -278,6 +281,9 @@ class Transformer(nn.Module):
     # -- the forward, as four stages --------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, head_dim // 2]`` float32 of each row's position (``rope_tables``' rows)."""
+        if self.rope_cos.dtype != torch.float32:  # a trace-time check: no work in a compiled step
+            raise ValueError(f"tscompile: RoPE tables are {self.rope_cos.dtype}, not float32 (a cast of the whole "
+                             "model rounds them); call model.reset_rope(device) after casting")
         return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, start: int, stop: int) -> torch.Tensor:
