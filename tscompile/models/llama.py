@@ -243,10 +243,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("inv_freq", rope_frequencies(cfg).float(), persistent=False)
-        cos, sin = rope_tables(self.inv_freq, cfg.max_position)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name in ("inv_freq", "rope_cos", "rope_sin"):  # filled by reset_rope, on the weights' device
+            self.register_buffer(name, None, persistent=False)
+        self.reset_rope(self.tok_embeddings.weight.device)
 
     def reset_rope(self, device: torch.device | str) -> None:
         """RoPE's frequencies and tables, recomputed in float32 on ``device``: a cast of the model to
