@@ -24,6 +24,26 @@ def test_greedy_matches_dense_reference(model):
         assert got == dense_greedy(llm.model, prompt, 6)
 
 
+def test_rope_tables_hold_max_model_len_positions_and_the_last_one_runs():
+    """The engine sizes its own model's RoPE tables to max_model_len (the rest of a 131072-position
+    table would be dead memory); a request that fills max_model_len must still match a reference
+    model that keeps the full tables."""
+    import tscompile.models
+
+    llm = make_llm(max_model_len=40)
+    full = tscompile.models.build_model("llama-tiny", dtype=torch.float64)
+    assert full.rope_cos.shape[0] == full.config.max_position > 40
+    assert llm.model.rope_cos.shape == llm.model.rope_sin.shape == (40, full.config.head_dim // 2)
+    assert torch.equal(llm.model.rope_cos, full.rope_cos[:40]) and torch.equal(llm.model.rope_sin, full.rope_sin[:40])
+    prompt = [(7 * i) % 200 + 1 for i in range(30)]
+    got = ids(llm.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True)))[0]
+    assert got == dense_greedy(full, prompt, 10)  # positions 0..38: the table's last row is never needed
+    with pytest.raises(ValueError, match=r"^tscompile: RoPE tables of 0 positions"):
+        full.reset_rope("cpu", 0)
+    with pytest.raises(ValueError, match=r"^tscompile: RoPE tables of .* expected 1 to the model's max_position"):
+        full.reset_rope("cpu", full.config.max_position + 1)
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=7),
                                     SamplingParams(max_new_tokens=7, temperature=0.9, top_k=20, top_p=0.9, seed=3)])

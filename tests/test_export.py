@@ -202,6 +202,11 @@ def test_external_weights_load_agree_and_are_borrowed(package, eager):
     assert read_package_metadata(external)["weights"] == "external"
     weight_bytes = sum(p.numel() * 4 for p in tscompile.models.build_model("llama-tiny").parameters())
     assert os.path.getsize(external) < os.path.getsize(inside) - weight_bytes // 2  # no weights inside
+    from safetensors import safe_open
+
+    with safe_open(weights_file, framework="pt") as f:  # RoPE rows for the package's positions only
+        head_dim = tscompile.models.build_config("llama-tiny").head_dim
+        assert f.get_slice("rope_cos").get_shape() == [BOUNDS["max_model_len"], head_dim // 2]
     llm = tscompile.load_package(external)
     params = SamplingParams(max_new_tokens=6)
     assert ids(llm.generate(PROMPTS, params)) == ids(eager("llama-tiny").generate(PROMPTS, params))

@@ -165,14 +165,16 @@ def check_tensors(plan: dict[str, _Target], params: dict[str, torch.Tensor], fou
                          f"{shown}")
 
 
-def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """An uninitialised model in ``dtype`` on ``device``; no host copy of the weights is ever made."""
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                rope_positions: int | None = None) -> Transformer:
+    """An uninitialised model in ``dtype`` on ``device``; no host copy of the weights is ever made.
+    ``rope_positions``: rows of its RoPE tables (``Transformer.reset_rope``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty gives each module its own tensor, which unties them
         model.output.weight = model.tok_embeddings.weight
-    model.reset_rope(device)  # RoPE stays float32 in any dtype
+    model.reset_rope(device, rope_positions)  # RoPE stays float32 in any dtype
     return model.eval()
 
 
@@ -205,8 +207,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     """The native model of a local checkpoint directory, and what else the engine needs from it.
 
     ``dtype`` defaults to the checkpoint's own on CUDA and float32 on CPU. ``max_model_len`` (default: the
-    config's max_position_embeddings) is the longest sequence the caller will run; an active sliding
-    window shorter than that is refused, since attention here is always full."""
+    config's max_position_embeddings) is the longest sequence the caller will run: an active sliding
+    window shorter than that is refused, since attention here is always full, and the RoPE tables
+    hold that many positions."""
     root = _checkpoint_root(path)
     raw = json.loads((root / "config.json").read_text())
     architecture, _ = architecture_of(raw)
@@ -223,7 +226,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
         params = dict(Transformer(cfg).named_parameters())
     check_tensors(plan, params, found, cfg, repr(str(root)))
 
-    model = empty_model(cfg, dtype, device)
+    # a max_model_len above max_position is the engine's to refuse, with its own message
+    rope_positions = None if max_model_len is None else min(max_model_len, cfg.max_position)
+    model = empty_model(cfg, dtype, device, rope_positions=rope_positions)
     start = time.perf_counter()
     bytes_read = fill_weights(model, plan, files)
     if device.type == "cuda":

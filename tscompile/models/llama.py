@@ -136,18 +136,17 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return _ROPE_SCALERS[s["rope_type"]](inv, s)
 
 
-def rope_tables(inv_freq: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position x frequency for every position below ``max_position``,
-    ``[max_position, head_dim // 2]`` float32, computed with the ops a forward once ran per step (a
+def rope_tables(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency for every position below ``positions``,
+    ``[positions, head_dim // 2]`` float32, computed with the ops a forward once ran per step (a
     float32 product, then cos / sin). A step gathers its rows instead. Evaluated per step, cos and
     sin were inlined by Inductor into every layer's query and key RoPE kernels, for every head, and
     those kernels' speed varied from one compile to the next with the launch configuration Inductor's
     one-off benchmark chose (on the H200: 1.9 or 4.0-4.4 us per layer; the tuned static-cache
     baseline's RoPE kernel 394 us per llama-8b bs=32 step in one compile, 52 in another).
-    The tables cost ``max_position`` x ``head_dim`` x 4 bytes: 32 MiB for llama-1b's 131072
-    positions, 64 MiB for a 131072-position head_dim-128 checkpoint."""
-    positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
-    freqs = positions[:, None] * inv_freq[None, :]
+    The tables cost ``positions`` x ``head_dim`` x 4 bytes: 32 MiB for all of llama-1b's 131072
+    positions, so the engine and the package builder size them to ``max_model_len``."""
+    freqs = torch.arange(positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
     return torch.cos(freqs), torch.sin(freqs)
 
 
@@ -247,11 +246,18 @@ class Transformer(nn.Module):
             self.register_buffer(name, None, persistent=False)
         self.reset_rope(self.tok_embeddings.weight.device)
 
-    def reset_rope(self, device: torch.device | str) -> None:
+    def reset_rope(self, device: torch.device | str, positions: int | None = None) -> None:
         """RoPE's frequencies and tables, recomputed in float32 on ``device``: a cast of the model to
-        a lower dtype (or ``to_empty``) leaves them rounded or uninitialised."""
+        a lower dtype (or ``to_empty``) leaves them rounded or uninitialised. ``positions``: table
+        rows, default the config's ``max_position``; the engine passes its ``max_model_len`` (a
+        position at or past it is never run, so the rest of the table would be dead memory)."""
+        limit = self.config.max_position
+        positions = limit if positions is None else positions
+        if not 1 <= positions <= limit:
+            raise ValueError(f"tscompile: RoPE tables of {positions} positions; expected 1 to the model's "
+                             f"max_position {limit}")
         self.inv_freq = rope_frequencies(self.config).float().to(device)
-        self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, self.config.max_position)
+        self.rope_cos, self.rope_sin = rope_tables(self.inv_freq, positions)
 
     # -- structure the runtime reads ---------------------------------------------------------------
     @property

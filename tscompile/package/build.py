@@ -95,6 +95,7 @@ def export_package(
     if max_num_seqs < 1 or max_model_len < 1 or page_size < 1:
         raise ValueError(f"tscompile: bounds must be positive, got max_num_seqs {max_num_seqs}, "
                          f"max_model_len {max_model_len}, page_size {page_size}")
+    built.reset_rope(device, max_model_len)  # the package runs no position past its bound
     if max_num_batched_tokens is None:
         max_num_batched_tokens = min(2048, max_num_seqs * max_model_len)
     if max_num_batched_tokens < 4:

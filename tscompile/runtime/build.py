@@ -220,6 +220,8 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     if max_model_len > cfg.max_position:
         raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position "
                          f"{cfg.max_position}")
+    if built is not model:  # our own model: RoPE tables for the positions this engine can run, no more
+        built.reset_rope(device, max_model_len)
     specs = built.cache_groups()
     attention = create_attention_router(attention_backend, specs, max_model_len=max_model_len, page_size=page_size,
                                         pages_per_block=pages_per_block, device=device)
