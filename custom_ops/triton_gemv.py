@@ -15,6 +15,13 @@ stores it ([N, K], K contiguous):
         "dot": ``tl.dot(w_tile, x_tile.T)`` with M padded to 16, i.e. the weight tile is the wide
                operand of the tensor-core product ("swap AB"), which keeps the accumulator at
                [BLOCK_N, 16] and lets Triton pipeline the weight tiles through shared memory;
+        "acc": Inductor's GEMV reduction (what coordinate-descent tuning makes of a one-row matmul):
+               a float32 product accumulator of the whole [BLOCK_N, BLOCK_K] chunk carried across
+               the K loop and reduced once at the end, not per chunk; weights loaded with
+               evict_first, x with evict_last. With 1-4 columns per program and K chunks of 512-4096
+               this is the form the tuned static-cache baseline's llama-8b qkv and output
+               projections read at 13.2 and 9.8 us per layer on the H200 (cuBLAS 16.4 and 11.0 +
+               1.7 split-K reduce; bench/results/same-lease-b0f9ede/);
     - optional split-K: SPLIT_K programs per column block each cover one K range and write a
       float32 partial; a second small kernel sums the partials in a fixed order and casts. Plain
       stores instead of atomics keep the result deterministic and need no zeroed buffer.
@@ -36,7 +43,7 @@ from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2
 
 MAX_ROWS = 16  # beyond this the rows no longer fit the register/16-row-dot design; use a GEMM
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MODES = ("fma", "dot")
+MODES = ("fma", "dot", "acc")
 
 # Programs the automatic split-K aims for: about four per SM of an H200 (132 SMs), enough
 # column-block x K-range programs in flight to saturate HBM when N alone gives too few.
@@ -62,7 +69,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_os, stride_om, stride_on,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """Program (column block, K range): the float32 sum over its K range for its BLOCK_N columns
     and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split)."""
@@ -81,6 +88,8 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    if ACC:  # products of every chunk summed elementwise, reduced across K once after the loop
+        acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         if USE_DOT:
@@ -96,6 +105,17 @@ def _gemv_kernel(
                 w = w.to(tl.float32)
                 x = x.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        elif ACC:
+            w_ptrs = w_rows[None, :, None] + k[None, None, :]  # [1, BLOCK_N, BLOCK_K]
+            x_ptrs = x_rows[:, None, None] + k[None, None, :]  # [M_PAD, 1, BLOCK_K]
+            # each weight byte is read once: keep it from displacing x (re-read by every program) in L2
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, eviction_policy="evict_last")
+            else:
+                w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_last")
+            acc3 += x.to(tl.float32) * w.to(tl.float32)
         else:
             # 3-D pointers pin the layout: a thread's weight elements meet every row of x it
             # needs inside the thread, so the M products per weight element need no shuffles.
@@ -108,6 +128,8 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0)
             acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)
+    if ACC:
+        acc = tl.sum(acc3, axis=2)
     out_base = out_ptr + pid_k * stride_os
     if USE_DOT:
         ptrs = out_base + m[None, :] * stride_om + n[:, None] * stride_on
@@ -244,7 +266,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         x, w, target, m, n, k, per_split,
         x.stride(0), w.stride(0), stride_os, stride_om, stride_on,
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:

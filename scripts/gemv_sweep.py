@@ -1,6 +1,6 @@
 """Time the Triton skinny matmul (`triton_gemv.gemv`) against cuBLAS on the decode projections.
 
-    python scripts/gemv_sweep.py [out.json]        (about 60-90 s on an H200, about half of it ~33 compiles)
+    python scripts/gemv_sweep.py [out.json]        (about 60-90 s on an H200 before the "acc" tiles, about half of it ~33 compiles)
 
 Data: bf16, out[M, N] = x[M, K] @ w[N, K].T with w as nn.Linear stores it, for the llama-1b and
 llama-8b projection shapes (fused qkv, o, fused gate/up, down, LM head) at M = 1, 2, 4, 8 rows (the
@@ -56,12 +56,26 @@ TILE_GRID = [
 ]
 
 
+# "acc" (Inductor's GEMV reduction form) at the launches coordinate-descent tuning chose for the tuned
+# static-cache baseline's llama-8b bs=1 projections on the H200 (bench/results/same-lease-b0f9ede/,
+# its autotuned_kernels), split 1 as there, and only at M <= ACC_MAX_ROWS: its float32 accumulator
+# holds M x BLOCK_N x BLOCK_K products.
+ACC_TILES = [
+    (1, 512, 8, 1, "acc"), (1, 2048, 8, 1, "acc"), (2, 4096, 8, 1, "acc"), (2, 4096, 16, 1, "acc"),
+    (4, 4096, 4, 1, "acc"), (4, 2048, 16, 1, "acc"),
+]
+ACC_MAX_ROWS = 2
+
+
 def configs_for(m, n, k):
-    """The shape's Triton configs: the module default first, then each tile at split 1 and auto."""
+    """The shape's Triton configs: the module default first, then each tile at split 1 and auto,
+    then (at M <= ACC_MAX_ROWS) the "acc" tiles at split 1."""
     cfgs = [tg.default_config(m, n, k)]
     for block_n, block_k, warps, stages, mode in TILE_GRID:
         for split in (1, tg.auto_split(n, k, block_n, block_k)):
             cfgs.append((block_n, block_k, split, warps, stages, mode))
+    if m <= ACC_MAX_ROWS:
+        cfgs += [(block_n, block_k, 1, warps, stages, mode) for block_n, block_k, warps, stages, mode in ACC_TILES]
     return list(dict.fromkeys(cfgs))
 
 
@@ -172,8 +186,18 @@ def main(out_path):
             for r in mine:
                 ms = timed(r["triton"], correct).get(best)
                 speedups[r["m"]] = min(timed(r["torch"]).values()) / ms if ms else None
+            one = next(r for r in mine if r["m"] == 1)  # the bs=1 decode row, where "acc" also runs
+            ok1 = timed(one["triton"], correct)
+            best1 = min(ok1, key=ok1.get) if ok1 else None
+            cublas1 = min(timed(one["torch"]).values())
             summary[f"{model}/{proj}"] = {"n": n, "k": k, "best_overall": best, "mean_ratio": score.get(best),
-                                          "speedup_vs_cublas_by_m": speedups}
+                                          "speedup_vs_cublas_by_m": speedups, "best_m1": best1,
+                                          "best_m1_us": ok1[best1] * 1e3 if best1 else None,
+                                          "cublas_m1_us": cublas1 * 1e3,
+                                          "speedup_m1": cublas1 / ok1[best1] if best1 else None}
+            if best1:
+                print(f"{model}/{proj}: best at M=1 {best1} {ok1[best1] * 1e3:.1f} us against cuBLAS "
+                      f"{cublas1 * 1e3:.1f} us ({cublas1 / ok1[best1]:.2f}x)", flush=True)
             shown = " ".join(f"M={m}:{s:.2f}x" for m, s in speedups.items() if s)
             print(f"{model}/{proj}: best config over M {best} (mean ratio to per-row best "
                   f"{score.get(best, float('nan')):.3f}) -> SHAPE_CONFIGS[({n}, {k})] candidate; vs cuBLAS {shown}",
@@ -184,7 +208,8 @@ def main(out_path):
     for r in rows:
         r["triton"] = {key(c): e for c, e in r["triton"].items()}
     with open(out_path, "w") as f:
-        json.dump({"rows": rows, "summary": summary, "tile_grid": TILE_GRID, "rotate_bytes": ROTATE_BYTES,
+        json.dump({"rows": rows, "summary": summary, "tile_grid": TILE_GRID, "acc_tiles": ACC_TILES,
+                   "rotate_bytes": ROTATE_BYTES,
                    "max_diff": MAX_DIFF, "default_tiles": tg.DEFAULT_TILES,
                    "target_programs": tg.TARGET_PROGRAMS}, f, indent=1)
 

@@ -23,6 +23,7 @@ ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-5
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, mode]); 16-wide tiles keep the interpreter fast
 FMA, FMA_SPLIT = (16, 32, 1, 4, 1), (16, 32, 3, 4, 1, "fma")
 DOT, DOT_SPLIT = (16, 32, 1, 4, 1, "dot"), (32, 16, 2, 4, 1, "dot")
+ACC, ACC_SPLIT = (2, 32, 1, 4, 1, "acc"), (4, 16, 3, 4, 1, "acc")  # Inductor-style: 1-4 columns per program
 
 
 def _inputs(m, n, k, dtype, device, seed, x_row_stride=None):
@@ -44,6 +45,8 @@ def _assert_matches(out, x, w):
     (FMA_SPLIT, 32, 96),  # K divides evenly: the unmasked path, three K ranges summed
     (DOT, 33, 80),        # a one-column tail block, tail K chunk
     (DOT_SPLIT, 48, 56),  # tail K chunk in the last of two K ranges
+    (ACC, 9, 72),         # a one-column tail block, tail K chunk carried in the accumulator
+    (ACC_SPLIT, 12, 96),  # the accumulator reduced per K range, three ranges summed
 ])
 def test_gemv_matches_float32_math(dtype, m, config, n, k, device):
     x, w = _inputs(m, n, k, dtype, device, seed=hash((str(dtype), m, config, n)) % 2**31)
@@ -58,7 +61,7 @@ def test_gemv_writes_only_inside_out_and_reads_strided_x_rows(device):
     m, n, k = 5, 24, 40
     x, w = _inputs(m, n, k, torch.bfloat16, device, seed=11, x_row_stride=k + 24)
     assert x.stride(0) == k + 24
-    for config in (FMA, DOT_SPLIT):
+    for config in (FMA, DOT_SPLIT, ACC):
         buf = torch.full((m + 2, n + 8), float("nan"), dtype=torch.bfloat16, device=device)
         out = buf[1:m + 1, 3:n + 3]
         tg.gemv(x, w, out, config=config)
@@ -136,7 +139,8 @@ def test_gemv_refuses_bad_inputs(case):
 def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
     """scripts/gemv_sweep.py end to end with tiny shapes, two tiles and a stand-in timer (CUDA-graph
     timing needs a GPU): every output is compared with float32 math, a config that is off is
-    reported and never picked, and the automatic split shows up as its own config."""
+    reported and never picked, the automatic split shows up as its own config, and an "acc" tile runs
+    at M = 1 only (split 1), where the summary's best_m1 picks it."""
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
     spec = importlib.util.spec_from_file_location("gemv_sweep", path)
     sweep = importlib.util.module_from_spec(spec)
@@ -147,6 +151,9 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
     monkeypatch.setattr(sweep, "ROWS", (1, 3))
     monkeypatch.setattr(sweep, "MAX_COPIES", 3)
     monkeypatch.setattr(sweep, "TILE_GRID", [good, wrong])
+    acc = (2, 32, 4, 1, "acc")
+    monkeypatch.setattr(sweep, "ACC_TILES", [acc])
+    monkeypatch.setattr(sweep, "ACC_MAX_ROWS", 1)
     monkeypatch.setattr(tg, "DEFAULT_TILES", {1: good, 2: good, 4: good, 8: good, 16: good})
     monkeypatch.setattr(tg, "TARGET_PROGRAMS", 6)
     real_run = sweep.run_triton
@@ -162,7 +169,9 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
         last.clear()
         fn()
         cfg = last.get("cfg")
-        return 1e-4 if cfg is not None and cfg[:2] == wrong[:2] else 1e-3
+        if cfg is not None and cfg[:2] == wrong[:2]:
+            return 1e-4
+        return 5e-4 if cfg is not None and cfg[-1] == "acc" else 1e-3
 
     monkeypatch.setattr(sweep, "run_triton", run_triton)
     monkeypatch.setattr(sweep, "bench", fake_bench)
@@ -175,7 +184,10 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
         assert split > 1
         good_keys = {"16,32,1,4,1,fma", f"16,32,{split},4,1,fma"}
         wrong_keys = {k_ for k_ in row["triton"] if k_.startswith("8,32,")}
-        assert set(row["triton"]) == good_keys | wrong_keys and len(wrong_keys) == 2
+        acc_keys = {"2,32,1,4,1,acc"} if row["m"] == 1 else set()
+        assert set(row["triton"]) == good_keys | wrong_keys | acc_keys and len(wrong_keys) == 2
+        for key in acc_keys:
+            assert row["triton"][key]["max_diff"] < 2e-2
         for key in good_keys:
             assert row["triton"][key]["max_diff"] < 2e-2  # bf16 outputs of N(0, 1) size
         for key in wrong_keys:
@@ -187,6 +199,7 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
     for name, s in result["summary"].items():
         assert tuple(s["best_overall"][:2]) == good[:2], name
         assert all(v == pytest.approx(1.0) for v in s["speedup_vs_cublas_by_m"].values())
+        assert tuple(s["best_m1"]) == (2, 32, 1, 4, 1, "acc") and s["speedup_m1"] == pytest.approx(2.0)
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
@@ -200,7 +213,8 @@ def test_gemv_llama_1b_qkv_matches_torch_gpu(m):
     n, k = QKV_1B
     x, w = _inputs(m, n, k, torch.bfloat16, "cuda", seed=m)
     # the defaults split K here (fma at M = 1, dot at M = 8); the explicit configs do not
-    for config in (None, (8, 512, 1, 4, 2, "fma"), (64, 128, 1, 4, 4, "dot")):
+    for config in (None, (8, 512, 1, 4, 2, "fma"), (64, 128, 1, 4, 4, "dot"), (1, 512, 1, 8, 1, "acc"),
+                   (4, 2048, 1, 16, 1, "acc")):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         tg.gemv(x, w, out, config=config)
         torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2,
@@ -208,7 +222,8 @@ def test_gemv_llama_1b_qkv_matches_torch_gpu(m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, config", [(1, (8, 512, 2, 4, 2, "fma")), (8, (64, 128, 8, 4, 4, "dot"))])
+@pytest.mark.parametrize("m, config", [(1, (8, 512, 2, 4, 2, "fma")), (8, (64, 128, 8, 4, 4, "dot")),
+                                       (1, (2, 1024, 2, 8, 1, "acc"))])
 def test_gemv_replays_in_cuda_graph_with_new_x_gpu(m, config):
     """Captured once with split-K (two launches and a partial buffer, which comes from the graph's
     pool), replayed with new x values copied into the static input: the result follows x."""
