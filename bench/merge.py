@@ -209,7 +209,7 @@ def runs_markdown(result: dict) -> str:
         if run.get("tscompile_options"):
             facts.append(f"tscompile options `{json.dumps(run['tscompile_options'])}`")
         if run.get("kernel_paths"):  # runs written before 2026-12-02 do not record them
-            facts.append(f"attention kernel switches `{json.dumps(run['kernel_paths'], sort_keys=True)}`")
+            facts.append(f"kernel switches `{json.dumps(run['kernel_paths'], sort_keys=True)}`")
         if run.get("copy_bandwidth_gbps"):
             facts.append(f"copy bandwidth {run['copy_bandwidth_gbps']:.1f} GB/s")
         if run.get("peak_tflops"):

@@ -86,11 +86,13 @@ def content_tree(root: Path | None = None) -> str | None:
 
 
 def kernel_paths() -> dict:
-    """The environment switches of the Triton attention kernels, as this process runs them (an A/B run
-    sets one; two runs of one mode then differ in them, and a merged table says so per run)."""
-    from tscompile.custom_ops import triton_attention, triton_extend
+    """The environment switches of the Triton kernels (attention, extend, decode GEMV), as this process
+    runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged table says
+    so per run)."""
+    from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
 
     return {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
+            "decode_gemv": triton_gemv.DECODE_GEMV,
             "fused_decode": triton_attention.FUSED_DECODE,
             "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
 

@@ -274,3 +274,34 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
             target, out, n, splits, target.stride(0), target.stride(1), *out.stride(), BLOCK=SUM_BLOCK,
         )
     return out
+
+
+# -- the decode graph's one-row projections (opt-in) ------------------------------------------------
+# TSCOMPILE_DECODE_GEMV=1: the engine's bs=1 decode graph on CUDA runs the one-row matmuls whose
+# weight shape has an entry below through ``tscompile::gemv`` (passes/decode_gemv.py) instead of
+# cuBLAS; other shapes (the LM head, the down projection) stay cuBLAS. Off by default: this kernel's
+# "acc" launches below are the ones Inductor's coordinate-descent tuning chose for the same shapes in
+# the tuned static-cache baseline (H200, bench/results/same-lease-b0f9ede/), not yet timed for this
+# kernel (scripts/gemv_sweep.py does) nor inside the engine. Keys are llama-8b's (N, K).
+from tscompile.custom_ops.triton_attention import env_flag  # noqa: E402  (the module's other switches' reader)
+
+DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", False)
+DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
+    (6144, 4096): (1, 512, 1, 8, 1, "acc"),    # fused qkv: Inductor's 13.2 us (cuBLAS 16.4)
+    (4096, 4096): (4, 4096, 1, 4, 1, "acc"),   # output projection: 10.0 us (cuBLAS 11.0 + 1.7 split-K reduce)
+    (28672, 4096): (1, 2048, 1, 8, 1, "acc"),  # fused gate/up: 54.5 us with the RMSNorm in it (cuBLAS 57.4)
+}
+
+
+@torch.library.custom_op("tscompile::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``DECODE_GEMV_CONFIGS``' launch for w's shape
+    (the default one for a shape without an entry)."""
+    if x.dim() == 2 and x.shape[1] > 1 and x.stride(1) != 1:  # the graph may hand over any layout
+        x = x.contiguous()
+    return gemv(x, w, config=DECODE_GEMV_CONFIGS.get(tuple(w.shape)))
+
+
+@gemv_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))

@@ -170,9 +170,11 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     merged table names each run's switches; a run written before the record says nothing."""
     from tscompile.custom_ops import triton_attention as ta
     from tscompile.custom_ops import triton_extend as te
+    from tscompile.custom_ops import triton_gemv as tg
 
     assert eager_run["env"]["kernel_paths"] == {
         "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT, "fused_decode": ta.FUSED_DECODE,
+        "decode_gemv": tg.DECODE_GEMV,
         "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
     other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,
@@ -181,11 +183,11 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     del older["env"]["kernel_paths"]
     md = bench_merge.runs_markdown(bench_merge.merge([eager_run, other, older], ["a.json", "b.json", "c.json"]))
     line_b = next(line for line in md.splitlines() if line.startswith("- `b.json`"))
-    assert ('attention kernel switches `{"decode_write_in_split": false, "extend_config_overrides": {"128": '
+    assert ('kernel switches `{"decode_write_in_split": false, "extend_config_overrides": {"128": '
             '[128, 64, 8, 3]}, "fused_decode": false}`') in line_b
-    assert "attention kernel switches `{\"decode_write_in_split\": " in \
+    assert "kernel switches `{\"decode_gemv\": " in \
         next(line for line in md.splitlines() if line.startswith("- `a.json`"))
-    assert "attention kernel switches" not in next(line for line in md.splitlines() if line.startswith("- `c.json`"))
+    assert "kernel switches" not in next(line for line in md.splitlines() if line.startswith("- `c.json`"))
 
 
 def _git(root, *args):

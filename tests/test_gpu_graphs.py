@@ -165,6 +165,43 @@ def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas()
     assert [k for k in two if cublas.search(k)], two
 
 
+def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_gives_eager_tokens(monkeypatch):
+    """TSCOMPILE_DECODE_GEMV (passes/decode_gemv.py) with llama-tiny's qkv, output and gate/up shapes in
+    the launch table (a 640-id vocabulary, so the LM head's shape is no projection's): one bs=1 step
+    runs ``_gemv_kernel`` three times per layer and cuBLAS for the down projections and the LM head
+    only; the dynamic bs=2 graph is untouched; tokens as eager's (float32)."""
+    import re
+
+    from tscompile.custom_ops import triton_gemv as tg
+
+    monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {
+        (512, 256): (1, 256, 1, 4, 1, "acc"), (256, 256): (2, 256, 1, 4, 1, "acc"), (1024, 256): (4, 128, 1, 8, 1, "acc")})
+    model = tscompile.models.build_config("llama-tiny", vocab_size=640)
+    cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
+    params = SamplingParams(max_new_tokens=6)
+    eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
+    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2)})
+    assert ids(llm.generate(PROMPTS[:1], params)) == eager
+    runner = llm.runner
+
+    def kernels(bs):
+        runner._prepare_decode_capture(bs)
+        runner._run_decode(bs, True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            runner._run_decode(bs, True)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    one, two = kernels(1), kernels(2)
+    layers = model.n_layers
+    assert sum(k == "_gemv_kernel" for k in one) == 3 * layers, one
+    # the down projections and the LM head: one cuBLAS GEMV each, or two with a split-K reduce
+    assert layers + 1 <= len([k for k in one if cublas.search(k) and k != "_gemv_kernel"]) <= 2 * (layers + 1), one
+    assert "_gemv_kernel" not in two, two
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 def test_compiled_graphs_equal_enforce_eager_tokens(model):
     params = SamplingParams(max_new_tokens=8)

@@ -83,7 +83,8 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
                            cudagraph_trees: bool) -> dict:
     """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults (static
     graphs and split pieces only), then the user's options (which win), the residual-addmm pass for a piece of a split graph on CUDA (unless
-    the options set a post-grad post pass of their own), and whether Inductor captures the graph."""
+    the options set a post-grad post pass of their own), the opt-in decode GEMV pass for a static
+    CUDA graph (the same proviso), and whether Inductor captures the graph."""
     on_cuda = device_type == "cuda"
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
     patches = {**defaults, **config.inductor_patches(static)}
@@ -91,8 +92,20 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
         from tscompile.passes.residual_addmm import UnfuseResidualAddmm
 
         patches["post_grad_custom_post_pass"] = UnfuseResidualAddmm()
+    if static and on_cuda and decode_gemv_on() and patches.get("post_grad_custom_post_pass") is None:
+        from tscompile.passes.decode_gemv import DecodeGemv
+
+        patches["post_grad_custom_post_pass"] = DecodeGemv()
     patches["triton.cudagraphs"] = cudagraph_trees
     return patches
+
+
+def decode_gemv_on() -> bool:
+    """TSCOMPILE_DECODE_GEMV (custom_ops/triton_gemv.py): static CUDA graphs (the bs=1 decode step)
+    run their one-row projections through ``tscompile::gemv`` (passes/decode_gemv.py)."""
+    from tscompile.custom_ops import triton_gemv
+
+    return triton_gemv.DECODE_GEMV
 
 
 def _fake_mode(example_inputs: list):

@@ -1,0 +1,116 @@
+"""passes/decode_gemv.py: the bs=1 decode graph's one-row projections through ``tscompile::gemv``.
+
+The pass acts on CUDA graphs only, and only with TSCOMPILE_DECODE_GEMV=1; here it runs on CPU graphs
+by naming the CPU device (the op's Triton kernel runs under the interpreter, which conftest turns
+on), with llama-tiny's weight shapes put in the launch table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import tscompile
+import tscompile.piece_compiler as piece_compiler
+from tscompile.config import TscompileConfig
+from tscompile.custom_ops import triton_gemv as tg
+from tscompile.passes.decode_gemv import DecodeGemv, swap_decode_gemvs
+
+from helpers import PROMPTS, ids, small_llm
+
+aten = torch.ops.aten
+# llama-tiny: qkv (4 + 2 x 2 heads of 64), output, gate/up; down and the LM head stay cuBLAS. Wide
+# column blocks keep the interpreter's program count (its cost) low; the kernel's own tests cover 1-4.
+TINY_TABLE = {
+    (512, 256): (16, 128, 1, 4, 1, "acc"), (256, 256): (32, 256, 1, 4, 1, "acc"), (1024, 256): (64, 256, 1, 4, 1, "acc"),
+}
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _projections(x, w_listed, w_other):
+    return x @ w_listed.T, x @ w_other.T
+
+
+def _inputs(rows=1):
+    g = torch.Generator().manual_seed(rows)
+    return torch.randn(rows, 256, generator=g), torch.randn(256, 256, generator=g), torch.randn(24, 256, generator=g)
+
+
+def test_a_listed_one_row_matmul_becomes_the_gemv_op_and_others_stay(monkeypatch):
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    gm = make_fx(_projections)(*_inputs())
+    assert _targets(gm).count(aten.mm.default) == 2
+    assert swap_decode_gemvs(gm.graph, devices=("cpu",)) == 1  # (24, 256) has no launch: cuBLAS keeps it
+    gm.recompile()
+    targets = _targets(gm)
+    assert targets.count(torch.ops.tscompile.gemv.default) == 1 and targets.count(aten.mm.default) == 1
+    assert targets.count(aten.permute.default) == 1  # the swapped matmul's transpose is gone
+    x, w, w_other = _inputs()
+    listed, other = gm(x, w, w_other)
+    torch.testing.assert_close(listed, x @ w.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(other, x @ w_other.T)
+
+
+def test_cuda_only_by_default_and_not_past_max_rows_or_for_a_strided_weight(monkeypatch):
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    assert swap_decode_gemvs(make_fx(_projections)(*_inputs()).graph) == 0  # a CPU graph, default devices
+    wide = make_fx(_projections)(*_inputs(rows=tg.MAX_ROWS + 1))
+    assert swap_decode_gemvs(wide.graph, devices=("cpu",)) == 0  # a GEMM, not a GEMV
+    x, w, w_other = _inputs()
+    strided = make_fx(_projections)(x, w.T.contiguous().T, w_other)  # [N, K] but K not contiguous
+    assert swap_decode_gemvs(strided.graph, devices=("cpu",)) == 0
+
+
+@pytest.mark.parametrize("flag, static, device, user_pass, wanted", [
+    (True, True, "cuda", None, True),
+    (False, True, "cuda", None, False),    # off by default
+    (True, False, "cuda", None, False),    # a dynamic-batch graph: its matmuls are not one-row
+    (True, True, "cpu", None, False),
+    (True, True, "cuda", "mine", False),   # the user's own post-grad pass wins
+])
+def test_only_static_cuda_graphs_get_the_pass_with_the_flag(monkeypatch, flag, static, device, user_pass, wanted):
+    monkeypatch.setattr(tg, "DECODE_GEMV", flag)
+    options = {"post_grad_custom_post_pass": user_pass} if user_pass else {}
+    patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
+                                                    device_type=device, split_piece=False, cudagraph_trees=False)
+    assert isinstance(patches.get("post_grad_custom_post_pass"), DecodeGemv) == wanted
+
+
+def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypatch):
+    """The compiled CPU engine (llama-tiny's shapes, a 640-id vocabulary so the LM head's shape is no
+    projection's; float32) with the pass in its static bs=1 decode graph: the eager engine's greedy
+    tokens, and the op ran inside that graph's steps for exactly the listed shapes."""
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    model = tscompile.models.build_config("llama-tiny", vocab_size=640)
+    params = tscompile.SamplingParams(max_new_tokens=6)
+    want = ids(small_llm(model, dtype=torch.float32, enforce_eager=True).generate(PROMPTS[:1], params))
+
+    class CpuDecodeGemv(DecodeGemv):
+        def __call__(self, graph):
+            swapped.append(swap_decode_gemvs(graph, devices=("cpu",)))
+
+    swapped, calls = [], []
+    real_patches, real_gemv = piece_compiler.piece_inductor_patches, tg.gemv
+
+    def patches_with_the_pass(config, static, **kw):
+        patches = real_patches(config, static, **kw)
+        if static:
+            patches["post_grad_custom_post_pass"] = CpuDecodeGemv()
+        return patches
+
+    def counting_gemv(x, w, out=None, config=None):
+        calls.append((tuple(w.shape), config))
+        return real_gemv(x, w, out, config)
+
+    monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
+    monkeypatch.setattr(tg, "gemv", counting_gemv)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # compile, so the pass runs
+    llm = small_llm(model, dtype=torch.float32, enforce_eager=False, compile_options={"decode_ladder": (1,)})
+    got = ids(llm.generate(PROMPTS[:1], params))
+    assert got == want
+    assert swapped == [3 * 2]  # one static graph: qkv, output and gate/up in each of the two layers
+    assert {shape for shape, _ in calls} == set(TINY_TABLE)
+    assert all(config == TINY_TABLE[shape] for shape, config in calls)
