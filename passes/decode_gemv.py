@@ -86,7 +86,7 @@ def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",
         w = _gemv_weight(node, devices)
         if w is None:
             continue
-        residual, x, _ = _matmul_args(node)
+        residual, x, transposed = _matmul_args(node)
         with graph.inserting_before(node):
             op = graph.call_function(torch.ops.tscompile.gemv.default, (x, w))
             out = op if residual is None else graph.call_function(aten.add.Tensor, (residual, op))
@@ -94,8 +94,9 @@ def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",
         out.meta.update(node.meta)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+        if not transposed.users:  # the transpose only this matmul read (not a graph-wide DCE, which
+            graph.erase_node(transposed)  # could drop a mutating op whose result no one reads)
         count += 1
-    graph.eliminate_dead_code()  # the permutes no one reads any more
     return count
 
 
