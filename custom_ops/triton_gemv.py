@@ -20,8 +20,9 @@ stores it ([N, K], K contiguous):
                the K loop and reduced once at the end, not per chunk; weights loaded with
                evict_first, x with evict_last. With 1-4 columns per program and K chunks of 512-4096
                this is the form the tuned static-cache baseline's llama-8b qkv and output
-               projections read at 13.2 and 9.8 us per layer on the H200 (cuBLAS 16.4 and 11.0 +
-               1.7 split-K reduce; bench/results/same-lease-b0f9ede/);
+               projections read at 13.2-15.8 and 9.8-10.0 us per layer on the H200 (qkv with its
+               RMSNorm fused in; cuBLAS 16.4 and 11.0 + 1.7 split-K reduce;
+               bench/results/same-lease-b0f9ede/);
     - optional split-K: SPLIT_K programs per column block each cover one K range and write a
       float32 partial; a second small kernel sums the partials in a fixed order and casts. Plain
       stores instead of atomics keep the result deterministic and need no zeroed buffer.
@@ -30,7 +31,8 @@ Graph-safe: the grid and the split layout come from shapes only, nothing reads d
 the host, and the partial buffer is an ordinary allocation (from the graph's pool when captured).
 Accumulation is float32 for every input dtype; float32 inputs use IEEE products.
 
-Not wired into the model: ``scripts/gemv_sweep.py`` times it against cuBLAS first.
+Wired into the model only behind ``TSCOMPILE_DECODE_GEMV`` (below, and passes/decode_gemv.py);
+``scripts/gemv_sweep.py`` times it against cuBLAS.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2
+from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, env_flag
 
 MAX_ROWS = 16  # beyond this the rows no longer fit the register/16-row-dot design; use a GEMM
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,10 +88,10 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    elif ACC:  # products of every chunk summed elementwise, reduced across K once after the loop
+        acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    if ACC:  # products of every chunk summed elementwise, reduced across K once after the loop
-        acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         if USE_DOT:
@@ -282,14 +284,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # cuBLAS; other shapes (the LM head, the down projection) stay cuBLAS. Off by default: this kernel's
 # "acc" launches below are the ones Inductor's coordinate-descent tuning chose for the same shapes in
 # the tuned static-cache baseline (H200, bench/results/same-lease-b0f9ede/), not yet timed for this
-# kernel (scripts/gemv_sweep.py does) nor inside the engine. Keys are llama-8b's (N, K).
-from tscompile.custom_ops.triton_attention import env_flag  # noqa: E402  (the module's other switches' reader)
+# kernel (scripts/gemv_sweep.py does) nor inside the engine. Keys are llama-8b's (N, K). The launches
+# are for one row (the accumulator holds M x BLOCK_N x BLOCK_K products): the pass swaps one-row
+# matmuls only. With coordinate-descent tuning on, Inductor turns one-row matmuls into its own
+# reductions before the pass runs, so the pass then finds none.
 
 DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", False)
 DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
-    (6144, 4096): (1, 512, 1, 8, 1, "acc"),    # fused qkv: Inductor's 13.2 us (cuBLAS 16.4)
+    (6144, 4096): (1, 512, 1, 8, 1, "acc"),    # fused qkv: Inductor's 13.2 us with its RMSNorm (cuBLAS 16.4)
     (4096, 4096): (4, 4096, 1, 4, 1, "acc"),   # output projection: 10.0 us (cuBLAS 11.0 + 1.7 split-K reduce)
-    (28672, 4096): (1, 2048, 1, 8, 1, "acc"),  # fused gate/up: 54.5 us with the RMSNorm in it (cuBLAS 57.4)
+    (28672, 4096): (1, 2048, 1, 8, 1, "acc"),  # fused gate/up: 54.5 us with its RMSNorm (cuBLAS 57.4)
 }
 
 

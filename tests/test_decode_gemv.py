@@ -54,14 +54,56 @@ def test_a_listed_one_row_matmul_becomes_the_gemv_op_and_others_stay(monkeypatch
     assert torch.equal(other, x @ w_other.T)
 
 
-def test_cuda_only_by_default_and_not_past_max_rows_or_for_a_strided_weight(monkeypatch):
+def test_a_residual_addmm_becomes_residual_plus_gemv_and_a_bias_addmm_stays(monkeypatch):
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+
+    def layer(x, w, r, bias):
+        return torch.addmm(r, x, w.T), torch.addmm(bias, x, w.T)
+
+    x, w, _ = _inputs()
+    r, bias = torch.randn(1, 256), torch.randn(256)
+    gm = make_fx(layer)(x, w, r, bias)
+    assert _targets(gm).count(aten.addmm.default) == 2
+    assert swap_decode_gemvs(gm.graph, devices=("cpu",)) == 1
+    gm.recompile()
+    targets = _targets(gm)
+    assert targets.count(aten.addmm.default) == 1 and targets.count(torch.ops.tscompile.gemv.default) == 1
+    residual, biased = gm(x, w, r, bias)
+    torch.testing.assert_close(residual, r + x @ w.T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(biased, torch.addmm(bias, x, w.T))
+
+
+def test_cuda_only_by_default_and_one_row_only_and_not_for_a_strided_weight(monkeypatch):
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     assert swap_decode_gemvs(make_fx(_projections)(*_inputs()).graph) == 0  # a CPU graph, default devices
-    wide = make_fx(_projections)(*_inputs(rows=tg.MAX_ROWS + 1))
-    assert swap_decode_gemvs(wide.graph, devices=("cpu",)) == 0  # a GEMM, not a GEMV
+    two = make_fx(_projections)(*_inputs(rows=2))
+    assert swap_decode_gemvs(two.graph, devices=("cpu",)) == 0  # the launches are sized for one row
     x, w, w_other = _inputs()
     strided = make_fx(_projections)(x, w.T.contiguous().T, w_other)  # [N, K] but K not contiguous
     assert swap_decode_gemvs(strided.graph, devices=("cpu",)) == 0
+
+
+@pytest.mark.parametrize("shape", sorted(tg.DECODE_GEMV_CONFIGS))
+def test_each_shipped_launch_is_valid_and_computes_its_shapes_product(shape):
+    """The shipped table's launches, each run once at its real K on a few columns (the interpreter
+    runs every program; N only sets how many)."""
+    n, k = shape
+    config = tg.DECODE_GEMV_CONFIGS[shape]
+    assert tg.check_config(config) == tuple(config)
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(1, k, generator=g), torch.randn(config[0] * 3 - 1, k, generator=g)  # a tail block
+    out = torch.full((1, w.shape[0]), float("nan"))
+    tg.gemv(x, w, out, config=config)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-3)
+
+
+def test_the_inductor_cache_key_follows_the_launch_table(monkeypatch):
+    """Which matmuls the pass swaps depends on the table: a graph compiled under one table must not be
+    reused from Inductor's cache under another."""
+    shipped = DecodeGemv().uuid()
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    assert DecodeGemv().uuid() != shipped
+    assert DecodeGemv().uuid() == DecodeGemv().uuid()
 
 
 @pytest.mark.parametrize("flag, static, device, user_pass, wanted", [

@@ -24,10 +24,10 @@ def test_greedy_matches_dense_reference(model):
         assert got == dense_greedy(llm.model, prompt, 6)
 
 
-def test_rope_tables_hold_max_model_len_positions_and_the_last_one_runs():
+def test_rope_tables_hold_max_model_len_positions_and_a_request_filling_it_matches_full_tables():
     """The engine sizes its own model's RoPE tables to max_model_len (the rest of a 131072-position
     table would be dead memory); a request that fills max_model_len must still match a reference
-    model that keeps the full tables."""
+    model that keeps the full tables, and a caller's model with shorter tables is refused."""
     import tscompile.models
 
     llm = make_llm(max_model_len=40)
@@ -42,6 +42,11 @@ def test_rope_tables_hold_max_model_len_positions_and_the_last_one_runs():
         full.reset_rope("cpu", 0)
     with pytest.raises(ValueError, match=r"^tscompile: RoPE tables of .* expected 1 to the model's max_position"):
         full.reset_rope("cpu", full.config.max_position + 1)
+    full.reset_rope("cpu", 32)
+    with pytest.raises(ValueError, match=r"^tscompile: the model's RoPE tables hold 32 positions, fewer than "
+                                         r"max_model_len 40; call model.reset_rope"):
+        make_llm(full, max_model_len=40)
+    assert make_llm(full, max_model_len=32).model.rope_cos.shape[0] == 32  # a caller's model is never resized
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])

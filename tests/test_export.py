@@ -342,6 +342,16 @@ def test_refuses_other_torch_and_tscompile_releases(package, monkeypatch):
         tscompile.load_package(path, max_num_seqs=1)
 
 
+def test_export_refuses_a_non_positive_bound_before_loading_the_model(tmp_path, monkeypatch):
+    """A bound of 0 is refused with the bounds message, before the load (which sizes RoPE by
+    max_model_len and would refuse 0 positions with its own)."""
+    import tscompile.package.build as package_build
+
+    monkeypatch.setattr(package_build, "load_model", lambda *a, **k: pytest.fail("loaded before the bounds check"))
+    with pytest.raises(ValueError, match=r"^tscompile: bounds must be positive, got max_num_seqs 1, max_model_len 0"):
+        export_package("llama-tiny", tmp_path / "m.pt2", max_num_seqs=1, max_model_len=0)
+
+
 def test_refuses_another_device(package):
     with pytest.raises(ValueError, match=rf"^tscompile: package was built for device '{DEVICE.type}', "
                                          rf"cannot load it on '{OTHER_DEVICE}'"):

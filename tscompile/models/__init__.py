@@ -27,7 +27,7 @@ def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | N
     Returns the model and, for a checkpoint, its ``CheckpointInfo`` (tokenizer directory, eos ids, load
     GB/s). ``dtype`` None: float32 for a preset, the checkpoint's own on CUDA (float32 on CPU) for a
     checkpoint. ``seed`` seeds random weights; ``max_model_len`` is checked against a checkpoint's
-    sliding window."""
+    sliding window and sizes its RoPE tables (a preset's hold every position up to max_position)."""
     if isinstance(model, ModelConfig) or (isinstance(model, str) and model in PRESETS):
         cfg = build_config(model) if isinstance(model, str) else model
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

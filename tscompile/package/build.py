@@ -85,6 +85,9 @@ def export_package(
         raise ValueError(f"tscompile: --weights must be 'inside' or 'external', got {weights!r}")
     if not os.fspath(out).endswith(".pt2"):
         raise ValueError(f"tscompile: a package path must end in .pt2, got {os.fspath(out)!r}")
+    if max_num_seqs < 1 or max_model_len < 1 or page_size < 1:  # before the load, which sizes RoPE by it
+        raise ValueError(f"tscompile: bounds must be positive, got max_num_seqs {max_num_seqs}, "
+                         f"max_model_len {max_model_len}, page_size {page_size}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     built, checkpoint = load_model(model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len)
@@ -92,9 +95,6 @@ def export_package(
     tokenizer_files, eos = _tokenizer_files(checkpoint)
     if max_model_len > cfg.max_position:
         raise ValueError(f"tscompile: max_model_len {max_model_len} exceeds the model's max_position {cfg.max_position}")
-    if max_num_seqs < 1 or max_model_len < 1 or page_size < 1:
-        raise ValueError(f"tscompile: bounds must be positive, got max_num_seqs {max_num_seqs}, "
-                         f"max_model_len {max_model_len}, page_size {page_size}")
     built.reset_rope(device, max_model_len)  # the package runs no position past its bound
     if max_num_batched_tokens is None:
         max_num_batched_tokens = min(2048, max_num_seqs * max_model_len)

@@ -222,6 +222,10 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                          f"{cfg.max_position}")
     if built is not model:  # our own model: RoPE tables for the positions this engine can run, no more
         built.reset_rope(device, max_model_len)
+    elif built.rope_cos.shape[0] < max_model_len:  # a caller's model, its tables sized by reset_rope
+        raise ValueError(f"tscompile: the model's RoPE tables hold {built.rope_cos.shape[0]} positions, fewer than "
+                         f"max_model_len {max_model_len}; call model.reset_rope(device, {max_model_len}) or pass "
+                         "a smaller max_model_len")
     specs = built.cache_groups()
     attention = create_attention_router(attention_backend, specs, max_model_len=max_model_len, page_size=page_size,
                                         pages_per_block=pages_per_block, device=device)
