@@ -136,6 +136,18 @@ def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
         _decode_once(llm, reqs, graphed=True)
 
 
+def _decode_kernels(runner, bs: int) -> list[str]:
+    """The CUDA kernels of one compiled decode step at ``bs``, run without its graph (compiled already)
+    so that the profiler sees each kernel."""
+    runner._prepare_decode_capture(bs)
+    runner._run_decode(bs, True)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner._run_decode(bs, True)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas():
     """The bs=1 decode graph is compiled static, so coordinate-descent tuning asked for in
     ``static_inductor_options`` reaches it: Inductor lowers its
@@ -149,18 +161,7 @@ def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas()
     eager = ids(make(backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
     llm = make(backend="triton", tuned=True, compile_options={"decode_ladder": (1, 2)})
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
-    runner = llm.runner
-
-    def kernels(bs):
-        runner._prepare_decode_capture(bs)
-        runner._run_decode(bs, True)  # compiled already: no graph, so the profiler sees each kernel
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            runner._run_decode(bs, True)
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-    one, two = kernels(1), kernels(2)
+    one, two = _decode_kernels(llm.runner, 1), _decode_kernels(llm.runner, 2)
     assert one and not [k for k in one if cublas.search(k)], one
     assert [k for k in two if cublas.search(k)], two
 
@@ -183,18 +184,7 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
     llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2)})
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
-    runner = llm.runner
-
-    def kernels(bs):
-        runner._prepare_decode_capture(bs)
-        runner._run_decode(bs, True)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            runner._run_decode(bs, True)
-            torch.cuda.synchronize()
-        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-    one, two = kernels(1), kernels(2)
+    one, two = _decode_kernels(llm.runner, 1), _decode_kernels(llm.runner, 2)
     layers = model.n_layers
     assert sum(k == "_gemv_kernel" for k in one) == 3 * layers, one
     # the down projections and the LM head: one cuBLAS GEMV each, or two with a split-K reduce
