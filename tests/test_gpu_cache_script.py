@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_cache.sh"
 PART_NAME = re.compile(r"^gpucache-(\d\d)of(\d\d)\.tar\.xz$")
 
 # A fresh process that compiles a small function with Inductor on the CPU, checks it against eager
-# on random data and prints the FX graph cache's and AOTAutograd cache's counters.
+# on seeded random data and prints the FX graph cache's and AOTAutograd cache's counters.
 COMPILE_CHILD = r"""
 import json, os, torch
 from torch._dynamo.utils import counters
@@ -29,8 +29,10 @@ from torch._dynamo.utils import counters
 def step(x, w):
     return torch.nn.functional.gelu(x @ w).softmax(-1) * 2 + x.sum()
 
+torch.manual_seed(0)
 x, w = torch.randn(16, 32), torch.randn(32, 8)
-torch.testing.assert_close(torch.compile(step, backend="inductor")(x, w), step(x, w))
+# float32 sums in Inductor's order: off by ~1e-5 on some draws (x.sum() is ~10), so not the defaults
+torch.testing.assert_close(torch.compile(step, backend="inductor")(x, w), step(x, w), rtol=1e-4, atol=1e-4)
 print("COUNTERS " + json.dumps({
     "fxgraph_hit": counters["inductor"]["fxgraph_cache_hit"],
     "fxgraph_miss": counters["inductor"]["fxgraph_cache_miss"],
