@@ -70,11 +70,13 @@ def content_tree(root: Path | None = None) -> str | None:
         env = {**os.environ, "GIT_INDEX_FILE": index}
         try:
             # start from the checkout's own index: unchanged files are not hashed again, and their modes
-            # come from it (core.fileMode off), so a copy that lost execute bits still names the commit
+            # come from it (core.fileMode off), so a copy that lost execute bits still names the commit.
+            # copy2 keeps the index's mtime: git trusts a cached stat only for files older than the index
+            # file, so a fresh mtime would pass a same-second, same-size rewrite off as unchanged
             own = subprocess.run(["git", "-C", str(root), "rev-parse", "--path-format=absolute", "--git-path",
                                   "index"], capture_output=True, text=True, timeout=10)
             if own.returncode == 0 and os.path.exists(own.stdout.strip()):
-                shutil.copyfile(own.stdout.strip(), index)
+                shutil.copy2(own.stdout.strip(), index)
             for cmd in (["-c", "core.fileMode=false", "add", "-A", "."], ["write-tree"]):
                 out = subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True, timeout=60,
                                      env=env)

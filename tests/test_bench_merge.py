@@ -233,6 +233,31 @@ def test_content_tree_names_the_files_as_they_are_whatever_the_head(tmp_path):
     assert seen == _git(root, "rev-parse", "HEAD^{tree}")[:12] != _git(root, "rev-parse", "HEAD~1^{tree}")[:12]
 
 
+def test_content_tree_rehashes_a_same_second_same_size_rewrite(tmp_path):
+    """A file rewritten in the second its index entry was written, at the same size, has a stat that
+    matches the entry: only git's racy-entry rule (entries not older than the index file are hashed
+    again) tells it apart, so the content tree must see the new text, not the cached hash."""
+    from tscompile.bench import report
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    _git(root, "init", "-q")
+    _git(root, "config", "core.trustctime", "false")  # the rewrite's ctime is the one thing that moved
+    old = 1_000_000_000
+    (root / "a.py").write_text("a = 1\n")
+    os.utime(root / "a.py", (old, old))
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "one")
+    index = _git(root, "rev-parse", "--path-format=absolute", "--git-path", "index")
+    os.utime(index, (old, old))  # the index written in the same second as the entry
+    (root / "a.py").write_text("a = 2\n")
+    os.utime(root / "a.py", (old, old))
+    seen = report.content_tree(root)
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "two")
+    assert seen == _git(root, "rev-parse", "HEAD^{tree}")[:12] != _git(root, "rev-parse", "HEAD~1^{tree}")[:12]
+
+
 def test_merged_runs_list_names_each_runs_tscompile_options(eager_run):
     """A run made with --tscompile-options says so in the merged table's list of runs; one without
     does not."""
