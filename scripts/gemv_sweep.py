@@ -1,6 +1,9 @@
 """Time the Triton skinny matmul (`triton_gemv.gemv`) against cuBLAS on the decode projections.
 
     python scripts/gemv_sweep.py [out.json]        (about 60-90 s on an H200 before the "acc" tiles, about half of it ~33 compiles)
+    GEMV_SWEEP_ONLY=llama-8b/qkv,llama-8b/o GEMV_SWEEP_ROWS=1 GEMV_SWEEP_ACC_ONLY=1 python scripts/gemv_sweep.py
+        (a short call: those shapes, those M, only the module default and the "acc" tiles; the JSON is
+        rewritten after every shape, so a call cut off at its deadline still returns what it measured)
 
 Data: bf16, out[M, N] = x[M, K] @ w[N, K].T with w as nn.Linear stores it, for the llama-1b and
 llama-8b projection shapes (fused qkv, o, fused gate/up, down, LM head) at M = 1, 2, 4, 8 rows (the
@@ -22,7 +25,7 @@ every output (cuBLAS's too) is compared with `x.float() @ w.float().T`; a Triton
 than MAX_DIFF is reported and never picked. Prints one line per (shape, M) and per shape the config
 with the best mean ratio to each row's best (the candidate for `triton_gemv.SHAPE_CONFIGS`);
 writes everything to one JSON."""
-import itertools, json, sys, time
+import itertools, json, os, sys, time
 
 import torch
 import torch.nn.functional as F
@@ -67,11 +70,21 @@ ACC_TILES = [
 ACC_MAX_ROWS = 2
 
 
+def _env_list(name):
+    return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
+
+
+ONLY = set(_env_list("GEMV_SWEEP_ONLY"))  # "model/proj" names; empty: every shape
+if _env_list("GEMV_SWEEP_ROWS"):
+    ROWS = tuple(int(m) for m in _env_list("GEMV_SWEEP_ROWS"))
+ACC_ONLY = os.environ.get("GEMV_SWEEP_ACC_ONLY", "0") == "1"
+
+
 def configs_for(m, n, k):
     """The shape's Triton configs: the module default first, then each tile at split 1 and auto,
     then (at M <= ACC_MAX_ROWS) the "acc" tiles at split 1."""
     cfgs = [tg.default_config(m, n, k)]
-    for block_n, block_k, warps, stages, mode in TILE_GRID:
+    for block_n, block_k, warps, stages, mode in [] if ACC_ONLY else TILE_GRID:
         for split in (1, tg.auto_split(n, k, block_n, block_k)):
             cfgs.append((block_n, block_k, split, warps, stages, mode))
     if m <= ACC_MAX_ROWS:
@@ -177,6 +190,8 @@ def main(out_path):
     rows, summary = [], {}
     for model, projs in SHAPES.items():
         for proj, (n, k) in projs.items():
+            if ONLY and f"{model}/{proj}" not in ONLY:
+                continue
             mine = sweep_shape(model, proj, n, k)
             for row in mine:
                 report_row(row)
@@ -186,7 +201,7 @@ def main(out_path):
             for r in mine:
                 ms = timed(r["triton"], correct).get(best)
                 speedups[r["m"]] = min(timed(r["torch"]).values()) / ms if ms else None
-            one = next(r for r in mine if r["m"] == 1)  # the bs=1 decode row, where "acc" also runs
+            one = next((r for r in mine if r["m"] == 1), mine[0])  # the bs=1 decode row, where "acc" also runs
             ok1 = timed(one["triton"], correct)
             best1 = min(ok1, key=ok1.get) if ok1 else None
             cublas1 = min(timed(one["torch"]).values())
@@ -203,13 +218,17 @@ def main(out_path):
                   f"{score.get(best, float('nan')):.3f}) -> SHAPE_CONFIGS[({n}, {k})] candidate; vs cuBLAS {shown}",
                   flush=True)
             rows += mine
+            write_json(out_path, rows, summary, time.time() - t0)
     print(f"total {time.time() - t0:.0f} s")
+
+
+def write_json(out_path, rows, summary, elapsed_s):
     key = lambda c: ",".join(map(str, c))  # noqa: E731
-    for r in rows:
-        r["triton"] = {key(c): e for c, e in r["triton"].items()}
+    rows = [{**r, "triton": {key(c): e for c, e in r["triton"].items()}} for r in rows]
     with open(out_path, "w") as f:
         json.dump({"rows": rows, "summary": summary, "tile_grid": TILE_GRID, "acc_tiles": ACC_TILES,
-                   "rotate_bytes": ROTATE_BYTES,
+                   "rotate_bytes": ROTATE_BYTES, "elapsed_s": elapsed_s, "only": sorted(ONLY),
+                   "rows_m": list(ROWS), "acc_only": ACC_ONLY,
                    "max_diff": MAX_DIFF, "default_tiles": tg.DEFAULT_TILES,
                    "target_programs": tg.TARGET_PROGRAMS}, f, indent=1)
 

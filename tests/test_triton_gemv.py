@@ -202,6 +202,33 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
         assert tuple(s["best_m1"]) == (2, 32, 1, 4, 1, "acc") and s["speedup_m1"] == pytest.approx(2.0)
 
 
+def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, monkeypatch):
+    """The short GPU call (GEMV_SWEEP_ONLY / GEMV_SWEEP_ROWS / GEMV_SWEEP_ACC_ONLY): only the named
+    shape, only the named M, only the module default and the "acc" tiles; the JSON says so."""
+    monkeypatch.setenv("GEMV_SWEEP_ONLY", "tiny/b")
+    monkeypatch.setenv("GEMV_SWEEP_ROWS", "1")
+    monkeypatch.setenv("GEMV_SWEEP_ACC_ONLY", "1")
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemv_sweep_short", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    tile, acc = (16, 32, 4, 1, "fma"), (2, 32, 4, 1, "acc")
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
+    monkeypatch.setattr(sweep, "MAX_COPIES", 2)
+    monkeypatch.setattr(sweep, "TILE_GRID", [(8, 32, 4, 1, "fma")])
+    monkeypatch.setattr(sweep, "ACC_TILES", [acc])
+    monkeypatch.setattr(tg, "DEFAULT_TILES", {1: tile, 2: tile, 4: tile, 8: tile, 16: tile})
+    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), 1e-3)[1])
+    sweep.main(str(tmp_path / "sweep.json"))
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(r["n"], r["m"]) for r in result["rows"]] == [(24, 1)]
+    default = ",".join(map(str, tg.default_config(1, 24, 48)))
+    assert set(result["rows"][0]["triton"]) == {default, "2,32,1,4,1,acc"}
+    assert all(e["max_diff"] < 2e-2 for e in result["rows"][0]["triton"].values())
+    assert list(result["summary"]) == ["tiny/b"] and result["acc_only"] and result["rows_m"] == [1]
+
+
 # -- GPU ----------------------------------------------------------------------------------------------
 
 QKV_1B = (3072, 2048)
