@@ -293,3 +293,23 @@ class LaunchSpy:
             self.launches.append({"grid": grid, **kwargs})
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def flip_byte(path, offset: int) -> None:
+    """Invert one byte of a file in place (damage for the integrity checks)."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def member_offset(path, name: str) -> int:
+    """Where zip member ``name``'s data starts in the archive (after its local header)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(name)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_len + extra_len

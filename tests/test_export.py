@@ -216,6 +216,38 @@ def test_external_weights_load_agree_and_are_borrowed(package, eager):
     assert ids(llm.generate(PROMPTS[:2], params)) == [[0] * 6, [0] * 6]
 
 
+def test_real_package_records_hash_and_refuses_damage(package, tmp_path):
+    """A real external-weights package (a copy of the shared one): the record carries the weights'
+    size and hash, an intact package loads, and damage to tensor data (caught by verify) or to a
+    program member (caught on load) is refused."""
+    import shutil
+
+    from tscompile.package.integrity import file_sha256
+    from tscompile.package.record import FORMAT_VERSION
+    from helpers import flip_byte, member_offset
+
+    shared = package("llama-tiny", "external")
+    path = tmp_path / shared.name
+    shutil.copy(shared, path)
+    wpath = shutil.copy(shared.with_suffix(".safetensors"), path.with_suffix(".safetensors"))
+    record = read_package_metadata(path)
+    assert record["format"] == FORMAT_VERSION
+    assert record["weights_sha256"] == file_sha256(wpath) and record["weights_bytes"] == wpath.stat().st_size
+    assert read_package_metadata(path, verify=True) == record
+    assert len(ids(tscompile.load_package(path).generate([[1, 2, 3]]))[0]) == 16
+
+    flip_byte(wpath, wpath.stat().st_size - 1)  # the last byte of tensor data
+    read_package_metadata(path)
+    with pytest.raises(ValueError, match=r"is damaged: its SHA-256"):
+        read_package_metadata(path, verify=True)
+
+    with zipfile.ZipFile(path) as zf:
+        so = next(i for i in zf.infolist() if i.filename.endswith(".so"))
+    flip_byte(path, member_offset(path, so.filename) + so.file_size // 2)
+    with pytest.raises(ValueError, match=rf"^tscompile: package .* is damaged: member '{so.filename}' fails"):
+        tscompile.load_package(path)
+
+
 def test_loading_spawns_no_process_and_probes_no_cpu_isa(package, monkeypatch):
     """torch's ``load_pt2`` compares each program's host with this one through
     ``get_device_information``, whose ``pick_vec_isa()`` on torch 2.11 compiles and loads a probe in

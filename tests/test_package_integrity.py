@@ -1,13 +1,12 @@
 """Damaged packages are refused before AOTInductor reads them: a member failing its CRC-32, a
 truncated or garbled external weights file, and (only with ``verify=True``) a flipped byte inside
-the weights' tensor data. Synthetic ``.pt2``-like zips keep these fast; one real export checks
-that the record carries the weights hash and that a real package is refused the same way."""
+the weights' tensor data. Synthetic ``.pt2``-like zips keep these fast; a real package's record
+and damage are checked in test_export.py, over the external-weights package its tests share."""
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import zipfile
 from pathlib import Path
 
@@ -17,16 +16,10 @@ from safetensors.torch import save_file
 
 from tscompile.package.integrity import check_package_integrity, file_sha256
 from tscompile.package.record import FORMAT_VERSION, read_package_metadata
-from helpers import ids
+from helpers import flip_byte as _flip, member_offset as _member_offset
 
 MEMBER = "m/data/aotinductor/prefill/wrapper.so"
 WEIGHT_MEMBER = "m/data/weights/weight_0"
-
-
-def _flip(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def _fake_package(path: Path, *, external: bool) -> Path:
@@ -44,16 +37,6 @@ def _fake_package(path: Path, *, external: bool) -> Path:
             zf.writestr(WEIGHT_MEMBER, bytes(range(256)) * 64)
         zf.writestr("m/extra/tscompile.json", json.dumps(record))
     return path
-
-
-def _member_offset(path: Path, name: str) -> int:
-    """Where ``name``'s data starts in the archive (after its local header)."""
-    with zipfile.ZipFile(path) as zf:
-        info = zf.getinfo(name)
-    with open(path, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = struct.unpack("<HH", f.read(4))
-    return info.header_offset + 30 + name_len + extra_len
 
 
 def test_intact_fake_package_reads(tmp_path):
@@ -135,31 +118,3 @@ def test_verify_refuses_a_record_without_a_hash(tmp_path):
     del record["weights_sha256"]
     with pytest.raises(ValueError, match=r"^tscompile: package .* records no weights hash"):
         check_package_integrity(path, record, verify=True)
-
-
-@pytest.mark.slow
-def test_real_package_records_hash_and_refuses_damage(tmp_path):
-    """One AOTInductor export (about a minute on a CPU): the record carries the weights' size and
-    hash, an intact package loads, and damage to a program member or to tensor data is refused."""
-    import tscompile
-    from tscompile.export import export_package
-
-    path = tmp_path / "tiny.pt2"
-    record = export_package("llama-tiny", path, device="cpu", max_num_seqs=2, max_model_len=32, weights="external",
-                            verify=False)
-    wpath = path.with_suffix(".safetensors")
-    assert record["format"] == FORMAT_VERSION
-    assert record["weights_sha256"] == file_sha256(wpath) and record["weights_bytes"] == wpath.stat().st_size
-    assert read_package_metadata(path, verify=True) == record
-    assert len(ids(tscompile.load_package(path).generate([[1, 2, 3]]))[0]) == 16
-
-    _flip(wpath, wpath.stat().st_size - 1)  # the last byte of tensor data
-    read_package_metadata(path)
-    with pytest.raises(ValueError, match=r"is damaged: its SHA-256"):
-        read_package_metadata(path, verify=True)
-
-    with zipfile.ZipFile(path) as zf:
-        so = next(i for i in zf.infolist() if i.filename.endswith(".so"))
-    _flip(path, _member_offset(path, so.filename) + so.file_size // 2)
-    with pytest.raises(ValueError, match=rf"^tscompile: package .* is damaged: member '{so.filename}' fails"):
-        tscompile.load_package(path)
