@@ -229,6 +229,31 @@ def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, 
     assert list(result["summary"]) == ["tiny/b"] and result["acc_only"] and result["rows_m"] == [1]
 
 
+def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path, capsys):
+    """``--decode-table``: a shape enters DECODE_GEMV_CONFIGS with its best M = 1 launch only when that
+    beat cuBLAS by the margin; the printed literal is valid Python that evaluates to the table."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemv_sweep_table", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    summary = {
+        "m/qkv": {"n": 6144, "k": 4096, "best_m1": [1, 512, 1, 8, 1, "acc"], "best_m1_us": 13.0,
+                  "cublas_m1_us": 16.4, "speedup_m1": 16.4 / 13.0},
+        "m/o": {"n": 4096, "k": 4096, "best_m1": [4, 4096, 1, 4, 1, "acc"], "best_m1_us": 11.0,
+                "cublas_m1_us": 11.1, "speedup_m1": 11.1 / 11.0},  # within the margin: stays cuBLAS
+        "m/up": {"n": 28672, "k": 4096, "best_m1": None, "best_m1_us": None, "cublas_m1_us": 57.0,
+                 "speedup_m1": None},  # no correct launch
+    }
+    assert sweep.decode_table({"summary": summary}) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}
+    assert set(sweep.decode_table({"summary": summary}, min_speedup=1.0)) == {(6144, 4096), (4096, 4096)}
+    (tmp_path / "sweep.json").write_text(json.dumps({"summary": summary}))
+    sweep.print_decode_table(str(tmp_path / "sweep.json"), 1.02)
+    printed = capsys.readouterr().out
+    literal = printed.split("= ", 1)[1].split("\n}")[0] + "\n}"
+    assert eval(literal) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}  # noqa: S307
+    assert "cuBLAS kept (below 1.02x): m/o (1.01x)" in printed
+
+
 # -- GPU ----------------------------------------------------------------------------------------------
 
 QKV_1B = (3072, 2048)
