@@ -1,4 +1,5 @@
-"""Skinny matmul for decode: ``out[M, N] = x[M, K] @ w[N, K].T`` with M = 1..16 rows.
+"""Skinny matmul for decode: ``out[M, N] = x[M, K] @ w[N, K].T`` with M = 1..32 rows (32: the
+32-token prefill step's projections, "dot" mode).
 
 At decode batch sizes a projection reads its whole weight to produce a handful of rows, so the
 time is the weight's bytes over the memory bandwidth; cuBLAS's kernels for the small llama
@@ -43,7 +44,11 @@ import triton.language as tl
 
 from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, env_flag
 
-MAX_ROWS = 16  # beyond this the rows no longer fit the register/16-row-dot design; use a GEMM
+# Beyond this a step is a GEMM, not a skinny matmul: the weight tile's reuse across rows pays for a
+# real GEMM's tiling. 17-32 rows run the "dot" mode with a [BLOCK_N, 32] accumulator: the 32-token
+# prefill step (llama-8b's projections ran at 3.6 TB/s in cuBLAS there, H200,
+# bench/results/same-lease-b0f9ede/), which scripts/gemv_sweep.py times with GEMV_SWEEP_ROWS=16,32.
+MAX_ROWS = 32
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MODES = ("fma", "dot", "acc")
 
@@ -57,7 +62,7 @@ TARGET_PROGRAMS = 528
 # segments). More rows: the products grow with M, so hand them to the tensor cores.
 DEFAULT_TILES: dict[int, tuple[int, int, int, int, str]] = {
     1: (8, 512, 4, 2, "fma"), 2: (8, 512, 4, 2, "fma"), 4: (16, 256, 4, 2, "fma"),
-    8: (64, 128, 4, 4, "dot"), 16: (64, 128, 4, 4, "dot"),
+    8: (64, 128, 4, 4, "dot"), 16: (64, 128, 4, 4, "dot"), 32: (64, 128, 4, 4, "dot"),
 }
 # Full configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, mode) for one weight shape
 # (N, K), taking precedence over DEFAULT_TILES and the automatic split; filled from the sweep.

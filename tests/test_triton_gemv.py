@@ -55,6 +55,21 @@ def test_gemv_matches_float32_math(dtype, m, config, n, k, device):
     _assert_matches(out, x, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [17, 32])
+@pytest.mark.parametrize("config", [DOT, DOT_SPLIT, None])  # None: DEFAULT_TILES' 32-row "dot" tile
+def test_gemv_prefill_rows_match_float32_math(dtype, m, config, device):
+    """17-32 rows (the 32-token prefill step's projections) in "dot" mode: the accumulator is
+    [BLOCK_N, 32], rows past M are clamped loads never stored."""
+    n, k = 40, 272  # 272 = 2 * 128 + 16: a tail K chunk for the default tile too
+    x, w = _inputs(m, n, k, dtype, device, seed=m * 7 + (config is None))
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    if config is None:
+        assert tg.default_config(m, n, k)[-1] == "dot"
+    tg.gemv(x, w, out, config=config)
+    _assert_matches(out, x, w)
+
+
 def test_gemv_writes_only_inside_out_and_reads_strided_x_rows(device):
     """out is a column window of a NaN buffer: tail blocks must not store past column N; x rows sit
     in a wider buffer (row stride > K)."""
@@ -109,7 +124,7 @@ def test_split_layout_covers_k_with_whole_chunks():
 def _bad_calls():
     x, w = torch.randn(2, 32), torch.randn(8, 32)
     return {
-        "M > 16": lambda: tg.gemv(torch.randn(17, 32), w),
+        "M > 32": lambda: tg.gemv(torch.randn(33, 32), w),
         "w dtype": lambda: tg.gemv(x, w.half()),
         "x dtype": lambda: tg.gemv(x.double(), w.double()),
         "x 1-D": lambda: tg.gemv(torch.randn(32), w),
@@ -200,6 +215,21 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
         assert tuple(s["best_overall"][:2]) == good[:2], name
         assert all(v == pytest.approx(1.0) for v in s["speedup_vs_cublas_by_m"].values())
         assert tuple(s["best_m1"]) == (2, 32, 1, 4, 1, "acc") and s["speedup_m1"] == pytest.approx(2.0)
+        assert sorted(s["best_by_m"]) == ["1", "3"]  # JSON keys: each row's own pick
+        assert s["best_by_m"]["1"]["best"] == s["best_m1"] and tuple(s["best_by_m"]["3"]["best"][:2]) == good[:2]
+        assert s["best_by_m"]["3"]["speedup"] == pytest.approx(1.0)
+
+
+def test_gemv_sweep_offers_only_tensor_core_tiles_past_eight_rows():
+    """At 16 and 32 rows (GEMV_SWEEP_ROWS=16,32) the "fma" tiles are not compiled; at 8 they are."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemv_sweep_modes", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    assert "fma" in {c[-1] for c in sweep.configs_for(8, 4096, 4096)}
+    for m in (16, 32):
+        cfgs = sweep.configs_for(m, 4096, 4096)
+        assert {c[-1] for c in cfgs} == {"dot"} and len(cfgs) > 1
 
 
 def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, monkeypatch):
