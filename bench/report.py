@@ -93,10 +93,14 @@ def kernel_paths() -> dict:
     so per run)."""
     from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
 
-    return {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
-            "decode_gemv": triton_gemv.DECODE_GEMV,
-            "fused_decode": triton_attention.FUSED_DECODE,
-            "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
+    paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
+             "decode_gemv": triton_gemv.DECODE_GEMV,
+             "fused_decode": triton_attention.FUSED_DECODE,
+             "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
+    if triton_gemv.DECODE_GEMV:  # which projections left cuBLAS, at which launches, and from where
+        paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.DECODE_GEMV_CONFIGS.items()}
+        paths["decode_gemv_table_file"] = triton_gemv.GEMV_TABLE_FILE or None
+    return paths
 
 
 def environment(device: torch.device) -> dict:

@@ -38,6 +38,9 @@ Wired into the model only behind ``TSCOMPILE_DECODE_GEMV`` (below, and passes/de
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -294,12 +297,41 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # matmuls only. With coordinate-descent tuning on, Inductor turns one-row matmuls into its own
 # reductions before the pass runs, so the pass then finds none.
 
+# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV=1) replaces the table with a sweep's M = 1
+# picks (``decode_table_from_sweep``), so one GPU call can sweep and then run the engine on what it found.
+
 DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", False)
 DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
     (6144, 4096): (1, 512, 1, 8, 1, "acc"),    # fused qkv: Inductor's 13.2 us with its RMSNorm (cuBLAS 16.4)
     (4096, 4096): (4, 4096, 1, 4, 1, "acc"),   # output projection: 10.0 us (cuBLAS 11.0 + 1.7 split-K reduce)
     (28672, 4096): (1, 2048, 1, 8, 1, "acc"),  # fused gate/up: 54.5 us with its RMSNorm (cuBLAS 57.4)
 }
+TABLE_MIN_SPEEDUP = 1.02  # a smaller margin over cuBLAS is within run-to-run spread: not worth leaving it
+
+
+def decode_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP) -> dict[tuple[int, int], tuple]:
+    """``DECODE_GEMV_CONFIGS`` from scripts/gemv_sweep.py's JSON: per shape, its best correct launch at
+    M = 1 where that beat cuBLAS's best by ``min_speedup`` or more; other shapes stay cuBLAS."""
+    table = {}
+    for s in result["summary"].values():
+        if s.get("best_m1") and s.get("speedup_m1") and s["speedup_m1"] >= min_speedup:
+            table[(int(s["n"]), int(s["k"]))] = check_config(tuple(s["best_m1"]))
+    return table
+
+
+def decode_table_from_file(path: str) -> dict[tuple[int, int], tuple]:
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        return decode_table_from_sweep(result)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"tscompile: TSCOMPILE_GEMV_TABLE={path!r} is not a readable scripts/gemv_sweep.py "
+                         f"JSON ({type(e).__name__}: {e})") from None
+
+
+GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV else ""
+if GEMV_TABLE_FILE:  # read only with the pass on: a process that never swaps needs no sweep file
+    DECODE_GEMV_CONFIGS = decode_table_from_file(GEMV_TABLE_FILE)
 
 
 @torch.library.custom_op("tscompile::gemv", mutates_args=())

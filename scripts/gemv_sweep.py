@@ -6,7 +6,8 @@
         rewritten after every shape, so a call cut off at its deadline still returns what it measured)
     python scripts/gemv_sweep.py --decode-table out.json [--min-speedup 1.02]
         (no GPU: prints ``triton_gemv.DECODE_GEMV_CONFIGS`` as the sweep's M = 1 picks, each shape whose
-        best Triton launch beat cuBLAS by at least that factor; the others stay cuBLAS)
+        best Triton launch beat cuBLAS by at least that factor; the others stay cuBLAS. The engine
+        reads the same table straight from the JSON with TSCOMPILE_GEMV_TABLE=out.json)
 
 Data: bf16, out[M, N] = x[M, K] @ w[N, K].T with w as nn.Linear stores it, for the llama-1b and
 llama-8b projection shapes (fused qkv, o, fused gate/up, down, LM head) at M = 1, 2, 4, 8 rows (the
@@ -246,21 +247,10 @@ def write_json(out_path, rows, summary, elapsed_s):
                    "target_programs": tg.TARGET_PROGRAMS}, f, indent=1)
 
 
-def decode_table(result: dict, min_speedup: float = 1.02) -> dict[tuple[int, int], tuple]:
-    """``DECODE_GEMV_CONFIGS`` from a sweep's JSON: per shape, the best correct launch at M = 1 where
-    it beat cuBLAS's best by ``min_speedup`` or more (a smaller margin is within run-to-run spread
-    and not worth leaving cuBLAS for)."""
-    table = {}
-    for s in result["summary"].values():
-        if s.get("best_m1") and s.get("speedup_m1") and s["speedup_m1"] >= min_speedup:
-            table[(s["n"], s["k"])] = tuple(s["best_m1"])
-    return table
-
-
 def print_decode_table(path: str, min_speedup: float) -> None:
     with open(path) as f:
         result = json.load(f)
-    table = decode_table(result, min_speedup)
+    table = tg.decode_table_from_sweep(result, min_speedup)
     by_shape = {(s["n"], s["k"]): (name, s) for name, s in result["summary"].items()}
     print("DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {")
     for shape, cfg in table.items():

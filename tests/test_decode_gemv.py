@@ -154,3 +154,19 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypa
     assert swapped == [3 * 2 + 1]  # one static graph: qkv, output and gate/up of each layer, the LM head
     assert {shape for shape, _ in calls} == set(TINY_TABLE)
     assert all(config == TINY_TABLE[shape] for shape, config in calls)
+
+
+def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
+    """With the pass on, a run's kernel_paths carry the table (which projections left cuBLAS and at
+    which launch) and the sweep file it came from; with it off, neither."""
+    from tscompile.bench import report
+
+    monkeypatch.setattr(tg, "DECODE_GEMV", False)
+    assert "decode_gemv_configs" not in report.kernel_paths()
+    monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "/sweeps/gemv_sweep.json")
+    paths = report.kernel_paths()
+    assert paths["decode_gemv_configs"] == {f"{n}x{k}": list(c) for (n, k), c in TINY_TABLE.items()}
+    assert paths["decode_gemv_table_file"] == "/sweeps/gemv_sweep.json"
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -259,14 +260,8 @@ def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, 
     assert list(result["summary"]) == ["tiny/b"] and result["acc_only"] and result["rows_m"] == [1]
 
 
-def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path, capsys):
-    """``--decode-table``: a shape enters DECODE_GEMV_CONFIGS with its best M = 1 launch only when that
-    beat cuBLAS by the margin; the printed literal is valid Python that evaluates to the table."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
-    spec = importlib.util.spec_from_file_location("gemv_sweep_table", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    summary = {
+def _sweep_summary():
+    return {
         "m/qkv": {"n": 6144, "k": 4096, "best_m1": [1, 512, 1, 8, 1, "acc"], "best_m1_us": 13.0,
                   "cublas_m1_us": 16.4, "speedup_m1": 16.4 / 13.0},
         "m/o": {"n": 4096, "k": 4096, "best_m1": [4, 4096, 1, 4, 1, "acc"], "best_m1_us": 11.0,
@@ -274,14 +269,52 @@ def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path
         "m/up": {"n": 28672, "k": 4096, "best_m1": None, "best_m1_us": None, "cublas_m1_us": 57.0,
                  "speedup_m1": None},  # no correct launch
     }
-    assert sweep.decode_table({"summary": summary}) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}
-    assert set(sweep.decode_table({"summary": summary}, min_speedup=1.0)) == {(6144, 4096), (4096, 4096)}
+
+
+def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path, capsys):
+    """A shape enters DECODE_GEMV_CONFIGS with its best M = 1 launch only when that beat cuBLAS by the
+    margin; the sweep's ``--decode-table`` prints valid Python that evaluates to the same table."""
+    summary = _sweep_summary()
+    assert tg.decode_table_from_sweep({"summary": summary}) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}
+    assert set(tg.decode_table_from_sweep({"summary": summary}, min_speedup=1.0)) == {(6144, 4096), (4096, 4096)}
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemv_sweep_table", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
     (tmp_path / "sweep.json").write_text(json.dumps({"summary": summary}))
     sweep.print_decode_table(str(tmp_path / "sweep.json"), 1.02)
     printed = capsys.readouterr().out
     literal = printed.split("= ", 1)[1].split("\n}")[0] + "\n}"
     assert eval(literal) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}  # noqa: S307
     assert "cuBLAS kept (below 1.02x): m/o (1.01x)" in printed
+
+
+def test_gemv_table_env_loads_a_sweeps_picks_and_refuses_a_bad_file(tmp_path):
+    """TSCOMPILE_GEMV_TABLE: a fresh process's DECODE_GEMV_CONFIGS is the sweep's table; a file that is
+    not a sweep's JSON, or holds a launch the kernel refuses, is a tscompile: ValueError."""
+    import subprocess
+    import sys
+
+    good = tmp_path / "sweep.json"
+    good.write_text(json.dumps({"summary": _sweep_summary()}))
+    code = "from tscompile.custom_ops import triton_gemv as tg; print(sorted(tg.DECODE_GEMV_CONFIGS.items()))"
+    env = {**os.environ, "TSCOMPILE_GEMV_TABLE": str(good), "TSCOMPILE_DECODE_GEMV": "1"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[((6144, 4096), (1, 512, 1, 8, 1, 'acc'))]"
+    # with the pass off the file is never read: a missing one is no error, the shipped table stays
+    env.update(TSCOMPILE_DECODE_GEMV="0", TSCOMPILE_GEMV_TABLE=str(tmp_path / "missing.json"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == str(sorted(tg.DECODE_GEMV_CONFIGS.items()))
+    bad_launch = _sweep_summary()
+    bad_launch["m/qkv"]["best_m1"] = [3, 512, 1, 8, 1, "acc"]  # BLOCK_N not a power of two
+    (tmp_path / "bad_launch.json").write_text(json.dumps({"summary": bad_launch}))
+    (tmp_path / "not_json.json").write_text("{")
+    (tmp_path / "no_summary.json").write_text("{}")
+    for name in ("bad_launch.json", "not_json.json", "no_summary.json", "missing.json"):
+        with pytest.raises(ValueError, match=r"^tscompile: TSCOMPILE_GEMV_TABLE=.*" + name):
+            tg.decode_table_from_file(str(tmp_path / name))
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
@@ -298,6 +331,18 @@ def test_gemv_llama_1b_qkv_matches_torch_gpu(m):
     for config in (None, (8, 512, 1, 4, 2, "fma"), (64, 128, 1, 4, 4, "dot"), (1, 512, 1, 8, 1, "acc"),
                    (4, 2048, 1, 16, 1, "acc")):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        tg.gemv(x, w, out, config=config)
+        torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2,
+                                   msg=lambda s: f"config {config}: {s}")
+
+
+@pytest.mark.gpu
+def test_gemv_32_rows_llama_1b_qkv_matches_torch_gpu():
+    """The 32-token prefill's row count: "dot" tiles only (the default splits K; the others do not)."""
+    n, k = QKV_1B
+    x, w = _inputs(32, n, k, torch.bfloat16, "cuda", seed=32)
+    for config in (None, (64, 128, 1, 4, 4, "dot"), (128, 128, 1, 8, 3, "dot")):
+        out = torch.full((32, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         tg.gemv(x, w, out, config=config)
         torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2,
                                    msg=lambda s: f"config {config}: {s}")
