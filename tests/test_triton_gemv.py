@@ -152,15 +152,21 @@ def test_gemv_refuses_bad_inputs(case):
 # -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
 
 
+def _load_sweep():
+    """A fresh module of scripts/gemv_sweep.py (it reads its GEMV_SWEEP_* environment on import)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
+    spec = importlib.util.spec_from_file_location("gemv_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
 def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
     """scripts/gemv_sweep.py end to end with tiny shapes, two tiles and a stand-in timer (CUDA-graph
     timing needs a GPU): every output is compared with float32 math, a config that is off is
     reported and never picked, the automatic split shows up as its own config, and an "acc" tile runs
     at M = 1 only (split 1), where the summary's best_m1 picks it."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
-    spec = importlib.util.spec_from_file_location("gemv_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     good, wrong = (16, 32, 4, 1, "fma"), (8, 32, 4, 1, "fma")
     monkeypatch.setattr(sweep, "DEVICE", "cpu")
     monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
@@ -223,10 +229,7 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
 
 def test_gemv_sweep_offers_only_tensor_core_tiles_past_eight_rows():
     """At 16 and 32 rows (GEMV_SWEEP_ROWS=16,32) the "fma" tiles are not compiled; at 8 they are."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
-    spec = importlib.util.spec_from_file_location("gemv_sweep_modes", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     assert "fma" in {c[-1] for c in sweep.configs_for(8, 4096, 4096)}
     for m in (16, 32):
         cfgs = sweep.configs_for(m, 4096, 4096)
@@ -239,10 +242,7 @@ def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, 
     monkeypatch.setenv("GEMV_SWEEP_ONLY", "tiny/b")
     monkeypatch.setenv("GEMV_SWEEP_ROWS", "1")
     monkeypatch.setenv("GEMV_SWEEP_ACC_ONLY", "1")
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
-    spec = importlib.util.spec_from_file_location("gemv_sweep_short", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     tile, acc = (16, 32, 4, 1, "fma"), (2, 32, 4, 1, "acc")
     monkeypatch.setattr(sweep, "DEVICE", "cpu")
     monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
@@ -277,10 +277,7 @@ def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path
     summary = _sweep_summary()
     assert tg.decode_table_from_sweep({"summary": summary}) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}
     assert set(tg.decode_table_from_sweep({"summary": summary}, min_speedup=1.0)) == {(6144, 4096), (4096, 4096)}
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
-    spec = importlib.util.spec_from_file_location("gemv_sweep_table", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     (tmp_path / "sweep.json").write_text(json.dumps({"summary": summary}))
     sweep.print_decode_table(str(tmp_path / "sweep.json"), 1.02)
     printed = capsys.readouterr().out
