@@ -11,8 +11,8 @@
 
 Data: bf16, out[M, N] = x[M, K] @ w[N, K].T with w as nn.Linear stores it, for the llama-1b and
 llama-8b projection shapes (fused qkv, o, fused gate/up, down, LM head) at M = 1, 2, 4, 8 rows (the
-decode batch). w is randn / sqrt(K), so outputs are about N(0, 1) and an absolute tolerance means
-the same thing for every K.
+decode batch; GEMV_SWEEP_ROWS=16,32 for the 32-token prefill's). w is randn / sqrt(K), so outputs
+are about N(0, 1) and an absolute tolerance means the same thing for every K.
 
 What is measured: DRAM reads, not L2 hits. The H200's L2 (50 MB) holds the 8-34 MB weights of the
 small projections, and a CUDA-graph loop over one weight would time L2 bandwidth. Every timed
@@ -88,8 +88,8 @@ ACC_ONLY = os.environ.get("GEMV_SWEEP_ACC_ONLY", "0") == "1"
 
 
 def configs_for(m, n, k):
-    """The shape's Triton configs: the module default first, then each tile at split 1 and auto,
-    then (at M <= ACC_MAX_ROWS) the "acc" tiles at split 1."""
+    """The shape's Triton configs: the module default first, then each tile at split 1 and auto
+    ("fma" tiles only at M <= FMA_MAX_ROWS), then (at M <= ACC_MAX_ROWS) the "acc" tiles at split 1."""
     cfgs = [tg.default_config(m, n, k)]
     for block_n, block_k, warps, stages, mode in [] if ACC_ONLY else TILE_GRID:
         if mode == "fma" and m > FMA_MAX_ROWS:
@@ -264,8 +264,16 @@ def print_decode_table(path: str, min_speedup: float) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--decode-table":
-        print_decode_table(sys.argv[2], float(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "--min-speedup"
-                           else 1.02)
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Time triton_gemv against cuBLAS (GPU), or print the "
+                                                 "decode table a sweep's JSON gives (no GPU).")
+    parser.add_argument("out", nargs="?", default="gemv_sweep.json", help="the sweep's JSON")
+    parser.add_argument("--decode-table", metavar="SWEEP_JSON", help="print DECODE_GEMV_CONFIGS from this sweep")
+    parser.add_argument("--min-speedup", type=float, default=tg.TABLE_MIN_SPEEDUP,
+                        help="a shape leaves cuBLAS only if its launch was at least this much faster")
+    args = parser.parse_args()
+    if args.decode_table:
+        print_decode_table(args.decode_table, args.min_speedup)
     else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "gemv_sweep.json")
+        main(args.out)
