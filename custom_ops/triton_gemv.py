@@ -297,8 +297,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # matmuls only. With coordinate-descent tuning on, Inductor turns one-row matmuls into its own
 # reductions before the pass runs, so the pass then finds none.
 
-# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV=1) replaces the table with a sweep's M = 1
-# picks (``decode_table_from_sweep``), so one GPU call can sweep and then run the engine on what it found.
+# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV=1 or TSCOMPILE_PREFILL_GEMV=1) replaces
+# the tables with a sweep's picks (``decode_table_from_sweep``, ``prefill_table_from_sweep``), so one GPU
+# call can sweep and then run the engine on what it found.
 
 DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", False)
 DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
@@ -306,6 +307,18 @@ DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
     (4096, 4096): (4, 4096, 1, 4, 1, "acc"),   # output projection: 10.0 us (cuBLAS 11.0 + 1.7 split-K reduce)
     (28672, 4096): (1, 2048, 1, 8, 1, "acc"),  # fused gate/up: 54.5 us with its RMSNorm (cuBLAS 57.4)
 }
+
+# -- the prefill pieces' few-row projections (opt-in) -----------------------------------------------
+# TSCOMPILE_PREFILL_GEMV=1: in the pieces of a split (prefill) graph on CUDA, every matmul whose weight
+# shape appears below runs through ``tscompile::skinny_mm`` (passes/prefill_gemv.py), which picks at
+# run time: this kernel at the listed launch when the step's row count M is listed with the shape,
+# cuBLAS otherwise. The pieces are compiled once for every token count (M is symbolic), hence the
+# choice at run time; in a captured whole-step graph it is made once, at capture. Keys (M, N, K).
+# Empty here: nothing is measured yet (scripts/gemv_sweep.py with GEMV_SWEEP_ROWS=16,32 is), so the
+# pass has nothing to swap until TSCOMPILE_GEMV_TABLE names a sweep whose launches beat cuBLAS.
+PREFILL_GEMV = env_flag("TSCOMPILE_PREFILL_GEMV", False)
+PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {}
+
 TABLE_MIN_SPEEDUP = 1.02  # a smaller margin over cuBLAS is within run-to-run spread: not worth leaving it
 
 
@@ -319,19 +332,31 @@ def decode_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP
     return table
 
 
-def decode_table_from_file(path: str) -> dict[tuple[int, int], tuple]:
+def prefill_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP) -> dict[tuple[int, int, int], tuple]:
+    """``PREFILL_GEMV_CONFIGS`` from a sweep's JSON: per shape and row count M > 1 (``best_by_m``), the
+    best correct launch where it beat cuBLAS by ``min_speedup`` or more."""
+    table = {}
+    for s in result["summary"].values():
+        for m, e in (s.get("best_by_m") or {}).items():
+            if int(m) > 1 and e.get("best") and e.get("speedup") and e["speedup"] >= min_speedup:
+                table[(int(m), int(s["n"]), int(s["k"]))] = check_config(tuple(e["best"]))
+    return table
+
+
+def gemv_tables_from_file(path: str) -> tuple[dict, dict]:
+    """(decode table, prefill table) of a sweep's JSON, or ValueError('tscompile: ...')."""
     try:
         with open(path) as f:
             result = json.load(f)
-        return decode_table_from_sweep(result)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        return decode_table_from_sweep(result), prefill_table_from_sweep(result)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"tscompile: TSCOMPILE_GEMV_TABLE={path!r} is not a readable scripts/gemv_sweep.py "
                          f"JSON ({type(e).__name__}: {e})") from None
 
 
-GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV else ""
-if GEMV_TABLE_FILE:  # read only with the pass on: a process that never swaps needs no sweep file
-    DECODE_GEMV_CONFIGS = decode_table_from_file(GEMV_TABLE_FILE)
+GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV or PREFILL_GEMV else ""
+if GEMV_TABLE_FILE:  # read only with a pass on: a process that never swaps needs no sweep file
+    DECODE_GEMV_CONFIGS, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
 
 
 @torch.library.custom_op("tscompile::gemv", mutates_args=())
@@ -346,3 +371,27 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @gemv_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def prefill_gemv_weights() -> set[tuple[int, int]]:
+    """The (N, K) weight shapes ``PREFILL_GEMV_CONFIGS`` lists at some row count."""
+    return {(n, k) for _, n, k in PREFILL_GEMV_CONFIGS}
+
+
+@torch.library.custom_op("tscompile::skinny_mm", mutates_args=())
+def skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T``: through ``gemv`` at ``PREFILL_GEMV_CONFIGS``' launch when (M, N, K) is
+    listed, else ``x @ w.T`` (cuBLAS on CUDA); M is known only now (the piece is compiled for every
+    token count)."""
+    config = PREFILL_GEMV_CONFIGS.get((x.shape[0], *w.shape))
+    if config is None:
+        return x @ w.T
+    if x.shape[1] > 1 and x.stride(1) != 1:  # the graph may hand over any layout
+        x = x.contiguous()
+    return gemv(x, w, config=config)
+
+
+@skinny_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+

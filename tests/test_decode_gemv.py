@@ -157,8 +157,8 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypa
 
 
 def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
-    """With the pass on, a run's kernel_paths carry the table (which projections left cuBLAS and at
-    which launch) and the sweep file it came from; with it off, neither."""
+    """With a GEMV pass on, a run's kernel_paths carry its table (which projections left cuBLAS and at
+    which launch) and the sweep file it came from; with them off, neither."""
     from tscompile.bench import report
 
     monkeypatch.setattr(tg, "DECODE_GEMV", False)
@@ -168,5 +168,8 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "/sweeps/gemv_sweep.json")
     paths = report.kernel_paths()
     assert paths["decode_gemv_configs"] == {f"{n}x{k}": list(c) for (n, k), c in TINY_TABLE.items()}
-    assert paths["decode_gemv_table_file"] == "/sweeps/gemv_sweep.json"
+    assert paths["gemv_table_file"] == "/sweeps/gemv_sweep.json" and "prefill_gemv_configs" not in paths
+    monkeypatch.setattr(tg, "PREFILL_GEMV", True)
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})
+    assert report.kernel_paths()["prefill_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}
 

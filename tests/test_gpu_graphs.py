@@ -192,6 +192,35 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     assert "_gemv_kernel" not in two, two
 
 
+def test_prefill_gemv_pass_runs_the_kernel_inside_whole_step_graphs_and_gives_eager_tokens(monkeypatch):
+    """TSCOMPILE_PREFILL_GEMV (passes/prefill_gemv.py) with llama-tiny's qkv and gate/up weights listed at
+    every row count up to the ladder's top: whole-step prefill graphs of the Triton backend call the
+    kernel (at capture; a replay repeats what was captured) only for those shapes and at the step's
+    padded row count, and give the eager tokens (float32, prompts in several buckets)."""
+    from tscompile.counters import counters
+    from tscompile.custom_ops import triton_gemv as tg
+
+    dot = (64, 128, 1, 4, 4, "dot")
+    monkeypatch.setattr(tg, "PREFILL_GEMV", True)
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): dot for m in range(2, 65) for n in (512, 1024)})
+    calls, real = [], tg.gemv
+
+    def counting(x, w, out=None, config=None):
+        calls.append((x.shape[0], *w.shape, config))
+        return real(x, w, out, config)
+
+    monkeypatch.setattr(tg, "gemv", counting)
+    model = tscompile.models.build_config("llama-tiny", vocab_size=640)  # the LM head is no listed shape
+    prompts, params = PROMPTS[:4], SamplingParams(max_new_tokens=4)
+    eager = ids(make(model, "triton", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params))
+    llm = make(model, "triton", compile_options=_ladder("whole"), max_num_batched_tokens=64)
+    counters.clear()
+    assert ids(llm.generate(prompts, params)) == eager
+    assert counters["prefill_graphed"] > 0
+    assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256), (1024, 256)}
+    assert all(config == dot and m in PREFILL_LADDER["token_ladder"] for m, _, _, config in calls), calls
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 def test_compiled_graphs_equal_enforce_eager_tokens(model):
     params = SamplingParams(max_new_tokens=8)

@@ -263,7 +263,8 @@ def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, 
 def _sweep_summary():
     return {
         "m/qkv": {"n": 6144, "k": 4096, "best_m1": [1, 512, 1, 8, 1, "acc"], "best_m1_us": 13.0,
-                  "cublas_m1_us": 16.4, "speedup_m1": 16.4 / 13.0},
+                  "cublas_m1_us": 16.4, "speedup_m1": 16.4 / 13.0,
+                  "best_by_m": {"32": {"best": [64, 128, 1, 4, 4, "dot"], "speedup": 1.1}}},
         "m/o": {"n": 4096, "k": 4096, "best_m1": [4, 4096, 1, 4, 1, "acc"], "best_m1_us": 11.0,
                 "cublas_m1_us": 11.1, "speedup_m1": 11.1 / 11.0},  # within the margin: stays cuBLAS
         "m/up": {"n": 28672, "k": 4096, "best_m1": None, "best_m1_us": None, "cublas_m1_us": 57.0,
@@ -287,23 +288,25 @@ def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path
 
 
 def test_gemv_table_env_loads_a_sweeps_picks_and_refuses_a_bad_file(tmp_path):
-    """TSCOMPILE_GEMV_TABLE: a fresh process's DECODE_GEMV_CONFIGS is the sweep's table; a file that is
+    """TSCOMPILE_GEMV_TABLE: a fresh process's decode and prefill tables are the sweep's; a file that is
     not a sweep's JSON, or holds a launch the kernel refuses, is a tscompile: ValueError."""
     import subprocess
     import sys
 
     good = tmp_path / "sweep.json"
     good.write_text(json.dumps({"summary": _sweep_summary()}))
-    code = "from tscompile.custom_ops import triton_gemv as tg; print(sorted(tg.DECODE_GEMV_CONFIGS.items()))"
+    code = ("from tscompile.custom_ops import triton_gemv as tg; "
+            "print(sorted(tg.DECODE_GEMV_CONFIGS.items()), sorted(tg.PREFILL_GEMV_CONFIGS.items()))")
     env = {**os.environ, "TSCOMPILE_GEMV_TABLE": str(good), "TSCOMPILE_DECODE_GEMV": "1"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "[((6144, 4096), (1, 512, 1, 8, 1, 'acc'))]"
+    assert run.stdout.strip() == ("[((6144, 4096), (1, 512, 1, 8, 1, 'acc'))] "
+                                  "[((32, 6144, 4096), (64, 128, 1, 4, 4, 'dot'))]")
     # with the pass off the file is never read: a missing one is no error, the shipped table stays
     env.update(TSCOMPILE_DECODE_GEMV="0", TSCOMPILE_GEMV_TABLE=str(tmp_path / "missing.json"))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == str(sorted(tg.DECODE_GEMV_CONFIGS.items()))
+    assert run.stdout.strip() == f"{sorted(tg.DECODE_GEMV_CONFIGS.items())} []"
     bad_launch = _sweep_summary()
     bad_launch["m/qkv"]["best_m1"] = [3, 512, 1, 8, 1, "acc"]  # BLOCK_N not a power of two
     (tmp_path / "bad_launch.json").write_text(json.dumps({"summary": bad_launch}))
@@ -311,7 +314,7 @@ def test_gemv_table_env_loads_a_sweeps_picks_and_refuses_a_bad_file(tmp_path):
     (tmp_path / "no_summary.json").write_text("{}")
     for name in ("bad_launch.json", "not_json.json", "no_summary.json", "missing.json"):
         with pytest.raises(ValueError, match=r"^tscompile: TSCOMPILE_GEMV_TABLE=.*" + name):
-            tg.decode_table_from_file(str(tmp_path / name))
+            tg.gemv_tables_from_file(str(tmp_path / name))
 
 
 # -- GPU ----------------------------------------------------------------------------------------------

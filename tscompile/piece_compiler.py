@@ -82,22 +82,48 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
 def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type: str, split_piece: bool,
                            cudagraph_trees: bool) -> dict:
     """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults (static
-    graphs and split pieces only), then the user's options (which win), the residual-addmm pass for a piece of a split graph on CUDA (unless
-    the options set a post-grad post pass of their own), the opt-in decode GEMV pass for a static
-    CUDA graph (the same proviso), and whether Inductor captures the graph."""
+    graphs and split pieces only), then the user's options (which win), tscompile's post-grad passes
+    on CUDA unless the options set a post-grad post pass of their own (``_our_post_grad_passes``), and
+    whether Inductor captures the graph."""
     on_cuda = device_type == "cuda"
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
     patches = {**defaults, **config.inductor_patches(static)}
-    if split_piece and on_cuda and UNFUSE_RESIDUAL_ADDMM and patches.get("post_grad_custom_post_pass") is None:
-        from tscompile.passes.residual_addmm import UnfuseResidualAddmm
+    if on_cuda and patches.get("post_grad_custom_post_pass") is None:  # the user's own pass wins
+        ours = _our_post_grad_passes(static, split_piece)
+        if ours:
+            from tscompile.passes.pass_chain import PassChain
 
-        patches["post_grad_custom_post_pass"] = UnfuseResidualAddmm()
-    if static and on_cuda and decode_gemv_on() and patches.get("post_grad_custom_post_pass") is None:
-        from tscompile.passes.decode_gemv import DecodeGemv
-
-        patches["post_grad_custom_post_pass"] = DecodeGemv()
+            patches["post_grad_custom_post_pass"] = ours[0] if len(ours) == 1 else PassChain(ours)
     patches["triton.cudagraphs"] = cudagraph_trees
     return patches
+
+
+def _our_post_grad_passes(static: bool, split_piece: bool) -> list:
+    """The passes a CUDA graph gets: in a split piece the opt-in prefill GEMV swap (first: it takes the
+    residual ``addmm`` of the shapes it swaps itself), then the residual-addmm unfusing; in a static
+    graph that is not a piece (the bs=1 decode step) the opt-in decode GEMV swap."""
+    passes = []
+    if split_piece and prefill_gemv_on():
+        from tscompile.passes.prefill_gemv import PrefillGemv
+
+        passes.append(PrefillGemv())
+    if split_piece and UNFUSE_RESIDUAL_ADDMM:
+        from tscompile.passes.residual_addmm import UnfuseResidualAddmm
+
+        passes.append(UnfuseResidualAddmm())
+    if static and not split_piece and decode_gemv_on():
+        from tscompile.passes.decode_gemv import DecodeGemv
+
+        passes.append(DecodeGemv())
+    return passes
+
+
+def prefill_gemv_on() -> bool:
+    """TSCOMPILE_PREFILL_GEMV (custom_ops/triton_gemv.py): CUDA split pieces (the prefill step) run the
+    matmuls of the listed weight shapes through ``tscompile::skinny_mm`` (passes/prefill_gemv.py)."""
+    from tscompile.custom_ops import triton_gemv
+
+    return triton_gemv.PREFILL_GEMV
 
 
 def decode_gemv_on() -> bool:

@@ -1,0 +1,159 @@
+"""passes/prefill_gemv.py and ``tscompile::skinny_mm``: the prefill pieces' listed projections choose
+the Triton kernel or cuBLAS at run time, by the step's row count.
+
+The pass acts on CUDA graphs only, and only with TSCOMPILE_PREFILL_GEMV=1; here it runs on CPU graphs
+by naming the CPU device (the kernel runs under the interpreter, which conftest turns on)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import tscompile
+import tscompile.piece_compiler as piece_compiler
+from tscompile.config import TscompileConfig
+from tscompile.custom_ops import triton_gemv as tg
+from tscompile.passes.pass_chain import PassChain
+from tscompile.passes.prefill_gemv import PrefillGemv, swap_prefill_matmuls
+from tscompile.passes.residual_addmm import UnfuseResidualAddmm
+
+from helpers import PROMPTS, ids, small_llm
+
+aten = torch.ops.aten
+DOT = (16, 64, 1, 4, 1, "dot")
+
+
+def _counting_gemv(monkeypatch) -> list:
+    calls, real = [], tg.gemv
+
+    def gemv(x, w, out=None, config=None):
+        calls.append((x.shape[0], *w.shape, config))
+        return real(x, w, out, config)
+
+    monkeypatch.setattr(tg, "gemv", gemv)
+    return calls
+
+
+def test_skinny_mm_takes_the_kernel_only_at_a_listed_row_count(monkeypatch):
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    calls = _counting_gemv(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(24, 48, generator=g)
+    for m in (4, 3, 5):
+        x = torch.randn(m, 48, generator=g)
+        out = torch.ops.tscompile.skinny_mm(x, w)
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+    assert calls == [(4, 24, 48, DOT)]  # rows 3 and 5 are not listed: x @ w.T
+
+
+def test_the_prefill_table_takes_each_row_counts_pick_that_beat_cublas():
+    """From a sweep's ``best_by_m``: row counts above 1 whose launch beat cuBLAS by the margin; M = 1
+    is the decode table's."""
+    summary = {"m/qkv": {"n": 6144, "k": 4096, "best_by_m": {
+        "1": {"best": [1, 512, 1, 8, 1, "acc"], "speedup": 1.3},
+        "16": {"best": [64, 128, 1, 4, 4, "dot"], "speedup": 1.01},   # within the margin
+        "32": {"best": [128, 128, 2, 8, 3, "dot"], "speedup": 1.1},
+    }}, "m/o": {"n": 4096, "k": 4096, "best_by_m": {"32": {"best": None, "speedup": None}}}}
+    assert tg.prefill_table_from_sweep({"summary": summary}) == {(32, 6144, 4096): (128, 128, 2, 8, 3, "dot")}
+
+
+def _projections(x, w_listed, w_other, r):
+    return x @ w_listed.T, x @ w_other.T, torch.addmm(r, x, w_listed.T)
+
+
+class _Projections(torch.nn.Module):
+    def forward(self, x, w_listed, w_other, r):
+        return _projections(x, w_listed, w_other, r)
+
+
+def _inputs(rows):
+    g = torch.Generator().manual_seed(rows)
+    return (torch.randn(rows, 48, generator=g), torch.randn(24, 48, generator=g), torch.randn(8, 48, generator=g),
+            torch.randn(rows, 24, generator=g))
+
+
+def test_the_pass_swaps_the_listed_weights_at_any_row_count(monkeypatch):
+    """Exported with a symbolic row count (as the pieces are compiled): the listed weight's matmul and
+    its residual addmm become ``skinny_mm`` (the residual added after it), the other stays; the graph
+    then gives the matmuls' values at a listed row count (the kernel) and at another (cuBLAS)."""
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    calls = _counting_gemv(monkeypatch)
+    rows = torch.export.Dim("rows", min=2, max=64)
+    ep = torch.export.export(_Projections(), _inputs(4), dynamic_shapes=({0: rows}, None, None, {0: rows}))
+    gm = ep.run_decompositions().graph_module
+    assert swap_prefill_matmuls(gm.graph, devices=("cpu",)) == 2
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.tscompile.skinny_mm.default) == 2
+    assert targets.count(aten.mm.default) == 1 and aten.addmm.default not in targets
+    for rows, kernel_calls in ((4, 2), (6, 0)):
+        calls.clear()
+        x, w, w_other, r = _inputs(rows)
+        listed, other, residual = gm(x, w, w_other, r)
+        torch.testing.assert_close(listed, x @ w.T, rtol=1e-5, atol=1e-4)
+        assert torch.equal(other, x @ w_other.T)
+        torch.testing.assert_close(residual, r + x @ w.T, rtol=1e-5, atol=1e-4)
+        assert len(calls) == kernel_calls
+
+
+def test_nothing_is_swapped_on_other_devices_or_with_an_empty_table(monkeypatch):
+    gm = make_fx(_projections)(*_inputs(4))
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {})
+    assert swap_prefill_matmuls(gm.graph, devices=("cpu",)) == 0
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    assert swap_prefill_matmuls(gm.graph) == 0  # CUDA only by default
+
+
+def test_split_cuda_pieces_get_the_swap_before_the_residual_addmm_pass(monkeypatch):
+    def post_pass(flag, split_piece=True, device="cuda", options=None):
+        monkeypatch.setattr(tg, "PREFILL_GEMV", flag)
+        config = TscompileConfig(inductor_options=options or {})
+        return piece_compiler.piece_inductor_patches(config, False, device_type=device, split_piece=split_piece,
+                                                     cudagraph_trees=False).get("post_grad_custom_post_pass")
+
+    chain = post_pass(True)
+    assert isinstance(chain, PassChain) and [type(p) for p in chain.passes] == [PrefillGemv, UnfuseResidualAddmm]
+    assert isinstance(post_pass(False), UnfuseResidualAddmm)  # off by default
+    assert post_pass(True, split_piece=False) is None  # a graph without breaks is no prefill piece
+    assert post_pass(True, device="cpu") is None
+    assert post_pass(True, options={"post_grad_custom_post_pass": "mine"}) == "mine"  # the user's pass wins
+
+
+def test_the_inductor_cache_key_follows_the_table(monkeypatch):
+    empty = PrefillGemv().uuid()
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    assert PrefillGemv().uuid() != empty
+    chain = PassChain([PrefillGemv(), UnfuseResidualAddmm()])
+    assert chain.uuid() == PassChain([PrefillGemv(), UnfuseResidualAddmm()]).uuid() != UnfuseResidualAddmm().uuid()
+
+
+def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_kernel_at_listed_rows(monkeypatch):
+    """The compiled CPU engine (llama-tiny, float32) with the pass in its prefill pieces, the qkv
+    weight listed at every row count a prompt chunk can have: the eager engine's greedy tokens, and
+    every qkv matmul of a prefill ran the kernel."""
+    table = {(m, 512, 256): DOT for m in range(2, 65)}
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", table)
+    params = tscompile.SamplingParams(max_new_tokens=3)
+    prompts = [p for p in PROMPTS if len(p) > 1][:2]
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(prompts, params))
+
+    class CpuPrefillGemv(PrefillGemv):
+        def __call__(self, graph):
+            swapped.append(swap_prefill_matmuls(graph, devices=("cpu",)))
+
+    swapped = []
+    real_patches = piece_compiler.piece_inductor_patches
+
+    def patches_with_the_pass(config, static, **kw):
+        patches = real_patches(config, static, **kw)
+        if kw["split_piece"]:  # compiled, not loaded from the cache, so the pass runs
+            patches.update(post_grad_custom_post_pass=CpuPrefillGemv(), force_disable_caches=True)
+        return patches
+
+    calls = _counting_gemv(monkeypatch)
+    monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
+    llm = small_llm(dtype=torch.float32, enforce_eager=False, compile_options={"decode_ladder": (1,)})
+    assert ids(llm.generate(prompts, params)) == want
+    assert swapped and sum(swapped) >= 2  # the qkv projection of each layer's piece
+    assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
+    assert all(config == DOT and m > 1 for m, _, _, config in calls)
