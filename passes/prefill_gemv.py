@@ -24,28 +24,8 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from tscompile.custom_ops import triton_gemv
-from tscompile.passes.decode_gemv import _matmul_args, _transposed_weight, _val
-
-aten = torch.ops.aten
-
-
-def _swappable(node: torch.fx.Node, devices: tuple[str, ...], weights: set) -> tuple | None:
-    """(residual or None, x, transposed w, w) of a matmul whose weight shape is listed, or None."""
-    args = _matmul_args(node, devices)
-    if args is None:
-        return None
-    x, w = _val(args[1]), _transposed_weight(args[2])
-    if x is None or w is None:
-        return None
-    wval = _val(w)
-    if x.dtype not in triton_gemv.SUPPORTED_DTYPES or wval.dtype != x.dtype:
-        return None
-    if x.device.type not in devices or wval.device != x.device:
-        return None
-    shape = tuple(wval.shape)
-    if not all(type(d) is int for d in shape):  # a weight's shape is static; a symbolic one is no weight
-        return None
-    return (*args, w) if shape in weights else None
+from tscompile.passes import matmul_nodes
+from tscompile.passes.matmul_nodes import swap_matmuls
 
 
 def swap_prefill_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",)) -> int:
@@ -55,23 +35,7 @@ def swap_prefill_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cud
     weights = triton_gemv.prefill_gemv_weights()
     if not weights:
         return 0
-    count = 0
-    for node in list(graph.nodes):
-        found = _swappable(node, devices, weights)
-        if found is None:
-            continue
-        residual, x, transposed, w = found
-        with graph.inserting_before(node):
-            op = graph.call_function(torch.ops.tscompile.skinny_mm.default, (x, w))
-            out = op if residual is None else graph.call_function(aten.add.Tensor, (residual, op))
-        op.meta.update(node.meta)
-        out.meta.update(node.meta)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        if not transposed.users:  # only this matmul read the transpose (no graph-wide DCE: see decode_gemv)
-            graph.erase_node(transposed)
-        count += 1
-    return count
+    return swap_matmuls(graph, devices, lambda x, shape: shape in weights, torch.ops.tscompile.skinny_mm.default)
 
 
 class PrefillGemv(CustomGraphPass):
@@ -83,4 +47,4 @@ class PrefillGemv(CustomGraphPass):
 
     def uuid(self) -> bytes:
         table = repr(sorted(triton_gemv.PREFILL_GEMV_CONFIGS.items())).encode()
-        return get_hash_for_files((__file__, triton_gemv.__file__)) + table
+        return get_hash_for_files((__file__, matmul_nodes.__file__, triton_gemv.__file__)) + table
