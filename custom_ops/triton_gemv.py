@@ -32,8 +32,8 @@ Graph-safe: the grid and the split layout come from shapes only, nothing reads d
 the host, and the partial buffer is an ordinary allocation (from the graph's pool when captured).
 Accumulation is float32 for every input dtype; float32 inputs use IEEE products.
 
-Wired into the model only behind ``TSCOMPILE_DECODE_GEMV`` (below, and passes/decode_gemv.py);
-``scripts/gemv_sweep.py`` times it against cuBLAS.
+Wired into the model only behind ``TSCOMPILE_DECODE_GEMV`` and ``TSCOMPILE_PREFILL_GEMV`` (below, and
+passes/decode_gemv.py, passes/prefill_gemv.py); ``scripts/gemv_sweep.py`` times it against cuBLAS.
 """
 
 from __future__ import annotations
