@@ -333,12 +333,12 @@ def decode_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP
 
 
 def prefill_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP) -> dict[tuple[int, int, int], tuple]:
-    """``PREFILL_GEMV_CONFIGS`` from a sweep's JSON: per shape and row count M > 1 (``best_by_m``), the
-    best correct launch where it beat cuBLAS by ``min_speedup`` or more."""
+    """``PREFILL_GEMV_CONFIGS`` from a sweep's JSON: per shape and row count 1 < M <= MAX_ROWS
+    (``best_by_m``), the best correct launch where it beat cuBLAS by ``min_speedup`` or more."""
     table = {}
     for s in result["summary"].values():
         for m, e in (s.get("best_by_m") or {}).items():
-            if int(m) > 1 and e.get("best") and e.get("speedup") and e["speedup"] >= min_speedup:
+            if 1 < int(m) <= MAX_ROWS and e.get("best") and e.get("speedup") and e["speedup"] >= min_speedup:
                 table[(int(m), int(s["n"]), int(s["k"]))] = check_config(tuple(e["best"]))
     return table
 

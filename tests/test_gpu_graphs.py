@@ -194,15 +194,18 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
 
 def test_prefill_gemv_pass_runs_the_kernel_inside_whole_step_graphs_and_gives_eager_tokens(monkeypatch):
     """TSCOMPILE_PREFILL_GEMV (passes/prefill_gemv.py) with llama-tiny's qkv and gate/up weights listed at
-    every row count up to the ladder's top: whole-step prefill graphs of the Triton backend call the
-    kernel (at capture; a replay repeats what was captured) only for those shapes and at the step's
-    padded row count, and give the eager tokens (float32, prompts in several buckets)."""
+    every row count the kernel takes (up to 32): whole-step prefill graphs of the Triton backend call
+    the kernel (at capture; a replay repeats what was captured) only for those shapes and at the
+    step's padded row count, cuBLAS at the 64-token bucket, and give the eager tokens (float32, a
+    64-token chunk and a mixed 16-token step)."""
     from tscompile.counters import counters
     from tscompile.custom_ops import triton_gemv as tg
 
     dot = (64, 128, 1, 4, 4, "dot")
     monkeypatch.setattr(tg, "PREFILL_GEMV", True)
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): dot for m in range(2, 65) for n in (512, 1024)})
+    # listed at every row count the kernel takes: the 16-token bucket runs it, the 64-token one cuBLAS
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): dot for m in range(2, tg.MAX_ROWS + 1)
+                                                     for n in (512, 1024)})
     calls, real = [], tg.gemv
 
     def counting(x, w, out=None, config=None):
@@ -218,7 +221,8 @@ def test_prefill_gemv_pass_runs_the_kernel_inside_whole_step_graphs_and_gives_ea
     assert ids(llm.generate(prompts, params)) == eager
     assert counters["prefill_graphed"] > 0
     assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256), (1024, 256)}
-    assert all(config == dot and m in PREFILL_LADDER["token_ladder"] for m, _, _, config in calls), calls
+    assert all(config == dot and m in PREFILL_LADDER["token_ladder"] and m <= tg.MAX_ROWS
+               for m, _, _, config in calls), calls
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])

@@ -53,6 +53,7 @@ def test_the_prefill_table_takes_each_row_counts_pick_that_beat_cublas():
         "1": {"best": [1, 512, 1, 8, 1, "acc"], "speedup": 1.3},
         "16": {"best": [64, 128, 1, 4, 4, "dot"], "speedup": 1.01},   # within the margin
         "32": {"best": [128, 128, 2, 8, 3, "dot"], "speedup": 1.1},
+        "64": {"best": [128, 128, 2, 8, 3, "dot"], "speedup": 1.2},   # past the kernel's MAX_ROWS
     }}, "m/o": {"n": 4096, "k": 4096, "best_by_m": {"32": {"best": None, "speedup": None}}}}
     assert tg.prefill_table_from_sweep({"summary": summary}) == {(32, 6144, 4096): (128, 128, 2, 8, 3, "dot")}
 
@@ -129,9 +130,9 @@ def test_the_inductor_cache_key_follows_the_table(monkeypatch):
 
 def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_kernel_at_listed_rows(monkeypatch):
     """The compiled CPU engine (llama-tiny, float32) with the pass in its prefill pieces, the qkv
-    weight listed at every row count a prompt chunk can have: the eager engine's greedy tokens, and
-    every qkv matmul of a prefill ran the kernel."""
-    table = {(m, 512, 256): DOT for m in range(2, 65)}
+    weight listed at every row count the kernel takes: the eager engine's greedy tokens, and the
+    kernel ran for the listed shape only, at listed row counts."""
+    table = {(m, 512, 256): DOT for m in range(2, tg.MAX_ROWS + 1)}
     monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", table)
     params = tscompile.SamplingParams(max_new_tokens=3)
     prompts = [p for p in PROMPTS if len(p) > 1][:2]
@@ -156,4 +157,4 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_kernel_at_l
     assert ids(llm.generate(prompts, params)) == want
     assert swapped and sum(swapped) >= 2  # the qkv projection of each layer's piece
     assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
-    assert all(config == DOT and m > 1 for m, _, _, config in calls)
+    assert all(config == DOT and 1 < m <= tg.MAX_ROWS for m, _, _, config in calls)
