@@ -88,9 +88,9 @@ def content_tree(root: Path | None = None) -> str | None:
 
 
 def kernel_paths() -> dict:
-    """The environment switches of the Triton kernels (attention, extend, decode and prefill GEMV), as this process
-    runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged table says
-    so per run)."""
+    """The environment switches of the Triton kernels (attention, extend, decode and prefill GEMV), as
+    this process runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged
+    table says so per run)."""
     from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
 
     paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,

@@ -359,13 +359,16 @@ if GEMV_TABLE_FILE:  # read only with a pass on: a process that never swaps need
     DECODE_GEMV_CONFIGS, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
 
 
+def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x with K contiguous, as ``gemv`` needs it (a compiled graph may hand over any layout)."""
+    return x.contiguous() if x.dim() == 2 and x.shape[1] > 1 and x.stride(1) != 1 else x
+
+
 @torch.library.custom_op("tscompile::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``DECODE_GEMV_CONFIGS``' launch for w's shape
     (the default one for a shape without an entry)."""
-    if x.dim() == 2 and x.shape[1] > 1 and x.stride(1) != 1:  # the graph may hand over any layout
-        x = x.contiguous()
-    return gemv(x, w, config=DECODE_GEMV_CONFIGS.get(tuple(w.shape)))
+    return gemv(_k_contiguous(x), w, config=DECODE_GEMV_CONFIGS.get(tuple(w.shape)))
 
 
 @gemv_op.register_fake
@@ -386,9 +389,7 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     config = PREFILL_GEMV_CONFIGS.get((x.shape[0], *w.shape))
     if config is None:
         return x @ w.T
-    if x.shape[1] > 1 and x.stride(1) != 1:  # the graph may hand over any layout
-        x = x.contiguous()
-    return gemv(x, w, config=config)
+    return gemv(_k_contiguous(x), w, config=config)
 
 
 @skinny_mm.register_fake
