@@ -92,18 +92,20 @@ def kernel_paths() -> dict:
     this process runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged
     table says so per run)."""
     from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
+    from tscompile.piece_compiler import decode_gemv_on
 
+    decode_gemv = decode_gemv_on()  # the flag, and this GPU is one its table was timed on
     paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
-             "decode_gemv": triton_gemv.DECODE_GEMV,
+             "decode_gemv": decode_gemv,
              "prefill_gemv": triton_gemv.PREFILL_GEMV,
              "fused_decode": triton_attention.FUSED_DECODE,
              "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
-    if triton_gemv.DECODE_GEMV:  # which projections left cuBLAS, at which launches, and from where
+    if decode_gemv:  # which projections left cuBLAS, at which launches, and from where
         paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.DECODE_GEMV_CONFIGS.items()}
     if triton_gemv.PREFILL_GEMV:
         paths["prefill_gemv_configs"] = {f"{m}x{n}x{k}": list(c)
                                          for (m, n, k), c in triton_gemv.PREFILL_GEMV_CONFIGS.items()}
-    if triton_gemv.DECODE_GEMV or triton_gemv.PREFILL_GEMV:
+    if decode_gemv or triton_gemv.PREFILL_GEMV:
         paths["gemv_table_file"] = triton_gemv.GEMV_TABLE_FILE or None
     return paths
 

@@ -32,8 +32,9 @@ Graph-safe: the grid and the split layout come from shapes only, nothing reads d
 the host, and the partial buffer is an ordinary allocation (from the graph's pool when captured).
 Accumulation is float32 for every input dtype; float32 inputs use IEEE products.
 
-Wired into the model only behind ``TSCOMPILE_DECODE_GEMV`` and ``TSCOMPILE_PREFILL_GEMV`` (below, and
-passes/decode_gemv.py, passes/prefill_gemv.py); ``scripts/gemv_sweep.py`` times it against cuBLAS.
+Wired into the model by ``TSCOMPILE_DECODE_GEMV`` (on by default, on the GPUs its table was timed
+on) and the opt-in ``TSCOMPILE_PREFILL_GEMV`` (below, and passes/decode_gemv.py,
+passes/prefill_gemv.py); ``scripts/gemv_sweep.py`` times it against cuBLAS.
 """
 
 from __future__ import annotations
@@ -286,26 +287,33 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     return out
 
 
-# -- the decode graph's one-row projections (opt-in) ------------------------------------------------
-# TSCOMPILE_DECODE_GEMV=1: the engine's bs=1 decode graph on CUDA runs the one-row matmuls whose
-# weight shape has an entry below through ``tscompile::gemv`` (passes/decode_gemv.py) instead of
-# cuBLAS; other shapes (the LM head, the down projection) stay cuBLAS. Off by default: this kernel's
-# "acc" launches below are the ones Inductor's coordinate-descent tuning chose for the same shapes in
-# the tuned static-cache baseline (H200, bench/results/same-lease-b0f9ede/), not yet timed for this
-# kernel (scripts/gemv_sweep.py does) nor inside the engine. Keys are llama-8b's (N, K). The launches
-# are for one row (the accumulator holds M x BLOCK_N x BLOCK_K products): the pass swaps one-row
-# matmuls only. With coordinate-descent tuning on, Inductor turns one-row matmuls into its own
-# reductions before the pass runs, so the pass then finds none.
+# -- the decode graph's one-row projections -------------------------------------------------------
+# On by default (TSCOMPILE_DECODE_GEMV=0 turns it off): the engine's bs=1 decode graph on CUDA runs
+# the one-row matmuls whose weight shape has an entry below through ``tscompile::gemv``
+# (passes/decode_gemv.py) instead of cuBLAS; other shapes stay cuBLAS. The launches are the picks of
+# one sweep on the H200 (scripts/gemv_sweep.py, bench/results/same-lease-ada2650/call1/gemv_sweep.json:
+# each beat cuBLAS's best by TABLE_MIN_SPEEDUP or more at M = 1), so the pass acts only on a GPU named
+# in DECODE_GEMV_DEVICES; elsewhere it swaps nothing unless TSCOMPILE_GEMV_TABLE names a sweep made on
+# that GPU. In the engine, same lease, bf16, bs=1 TPOT: llama-8b 4.542 -> 4.316 ms, llama-1b 1.100 ->
+# 0.993 ms (bench/results/same-lease-ada2650/). The launches are for one row (the accumulator holds
+# M x BLOCK_N x BLOCK_K products): the pass swaps one-row matmuls only. With coordinate-descent
+# tuning on, Inductor turns one-row matmuls into its own reductions before the pass runs, so the
+# pass then finds none.
 
-# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV=1 or TSCOMPILE_PREFILL_GEMV=1) replaces
+# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV or TSCOMPILE_PREFILL_GEMV on) replaces
 # the tables with a sweep's picks (``decode_table_from_sweep``, ``prefill_table_from_sweep``), so one GPU
-# call can sweep and then run the engine on what it found.
+# call can sweep and then run the engine on what it found, on any GPU.
 
-DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", False)
-DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {
-    (6144, 4096): (1, 512, 1, 8, 1, "acc"),    # fused qkv: Inductor's 13.2 us with its RMSNorm (cuBLAS 16.4)
-    (4096, 4096): (4, 4096, 1, 4, 1, "acc"),   # output projection: 10.0 us (cuBLAS 11.0 + 1.7 split-K reduce)
-    (28672, 4096): (1, 2048, 1, 8, 1, "acc"),  # fused gate/up: 54.5 us with its RMSNorm (cuBLAS 57.4)
+DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", True)
+DECODE_GEMV_DEVICES = ("NVIDIA H200",)  # torch.cuda.get_device_name() of the GPUs the table was timed on
+DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per call, this kernel / cuBLAS
+    (3072, 2048): (1, 2048, 1, 8, 1, "acc"),     # llama-1b fused qkv: 6.0 / 6.4
+    (2048, 2048): (1, 2048, 1, 8, 1, "acc"),     # llama-1b output: 4.7 / 6.1
+    (2048, 8192): (1, 2048, 1, 8, 1, "acc"),     # llama-1b down: 10.0 / 13.5
+    (6144, 4096): (1, 2048, 1, 8, 1, "acc"),     # llama-8b fused qkv: 13.7 / 15.5
+    (4096, 4096): (1, 2048, 1, 8, 1, "acc"),     # llama-8b output: 10.0 / 13.4
+    (4096, 14336): (1, 2048, 1, 8, 1, "acc"),    # llama-8b down: 29.1 / 31.3
+    (128256, 4096): (1, 2048, 1, 8, 1, "acc"),   # llama-8b LM head: 233.9 / 243.2
 }
 
 # -- the prefill pieces' few-row projections (opt-in) -----------------------------------------------
@@ -357,6 +365,13 @@ def gemv_tables_from_file(path: str) -> tuple[dict, dict]:
 GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV or PREFILL_GEMV else ""
 if GEMV_TABLE_FILE:  # read only with a pass on: a process that never swaps needs no sweep file
     DECODE_GEMV_CONFIGS, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
+
+
+def decode_gemv_applies(device_name: str) -> bool:
+    """Whether the decode pass swaps on a GPU of this ``torch.cuda.get_device_name()``: the flag on,
+    and the table timed on that GPU or read from a sweep (TSCOMPILE_GEMV_TABLE). A launch tuned on
+    one GPU can lose to cuBLAS on another, so no other GPU gets it unasked."""
+    return DECODE_GEMV and (bool(GEMV_TABLE_FILE) or device_name in DECODE_GEMV_DEVICES)
 
 
 def _k_contiguous(x: torch.Tensor) -> torch.Tensor:

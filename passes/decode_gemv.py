@@ -1,16 +1,16 @@
 """One-row projections of the bs=1 decode graph through ``tscompile::gemv`` (an Inductor post-grad pass).
 
 In the static bs=1 decode graph every projection is ``mm(x [1, K], permute(w [N, K]))`` (or, with a
-residual folded in, ``addmm``), which Inductor hands to cuBLAS. On the H200, cuBLAS reads llama-8b's qkv and output weights at about 3.0 TB/s
-(3.9-4.1 for the larger gate/up and down); the tuned static-cache baseline's Inductor GEMV reductions
-read qkv at 3.2-3.8 and the output projection at 3.4 (``custom_ops/triton_gemv.py``,
-``DECODE_GEMV_CONFIGS``). This pass swaps those matmuls, and only
-those whose weight shape has a measured launch in that table, for the ``tscompile::gemv`` custom op:
-its kernel runs the same reduction form at a fixed launch, so a compile cannot pick a slower one.
+residual folded in, ``addmm``), which Inductor hands to cuBLAS. On the H200 cuBLAS reads llama-8b's
+qkv and output weights at 3.2 and 2.5 TB/s, llama-1b's at 2.0 and 1.4; this kernel's "acc" launch
+reads them at 3.7, 3.4, 2.1 and 1.8 (scripts/gemv_sweep.py, bench/results/same-lease-ada2650/). This
+pass swaps those matmuls, and only those whose weight shape has a measured launch in
+``DECODE_GEMV_CONFIGS`` (custom_ops/triton_gemv.py), for the ``tscompile::gemv`` custom op: a fixed
+launch, so a compile cannot pick a slower one.
 
-Opt-in (``TSCOMPILE_DECODE_GEMV=1``; ``piece_compiler`` adds the pass to static CUDA graphs only).
-Numerics: float32 accumulation rounded once to the output dtype, as cuBLAS does, in another
-summation order.
+On by default on the GPUs that table was timed on (``piece_compiler`` adds the pass to static CUDA
+graphs only; ``TSCOMPILE_DECODE_GEMV=0`` turns it off). Numerics: float32 accumulation rounded once
+to the output dtype, as cuBLAS does, in another summation order.
 """
 
 from __future__ import annotations

@@ -170,11 +170,12 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     merged table names each run's switches; a run written before the record says nothing."""
     from tscompile.custom_ops import triton_attention as ta
     from tscompile.custom_ops import triton_extend as te
+    from tscompile import piece_compiler
     from tscompile.custom_ops import triton_gemv as tg
 
     assert eager_run["env"]["kernel_paths"] == {
         "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT, "fused_decode": ta.FUSED_DECODE,
-        "decode_gemv": tg.DECODE_GEMV, "prefill_gemv": tg.PREFILL_GEMV,
+        "decode_gemv": piece_compiler.decode_gemv_on(), "prefill_gemv": tg.PREFILL_GEMV,
         "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
     other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,

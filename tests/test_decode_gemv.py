@@ -1,6 +1,7 @@
 """passes/decode_gemv.py: the bs=1 decode graph's one-row projections through ``tscompile::gemv``.
 
-The pass acts on CUDA graphs only, and only with TSCOMPILE_DECODE_GEMV=1; here it runs on CPU graphs
+The pass acts on CUDA graphs only (on by default on the GPUs its table was timed on; off with
+TSCOMPILE_DECODE_GEMV=0); here it runs on CPU graphs
 by naming the CPU device (the op's Triton kernel runs under the interpreter, which conftest turns
 on), with llama-tiny's weight shapes put in the launch table."""
 
@@ -106,15 +107,20 @@ def test_the_inductor_cache_key_follows_the_launch_table(monkeypatch):
     assert DecodeGemv().uuid() == DecodeGemv().uuid()
 
 
-@pytest.mark.parametrize("flag, static, device, user_pass, wanted", [
-    (True, True, "cuda", None, True),
-    (False, True, "cuda", None, False),    # off by default
-    (True, False, "cuda", None, False),    # a dynamic-batch graph: its matmuls are not one-row
-    (True, True, "cpu", None, False),
-    (True, True, "cuda", "mine", False),   # the user's own post-grad pass wins
+@pytest.mark.parametrize("flag, static, device, gpu, table_file, user_pass, wanted", [
+    (True, True, "cuda", "NVIDIA H200", "", None, True),            # on by default, where its table was timed
+    (False, True, "cuda", "NVIDIA H200", "", None, False),          # TSCOMPILE_DECODE_GEMV=0
+    (True, True, "cuda", "NVIDIA A100-SXM4-80GB", "", None, False),  # another GPU: its launches are untimed there
+    (True, True, "cuda", "NVIDIA A100-SXM4-80GB", "a100.json", None, True),  # ... unless a sweep made there says
+    (True, False, "cuda", "NVIDIA H200", "", None, False),          # a dynamic-batch graph: its matmuls are not one-row
+    (True, True, "cpu", "", "", None, False),
+    (True, True, "cuda", "NVIDIA H200", "", "mine", False),         # the user's own post-grad pass wins
 ])
-def test_only_static_cuda_graphs_get_the_pass_with_the_flag(monkeypatch, flag, static, device, user_pass, wanted):
+def test_only_static_cuda_graphs_on_a_timed_gpu_get_the_pass(monkeypatch, flag, static, device, gpu, table_file,
+                                                              user_pass, wanted):
     monkeypatch.setattr(tg, "DECODE_GEMV", flag)
+    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", table_file)
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: gpu)
     options = {"post_grad_custom_post_pass": user_pass} if user_pass else {}
     patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
                                                     device_type=device, split_piece=False, cudagraph_trees=False)
@@ -161,6 +167,7 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     which launch) and the sweep file it came from; with them off, neither."""
     from tscompile.bench import report
 
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(tg, "DECODE_GEMV", False)
     assert "decode_gemv_configs" not in report.kernel_paths()
     monkeypatch.setattr(tg, "DECODE_GEMV", True)

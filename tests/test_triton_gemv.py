@@ -288,25 +288,27 @@ def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path
 
 
 def test_gemv_table_env_loads_a_sweeps_picks_and_refuses_a_bad_file(tmp_path):
-    """TSCOMPILE_GEMV_TABLE: a fresh process's decode and prefill tables are the sweep's; a file that is
-    not a sweep's JSON, or holds a launch the kernel refuses, is a tscompile: ValueError."""
+    """TSCOMPILE_GEMV_TABLE: a fresh process's decode and prefill tables are the sweep's (the decode
+    pass is on unless TSCOMPILE_DECODE_GEMV=0, so the file is read with no other setting); a file that
+    is not a sweep's JSON, or holds a launch the kernel refuses, is a tscompile: ValueError."""
     import subprocess
     import sys
 
     good = tmp_path / "sweep.json"
     good.write_text(json.dumps({"summary": _sweep_summary()}))
     code = ("from tscompile.custom_ops import triton_gemv as tg; "
-            "print(sorted(tg.DECODE_GEMV_CONFIGS.items()), sorted(tg.PREFILL_GEMV_CONFIGS.items()))")
-    env = {**os.environ, "TSCOMPILE_GEMV_TABLE": str(good), "TSCOMPILE_DECODE_GEMV": "1"}
+            "print(tg.DECODE_GEMV, sorted(tg.DECODE_GEMV_CONFIGS.items()), sorted(tg.PREFILL_GEMV_CONFIGS.items()))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TSCOMPILE_")}
+    env["TSCOMPILE_GEMV_TABLE"] = str(good)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == ("[((6144, 4096), (1, 512, 1, 8, 1, 'acc'))] "
+    assert run.stdout.strip() == ("True [((6144, 4096), (1, 512, 1, 8, 1, 'acc'))] "
                                   "[((32, 6144, 4096), (64, 128, 1, 4, 4, 'dot'))]")
     # with the pass off the file is never read: a missing one is no error, the shipped table stays
     env.update(TSCOMPILE_DECODE_GEMV="0", TSCOMPILE_GEMV_TABLE=str(tmp_path / "missing.json"))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == f"{sorted(tg.DECODE_GEMV_CONFIGS.items())} []"
+    assert run.stdout.strip() == f"False {sorted(tg.DECODE_GEMV_CONFIGS.items())} []"
     bad_launch = _sweep_summary()
     bad_launch["m/qkv"]["best_m1"] = [3, 512, 1, 8, 1, "acc"]  # BLOCK_N not a power of two
     (tmp_path / "bad_launch.json").write_text(json.dumps({"summary": bad_launch}))

@@ -127,11 +127,17 @@ def prefill_gemv_on() -> bool:
 
 
 def decode_gemv_on() -> bool:
-    """TSCOMPILE_DECODE_GEMV (custom_ops/triton_gemv.py): static CUDA graphs (the bs=1 decode step)
-    run their one-row projections through ``tscompile::gemv`` (passes/decode_gemv.py)."""
+    """TSCOMPILE_DECODE_GEMV (custom_ops/triton_gemv.py, on by default): static CUDA graphs (the bs=1
+    decode step) run their one-row projections through ``tscompile::gemv`` (passes/decode_gemv.py),
+    on a GPU its launch table was timed on (or with a sweep's table)."""
     from tscompile.custom_ops import triton_gemv
 
-    return triton_gemv.DECODE_GEMV
+    return triton_gemv.decode_gemv_applies(cuda_device_name())
+
+
+def cuda_device_name() -> str:
+    """The current CUDA device's name ("NVIDIA H200"), "" without CUDA."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
 
 
 def _fake_mode(example_inputs: list):
