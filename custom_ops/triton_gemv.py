@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -77,13 +78,19 @@ SHAPE_CONFIGS: dict[tuple[int, int], tuple] = {}
 # (which pads M to 16 anyway) and double the sweep's compiles for no gain.
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_os, stride_om, stride_on,
+    x_ptr, w_ptr, out_ptr, g_ptr, r_ptr, M, N, K, k_per_split, eps,
+    stride_xm, stride_wn, stride_os, stride_om, stride_on, stride_rm, stride_rn,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
+    RMS: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     """Program (column block, K range): the float32 sum over its K range for its BLOCK_N columns
-    and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split)."""
+    and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split).
+
+    RMS (one K range per program): x is RMS-normalised first, times the norm weight ``g``: the
+    products use ``x * g`` and the sum is scaled once at the end by rsqrt(mean(x^2) + eps), whose
+    sum of squares is gathered from the same x loads. RESIDUAL (one K range): ``r`` is added to the
+    rounded product before the store (the model's rounding: the product, then the sum)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,10 +104,13 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        ss = tl.zeros([M_PAD], dtype=tl.float32)
     elif ACC:  # products of every chunk summed elementwise, reduced across K once after the loop
         acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ss = tl.zeros([M_PAD, 1], dtype=tl.float32)
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+        ss = tl.zeros([M_PAD, 1], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         if USE_DOT:
@@ -112,6 +122,11 @@ def _gemv_kernel(
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=(k < K)[None, :], other=0.0)
+            if RMS:
+                xf = x.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+                g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                x = (xf * g[None, :]).to(x.dtype)
             if DOT_FP32:
                 w = w.to(tl.float32)
                 x = x.to(tl.float32)
@@ -126,7 +141,11 @@ def _gemv_kernel(
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_first")
                 x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_last")
-            acc3 += x.to(tl.float32) * w.to(tl.float32)
+            xf = x.to(tl.float32)
+            if RMS:
+                ss += tl.sum(xf * xf, axis=2)
+                xf = xf * tl.load(g_ptr + k[None, None, :], mask=(k < K)[None, None, :], other=0.0).to(tl.float32)
+            acc3 += xf * w.to(tl.float32)
         else:
             # 3-D pointers pin the layout: a thread's weight elements meet every row of x it
             # needs inside the thread, so the M products per weight element need no shuffles.
@@ -138,16 +157,32 @@ def _gemv_kernel(
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0)
-            acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)
+            xf = x.to(tl.float32)
+            if RMS:
+                ss += tl.sum(xf * xf, axis=2)
+                xf = xf * tl.load(g_ptr + k[None, None, :], mask=(k < K)[None, None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(xf * w.to(tl.float32), axis=2)
     if ACC:
         acc = tl.sum(acc3, axis=2)
     out_base = out_ptr + pid_k * stride_os
     if USE_DOT:
-        ptrs = out_base + m[None, :] * stride_om + n[:, None] * stride_on
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & (n < N)[:, None])
+        if RMS:
+            acc = acc * tl.rsqrt(ss / K + eps)[None, :]
+        live = (m < M)[None, :] & (n < N)[:, None]
+        val = acc.to(out_ptr.dtype.element_ty)
+        if RESIDUAL:
+            r = tl.load(r_ptr + m[None, :] * stride_rm + n[:, None] * stride_rn, mask=live, other=0.0)
+            val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_base + m[None, :] * stride_om + n[:, None] * stride_on, val, mask=live)
     else:
-        ptrs = out_base + m[:, None] * stride_om + n[None, :] * stride_on
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & (n < N)[None, :])
+        if RMS:
+            acc = acc * tl.rsqrt(ss / K + eps)
+        live = (m < M)[:, None] & (n < N)[None, :]
+        val = acc.to(out_ptr.dtype.element_ty)
+        if RESIDUAL:
+            r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :] * stride_rn, mask=live, other=0.0)
+            val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_base + m[:, None] * stride_om + n[None, :] * stride_on, val, mask=live)
 
 
 @triton.jit
@@ -251,20 +286,51 @@ def _check_inputs(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) ->
             raise ValueError(f"tscompile: gemv out must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+def _check_fusions(x: torch.Tensor, n: int, norm_weight: torch.Tensor | None, eps: float,
+                   residual: torch.Tensor | None) -> None:
+    m, k = x.shape
+    if norm_weight is not None:
+        if not isinstance(norm_weight, torch.Tensor) or norm_weight.dim() != 1 or norm_weight.shape[0] != k \
+                or not norm_weight.is_floating_point() or norm_weight.device != x.device:
+            got = (tuple(norm_weight.shape), norm_weight.dtype) if isinstance(norm_weight, torch.Tensor) else norm_weight
+            raise ValueError(f"tscompile: gemv norm_weight must be a 1-D floating tensor of K = {k} entries on "
+                             f"{x.device}; got {got}")
+        if norm_weight.stride(0) != 1 and k > 1:
+            raise ValueError("tscompile: gemv norm_weight must be contiguous")
+        if not (isinstance(eps, float) and eps >= 0.0):
+            raise ValueError(f"tscompile: gemv eps must be a float >= 0; got {eps!r}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (m, n) or residual.dtype != x.dtype \
+                or residual.device != x.device:
+            got = (tuple(residual.shape), residual.dtype) if isinstance(residual, torch.Tensor) else residual
+            raise ValueError(f"tscompile: gemv residual must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None, *,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` into ``out [M, N]`` (allocated if None; any strides) and return it.
 
     M <= MAX_ROWS; x and w of one dtype among bf16/fp16/fp32, contiguous along K. ``config`` =
     (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, mode]) overrides ``default_config`` (for the
-    sweep); SPLIT_K is reduced where K has fewer BLOCK_K chunks than splits."""
+    sweep); SPLIT_K is reduced where K has fewer BLOCK_K chunks than splits.
+
+    Fused, for the decode step's projections: ``norm_weight`` [K] (with ``eps``) computes
+    ``rms_norm(x) * norm_weight @ w.T`` (the RMSNorm in float32, never rounded to x's dtype before
+    the products); ``residual`` [M, N] computes ``round(x @ w.T) + residual``. Either runs the
+    whole K in one program (SPLIT_K 1): the norm needs every x of a row, and a split's partials
+    would need the residual in the reduce."""
     _check_inputs(x, w, out)
     (m, k), n = x.shape, w.shape[0]
+    _check_fusions(x, n, norm_weight, eps, residual)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     block_n, block_k, split_k, warps, stages, mode = (
         default_config(m, n, k) if config is None else check_config(config))
+    if norm_weight is not None or residual is not None:
+        split_k = 1
     splits, per_split = split_layout(k, block_k, split_k)
     use_dot = mode == "dot"
     m_pad = max(_next_pow2(m), 16) if use_dot else _next_pow2(m)
@@ -273,11 +339,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32"  # ignored for 16-bit
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     stride_os, stride_om, stride_on = (0, *out.stride()) if splits == 1 else target.stride()
+    stride_rm, stride_rn = residual.stride() if residual is not None else (0, 0)
     _gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        x, w, target, m, n, k, per_split,
-        x.stride(0), w.stride(0), stride_os, stride_om, stride_on,
+        x, w, target, x if norm_weight is None else norm_weight, x if residual is None else residual,
+        m, n, k, per_split, float(eps),
+        x.stride(0), w.stride(0), stride_os, stride_om, stride_on, stride_rm, stride_rn,
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
+        RMS=norm_weight is not None, RESIDUAL=residual is not None,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
@@ -305,6 +374,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # call can sweep and then run the engine on what it found, on any GPU.
 
 DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", True)
+# TSCOMPILE_DECODE_GEMV_FUSE=1 (opt-in, not yet timed on a GPU): the pass also moves the residual add
+# before each RMSNorm into the previous projection's kernel (epilogue) and the RMSNorm into the next
+# projection's (prologue: the products use x * weight, scaled once by the row's rsqrt(mean(x^2) + eps)),
+# so the norm kernels between projections (two per layer, about 2.3 us each on llama-8b, H200) go.
+# A norm is fused only where the projection after it is a listed shape.
+DECODE_GEMV_FUSE = env_flag("TSCOMPILE_DECODE_GEMV_FUSE", False)
 DECODE_GEMV_DEVICES = ("NVIDIA H200",)  # torch.cuda.get_device_name() of the GPUs the table was timed on
 DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per call, this kernel / cuBLAS
     (3072, 2048): (1, 2048, 1, 8, 1, "acc"),     # llama-1b fused qkv: 6.0 / 6.4
@@ -380,14 +455,18 @@ def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("tscompile::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``DECODE_GEMV_CONFIGS``' launch for w's shape
-    (the default one for a shape without an entry)."""
-    return gemv(_k_contiguous(x), w, config=DECODE_GEMV_CONFIGS.get(tuple(w.shape)))
+    (the default one for a shape without an entry); ``norm_weight`` / ``residual``: ``gemv``'s fused
+    RMSNorm prologue and residual epilogue."""
+    return gemv(_k_contiguous(x), w, config=DECODE_GEMV_CONFIGS.get(tuple(w.shape)), norm_weight=norm_weight,
+                eps=eps, residual=residual)
 
 
 @gemv_op.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
+      residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

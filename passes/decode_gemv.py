@@ -20,18 +20,53 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from tscompile.custom_ops import triton_gemv
-from tscompile.passes import matmul_nodes
+from tscompile.passes import matmul_nodes, rms_norm_nodes
 from tscompile.passes.matmul_nodes import swap_matmuls
+from tscompile.passes.rms_norm_nodes import erase_unused, is_call, match_rms_norm
+
+aten = torch.ops.aten
 
 
-def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",)) -> int:
+def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), fuse: bool | None = None) -> int:
     """Replace every one-row ``mm(x, permute(w))`` whose weight shape has a ``DECODE_GEMV_CONFIGS``
     entry by ``tscompile::gemv(x, w)``, and a residual ``addmm(r, x, permute(w))`` by
     ``r + tscompile::gemv(x, w)`` (the eager model's rounding: the product, then the sum); returns
-    how many."""
+    how many. ``fuse`` (default ``DECODE_GEMV_FUSE``): the residual goes into the kernel's epilogue
+    instead, and an x that is the model's RMSNorm output (or rows of it) read by this matmul alone
+    is replaced by the norm's input, the norm done in the kernel (``fuse_replace``)."""
+    fuse = triton_gemv.DECODE_GEMV_FUSE if fuse is None else fuse
     # one row: DECODE_GEMV_CONFIGS' launches hold M x BLOCK_N x BLOCK_K float32 products per program
     return swap_matmuls(graph, devices, lambda x, shape: x.shape[0] == 1 and shape in triton_gemv.DECODE_GEMV_CONFIGS,
-                        torch.ops.tscompile.gemv.default)
+                        torch.ops.tscompile.gemv.default, replace=fuse_replace if fuse else None)
+
+
+def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target) -> None:
+    """``node`` becomes ``target(x', w, norm_weight=, eps=, residual=)``: the residual (or None) as the
+    epilogue; x' the RMSNorm's input where x is that norm's output (directly or through a row
+    ``index``) with no other reader, and then the norm's nodes, read by nothing else, are erased;
+    the Inductor kernel that computed the norm (with the residual add before it) is gone from the step."""
+    kwargs, dead = {}, []
+    rows = None
+    source = x
+    if is_call(source, aten.index.Tensor) and len(source.users) == 1 and len(source.args[1]) == 1:
+        rows, source = source, source.args[0]  # the LM head's rows: the norm is per row, so index first
+    norm = match_rms_norm(source) if len(source.users) == 1 else None
+    with graph.inserting_before(node):
+        if norm is not None:
+            x = norm.x
+            if rows is not None:
+                x = graph.call_function(aten.index.Tensor, (norm.x, rows.args[1]))
+                x.meta.update(rows.meta)  # the same rows of a tensor of the same shape and dtype
+                dead.append(rows)
+            kwargs.update(norm_weight=norm.weight, eps=norm.eps)
+            dead += norm.nodes
+        if residual is not None:
+            kwargs["residual"] = residual
+        op = graph.call_function(target, (x, w), kwargs)
+    op.meta.update(node.meta)
+    node.replace_all_uses_with(op)
+    graph.erase_node(node)
+    erase_unused(graph, [transposed, *dead])
 
 
 class DecodeGemv(CustomGraphPass):
@@ -42,5 +77,6 @@ class DecodeGemv(CustomGraphPass):
         swap_decode_gemvs(graph)
 
     def uuid(self) -> bytes:
-        table = repr(sorted(triton_gemv.DECODE_GEMV_CONFIGS.items())).encode()
-        return get_hash_for_files((__file__, matmul_nodes.__file__, triton_gemv.__file__)) + table
+        table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.DECODE_GEMV_CONFIGS.items()))).encode()
+        files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, triton_gemv.__file__)
+        return get_hash_for_files(files) + table

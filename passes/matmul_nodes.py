@@ -45,10 +45,11 @@ def matmul_args(node: torch.fx.Node, devices: tuple[str, ...]) -> tuple | None:
     return None
 
 
-def swap_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...], wanted, target) -> int:
+def swap_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...], wanted, target, replace=None) -> int:
     """Replace every matmul ``matmul_args`` recognises, of a K-contiguous weight of static shape and
     x's dtype (one the Triton kernel takes) on ``devices``, for which ``wanted(x_val, weight_shape)``
-    holds, by ``target(x, w)`` (``replace_matmul``); returns how many."""
+    holds, by ``target(x, w)`` (``replace``, default ``replace_matmul``); returns how many."""
+    replace = replace or replace_matmul
     count = 0
     for node in list(graph.nodes):
         args = matmul_args(node, devices)
@@ -66,7 +67,7 @@ def swap_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...], wanted, target
         if not all(type(d) is int for d in shape):  # a weight's shape is static; a symbolic one is no weight
             continue
         if wanted(x, shape):
-            replace_matmul(graph, node, *args, w, target)
+            replace(graph, node, *args, w, target)
             count += 1
     return count
 

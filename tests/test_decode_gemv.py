@@ -148,9 +148,10 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypa
             patches.update(post_grad_custom_post_pass=CpuDecodeGemv(), force_disable_caches=True)
         return patches
 
-    def counting_gemv(x, w, out=None, config=None):
+    def counting_gemv(x, w, out=None, config=None, **fused):
         calls.append((tuple(w.shape), config))
-        return real_gemv(x, w, out, config)
+        assert not any(v is not None for v in (fused.get("norm_weight"), fused.get("residual")))  # fusion is opt-in
+        return real_gemv(x, w, out, config, **fused)
 
     monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
     monkeypatch.setattr(tg, "gemv", counting_gemv)
@@ -173,10 +174,99 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "/sweeps/gemv_sweep.json")
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", True)
     paths = report.kernel_paths()
     assert paths["decode_gemv_configs"] == {f"{n}x{k}": list(c) for (n, k), c in TINY_TABLE.items()}
+    assert paths["decode_gemv_fuse"] is True
     assert paths["gemv_table_file"] == "/sweeps/gemv_sweep.json" and "prefill_gemv_configs" not in paths
     monkeypatch.setattr(tg, "PREFILL_GEMV", True)
     monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})
     assert report.kernel_paths()["prefill_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}
 
+
+
+# -- TSCOMPILE_DECODE_GEMV_FUSE: the norms and residual adds moved into the kernel ------------------
+
+
+class _DecodeShaped(torch.nn.Module):
+    """One layer's projections in the model's decode form: the output projection's residual add, the
+    RMSNorm before the next projection, the final norm before the LM head's rows (llama.py's RMSNorm,
+    the Inductor forms a real bs=1 graph has: residual ``addmm``, ``index`` of normed rows)."""
+
+    def __init__(self, norm_shared: bool):
+        super().__init__()
+        from tscompile.models.llama import RMSNorm
+
+        self.o = torch.nn.Linear(256, 256, bias=False)
+        self.ffn_norm, self.final_norm = RMSNorm(256, 1e-5), RMSNorm(256, 1e-6)
+        self.up = torch.nn.Linear(256, 1024, bias=False)
+        self.down = torch.nn.Linear(1024, 256, bias=False)
+        self.head = torch.nn.Linear(256, 512, bias=False)
+        self.norm_shared = norm_shared
+        for norm in (self.ffn_norm, self.final_norm):
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+
+    def forward(self, attn, r, rows):
+        h = r + self.o(attn)
+        normed = self.ffn_norm(h)
+        h = h + self.down(torch.nn.functional.silu(self.up(normed)))
+        logits = self.head(self.final_norm(h)[rows])
+        # norm_shared: the norm's output has a second reader, so its matmul must not absorb it
+        return (logits, normed * 2.0) if self.norm_shared else logits
+
+
+def _compile_with_the_fused_pass(model, monkeypatch):
+    gemv_calls, swapped = [], []
+    real = tg.gemv
+
+    def counting(x, w, out=None, config=None, **kw):
+        gemv_calls.append((tuple(w.shape), kw.get("norm_weight") is not None, kw.get("residual") is not None))
+        return real(x, w, out, config, **kw)
+
+    class CpuFusedGemv(DecodeGemv):
+        def __call__(self, graph):
+            swapped.append(swap_decode_gemvs(graph, devices=("cpu",), fuse=True))
+            swapped.append(sum(n.target is aten.rsqrt.default for n in graph.nodes))
+
+    monkeypatch.setattr(tg, "gemv", counting)
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    compiled = torch.compile(model, dynamic=False, fullgraph=True,
+                             options={"post_grad_custom_post_pass": CpuFusedGemv(), "fx_graph_cache": False})
+    return compiled, gemv_calls, swapped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_pass_moves_norms_and_residuals_into_the_kernel_and_matches_eager(monkeypatch, dtype):
+    """Listed: o (256 x 256), up (1024 x 256), head (512 x 256); down (256 x 1024) is not. The o
+    projection takes its residual, up and the head their norms (the head's through the row index);
+    no rsqrt is left in the graph (bf16: the norm's converts matched too); the outputs equal eager's,
+    fresh inputs per call (bf16: within the rounding of the normalised x, which eager rounds to bf16
+    before its matmul and the kernel does not)."""
+    torch.manual_seed(0)
+    model = _DecodeShaped(norm_shared=False).to(dtype)
+    compiled, calls, swapped = _compile_with_the_fused_pass(model, monkeypatch)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        attn, r = torch.randn(1, 256, generator=g).to(dtype), (torch.randn(1, 256, generator=g) * 4).to(dtype)
+        rows = torch.tensor([0])
+        with torch.no_grad():  # inference, as the engine runs: no activations kept for a backward
+            got, want = compiled(attn, r, rows), model(attn, r, rows)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert swapped == [3, 0]
+    assert set(calls) == {((256, 256), False, True), ((1024, 256), True, False), ((512, 256), True, False)}
+
+
+def test_fused_pass_leaves_a_norm_with_another_reader(monkeypatch):
+    """The ffn norm's output is also returned: up keeps reading it (no norm in its kernel), the final
+    norm is still fused into the head; both outputs equal eager's."""
+    torch.manual_seed(0)
+    model = _DecodeShaped(norm_shared=True)
+    compiled, calls, swapped = _compile_with_the_fused_pass(model, monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    args = torch.randn(1, 256, generator=g), torch.randn(1, 256, generator=g) * 4, torch.tensor([0])
+    with torch.no_grad():
+        for got, want in zip(compiled(*args), model(*args)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert swapped == [3, 1]
+    assert set(calls) == {((256, 256), False, True), ((1024, 256), False, False), ((512, 256), True, False)}

@@ -166,16 +166,20 @@ def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas()
     assert [k for k in two if cublas.search(k)], two
 
 
-def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_gives_eager_tokens(monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_gives_eager_tokens(monkeypatch, fuse):
     """TSCOMPILE_DECODE_GEMV (passes/decode_gemv.py) with llama-tiny's qkv, output and gate/up shapes in
     the launch table (a 640-id vocabulary, so the LM head's shape is no projection's): one bs=1 step
     runs ``_gemv_kernel`` three times per layer and cuBLAS for the down projections and the LM head
-    only; the dynamic bs=2 graph is untouched; tokens as eager's (float32)."""
+    only; the dynamic bs=2 graph is untouched; tokens as eager's (float32). ``fuse``
+    (TSCOMPILE_DECODE_GEMV_FUSE): the norms before qkv and gate/up run inside the kernel, so the only
+    Inductor kernel left with an rsqrt is the final norm's (the LM head is not listed)."""
     import re
 
     from tscompile.custom_ops import triton_gemv as tg
 
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", fuse)
     monkeypatch.setattr(tg, "DECODE_GEMV_DEVICES", (torch.cuda.get_device_name(),))  # any GPU: the table is llama-tiny's
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {
         (512, 256): (1, 256, 1, 4, 1, "acc"), (256, 256): (2, 256, 1, 4, 1, "acc"), (1024, 256): (4, 128, 1, 8, 1, "acc")})
@@ -191,6 +195,8 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     # the down projections and the LM head: one cuBLAS GEMV each, or two with a split-K reduce
     assert layers + 1 <= len([k for k in one if cublas.search(k) and k != "_gemv_kernel"]) <= 2 * (layers + 1), one
     assert "_gemv_kernel" not in two, two
+    norms = [k for k in one if "rsqrt" in k]
+    assert len(norms) == 1 if fuse else len(norms) >= 2 * layers, norms
 
 
 def test_prefill_gemv_pass_runs_the_kernel_inside_whole_step_graphs_and_gives_eager_tokens(monkeypatch):

@@ -119,6 +119,44 @@ def test_split_layout_covers_k_with_whole_chunks():
     assert tg.auto_split(2048, 8192, 16, 256) * blocks >= tg.TARGET_PROGRAMS
 
 
+# -- the decode pass's fusions: an RMSNorm prologue, a residual epilogue ----------------------------
+
+
+def _rms_norm_ref(x, g, eps):
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * g.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config, n, k", [
+    (ACC, 9, 72),         # a tail column block and a tail K chunk: the sum of squares sees only real x
+    (ACC_SPLIT, 12, 96),  # a split asked for: the fused call runs all of K in one program instead
+    (FMA, 40, 72),
+    (DOT, 33, 80),
+])
+def test_gemv_fused_norm_and_residual_match_float32_math(dtype, m, config, n, k, device):
+    """``norm_weight``: rms_norm(x) * weight @ w.T with the norm in float32; ``residual``: the product
+    rounded to the output dtype, then the residual added (the model's two roundings); both at once."""
+    x, w = _inputs(m, n, k, dtype, device, seed=hash((str(dtype), m, config, n, "fused")) % 2**31)
+    g = torch.Generator().manual_seed(n * k + m)
+    x = x * 3.0 + 0.5  # far from unit RMS: a missing or wrong scale shows
+    norm_weight = (1.0 + 0.5 * torch.randn(k, generator=g)).to(dtype=dtype, device=device)
+    residual = torch.randn(m, n, generator=g).to(dtype=dtype, device=device)
+    eps = 1e-5
+    normed = _rms_norm_ref(x, norm_weight, eps) @ w.float().T
+    product = (x.float() @ w.float().T).to(dtype).float()
+    for kwargs, want in ((dict(norm_weight=norm_weight, eps=eps), normed),
+                         (dict(residual=residual), product + residual.float()),
+                         (dict(norm_weight=norm_weight, eps=eps, residual=residual),
+                          normed.to(dtype).float() + residual.float())):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+        assert tg.gemv(x, w, out, config=config, **kwargs) is out
+        # the output is rounded once more than the reference: one ulp of |y| up to about 16
+        torch.testing.assert_close(out.float(), want, rtol=2 * ULP[dtype], atol=2 * ULP[dtype] * 16,
+                                   msg=lambda s: f"{sorted(kwargs)}: {s}")
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 
 
@@ -140,6 +178,11 @@ def _bad_calls():
         "warps": lambda: tg.gemv(x, w, config=(16, 32, 1, 3, 1)),
         "mode": lambda: tg.gemv(x, w, config=(16, 32, 1, 4, 1, "wgmma")),
         "dot tile": lambda: tg.gemv(x, w, config=(8, 32, 1, 4, 1, "dot")),
+        "norm_weight size": lambda: tg.gemv(x, w, norm_weight=torch.ones(31), eps=1e-5),
+        "norm_weight 2-D": lambda: tg.gemv(x, w, norm_weight=torch.ones(1, 32), eps=1e-5),
+        "eps": lambda: tg.gemv(x, w, norm_weight=torch.ones(32), eps=-1.0),
+        "residual shape": lambda: tg.gemv(x, w, residual=torch.zeros(2, 9)),
+        "residual dtype": lambda: tg.gemv(x, w, residual=torch.zeros(2, 8, dtype=torch.half)),
     }
 
 
@@ -336,6 +379,33 @@ def test_gemv_llama_1b_qkv_matches_torch_gpu(m):
         tg.gemv(x, w, out, config=config)
         torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2,
                                    msg=lambda s: f"config {config}: {s}")
+
+
+@pytest.mark.gpu
+def test_gemv_fused_norm_and_residual_llama_8b_shapes_match_torch_gpu():
+    """The shipped launch on llama-8b's qkv (RMSNorm prologue) and output (residual epilogue) shapes,
+    bf16, against float32 math; and the fused kernel in a CUDA graph replayed with new inputs."""
+    config = (1, 2048, 1, 8, 1, "acc")
+    for (n, k), fuse in (((6144, 4096), "norm"), ((4096, 4096), "residual")):
+        x, w = _inputs(1, n, k, torch.bfloat16, "cuda", seed=n)
+        norm_weight = (1.0 + 0.5 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        residual = torch.randn(1, n, device="cuda").to(torch.bfloat16)
+        kwargs = dict(norm_weight=norm_weight, eps=1e-5) if fuse == "norm" else dict(residual=residual)
+        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        tg.gemv(x, w, out, config=config, **kwargs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tg.gemv(x, w, out, config=config, **kwargs)
+        for seed in (1, 2):
+            x.copy_(_inputs(1, n, k, torch.bfloat16, "cuda", seed=seed * 7 + n)[0] * 2.0)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            if fuse == "norm":
+                want = _rms_norm_ref(x, norm_weight, 1e-5) @ w.float().T
+            else:
+                want = (x.float() @ w.float().T).to(torch.bfloat16).float() + residual.float()
+            torch.testing.assert_close(out.float(), want, rtol=2.0 ** -7, atol=5e-2, msg=lambda s: f"{fuse}: {s}")
 
 
 @pytest.mark.gpu
