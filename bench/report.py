@@ -101,7 +101,7 @@ def kernel_paths() -> dict:
              "fused_decode": triton_attention.FUSED_DECODE,
              "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
     if decode_gemv:  # which projections left cuBLAS, at which launches, with the norms fused or not, from where
-        paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.DECODE_GEMV_CONFIGS.items()}
+        paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.decode_gemv_configs().items()}
         paths["decode_gemv_fuse"] = triton_gemv.DECODE_GEMV_FUSE
     if triton_gemv.PREFILL_GEMV:
         paths["prefill_gemv_configs"] = {f"{m}x{n}x{k}": list(c)

@@ -391,6 +391,20 @@ DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per 
     (128256, 4096): (1, 2048, 1, 8, 1, "acc"),   # llama-8b LM head: 233.9 / 243.2
 }
 
+# Listed only with TSCOMPILE_DECODE_GEMV_FUSE: a launch at parity with cuBLAS on its own, which the
+# fusion makes worth it (it takes the norm kernel before the projection away).
+DECODE_GEMV_FUSE_ONLY: dict[tuple[int, int], tuple] = {
+    (28672, 4096): (1, 2048, 1, 8, 1, "acc"),    # llama-8b fused gate/up: 54.4 / 54.8
+}
+
+
+def decode_gemv_configs(fuse: bool | None = None) -> dict[tuple[int, int], tuple]:
+    """The decode pass's launch table: ``DECODE_GEMV_CONFIGS``, plus ``DECODE_GEMV_FUSE_ONLY`` with
+    the fusion on (``fuse``, default ``DECODE_GEMV_FUSE``)."""
+    fuse = DECODE_GEMV_FUSE if fuse is None else fuse
+    return {**DECODE_GEMV_FUSE_ONLY, **DECODE_GEMV_CONFIGS} if fuse else DECODE_GEMV_CONFIGS
+
+
 # -- the prefill pieces' few-row projections (opt-in) -----------------------------------------------
 # TSCOMPILE_PREFILL_GEMV=1: in the pieces of a split (prefill) graph on CUDA, every matmul whose weight
 # shape appears below runs through ``tscompile::skinny_mm`` (passes/prefill_gemv.py), which picks at
@@ -426,12 +440,15 @@ def prefill_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDU
     return table
 
 
-def gemv_tables_from_file(path: str) -> tuple[dict, dict]:
-    """(decode table, prefill table) of a sweep's JSON, or ValueError('tscompile: ...')."""
+def gemv_tables_from_file(path: str) -> tuple[dict, dict, dict]:
+    """(decode table, its fuse-only additions: the launches at parity with cuBLAS or better, prefill
+    table) of a sweep's JSON, or ValueError('tscompile: ...')."""
     try:
         with open(path) as f:
             result = json.load(f)
-        return decode_table_from_sweep(result), prefill_table_from_sweep(result)
+        decode = decode_table_from_sweep(result)
+        at_parity = decode_table_from_sweep(result, min_speedup=1.0)
+        return decode, {k: v for k, v in at_parity.items() if k not in decode}, prefill_table_from_sweep(result)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"tscompile: TSCOMPILE_GEMV_TABLE={path!r} is not a readable scripts/gemv_sweep.py "
                          f"JSON ({type(e).__name__}: {e})") from None
@@ -439,7 +456,7 @@ def gemv_tables_from_file(path: str) -> tuple[dict, dict]:
 
 GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV or PREFILL_GEMV else ""
 if GEMV_TABLE_FILE:  # read only with a pass on: a process that never swaps needs no sweep file
-    DECODE_GEMV_CONFIGS, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
+    DECODE_GEMV_CONFIGS, DECODE_GEMV_FUSE_ONLY, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
 
 
 def decode_gemv_applies(device_name: str) -> bool:
@@ -457,10 +474,10 @@ def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("tscompile::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``DECODE_GEMV_CONFIGS``' launch for w's shape
+    """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``decode_gemv_configs()``' launch for w's shape
     (the default one for a shape without an entry); ``norm_weight`` / ``residual``: ``gemv``'s fused
     RMSNorm prologue and residual epilogue."""
-    return gemv(_k_contiguous(x), w, config=DECODE_GEMV_CONFIGS.get(tuple(w.shape)), norm_weight=norm_weight,
+    return gemv(_k_contiguous(x), w, config=decode_gemv_configs().get(tuple(w.shape)), norm_weight=norm_weight,
                 eps=eps, residual=residual)
 
 

@@ -28,7 +28,7 @@ aten = torch.ops.aten
 
 
 def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), fuse: bool | None = None) -> int:
-    """Replace every one-row ``mm(x, permute(w))`` whose weight shape has a ``DECODE_GEMV_CONFIGS``
+    """Replace every one-row ``mm(x, permute(w))`` whose weight shape has a ``decode_gemv_configs``
     entry by ``tscompile::gemv(x, w)``, and a residual ``addmm(r, x, permute(w))`` by
     ``r + tscompile::gemv(x, w)`` (the eager model's rounding: the product, then the sum); returns
     how many. ``fuse`` (default ``DECODE_GEMV_FUSE``): the residual goes into the kernel's epilogue
@@ -36,7 +36,8 @@ def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",
     is replaced by the norm's input, the norm done in the kernel (``fuse_replace``)."""
     fuse = triton_gemv.DECODE_GEMV_FUSE if fuse is None else fuse
     # one row: DECODE_GEMV_CONFIGS' launches hold M x BLOCK_N x BLOCK_K float32 products per program
-    return swap_matmuls(graph, devices, lambda x, shape: x.shape[0] == 1 and shape in triton_gemv.DECODE_GEMV_CONFIGS,
+    table = triton_gemv.decode_gemv_configs(fuse)
+    return swap_matmuls(graph, devices, lambda x, shape: x.shape[0] == 1 and shape in table,
                         torch.ops.tscompile.gemv.default, replace=fuse_replace if fuse else None)
 
 
@@ -77,6 +78,6 @@ class DecodeGemv(CustomGraphPass):
         swap_decode_gemvs(graph)
 
     def uuid(self) -> bytes:
-        table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.DECODE_GEMV_CONFIGS.items()))).encode()
+        table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.decode_gemv_configs().items()))).encode()
         files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, triton_gemv.__file__)
         return get_hash_for_files(files) + table

@@ -98,6 +98,18 @@ def test_each_shipped_launch_is_valid_and_computes_its_shapes_product(shape):
     torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-3)
 
 
+def test_fuse_only_launches_join_the_table_only_with_the_fusion(monkeypatch):
+    """A launch at parity with cuBLAS (DECODE_GEMV_FUSE_ONLY) is swapped in only when the fusion is
+    on, since only the norm it absorbs makes it pay; the listed shapes are swapped either way."""
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {(256, 256): TINY_TABLE[(256, 256)]})
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE_ONLY", {(24, 256): (8, 128, 1, 4, 1, "acc")})
+    for fuse, swapped in ((False, 1), (True, 2)):
+        gm = make_fx(_projections)(*_inputs())
+        assert swap_decode_gemvs(gm.graph, devices=("cpu",), fuse=fuse) == swapped
+    assert set(tg.decode_gemv_configs(True)) == {(256, 256), (24, 256)}
+    assert set(tg.decode_gemv_configs(False)) == {(256, 256)}
+
+
 def test_the_inductor_cache_key_follows_the_launch_table(monkeypatch):
     """Which matmuls the pass swaps depends on the table: a graph compiled under one table must not be
     reused from Inductor's cache under another."""
@@ -174,9 +186,13 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "/sweeps/gemv_sweep.json")
-    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", True)
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", False)
+    assert report.kernel_paths()["decode_gemv_fuse"] is False
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", True)  # the fuse-only launches join the recorded table
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE_ONLY", {(24, 256): (8, 128, 1, 4, 1, "acc")})
     paths = report.kernel_paths()
-    assert paths["decode_gemv_configs"] == {f"{n}x{k}": list(c) for (n, k), c in TINY_TABLE.items()}
+    want = {**TINY_TABLE, (24, 256): (8, 128, 1, 4, 1, "acc")}
+    assert paths["decode_gemv_configs"] == {f"{n}x{k}": list(c) for (n, k), c in want.items()}
     assert paths["decode_gemv_fuse"] is True
     assert paths["gemv_table_file"] == "/sweeps/gemv_sweep.json" and "prefill_gemv_configs" not in paths
     monkeypatch.setattr(tg, "PREFILL_GEMV", True)
