@@ -74,6 +74,15 @@ DEFAULT_TILES: dict[int, tuple[int, int, int, int, str]] = {
 SHAPE_CONFIGS: dict[tuple[int, int], tuple] = {}
 
 
+@triton.jit
+def _swiglu(gate, up):
+    """silu(gate) * up as the model computes ``F.silu(gate) * up`` in gate's dtype: silu in float32,
+    rounded, times up, rounded (no rounding at all in float32)."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
 # M is not specialised: M == 1 would otherwise compile its own variant of every "dot" config
 # (which pads M to 16 anyway) and double the sweep's compiles for no gain.
 @triton.jit(do_not_specialize=["M"])
@@ -82,7 +91,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_os, stride_om, stride_on, stride_rm, stride_rn,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
-    RMS: tl.constexpr, RESIDUAL: tl.constexpr,
+    RMS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     """Program (column block, K range): the float32 sum over its K range for its BLOCK_N columns
     and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split).
@@ -90,7 +99,9 @@ def _gemv_kernel(
     RMS (one K range per program): x is RMS-normalised first, times the norm weight ``g``: the
     products use ``x * g`` and the sum is scaled once at the end by rsqrt(mean(x^2) + eps), whose
     sum of squares is gathered from the same x loads. RESIDUAL (one K range): ``r`` is added to the
-    rounded product before the store (the model's rounding: the product, then the sum)."""
+    rounded product before the store (the model's rounding: the product, then the sum). SWIGLU: x
+    holds [gate | up], 2K wide, and the products use silu(gate) * up, rounded as the model rounds
+    them (``_swiglu``)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,9 +130,13 @@ def _gemv_kernel(
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 x = tl.load(x_ptrs)
+                if SWIGLU:
+                    x = _swiglu(x, tl.load(x_ptrs + K))
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=(k < K)[None, :], other=0.0)
+                if SWIGLU:
+                    x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, :], other=0.0))
             if RMS:
                 xf = x.to(tl.float32)
                 ss += tl.sum(xf * xf, axis=1)
@@ -138,9 +153,14 @@ def _gemv_kernel(
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
                 x = tl.load(x_ptrs, eviction_policy="evict_last")
+                if SWIGLU:
+                    x = _swiglu(x, tl.load(x_ptrs + K, eviction_policy="evict_last"))
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_first")
                 x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_last")
+                if SWIGLU:
+                    x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, None, :], other=0.0,
+                                           eviction_policy="evict_last"))
             xf = x.to(tl.float32)
             if RMS:
                 ss += tl.sum(xf * xf, axis=2)
@@ -154,9 +174,13 @@ def _gemv_kernel(
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 x = tl.load(x_ptrs)
+                if SWIGLU:
+                    x = _swiglu(x, tl.load(x_ptrs + K))
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0)
+                if SWIGLU:
+                    x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, None, :], other=0.0))
             xf = x.to(tl.float32)
             if RMS:
                 ss += tl.sum(xf * xf, axis=2)
@@ -286,9 +310,9 @@ def _check_inputs(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) ->
             raise ValueError(f"tscompile: gemv out must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
 
 
-def _check_fusions(x: torch.Tensor, n: int, norm_weight: torch.Tensor | None, eps: float,
+def _check_fusions(x: torch.Tensor, k: int, n: int, norm_weight: torch.Tensor | None, eps: float,
                    residual: torch.Tensor | None) -> None:
-    m, k = x.shape
+    m = x.shape[0]
     if norm_weight is not None:
         if not isinstance(norm_weight, torch.Tensor) or norm_weight.dim() != 1 or norm_weight.shape[0] != k \
                 or not norm_weight.is_floating_point() or norm_weight.device != x.device:
@@ -308,7 +332,7 @@ def _check_fusions(x: torch.Tensor, n: int, norm_weight: torch.Tensor | None, ep
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` into ``out [M, N]`` (allocated if None; any strides) and return it.
 
     M <= MAX_ROWS; x and w of one dtype among bf16/fp16/fp32, contiguous along K. ``config`` =
@@ -317,12 +341,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 
     Fused, for the decode step's projections: ``norm_weight`` [K] (with ``eps``) computes
     ``rms_norm(x) * norm_weight @ w.T`` (the RMSNorm in float32, never rounded to x's dtype before
-    the products); ``residual`` [M, N] computes ``round(x @ w.T) + residual``. Either runs the
-    whole K in one program (SPLIT_K 1): the norm needs every x of a row, and a split's partials
-    would need the residual in the reduce."""
-    _check_inputs(x, w, out)
-    (m, k), n = x.shape, w.shape[0]
-    _check_fusions(x, n, norm_weight, eps, residual)
+    the products); ``residual`` [M, N] computes ``round(x @ w.T) + residual``; ``swiglu``: x is
+    [M, 2K], gate then up, and the product is ``(silu(gate) * up) @ w.T`` (the down projection's
+    input, never written). A norm or a residual runs the whole K in one program (SPLIT_K 1): the
+    norm needs every x of a row, and a split's partials would need the residual in the reduce."""
+    if swiglu:
+        if norm_weight is not None:
+            raise ValueError("tscompile: gemv takes a norm_weight or swiglu, not both")
+        if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
+            if x.shape[1] != 2 * w.shape[1]:
+                raise ValueError(f"tscompile: gemv swiglu needs x [M, 2K] = [gate | up] for w [N, K]; got x "
+                                 f"{tuple(x.shape)}, w {tuple(w.shape)}")
+            _check_inputs(x[:, :w.shape[1]], w, out)  # the gate half: the same rules as a plain x
+        else:
+            _check_inputs(x, w, out)
+    else:
+        _check_inputs(x, w, out)
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    _check_fusions(x, k, n, norm_weight, eps, residual)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -346,7 +382,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         x.stride(0), w.stride(0), stride_os, stride_om, stride_on, stride_rm, stride_rn,
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
-        RMS=norm_weight is not None, RESIDUAL=residual is not None,
+        RMS=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=bool(swiglu),
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
@@ -473,17 +509,17 @@ def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("tscompile::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+            residual: Optional[torch.Tensor] = None, swiglu: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``decode_gemv_configs()``' launch for w's shape
-    (the default one for a shape without an entry); ``norm_weight`` / ``residual``: ``gemv``'s fused
-    RMSNorm prologue and residual epilogue."""
+    (the default one for a shape without an entry); ``norm_weight`` / ``swiglu`` / ``residual``:
+    ``gemv``'s fused RMSNorm or SiLU-mul prologue and residual epilogue."""
     return gemv(_k_contiguous(x), w, config=decode_gemv_configs().get(tuple(w.shape)), norm_weight=norm_weight,
-                eps=eps, residual=residual)
+                eps=eps, residual=residual, swiglu=swiglu)
 
 
 @gemv_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-      residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+      residual: Optional[torch.Tensor] = None, swiglu: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

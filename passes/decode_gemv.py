@@ -20,9 +20,10 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from tscompile.custom_ops import triton_gemv
-from tscompile.passes import matmul_nodes, rms_norm_nodes
+from tscompile.passes import matmul_nodes, rms_norm_nodes, silu_mul_nodes
 from tscompile.passes.matmul_nodes import swap_matmuls
 from tscompile.passes.rms_norm_nodes import erase_unused, is_call, match_rms_norm
+from tscompile.passes.silu_mul_nodes import match_silu_mul
 
 aten = torch.ops.aten
 
@@ -52,6 +53,7 @@ def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transp
     if is_call(source, aten.index.Tensor) and len(source.users) == 1 and len(source.args[1]) == 1:
         rows, source = source, source.args[0]  # the LM head's rows: the norm is per row, so index first
     norm = match_rms_norm(source) if len(source.users) == 1 else None
+    silu_mul = match_silu_mul(x) if norm is None and len(x.users) == 1 else None
     with graph.inserting_before(node):
         if norm is not None:
             x = norm.x
@@ -61,6 +63,10 @@ def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transp
                 dead.append(rows)
             kwargs.update(norm_weight=norm.weight, eps=norm.eps)
             dead += norm.nodes
+        elif silu_mul is not None:
+            x, silu_nodes = silu_mul
+            kwargs["swiglu"] = True
+            dead += silu_nodes
         if residual is not None:
             kwargs["residual"] = residual
         op = graph.call_function(target, (x, w), kwargs)
@@ -79,5 +85,5 @@ class DecodeGemv(CustomGraphPass):
 
     def uuid(self) -> bytes:
         table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.decode_gemv_configs().items()))).encode()
-        files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, triton_gemv.__file__)
+        files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, silu_mul_nodes.__file__, triton_gemv.__file__)
         return get_hash_for_files(files) + table

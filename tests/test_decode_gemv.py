@@ -139,17 +139,21 @@ def test_only_static_cuda_graphs_on_a_timed_gpu_get_the_pass(monkeypatch, flag, 
     assert isinstance(patches.get("post_grad_custom_post_pass"), DecodeGemv) == wanted
 
 
-def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypatch, fuse):
     """The compiled CPU engine (llama-tiny, float32) with the pass in its static bs=1 decode graph:
     the eager engine's greedy tokens, and the op ran inside that graph's steps for exactly the listed
-    shapes (llama-tiny's LM head has its qkv's shape, 512 x 256, so it is swapped too)."""
+    shapes (llama-tiny's LM head has its qkv's shape, 512 x 256, so it is swapped too). ``fuse``: the
+    model's own graph, not a stand-in: qkv, gate/up and the LM head take their norms, the output
+    projection its residual, and no rsqrt is left."""
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     params = tscompile.SamplingParams(max_new_tokens=4)
     want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(PROMPTS[:1], params))
 
     class CpuDecodeGemv(DecodeGemv):
         def __call__(self, graph):
-            swapped.append(swap_decode_gemvs(graph, devices=("cpu",)))
+            swapped.append(swap_decode_gemvs(graph, devices=("cpu",), fuse=fuse))
+            swapped.append(sum(n.target is aten.rsqrt.default for n in graph.nodes))
 
     swapped, calls = [], []
     real_patches, real_gemv = piece_compiler.piece_inductor_patches, tg.gemv
@@ -161,8 +165,7 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypa
         return patches
 
     def counting_gemv(x, w, out=None, config=None, **fused):
-        calls.append((tuple(w.shape), config))
-        assert not any(v is not None for v in (fused.get("norm_weight"), fused.get("residual")))  # fusion is opt-in
+        calls.append((tuple(w.shape), config, fused.get("norm_weight") is not None, fused.get("residual") is not None))
         return real_gemv(x, w, out, config, **fused)
 
     monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
@@ -170,9 +173,16 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypa
     llm = small_llm(dtype=torch.float32, enforce_eager=False, compile_options={"decode_ladder": (1,)})
     got = ids(llm.generate(PROMPTS[:1], params))
     assert got == want
-    assert swapped == [3 * 2 + 1]  # one static graph: qkv, output and gate/up of each layer, the LM head
-    assert {shape for shape, _ in calls} == set(TINY_TABLE)
-    assert all(config == TINY_TABLE[shape] for shape, config in calls)
+    layers = llm.runner.model.config.n_layers
+    # one static graph: qkv, output and gate/up of each layer, the LM head; unfused, a norm per layer
+    # before qkv and gate/up and the final one stay
+    assert swapped == [3 * layers + 1, 0 if fuse else 2 * layers + 1]
+    assert {shape for shape, *_ in calls} == set(TINY_TABLE)
+    assert all(config == TINY_TABLE[shape] for shape, config, *_ in calls)
+    out_proj = (256, 256)
+    assert {(shape, norm, res) for shape, _, norm, res in calls} == (
+        {(shape, shape != out_proj, shape == out_proj) for shape in TINY_TABLE} if fuse
+        else {(shape, False, False) for shape in TINY_TABLE})
 
 
 def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
@@ -215,8 +225,8 @@ class _DecodeShaped(torch.nn.Module):
 
         self.o = torch.nn.Linear(256, 256, bias=False)
         self.ffn_norm, self.final_norm = RMSNorm(256, 1e-5), RMSNorm(256, 1e-6)
-        self.up = torch.nn.Linear(256, 1024, bias=False)
-        self.down = torch.nn.Linear(1024, 256, bias=False)
+        self.up = torch.nn.Linear(256, 1024, bias=False)  # gate and up, 512 each
+        self.down = torch.nn.Linear(512, 256, bias=False)
         self.head = torch.nn.Linear(256, 512, bias=False)
         self.norm_shared = norm_shared
         for norm in (self.ffn_norm, self.final_norm):
@@ -225,7 +235,8 @@ class _DecodeShaped(torch.nn.Module):
     def forward(self, attn, r, rows):
         h = r + self.o(attn)
         normed = self.ffn_norm(h)
-        h = h + self.down(torch.nn.functional.silu(self.up(normed)))
+        gate, up = self.up(normed).chunk(2, dim=-1)
+        h = h + self.down(torch.nn.functional.silu(gate) * up)
         logits = self.head(self.final_norm(h)[rows])
         # norm_shared: the norm's output has a second reader, so its matmul must not absorb it
         return (logits, normed * 2.0) if self.norm_shared else logits
@@ -236,16 +247,19 @@ def _compile_with_the_fused_pass(model, monkeypatch):
     real = tg.gemv
 
     def counting(x, w, out=None, config=None, **kw):
-        gemv_calls.append((tuple(w.shape), kw.get("norm_weight") is not None, kw.get("residual") is not None))
+        gemv_calls.append((tuple(w.shape), kw.get("norm_weight") is not None, kw.get("residual") is not None,
+                           bool(kw.get("swiglu"))))
         return real(x, w, out, config, **kw)
 
     class CpuFusedGemv(DecodeGemv):
         def __call__(self, graph):
             swapped.append(swap_decode_gemvs(graph, devices=("cpu",), fuse=True))
             swapped.append(sum(n.target is aten.rsqrt.default for n in graph.nodes))
+            swapped.append(sum(n.target in (aten.exp.default, aten.split.Tensor, aten.silu.default,
+                                            aten.sigmoid.default) for n in graph.nodes))
 
     monkeypatch.setattr(tg, "gemv", counting)
-    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {**TINY_TABLE, (256, 512): (32, 256, 1, 4, 1, "acc")})
     compiled = torch.compile(model, dynamic=False, fullgraph=True,
                              options={"post_grad_custom_post_pass": CpuFusedGemv(), "fx_graph_cache": False})
     return compiled, gemv_calls, swapped
@@ -253,11 +267,11 @@ def _compile_with_the_fused_pass(model, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_pass_moves_norms_and_residuals_into_the_kernel_and_matches_eager(monkeypatch, dtype):
-    """Listed: o (256 x 256), up (1024 x 256), head (512 x 256); down (256 x 1024) is not. The o
-    projection takes its residual, up and the head their norms (the head's through the row index);
-    no rsqrt is left in the graph (bf16: the norm's converts matched too); the outputs equal eager's,
-    fresh inputs per call (bf16: within the rounding of the normalised x, which eager rounds to bf16
-    before its matmul and the kernel does not)."""
+    """Listed: o (256 x 256), gate/up (1024 x 256), down (256 x 512), head (512 x 256). The o
+    projection takes its residual, gate/up and the head their norms (the head's through the row
+    index), down the SiLU-mul and its residual; no rsqrt, exp or split is left in the graph (bf16: the
+    converts matched too); the outputs equal eager's, fresh inputs per call (bf16: within the rounding
+    of the normalised x, which eager rounds to bf16 before its matmul and the kernel does not)."""
     torch.manual_seed(0)
     model = _DecodeShaped(norm_shared=False).to(dtype)
     compiled, calls, swapped = _compile_with_the_fused_pass(model, monkeypatch)
@@ -269,13 +283,14 @@ def test_fused_pass_moves_norms_and_residuals_into_the_kernel_and_matches_eager(
         with torch.no_grad():  # inference, as the engine runs: no activations kept for a backward
             got, want = compiled(attn, r, rows), model(attn, r, rows)
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    assert swapped == [3, 0]
-    assert set(calls) == {((256, 256), False, True), ((1024, 256), True, False), ((512, 256), True, False)}
+    assert swapped == [4, 0, 0]
+    assert set(calls) == {((256, 256), False, True, False), ((1024, 256), True, False, False),
+                          ((256, 512), False, True, True), ((512, 256), True, False, False)}
 
 
 def test_fused_pass_leaves_a_norm_with_another_reader(monkeypatch):
-    """The ffn norm's output is also returned: up keeps reading it (no norm in its kernel), the final
-    norm is still fused into the head; both outputs equal eager's."""
+    """The ffn norm's output is also returned: gate/up keeps reading it (no norm in its kernel), the
+    final norm is still fused into the head, the SiLU-mul into down; both outputs equal eager's."""
     torch.manual_seed(0)
     model = _DecodeShaped(norm_shared=True)
     compiled, calls, swapped = _compile_with_the_fused_pass(model, monkeypatch)
@@ -284,5 +299,6 @@ def test_fused_pass_leaves_a_norm_with_another_reader(monkeypatch):
     with torch.no_grad():
         for got, want in zip(compiled(*args), model(*args)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert swapped == [3, 1]
-    assert set(calls) == {((256, 256), False, True), ((1024, 256), False, False), ((512, 256), True, False)}
+    assert swapped == [4, 1, 0]
+    assert set(calls) == {((256, 256), False, True, False), ((1024, 256), False, False, False),
+                          ((256, 512), False, True, True), ((512, 256), True, False, False)}

@@ -157,6 +157,37 @@ def test_gemv_fused_norm_and_residual_match_float32_math(dtype, m, config, n, k,
                                    msg=lambda s: f"{sorted(kwargs)}: {s}")
 
 
+def _rounded(t: torch.Tensor, dtype, device) -> torch.Tensor:
+    """t (float32) rounded to dtype as the kernel rounds: to nearest on a GPU, by truncation under the
+    CPU interpreter (module docstring); float32 unchanged."""
+    if dtype == torch.float32:
+        return t
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32)  # keep the top 16 bits
+    return t.to(dtype).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("config, n, k", [(ACC, 9, 72), (ACC_SPLIT, 12, 96), (FMA, 40, 72), (DOT, 33, 80)])
+def test_gemv_fused_swiglu_matches_the_models_silu_mul(dtype, m, config, n, k, device):
+    """``swiglu``: x = [gate | up] (2K wide); the products use silu(gate) * up rounded as the model
+    rounds ``F.silu(gate) * up`` (silu in float32, rounded, times up, rounded), then the down
+    projection; with its residual too."""
+    g = torch.Generator().manual_seed(hash((str(dtype), m, config, "swiglu")) % 2**31)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype=dtype, device=device)
+    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+    residual = torch.randn(m, n, generator=g).to(dtype=dtype, device=device)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = _rounded(_rounded(gate / (1 + torch.exp(-gate)), dtype, device) * up, dtype, device)
+    product = act @ w.float().T
+    for kwargs, want in ((dict(), product), (dict(residual=residual), _rounded(product, dtype, device) + residual.float())):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+        assert tg.gemv(gate_up, w, out, config=config, swiglu=True, **kwargs) is out
+        torch.testing.assert_close(out.float(), want, rtol=2 * ULP[dtype], atol=2 * ULP[dtype] * 16,
+                                   msg=lambda s: f"{sorted(kwargs)}: {s}")
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 
 
@@ -183,6 +214,8 @@ def _bad_calls():
         "eps": lambda: tg.gemv(x, w, norm_weight=torch.ones(32), eps=-1.0),
         "residual shape": lambda: tg.gemv(x, w, residual=torch.zeros(2, 9)),
         "residual dtype": lambda: tg.gemv(x, w, residual=torch.zeros(2, 8, dtype=torch.half)),
+        "swiglu width": lambda: tg.gemv(x, w, swiglu=True),  # x is K wide, not 2K
+        "swiglu and norm": lambda: tg.gemv(torch.randn(2, 64), w, swiglu=True, norm_weight=torch.ones(32), eps=1e-5),
     }
 
 
