@@ -336,6 +336,37 @@ def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, 
     assert list(result["summary"]) == ["tiny/b"] and result["acc_only"] and result["rows_m"] == [1]
 
 
+def test_gemv_fused_sweep_times_each_fusion_and_checks_it(tmp_path, monkeypatch):
+    """scripts/gemv_fused_sweep.py on tiny shapes under the interpreter with a stand-in timer: each
+    projection gets its model fusion, every launch's fused output is checked against float32 math
+    (all correct here), plain and fused times and their difference are recorded, and the best fused
+    launch is named; the JSON is written."""
+    import sys as _sys
+
+    monkeypatch.setattr(_sys, "path", [str(pathlib.Path(__file__).resolve().parents[1] / "scripts"), *_sys.path])
+    sweep = _load_sweep()
+    monkeypatch.setitem(_sys.modules, "gemv_sweep", sweep)
+    spec = importlib.util.spec_from_file_location(
+        "gemv_fused_sweep", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_fused_sweep.py")
+    fused = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fused)
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "DTYPE", torch.float32)
+    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"qkv": (24, 48), "o": (16, 48), "down": (16, 40)}})
+    monkeypatch.setattr(sweep, "MAX_COPIES", 2)
+    monkeypatch.setattr(fused, "LAUNCHES", [(4, 32, 1, 4, 1, "acc"), (8, 16, 1, 4, 1, "acc")])
+    times = iter(range(1, 100))
+    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), next(times) * 1e-3)[1])  # each call 1 us slower
+    fused.main(str(tmp_path / "fused.json"))
+    rows = json.loads((tmp_path / "fused.json").read_text())["rows"]
+    assert [(r["proj"], r["fusion"]) for r in rows] == [("qkv", "norm"), ("o", "residual"), ("down", "swiglu+residual")]
+    for r in rows:
+        assert set(r["launches"]) == {"4,32,1,4,1,acc", "8,16,1,4,1,acc"}
+        for e in r["launches"].values():
+            assert e["max_diff"] < 1e-3 and e["added_us"] == pytest.approx(1.0)
+        assert r["best_fused"] == "4,32,1,4,1,acc"  # timed first, so faster under the stand-in timer
+
+
 def _sweep_summary():
     return {
         "m/qkv": {"n": 6144, "k": 4096, "best_m1": [1, 512, 1, 8, 1, "acc"], "best_m1_us": 13.0,
