@@ -28,6 +28,11 @@ stores it ([N, K], K contiguous):
       float32 partial; a second small kernel sums the partials in a fixed order and casts. Plain
       stores instead of atomics keep the result deterministic and need no zeroed buffer.
 
+Fusions for the bs=1 decode step (``gemv``'s keywords, TSCOMPILE_DECODE_GEMV_FUSE): an RMSNorm
+prologue (the products use x * norm weight, and the sum is scaled once by the row's rsqrt(mean(x^2)
++ eps), whose sum of squares comes from the x loads the kernel makes anyway), a SiLU-mul prologue (x
+is [gate | up]) and a residual epilogue. They remove the small Inductor kernels between projections.
+
 Graph-safe: the grid and the split layout come from shapes only, nothing reads device memory on
 the host, and the partial buffer is an ordinary allocation (from the graph's pool when captured).
 Accumulation is float32 for every input dtype; float32 inputs use IEEE products.
