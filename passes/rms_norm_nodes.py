@@ -53,7 +53,7 @@ def match_rms_norm(z: torch.fx.Node) -> RmsNormMatch | None:
         return None
     for y_cast, weight in (z.args, z.args[::-1]):
         wval = _val(weight)
-        if wval is None or wval.dim() != 1 or wval.shape[0] != zval.shape[-1]:
+        if wval is None or wval.dim() != 1 or wval.shape[0] != zval.shape[-1] or wval.stride() != (1,):
             continue
         nodes = [z]
         y = _strip_convert(y_cast, nodes)
