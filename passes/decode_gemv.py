@@ -33,8 +33,8 @@ def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",
     entry by ``tscompile::gemv(x, w)``, and a residual ``addmm(r, x, permute(w))`` by
     ``r + tscompile::gemv(x, w)`` (the eager model's rounding: the product, then the sum); returns
     how many. ``fuse`` (default ``DECODE_GEMV_FUSE``): the residual goes into the kernel's epilogue
-    instead, and an x that is the model's RMSNorm output (or rows of it) read by this matmul alone
-    is replaced by the norm's input, the norm done in the kernel (``fuse_replace``)."""
+    instead, and an x that is the model's RMSNorm output (or rows of it) or its SiLU-mul, read by
+    this matmul alone, is computed in the kernel from its input (``fuse_replace``)."""
     fuse = triton_gemv.DECODE_GEMV_FUSE if fuse is None else fuse
     # one row: DECODE_GEMV_CONFIGS' launches hold M x BLOCK_N x BLOCK_K float32 products per program
     table = triton_gemv.decode_gemv_configs(fuse)
@@ -43,10 +43,12 @@ def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",
 
 
 def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target) -> None:
-    """``node`` becomes ``target(x', w, norm_weight=, eps=, residual=)``: the residual (or None) as the
-    epilogue; x' the RMSNorm's input where x is that norm's output (directly or through a row
-    ``index``) with no other reader, and then the norm's nodes, read by nothing else, are erased;
-    the Inductor kernel that computed the norm (with the residual add before it) is gone from the step."""
+    """``node`` becomes ``target(x', w, ...)``: the residual (or None) as the kernel's epilogue, and
+    x' = the RMSNorm's input (``norm_weight``, ``eps``) where x is that norm's output, directly or
+    through a row ``index``, or x' = the [gate | up] projection output (``swiglu``) where x is the
+    model's SiLU-mul of it; in either case only where x has no other reader. The matched nodes that
+    nothing reads any more are erased, so the Inductor kernel that computed them (a norm with the
+    residual add before it, a SiLU-mul) is gone from the step."""
     kwargs, dead = {}, []
     rows = None
     source = x
