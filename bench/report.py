@@ -103,6 +103,10 @@ def kernel_paths() -> dict:
     if decode_gemv:  # which projections left cuBLAS, at which launches, with the norms fused or not, from where
         paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.decode_gemv_configs().items()}
         paths["decode_gemv_fuse"] = triton_gemv.DECODE_GEMV_FUSE
+        if triton_gemv.DECODE_GEMV_FUSE:  # a fused call's own launches, and the fused sweep they came from
+            paths["decode_gemv_fused_configs"] = {f"{n}x{k}": list(c)
+                                                  for (n, k), c in triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()}
+            paths["gemv_fused_table_file"] = triton_gemv.GEMV_FUSED_TABLE_FILE or None
     if triton_gemv.PREFILL_GEMV:
         paths["prefill_gemv_configs"] = {f"{m}x{n}x{k}": list(c)
                                          for (m, n, k), c in triton_gemv.PREFILL_GEMV_CONFIGS.items()}

@@ -447,10 +447,32 @@ def decode_gemv_configs(fuse: bool | None = None) -> dict[tuple[int, int], tuple
     return {**DECODE_GEMV_FUSE_ONLY, **DECODE_GEMV_CONFIGS} if fuse else DECODE_GEMV_CONFIGS
 
 
-def decode_gemv_config(shape: tuple[int, int]) -> tuple | None:
-    """``decode_gemv_configs()[shape]`` without building the merged table (the op asks every call)."""
+# A fused call's own launch per shape, where it differs from the plain one: empty (the plain launch)
+# until scripts/gemv_fused_sweep.py has timed the fused kernels; TSCOMPILE_GEMV_FUSED_TABLE=its JSON
+# (with the fusion on) takes each shape's best fused launch from it.
+DECODE_GEMV_FUSED_CONFIGS: dict[tuple[int, int], tuple] = {}
+
+
+def decode_gemv_config(shape: tuple[int, int], fused: bool = False) -> tuple | None:
+    """The launch for a one-row matmul of this weight shape: a fused call's own (``fused``) if listed,
+    else ``decode_gemv_configs()[shape]``, without building the merged table (the op asks every call)."""
+    if fused and shape in DECODE_GEMV_FUSED_CONFIGS:
+        return DECODE_GEMV_FUSED_CONFIGS[shape]
     config = DECODE_GEMV_CONFIGS.get(shape)
     return DECODE_GEMV_FUSE_ONLY.get(shape) if config is None and DECODE_GEMV_FUSE else config
+
+
+def fused_table_from_sweep(result: dict) -> dict[tuple[int, int], tuple]:
+    """``DECODE_GEMV_FUSED_CONFIGS`` from scripts/gemv_fused_sweep.py's JSON: each shape's best
+    correct fused launch."""
+    return {(int(r["n"]), int(r["k"])): check_config(_launch_of(r["best_fused"]))
+            for r in result["rows"] if r.get("best_fused")}
+
+
+def _launch_of(key: str) -> tuple:
+    """A launch as the sweeps key it, "1,2048,1,8,1,acc", back to (1, 2048, 1, 8, 1, "acc")."""
+    *ints, mode = key.split(",")
+    return (*(int(v) for v in ints), mode)
 
 
 # -- the prefill pieces' few-row projections (opt-in) -----------------------------------------------
@@ -507,6 +529,21 @@ if GEMV_TABLE_FILE:  # read only with a pass on: a process that never swaps need
     DECODE_GEMV_CONFIGS, DECODE_GEMV_FUSE_ONLY, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
 
 
+def fused_table_from_file(path: str) -> dict[tuple[int, int], tuple]:
+    """``fused_table_from_sweep`` of a JSON file, or ValueError('tscompile: ...')."""
+    try:
+        with open(path) as f:
+            return fused_table_from_sweep(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"tscompile: TSCOMPILE_GEMV_FUSED_TABLE={path!r} is not a readable "
+                         f"scripts/gemv_fused_sweep.py JSON ({type(e).__name__}: {e})") from None
+
+
+GEMV_FUSED_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_FUSED_TABLE", "") if DECODE_GEMV and DECODE_GEMV_FUSE else ""
+if GEMV_FUSED_TABLE_FILE:  # read only with the fusion on, as above
+    DECODE_GEMV_FUSED_CONFIGS = fused_table_from_file(GEMV_FUSED_TABLE_FILE)
+
+
 def decode_gemv_applies(device_name: str) -> bool:
     """Whether the decode pass swaps on a GPU of this ``torch.cuda.get_device_name()``: the flag on,
     and the table timed on that GPU or read from a sweep (TSCOMPILE_GEMV_TABLE). A launch tuned on
@@ -525,7 +562,8 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor
     """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``decode_gemv_configs()``' launch for w's shape
     (the default one for a shape without an entry); ``norm_weight`` / ``swiglu`` / ``residual``:
     ``gemv``'s fused RMSNorm or SiLU-mul prologue and residual epilogue."""
-    return gemv(_k_contiguous(x), w, config=decode_gemv_config(tuple(w.shape)), norm_weight=norm_weight,
+    fused = norm_weight is not None or residual is not None or swiglu
+    return gemv(_k_contiguous(x), w, config=decode_gemv_config(tuple(w.shape), fused), norm_weight=norm_weight,
                 eps=eps, residual=residual, swiglu=swiglu)
 
 

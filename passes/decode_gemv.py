@@ -86,6 +86,7 @@ class DecodeGemv(CustomGraphPass):
         swap_decode_gemvs(graph)
 
     def uuid(self) -> bytes:
-        table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.decode_gemv_configs().items()))).encode()
+        table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.decode_gemv_configs().items()),
+                      sorted(triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()))).encode()
         files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, silu_mul_nodes.__file__, triton_gemv.__file__)
         return get_hash_for_files(files) + table

@@ -111,12 +111,18 @@ def test_fuse_only_launches_join_the_table_only_with_the_fusion(monkeypatch):
 
 
 def test_the_inductor_cache_key_follows_the_launch_table(monkeypatch):
-    """Which matmuls the pass swaps depends on the table: a graph compiled under one table must not be
-    reused from Inductor's cache under another."""
-    shipped = DecodeGemv().uuid()
+    """Which matmuls the pass swaps, and how, depends on the tables and the fusion flag: a graph
+    compiled under one must not be reused from Inductor's cache under another."""
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", False)
+    keys = [DecodeGemv().uuid()]
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
-    assert DecodeGemv().uuid() != shipped
-    assert DecodeGemv().uuid() == DecodeGemv().uuid()
+    keys.append(DecodeGemv().uuid())
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", True)
+    keys.append(DecodeGemv().uuid())
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSED_CONFIGS", {(512, 256): (2, 256, 1, 4, 1, "acc")})
+    keys.append(DecodeGemv().uuid())
+    assert len(set(keys)) == 4
+    assert DecodeGemv().uuid() == keys[-1]
 
 
 @pytest.mark.parametrize("flag, static, device, gpu, table_file, user_pass, wanted", [
@@ -204,6 +210,11 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     want = {**TINY_TABLE, (24, 256): (8, 128, 1, 4, 1, "acc")}
     assert paths["decode_gemv_configs"] == {f"{n}x{k}": list(c) for (n, k), c in want.items()}
     assert paths["decode_gemv_fuse"] is True
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSED_CONFIGS", {(512, 256): (2, 256, 1, 4, 1, "acc")})
+    monkeypatch.setattr(tg, "GEMV_FUSED_TABLE_FILE", "/sweeps/gemv_fused.json")
+    paths = report.kernel_paths()
+    assert paths["decode_gemv_fused_configs"] == {"512x256": [2, 256, 1, 4, 1, "acc"]}
+    assert paths["gemv_fused_table_file"] == "/sweeps/gemv_fused.json"
     assert paths["gemv_table_file"] == "/sweeps/gemv_sweep.json" and "prefill_gemv_configs" not in paths
     monkeypatch.setattr(tg, "PREFILL_GEMV", True)
     monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})

@@ -367,6 +367,48 @@ def test_gemv_fused_sweep_times_each_fusion_and_checks_it(tmp_path, monkeypatch)
         assert r["best_fused"] == "4,32,1,4,1,acc"  # timed first, so faster under the stand-in timer
 
 
+def test_fused_table_env_loads_the_fused_sweeps_picks_only_with_the_fusion(tmp_path):
+    """TSCOMPILE_GEMV_FUSED_TABLE: with TSCOMPILE_DECODE_GEMV_FUSE=1 a fresh process's fused launches
+    are the fused sweep's best per shape (a shape with no correct launch keeps the plain one); without
+    the fusion the file is never read; a bad file is a tscompile: ValueError."""
+    import subprocess
+    import sys
+
+    good = tmp_path / "fused.json"
+    good.write_text(json.dumps({"rows": [
+        {"n": 6144, "k": 4096, "best_fused": "2,2048,1,8,1,acc"},
+        {"n": 4096, "k": 14336, "best_fused": None}]}))
+    code = "from tscompile.custom_ops import triton_gemv as tg; print(sorted(tg.DECODE_GEMV_FUSED_CONFIGS.items()))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TSCOMPILE_")}
+    env.update(TSCOMPILE_GEMV_FUSED_TABLE=str(good), TSCOMPILE_DECODE_GEMV_FUSE="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[((6144, 4096), (2, 2048, 1, 8, 1, 'acc'))]"
+    env.update(TSCOMPILE_DECODE_GEMV_FUSE="0", TSCOMPILE_GEMV_FUSED_TABLE=str(tmp_path / "missing.json"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": [{"n": 8, "k": 8, "best_fused": "3,64,1,4,1,acc"}]}))
+    for name in ("bad.json", "missing.json"):
+        with pytest.raises(ValueError, match=r"^tscompile: TSCOMPILE_GEMV_FUSED_TABLE=.*" + name):
+            tg.fused_table_from_file(str(tmp_path / name))
+
+
+def test_the_op_runs_a_fused_call_at_its_own_launch(monkeypatch):
+    """``tscompile::gemv``: a fused call (norm, swiglu or residual) at DECODE_GEMV_FUSED_CONFIGS' launch
+    where the shape has one, a plain call at the plain table's."""
+    plain, fused = (16, 32, 1, 4, 1, "acc"), (8, 16, 1, 4, 1, "acc")
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {(24, 48): plain})
+    monkeypatch.setattr(tg, "DECODE_GEMV_FUSED_CONFIGS", {(24, 48): fused})
+    seen, real = [], tg.gemv
+    monkeypatch.setattr(tg, "gemv", lambda x, w, out=None, config=None, **kw: seen.append(config) or real(x, w, out, config, **kw))
+    x, w = torch.randn(1, 48), torch.randn(24, 48)
+    torch.ops.tscompile.gemv(x, w)
+    torch.ops.tscompile.gemv(x, w, residual=torch.randn(1, 24))
+    torch.ops.tscompile.gemv(x, w, norm_weight=torch.ones(48), eps=1e-5)
+    torch.ops.tscompile.gemv(torch.randn(1, 96), w, swiglu=True)
+    assert seen == [plain, fused, fused, fused]
+
+
 def _sweep_summary():
     return {
         "m/qkv": {"n": 6144, "k": 4096, "best_m1": [1, 512, 1, 8, 1, "acc"], "best_m1_us": 13.0,
