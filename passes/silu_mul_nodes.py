@@ -53,12 +53,14 @@ def _silu_of(act) -> tuple[torch.fx.Node, list] | None:
     """(the silu's input, nodes) for act = silu(g) in any of its decomposed forms."""
     if is_call(act, aten.silu.default):
         return act.args[0], [act]
-    if is_call(act, aten.div.Tensor):  # g / (1 + exp(-g))
+    if is_call(act, aten.div.Tensor):  # g / (1 + exp(-g)), Inductor's decomposition
         g, den = act.args
-        if is_call(den, aten.add.Tensor) and den.args[1] == 1 and is_call(den.args[0], aten.exp.default):
-            neg = den.args[0].args[0]
-            if is_call(neg, aten.neg.default) and neg.args[0] is g:
-                return g, [act, den, den.args[0], neg]
+        if is_call(den, aten.add.Tensor) and len(den.args) == 2:
+            for exp, one in (den.args, den.args[::-1]):
+                if one == 1 and is_call(exp, aten.exp.default):
+                    neg = exp.args[0]
+                    if is_call(neg, aten.neg.default) and neg.args[0] is g:
+                        return g, [act, den, exp, neg]
     if is_call(act, aten.mul.Tensor):  # g * sigmoid(g)
         for g, sig in (act.args, act.args[::-1]):
             if is_call(sig, aten.sigmoid.default) and sig.args[0] is g:

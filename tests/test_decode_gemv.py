@@ -313,3 +313,59 @@ def test_fused_pass_leaves_a_norm_with_another_reader(monkeypatch):
     assert swapped == [4, 1, 0]
     assert set(calls) == {((256, 256), False, True, False), ((1024, 256), False, False, False),
                           ((256, 512), False, True, True), ((512, 256), True, False, False)}
+
+
+def _output_node(gm):
+    return next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+
+@pytest.mark.parametrize("form", ["silu", "sigmoid", "inductor"])
+def test_silu_mul_matcher_takes_each_form_of_the_models_silu(form):
+    """``match_silu_mul`` finds the [gate | up] tensor behind ``silu(gate) * up`` whether silu is kept,
+    written with sigmoid, or in Inductor's own decomposition, and names every node it would erase."""
+    from tscompile.passes.silu_mul_nodes import match_silu_mul
+
+    silu = {"silu": torch.nn.functional.silu, "sigmoid": lambda g: g * torch.sigmoid(g),
+            "inductor": lambda g: g / (1 + g.neg().exp())}[form]
+
+    def f(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return silu(gate) * up
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1, 64))
+    found = match_silu_mul(_output_node(gm))
+    assert found is not None and found[0].op == "placeholder"
+    assert sum(n.op == "call_function" for n in gm.graph.nodes) == len(found[1])  # every op of f
+
+
+def test_silu_mul_matcher_refuses_halves_of_two_tensors_and_a_swapped_order():
+    from tscompile.passes.silu_mul_nodes import match_silu_mul
+
+    def two(a, b):
+        return torch.nn.functional.silu(a.chunk(2, dim=-1)[0]) * b.chunk(2, dim=-1)[1]
+
+    def swapped(gate_up):  # silu of the second half: not the model's [gate | up] order
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(up) * gate
+
+    assert match_silu_mul(_output_node(make_fx(two, tracing_mode="fake")(torch.randn(1, 64), torch.randn(1, 64)))) is None
+    assert match_silu_mul(_output_node(make_fx(swapped, tracing_mode="fake")(torch.randn(1, 64)))) is None
+
+
+def test_rms_norm_matcher_finds_the_models_norm_and_refuses_a_2d_weight():
+    """``match_rms_norm`` on llama.py's RMSNorm (float32: no converts): its input, weight and eps; a
+    weight that is not one vector of the row size is no RMSNorm of this kind."""
+    from tscompile.models.llama import RMSNorm
+    from tscompile.passes.rms_norm_nodes import match_rms_norm
+
+    norm = RMSNorm(64, 1e-6)
+
+    def traced(weight):  # the norm's own forward, its weight a graph input
+        return make_fx(lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)),
+                       tracing_mode="fake")(torch.randn(1, 64), weight)
+
+    gm = traced(torch.ones(64))
+    found = match_rms_norm(_output_node(gm))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert found is not None and (found.x, found.weight, found.eps) == (placeholders[0], placeholders[1], 1e-6)
+    assert match_rms_norm(_output_node(traced(torch.ones(1, 64)))) is None
