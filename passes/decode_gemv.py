@@ -21,8 +21,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from tscompile.custom_ops import triton_gemv
 from tscompile.passes import matmul_nodes, rms_norm_nodes, silu_mul_nodes
-from tscompile.passes.matmul_nodes import swap_matmuls
-from tscompile.passes.rms_norm_nodes import erase_unused, is_call, match_rms_norm
+from tscompile.passes.matmul_nodes import erase_unused, is_call, swap_matmuls
+from tscompile.passes.rms_norm_nodes import match_rms_norm
 from tscompile.passes.silu_mul_nodes import match_silu_mul
 
 aten = torch.ops.aten

@@ -1,4 +1,5 @@
-"""The matmul nodes of a post-grad graph that the GEMV passes recognise and replace."""
+"""The matmul nodes of a post-grad graph that the GEMV passes recognise and replace, and the node
+helpers the passes' matchers share."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ aten = torch.ops.aten
 def val_of(node) -> torch.Tensor | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
+
+
+def is_call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def erase_unused(graph: torch.fx.Graph, nodes: list) -> None:
+    """Erase the nodes (pure ops, readers first) that nothing reads any more; a node still read stays.
+    Not a graph-wide DCE, which could drop a mutating op whose result no one reads."""
+    for node in nodes:
+        if not node.users and node.graph is graph:
+            graph.erase_node(node)
 
 
 def transposed_weight(node) -> torch.fx.Node | None:
@@ -82,6 +95,5 @@ def replace_matmul(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, tran
     out.meta.update(node.meta)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
-    if not transposed.users:  # the transpose only this matmul read (not a graph-wide DCE, which
-        graph.erase_node(transposed)  # could drop a mutating op whose result no one reads)
+    erase_unused(graph, [transposed])  # the transpose, if only this matmul read it
 

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.fx
 
+from tscompile.passes.matmul_nodes import is_call, val_of
+
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
@@ -27,15 +29,6 @@ class RmsNormMatch(NamedTuple):
     weight: torch.fx.Node
     eps: float
     nodes: list  # the pattern's nodes, output first
-
-
-def is_call(node, target) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _strip_convert(node, nodes: list):
@@ -48,11 +41,11 @@ def _strip_convert(node, nodes: list):
 def match_rms_norm(z: torch.fx.Node) -> RmsNormMatch | None:
     if not is_call(z, aten.mul.Tensor) or len(z.args) != 2:
         return None
-    zval = _val(z)
+    zval = val_of(z)
     if zval is None or zval.dim() != 2:
         return None
     for y_cast, weight in (z.args, z.args[::-1]):
-        wval = _val(weight)
+        wval = val_of(weight)
         if wval is None or wval.dim() != 1 or wval.shape[0] != zval.shape[-1] or wval.stride() != (1,):
             continue
         nodes = [z]
@@ -67,7 +60,7 @@ def match_rms_norm(z: torch.fx.Node) -> RmsNormMatch | None:
             eps, scale_nodes = found
             inner = nodes + scale_nodes
             x = _strip_convert(xf, inner)
-            xval = _val(x)
+            xval = val_of(x)
             if xval is None or xval.dim() != 2 or xval.dtype != zval.dtype:
                 continue
             return RmsNormMatch(x, weight, eps, inner)
@@ -84,17 +77,10 @@ def _norm_scale(r, xf) -> tuple[float, list] | None:
     mean = a.args[0]
     if not is_call(mean, aten.mean.dim) or len(mean.args) < 3 or mean.args[2] is not True:
         return None
-    xval = _val(xf)
+    xval = val_of(xf)
     if xval is None or list(mean.args[1]) not in ([-1], [xval.dim() - 1]):
         return None
     p = mean.args[0]
     if not is_call(p, aten.pow.Tensor_Scalar) or p.args[0] is not xf or p.args[1] != 2:
         return None
     return float(a.args[1]), [r, a, mean, p]
-
-
-def erase_unused(graph: torch.fx.Graph, nodes: list) -> None:
-    """Erase the nodes (pure ops, output first) that nothing reads any more; a node still read stays."""
-    for node in nodes:
-        if not node.users and node.graph is graph:
-            graph.erase_node(node)

@@ -20,14 +20,9 @@ import operator
 import torch
 import torch.fx
 
-from tscompile.passes.rms_norm_nodes import is_call
+from tscompile.passes.matmul_nodes import is_call, val_of
 
 aten, prims = torch.ops.aten, torch.ops.prims
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _half(node, index: int):
@@ -35,7 +30,7 @@ def _half(node, index: int):
     if not is_call(node, operator.getitem) or node.args[1] != index:
         return None
     split = node.args[0]
-    tval = _val(split.args[0]) if isinstance(split, torch.fx.Node) and split.args else None
+    tval = val_of(split.args[0]) if isinstance(split, torch.fx.Node) and split.args else None
     if tval is None or tval.dim() != 2 or tval.shape[-1] % 2:
         return None
     half = tval.shape[-1] // 2
@@ -93,7 +88,7 @@ def match_silu_mul(x: torch.fx.Node):
             continue
         split = up_half[0]
         gate_up = split.args[0]
-        if _val(gate_up).dtype != _val(x).dtype:
+        if val_of(gate_up).dtype != val_of(x).dtype:
             continue
         return gate_up, nodes + [gate_half[1], up_half[1], split]
     return None

@@ -101,7 +101,7 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
 def _our_post_grad_passes(static: bool, split_piece: bool) -> list:
     """The passes a CUDA graph gets: in a split piece the opt-in prefill GEMV swap (first: it takes the
     residual ``addmm`` of the shapes it swaps itself), then the residual-addmm unfusing; in a static
-    graph that is not a piece (the bs=1 decode step) the opt-in decode GEMV swap."""
+    graph that is not a piece (the bs=1 decode step) the decode GEMV swap (``decode_gemv_on``)."""
     passes = []
     if split_piece and prefill_gemv_on():
         from tscompile.passes.prefill_gemv import PrefillGemv
