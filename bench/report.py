@@ -112,6 +112,7 @@ def kernel_paths() -> dict:
                                          for (m, n, k), c in triton_gemv.PREFILL_GEMV_CONFIGS.items()}
     if decode_gemv or triton_gemv.PREFILL_GEMV:
         paths["gemv_table_file"] = triton_gemv.GEMV_TABLE_FILE or None
+        paths["gemv_pdl"] = triton_gemv.GEMV_PDL
     return paths
 
 

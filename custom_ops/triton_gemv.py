@@ -44,6 +44,7 @@ passes/prefill_gemv.py); ``scripts/gemv_sweep.py`` times it against cuBLAS.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Optional
@@ -88,6 +89,38 @@ def _swiglu(gate, up):
     return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
+@triton.jit
+def _acc_weights(w_rows, k, K, EVEN_K: tl.constexpr):
+    """The "acc" mode's [1, BLOCK_N, BLOCK_K] weight chunk at columns ``k``; each weight byte is read
+    once, so evict_first keeps it from displacing x (re-read by every program) in L2."""
+    w_ptrs = w_rows[None, :, None] + k[None, None, :]
+    if EVEN_K:
+        return tl.load(w_ptrs, eviction_policy="evict_first")
+    return tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _acc_chunk(acc3, ss, w, x_rows, g_ptr, k, K, EVEN_K: tl.constexpr, RMS: tl.constexpr,
+               SWIGLU: tl.constexpr):
+    """One K chunk of the "acc" mode: x's [M_PAD, 1, BLOCK_K] chunk (through the fused prologues)
+    times the loaded weights, added elementwise into the float32 products ``acc3``."""
+    x_ptrs = x_rows[:, None, None] + k[None, None, :]
+    if EVEN_K:
+        x = tl.load(x_ptrs, eviction_policy="evict_last")
+        if SWIGLU:
+            x = _swiglu(x, tl.load(x_ptrs + K, eviction_policy="evict_last"))
+    else:
+        x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_last")
+        if SWIGLU:
+            x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, None, :], other=0.0,
+                                   eviction_policy="evict_last"))
+    xf = x.to(tl.float32)
+    if RMS:
+        ss += tl.sum(xf * xf, axis=2)
+        xf = xf * tl.load(g_ptr + k[None, None, :], mask=(k < K)[None, None, :], other=0.0).to(tl.float32)
+    return acc3 + xf * w.to(tl.float32), ss
+
+
 # M is not specialised: M == 1 would otherwise compile its own variant of every "dot" config
 # (which pads M to 16 anyway) and double the sweep's compiles for no gain.
 @triton.jit(do_not_specialize=["M"])
@@ -97,6 +130,7 @@ def _gemv_kernel(
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     RMS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+    PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (column block, K range): the float32 sum over its K range for its BLOCK_N columns
     and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split).
@@ -127,7 +161,18 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
         ss = tl.zeros([M_PAD, 1], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if ACC and PEEL:
+        # The first chunk's weights do not depend on the kernel before this one: with PDL this
+        # program may start while that kernel still runs, so their loads go out before the wait.
+        w = _acc_weights(w_rows, k_lo + kk, K, EVEN_K)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # what the kernel before wrote (x, the residual) is visible now
+        acc3, ss = _acc_chunk(acc3, ss, w, x_rows, g_ptr, k_lo + kk, K, EVEN_K, RMS, SWIGLU)
+        k_start = k_lo + BLOCK_K
+    elif PDL:
+        tl.extra.cuda.gdc_wait()
+    for k0 in range(k_start, k_hi, BLOCK_K):
         k = k0 + kk
         if USE_DOT:
             w_ptrs = w_rows[:, None] + k[None, :]  # [BLOCK_N, BLOCK_K]
@@ -152,25 +197,8 @@ def _gemv_kernel(
                 x = x.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         elif ACC:
-            w_ptrs = w_rows[None, :, None] + k[None, None, :]  # [1, BLOCK_N, BLOCK_K]
-            x_ptrs = x_rows[:, None, None] + k[None, None, :]  # [M_PAD, 1, BLOCK_K]
-            # each weight byte is read once: keep it from displacing x (re-read by every program) in L2
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, eviction_policy="evict_last")
-                if SWIGLU:
-                    x = _swiglu(x, tl.load(x_ptrs + K, eviction_policy="evict_last"))
-            else:
-                w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_last")
-                if SWIGLU:
-                    x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, None, :], other=0.0,
-                                           eviction_policy="evict_last"))
-            xf = x.to(tl.float32)
-            if RMS:
-                ss += tl.sum(xf * xf, axis=2)
-                xf = xf * tl.load(g_ptr + k[None, None, :], mask=(k < K)[None, None, :], other=0.0).to(tl.float32)
-            acc3 += xf * w.to(tl.float32)
+            w = _acc_weights(w_rows, k, K, EVEN_K)
+            acc3, ss = _acc_chunk(acc3, ss, w, x_rows, g_ptr, k, K, EVEN_K, RMS, SWIGLU)
         else:
             # 3-D pointers pin the layout: a thread's weight elements meet every row of x it
             # needs inside the thread, so the M products per weight element need no shuffles.
@@ -191,6 +219,8 @@ def _gemv_kernel(
                 ss += tl.sum(xf * xf, axis=2)
                 xf = xf * tl.load(g_ptr + k[None, None, :], mask=(k < K)[None, None, :], other=0.0).to(tl.float32)
             acc += tl.sum(xf * w.to(tl.float32), axis=2)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # every load is issued: the next kernel may start
     if ACC:
         acc = tl.sum(acc3, axis=2)
     out_base = out_ptr + pid_k * stride_os
@@ -335,6 +365,29 @@ def _check_fusions(x: torch.Tensor, k: int, n: int, norm_weight: torch.Tensor | 
             raise ValueError(f"tscompile: gemv residual must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
 
 
+# TSCOMPILE_GEMV_PDL=1 (opt-in, not yet timed): launch the kernel with programmatic dependent launch
+# (Hopper and later). Its programs may then start while the kernel before it finishes: the first
+# weight chunk ("acc" mode) is loaded before ``gdc_wait``, everything the previous kernel wrote after
+# it, and the next PDL-launched kernel (Inductor's, with its ``triton.enable_pdl``) may start once
+# every program has issued its loads. A one-row projection reads its 8-235 MB at 3.4-4.3 TB/s against
+# about 4.2 of copy bandwidth (H200, bench/results/same-lease-ada2650/): part of what the small ones
+# lose is the ramp-up that this overlaps with the kernel before.
+GEMV_PDL = env_flag("TSCOMPILE_GEMV_PDL", False)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl_launch(x: torch.Tensor) -> dict:
+    """The launch keywords that turn PDL on (none where it is off, on the CPU interpreter, or before
+    Hopper: ``gdc_wait`` has no interpreter form)."""
+    if not GEMV_PDL or x.device.type != "cuda" or _interpreting() or not _pdl_capable(x.device.index or 0):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
@@ -388,7 +441,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
         RMS=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=bool(swiglu),
-        num_warps=warps, num_stages=stages,
+        PEEL=GEMV_PDL and mode == "acc", num_warps=warps, num_stages=stages, **_pdl_launch(x),
     )
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK), m)](

@@ -193,7 +193,8 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypa
 
 def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     """With a GEMV pass on, a run's kernel_paths carry its table (which projections left cuBLAS and at
-    which launch) and the sweep file it came from; with them off, neither."""
+    which launch), the sweep file it came from and whether the kernel launched with PDL; with them
+    off, none of these."""
     from tscompile.bench import report
 
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
@@ -216,6 +217,9 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     assert paths["decode_gemv_fused_configs"] == {"512x256": [2, 256, 1, 4, 1, "acc"]}
     assert paths["gemv_fused_table_file"] == "/sweeps/gemv_fused.json"
     assert paths["gemv_table_file"] == "/sweeps/gemv_sweep.json" and "prefill_gemv_configs" not in paths
+    assert paths["gemv_pdl"] is False
+    monkeypatch.setattr(tg, "GEMV_PDL", True)
+    assert report.kernel_paths()["gemv_pdl"] is True
     monkeypatch.setattr(tg, "PREFILL_GEMV", True)
     monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})
     assert report.kernel_paths()["prefill_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}

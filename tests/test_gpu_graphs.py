@@ -166,20 +166,25 @@ def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas()
     assert [k for k in two if cublas.search(k)], two
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_gives_eager_tokens(monkeypatch, fuse):
+@pytest.mark.parametrize("fuse, pdl", [(False, False), (True, False), (False, True)], ids=["plain", "fuse", "pdl"])
+def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_gives_eager_tokens(monkeypatch, fuse, pdl):
     """TSCOMPILE_DECODE_GEMV (passes/decode_gemv.py) with llama-tiny's qkv, output and gate/up shapes in
     the launch table (a 640-id vocabulary, so the LM head's shape is no projection's): one bs=1 step
     runs ``_gemv_kernel`` three times per layer and cuBLAS for the down projections and the LM head
     only; the dynamic bs=2 graph is untouched; tokens as eager's (float32). ``fuse``
     (TSCOMPILE_DECODE_GEMV_FUSE): the norms before qkv and gate/up run inside the kernel, so the only
-    Inductor kernel left with an rsqrt is the final norm's (the LM head is not listed)."""
+    Inductor kernel left with an rsqrt is the final norm's (the LM head is not listed). ``pdl``
+    (TSCOMPILE_GEMV_PDL, with Inductor's ``triton.enable_pdl``): every kernel of the step may start
+    before the one before it ends, and still the tokens are eager's."""
     import re
 
     from tscompile.custom_ops import triton_gemv as tg
 
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", fuse)
+    monkeypatch.setattr(tg, "GEMV_PDL", pdl)
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or later")
     monkeypatch.setattr(tg, "DECODE_GEMV_DEVICES", (torch.cuda.get_device_name(),))  # any GPU: the table is llama-tiny's
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {
         (512, 256): (1, 256, 1, 4, 1, "acc"), (256, 256): (2, 256, 1, 4, 1, "acc"), (1024, 256): (4, 128, 1, 8, 1, "acc")})
@@ -187,7 +192,10 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
     params = SamplingParams(max_new_tokens=6)
     eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
-    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2)})
+    options = {"decode_ladder": (1, 2)}
+    if pdl:
+        options["inductor_options"] = {"triton.enable_pdl": True}
+    llm = make(model, backend="triton", compile_options=options)
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
     one, two = _decode_kernels(llm.runner, 1), _decode_kernels(llm.runner, 2)
     layers = model.n_layers

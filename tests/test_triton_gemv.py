@@ -188,6 +188,30 @@ def test_gemv_fused_swiglu_matches_the_models_silu_mul(dtype, m, config, n, k, d
                                    msg=lambda s: f"{sorted(kwargs)}: {s}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("config, n, k", [(ACC, 9, 72), (ACC_SPLIT, 12, 96), ((2, 32, 1, 4, 1, "acc"), 6, 32)])
+def test_gemv_pdl_peeled_first_chunk_gives_the_plain_kernels_bits(dtype, config, n, k, device, monkeypatch):
+    """TSCOMPILE_GEMV_PDL peels the "acc" mode's first K chunk (its weights load before the PDL
+    wait): the same products in the same order, so bit for bit the plain kernel's output, plain and
+    with each fusion; (2, 32) at K = 32 is a program whose only chunk is the peeled one."""
+    g = torch.Generator().manual_seed(hash((str(dtype), config, n, "peel")) % 2**31)
+    m = 3
+    x = (torch.randn(m, 2 * k, generator=g) * 2 + 0.5).to(dtype=dtype, device=device)
+    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+    norm_weight = (1.0 + 0.5 * torch.randn(k, generator=g)).to(dtype=dtype, device=device)
+    residual = torch.randn(m, n, generator=g).to(dtype=dtype, device=device)
+    calls = (dict(x=x[:, :k]), dict(x=x[:, :k], norm_weight=norm_weight, eps=1e-5, residual=residual),
+             dict(x=x, swiglu=True, residual=residual))
+    for kwargs in calls:
+        outs = []
+        for pdl in (False, True):
+            monkeypatch.setattr(tg, "GEMV_PDL", pdl)
+            out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+            outs.append(tg.gemv(w=w, out=out, config=config, **kwargs))
+        assert not outs[1].isnan().any()
+        assert torch.equal(outs[0], outs[1]), sorted(kwargs)
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 
 
@@ -554,3 +578,53 @@ def test_gemv_replays_in_cuda_graph_with_new_x_gpu(m, config):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), new_x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu(monkeypatch):
+    """TSCOMPILE_GEMV_PDL on the H200: each launch follows a kernel that writes its x (and its
+    residual) in the same captured graph, so a program that read x before its ``gdc_wait`` would
+    read the previous replay's values. Replayed with new sources: every output follows them, for
+    llama-8b's qkv (norm fused) and output (residual fused) shapes and the plain down shape."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or later")
+    monkeypatch.setattr(tg, "GEMV_PDL", True)
+    config = (1, 2048, 1, 8, 1, "acc")
+    for (n, k), fuse in (((6144, 4096), "norm"), ((4096, 4096), "residual"), ((4096, 14336), None)):
+        src = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.empty_like(src)
+        w = _inputs(1, n, k, torch.bfloat16, "cuda", seed=n)[1]
+        norm_weight = (1.0 + 0.5 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        r_src = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+        residual = torch.empty_like(r_src)
+        kwargs = {"norm": dict(norm_weight=norm_weight, eps=1e-5), "residual": dict(residual=residual)}.get(fuse, {})
+        out = torch.empty((1, n), dtype=torch.bfloat16, device="cuda")
+
+        def step():
+            torch.mul(src, 2.0, out=x)  # the kernel before: x is written right before the GEMV reads it
+            torch.mul(r_src, -1.0, out=residual)
+            tg.gemv(x, w, out, config=config, **kwargs)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for seed in (1, 2, 3):
+            src.copy_(torch.randn(1, k, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+            r_src.copy_(torch.randn(1, n, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 9)))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            xs = src.float() * 2.0
+            if fuse == "norm":
+                want = _rms_norm_ref(xs, norm_weight, 1e-5) @ w.float().T
+            elif fuse == "residual":
+                want = (xs @ w.float().T).to(torch.bfloat16).float() - r_src.float()
+            else:
+                want = xs @ w.float().T
+            torch.testing.assert_close(out.float(), want, rtol=2.0 ** -7, atol=5e-2,
+                                       msg=lambda s: f"{fuse} seed {seed}: {s}")
