@@ -92,7 +92,7 @@ def kernel_paths() -> dict:
     this process runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged
     table says so per run)."""
     from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
-    from tscompile.piece_compiler import decode_gemv_on
+    from tscompile.piece_compiler import decode_gemv_on, decode_pdl_on
 
     decode_gemv = decode_gemv_on()  # the flag, and this GPU is one its table was timed on
     paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
@@ -112,7 +112,8 @@ def kernel_paths() -> dict:
                                          for (m, n, k), c in triton_gemv.PREFILL_GEMV_CONFIGS.items()}
     if decode_gemv or triton_gemv.PREFILL_GEMV:
         paths["gemv_table_file"] = triton_gemv.GEMV_TABLE_FILE or None
-        paths["gemv_pdl"] = triton_gemv.GEMV_PDL
+        paths["gemv_pdl"] = decode_pdl_on()  # the decode calls and their graph's kernels launch with PDL
+        paths["gemv_peel"] = triton_gemv.GEMV_PEEL
     return paths
 
 

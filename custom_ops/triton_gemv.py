@@ -365,14 +365,17 @@ def _check_fusions(x: torch.Tensor, k: int, n: int, norm_weight: torch.Tensor | 
             raise ValueError(f"tscompile: gemv residual must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
 
 
-# TSCOMPILE_GEMV_PDL=1 (opt-in, not yet timed): launch the kernel with programmatic dependent launch
-# (Hopper and later). Its programs may then start while the kernel before it finishes: the first
-# weight chunk ("acc" mode) is loaded before ``gdc_wait``, everything the previous kernel wrote after
-# it, and the next PDL-launched kernel (Inductor's, with its ``triton.enable_pdl``) may start once
-# every program has issued its loads. A one-row projection reads its 8-235 MB at 3.4-4.3 TB/s against
-# about 4.2 of copy bandwidth (H200, bench/results/same-lease-ada2650/): part of what the small ones
-# lose is the ramp-up that this overlaps with the kernel before.
-GEMV_PDL = env_flag("TSCOMPILE_GEMV_PDL", False)
+# TSCOMPILE_GEMV_PDL (on by default; =0 off): the decode pass's calls (``tscompile::gemv``) launch the
+# kernel with programmatic dependent launch on Hopper and later, and the graph they run in gets
+# Inductor's ``triton.enable_pdl`` (tscompile/piece_compiler.py), so each kernel of the bs=1 step may
+# be scheduled while the one before it finishes and waits (``gdc_wait``) only before it touches what
+# that one wrote. Measured on the H200, both on, one machine, bs=1 TPOT: llama-8b 4.362 -> 4.325 ms,
+# llama-1b 0.999 -> 0.971 (bench/results/same-lease-6acce99/); either one alone was slower.
+GEMV_PDL = env_flag("TSCOMPILE_GEMV_PDL", True)
+# TSCOMPILE_GEMV_PEEL=1: the "acc" mode's first weight chunk is loaded before the PDL wait (it does not
+# depend on the kernel before). Off: it made llama-8b's bs=1 step slower (4.420 ms with PDL against
+# 4.325 without the peel, same machine), llama-1b's no faster (0.968 against 0.971).
+GEMV_PEEL = env_flag("TSCOMPILE_GEMV_PEEL", False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,17 +383,22 @@ def _pdl_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def _pdl_launch(x: torch.Tensor) -> dict:
-    """The launch keywords that turn PDL on (none where it is off, on the CPU interpreter, or before
-    Hopper: ``gdc_wait`` has no interpreter form)."""
-    if not GEMV_PDL or x.device.type != "cuda" or _interpreting() or not _pdl_capable(x.device.index or 0):
-        return {}
-    return {"PDL": True, "launch_pdl": True}
+def pdl_available(device: torch.device | str = "cuda") -> bool:
+    """Whether a launch on ``device`` can use PDL: CUDA, Hopper or later, not the CPU interpreter
+    (``gdc_wait`` has no interpreter form)."""
+    device = torch.device(device)
+    return (device.type == "cuda" and not _interpreting() and torch.cuda.is_available()
+            and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def _pdl_launch(x: torch.Tensor, pdl: bool) -> dict:
+    """The launch keywords that turn PDL on (none where it is off or unavailable)."""
+    return {"PDL": True, "launch_pdl": True} if pdl and pdl_available(x.device) else {}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+         residual: torch.Tensor | None = None, swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` into ``out [M, N]`` (allocated if None; any strides) and return it.
 
     M <= MAX_ROWS; x and w of one dtype among bf16/fp16/fp32, contiguous along K. ``config`` =
@@ -402,7 +410,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     the products); ``residual`` [M, N] computes ``round(x @ w.T) + residual``; ``swiglu``: x is
     [M, 2K], gate then up, and the product is ``(silu(gate) * up) @ w.T`` (the down projection's
     input, never written). A norm or a residual runs the whole K in one program (SPLIT_K 1): the
-    norm needs every x of a row, and a split's partials would need the residual in the reduce."""
+    norm needs every x of a row, and a split's partials would need the residual in the reduce.
+    ``pdl``: launch with programmatic dependent launch where available (``GEMV_PDL``)."""
     if swiglu:
         if norm_weight is not None:
             raise ValueError("tscompile: gemv takes a norm_weight or swiglu, not both")
@@ -441,7 +450,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
         RMS=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=bool(swiglu),
-        PEEL=GEMV_PDL and mode == "acc", num_warps=warps, num_stages=stages, **_pdl_launch(x),
+        PEEL=GEMV_PEEL and mode == "acc", num_warps=warps, num_stages=stages, **_pdl_launch(x, pdl),
     )
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK), m)](
@@ -468,12 +477,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # call can sweep and then run the engine on what it found, on any GPU.
 
 DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", True)
-# TSCOMPILE_DECODE_GEMV_FUSE=1 (opt-in, not yet timed on a GPU): the pass also moves the residual add
-# before each RMSNorm into the previous projection's kernel (epilogue), the RMSNorm into the next
-# projection's (prologue: the products use x * weight, scaled once by the row's rsqrt(mean(x^2) + eps))
-# and the SiLU-mul into the down projection's, so the small kernels between projections (two norms at
-# about 2.3 us and a SiLU-mul at 1.5 per llama-8b layer, H200) go. Each is fused only into a listed
-# projection.
+# TSCOMPILE_DECODE_GEMV_FUSE=1 (opt-in): the pass also moves the residual add before each RMSNorm into
+# the previous projection's kernel (epilogue), the RMSNorm into the next projection's (prologue: the
+# products use x * weight, scaled once by the row's rsqrt(mean(x^2) + eps)) and the SiLU-mul into the
+# down projection's, so the small kernels between projections go. Each is fused only into a listed
+# projection. Measured slower on the H200 (bs=1 TPOT llama-8b 4.317 -> 5.075 ms, llama-1b 0.996 ->
+# 1.035; bench/results/same-lease-6acce99/): the norm prologue's extra loads cost the kernel more than
+# the norm kernel it removes (llama-8b gate/up 56.2 -> 73.3 us, LM head 234 -> 314), and the residual
+# add it moves was already fused into Inductor's norm kernel, so it removed no kernel.
 DECODE_GEMV_FUSE = env_flag("TSCOMPILE_DECODE_GEMV_FUSE", False)
 DECODE_GEMV_DEVICES = ("NVIDIA H200",)  # torch.cuda.get_device_name() of the GPUs the table was timed on
 DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per call, this kernel / cuBLAS
@@ -617,7 +628,7 @@ def gemv_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor
     ``gemv``'s fused RMSNorm or SiLU-mul prologue and residual epilogue."""
     fused = norm_weight is not None or residual is not None or swiglu
     return gemv(_k_contiguous(x), w, config=decode_gemv_config(tuple(w.shape), fused), norm_weight=norm_weight,
-                eps=eps, residual=residual, swiglu=swiglu)
+                eps=eps, residual=residual, swiglu=swiglu, pdl=GEMV_PDL)
 
 
 @gemv_op.register_fake

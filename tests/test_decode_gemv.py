@@ -125,6 +125,28 @@ def test_the_inductor_cache_key_follows_the_launch_table(monkeypatch):
     assert DecodeGemv().uuid() == keys[-1]
 
 
+@pytest.mark.parametrize("flag, available, static, split_piece, user, wanted", [
+    (True, True, True, False, None, True),     # the bs=1 decode graph on a GPU with PDL
+    (False, True, True, False, None, False),   # TSCOMPILE_GEMV_PDL=0
+    (True, False, True, False, None, False),   # before Hopper
+    (True, True, False, False, None, False),   # a dynamic-batch graph: no GEMV pass, no PDL
+    (True, True, True, True, None, False),     # a prefill piece
+    (True, True, True, False, False, False),   # the user's option wins
+])
+def test_the_decode_gemv_graph_gets_inductors_pdl(monkeypatch, flag, available, static, split_piece, user, wanted):
+    """Inductor's ``triton.enable_pdl`` goes with the decode GEMV kernel's PDL launches, in exactly the
+    graph the decode pass runs in."""
+    monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(tg, "GEMV_PDL", flag)
+    monkeypatch.setattr(tg, "pdl_available", lambda device="cuda": available)
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
+    options = {} if user is None else {"triton.enable_pdl": user}
+    patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
+                                                    device_type="cuda", split_piece=split_piece, cudagraph_trees=False)
+    assert patches.get("triton.enable_pdl", False) is wanted
+    assert patches.get("combo_kernels", False) is (static or split_piece)  # the other CUDA defaults stay
+
+
 @pytest.mark.parametrize("flag, static, device, gpu, table_file, user_pass, wanted", [
     (True, True, "cuda", "NVIDIA H200", "", None, True),            # on by default, where its table was timed
     (False, True, "cuda", "NVIDIA H200", "", None, False),          # TSCOMPILE_DECODE_GEMV=0
@@ -217,9 +239,12 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     assert paths["decode_gemv_fused_configs"] == {"512x256": [2, 256, 1, 4, 1, "acc"]}
     assert paths["gemv_fused_table_file"] == "/sweeps/gemv_fused.json"
     assert paths["gemv_table_file"] == "/sweeps/gemv_sweep.json" and "prefill_gemv_configs" not in paths
-    assert paths["gemv_pdl"] is False
     monkeypatch.setattr(tg, "GEMV_PDL", True)
+    assert paths["gemv_pdl"] is False and paths["gemv_peel"] is False  # no GPU with PDL here
+    monkeypatch.setattr(tg, "pdl_available", lambda device="cuda": True)
     assert report.kernel_paths()["gemv_pdl"] is True
+    monkeypatch.setattr(tg, "GEMV_PDL", False)
+    assert report.kernel_paths()["gemv_pdl"] is False
     monkeypatch.setattr(tg, "PREFILL_GEMV", True)
     monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})
     assert report.kernel_paths()["prefill_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}

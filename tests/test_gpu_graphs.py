@@ -174,8 +174,9 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     only; the dynamic bs=2 graph is untouched; tokens as eager's (float32). ``fuse``
     (TSCOMPILE_DECODE_GEMV_FUSE): the norms before qkv and gate/up run inside the kernel, so the only
     Inductor kernel left with an rsqrt is the final norm's (the LM head is not listed). ``pdl``
-    (TSCOMPILE_GEMV_PDL, with Inductor's ``triton.enable_pdl``): every kernel of the step may start
-    before the one before it ends, and still the tokens are eager's."""
+    (TSCOMPILE_GEMV_PDL, on by default, off in the other cases): the kernel and the graph's Inductor
+    kernels (``triton.enable_pdl``) launch with PDL, each may start before the one before it ends;
+    still eager's tokens."""
     import re
 
     from tscompile.custom_ops import triton_gemv as tg
@@ -192,10 +193,7 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
     params = SamplingParams(max_new_tokens=6)
     eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
-    options = {"decode_ladder": (1, 2)}
-    if pdl:
-        options["inductor_options"] = {"triton.enable_pdl": True}
-    llm = make(model, backend="triton", compile_options=options)
+    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2)})
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
     one, two = _decode_kernels(llm.runner, 1), _decode_kernels(llm.runner, 2)
     layers = model.n_layers

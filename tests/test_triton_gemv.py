@@ -10,6 +10,7 @@ place of the output dtype. ``gpu``-marked tests use the llama-1b qkv projection 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import pathlib
@@ -190,10 +191,11 @@ def test_gemv_fused_swiglu_matches_the_models_silu_mul(dtype, m, config, n, k, d
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("config, n, k", [(ACC, 9, 72), (ACC_SPLIT, 12, 96), ((2, 32, 1, 4, 1, "acc"), 6, 32)])
-def test_gemv_pdl_peeled_first_chunk_gives_the_plain_kernels_bits(dtype, config, n, k, device, monkeypatch):
-    """TSCOMPILE_GEMV_PDL peels the "acc" mode's first K chunk (its weights load before the PDL
-    wait): the same products in the same order, so bit for bit the plain kernel's output, plain and
-    with each fusion; (2, 32) at K = 32 is a program whose only chunk is the peeled one."""
+def test_gemv_peeled_first_chunk_gives_the_plain_kernels_bits(dtype, config, n, k, device, monkeypatch):
+    """TSCOMPILE_GEMV_PEEL peels the "acc" mode's first K chunk (its weights load before the PDL wait):
+    the same products in the same order, so bit for bit the plain kernel's output, plain and with
+    each fusion, with PDL asked for (a no-op without a Hopper GPU); (2, 32) at K = 32 is a program whose
+    only chunk is the peeled one."""
     g = torch.Generator().manual_seed(hash((str(dtype), config, n, "peel")) % 2**31)
     m = 3
     x = (torch.randn(m, 2 * k, generator=g) * 2 + 0.5).to(dtype=dtype, device=device)
@@ -204,13 +206,12 @@ def test_gemv_pdl_peeled_first_chunk_gives_the_plain_kernels_bits(dtype, config,
              dict(x=x, swiglu=True, residual=residual))
     for kwargs in calls:
         outs = []
-        for pdl in (False, True):
-            monkeypatch.setattr(tg, "GEMV_PDL", pdl)
+        for peel in (False, True):
+            monkeypatch.setattr(tg, "GEMV_PEEL", peel)
             out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-            outs.append(tg.gemv(w=w, out=out, config=config, **kwargs))
+            outs.append(tg.gemv(w=w, out=out, config=config, pdl=peel, **kwargs))
         assert not outs[1].isnan().any()
         assert torch.equal(outs[0], outs[1]), sorted(kwargs)
-
 
 # -- refusals ---------------------------------------------------------------------------------------
 
@@ -582,15 +583,16 @@ def test_gemv_replays_in_cuda_graph_with_new_x_gpu(m, config):
 
 @pytest.mark.gpu
 def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu(monkeypatch):
-    """TSCOMPILE_GEMV_PDL on the H200: each launch follows a kernel that writes its x (and its
-    residual) in the same captured graph, so a program that read x before its ``gdc_wait`` would
-    read the previous replay's values. Replayed with new sources: every output follows them, for
+    """PDL launches (``pdl=True``, with and without the peeled first chunk) on the H200: each follows
+    a kernel that writes its x (and its residual) in the same captured graph, so a program that read
+    x before its ``gdc_wait`` would read the previous replay's values. Replayed with new sources: every output follows them, for
     llama-8b's qkv (norm fused) and output (residual fused) shapes and the plain down shape."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
-    monkeypatch.setattr(tg, "GEMV_PDL", True)
     config = (1, 2048, 1, 8, 1, "acc")
-    for (n, k), fuse in (((6144, 4096), "norm"), ((4096, 4096), "residual"), ((4096, 14336), None)):
+    cases = (((6144, 4096), "norm"), ((4096, 4096), "residual"), ((4096, 14336), None))
+    for ((n, k), fuse), peel in itertools.product(cases, (False, True)):
+        monkeypatch.setattr(tg, "GEMV_PEEL", peel)
         src = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         x = torch.empty_like(src)
         w = _inputs(1, n, k, torch.bfloat16, "cuda", seed=n)[1]
@@ -603,7 +605,7 @@ def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu(monkeyp
         def step():
             torch.mul(src, 2.0, out=x)  # the kernel before: x is written right before the GEMV reads it
             torch.mul(r_src, -1.0, out=residual)
-            tg.gemv(x, w, out, config=config, **kwargs)
+            tg.gemv(x, w, out, config=config, pdl=True, **kwargs)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -627,4 +629,4 @@ def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu(monkeyp
             else:
                 want = xs @ w.float().T
             torch.testing.assert_close(out.float(), want, rtol=2.0 ** -7, atol=5e-2,
-                                       msg=lambda s: f"{fuse} seed {seed}: {s}")
+                                       msg=lambda s: f"{fuse} peel {peel} seed {seed}: {s}")

@@ -82,11 +82,13 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
 def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type: str, split_piece: bool,
                            cudagraph_trees: bool) -> dict:
     """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults (static
-    graphs and split pieces only), then the user's options (which win), tscompile's post-grad passes
+    graphs and split pieces only; Inductor's PDL in the graph of the decode GEMV pass), then the user's options (which win), tscompile's post-grad passes
     on CUDA unless the options set a post-grad post pass of their own (``_our_post_grad_passes``), and
     whether Inductor captures the graph."""
     on_cuda = device_type == "cuda"
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
+    if on_cuda and static and not split_piece and decode_pdl_on():
+        defaults = {**defaults, "triton.enable_pdl": True}
     patches = {**defaults, **config.inductor_patches(static)}
     if on_cuda and patches.get("post_grad_custom_post_pass") is None:  # the user's own pass wins
         ours = _our_post_grad_passes(static, split_piece)
@@ -133,6 +135,15 @@ def decode_gemv_on() -> bool:
     from tscompile.custom_ops import triton_gemv
 
     return triton_gemv.decode_gemv_applies(cuda_device_name())
+
+
+def decode_pdl_on() -> bool:
+    """TSCOMPILE_GEMV_PDL (custom_ops/triton_gemv.py, on by default) where the decode GEMV pass runs on a
+    GPU that has PDL: the bs=1 graph's Inductor kernels launch with it too (``triton.enable_pdl``),
+    which is what makes the GEMV kernel's PDL launches pay (either alone was slower on the H200)."""
+    from tscompile.custom_ops import triton_gemv
+
+    return triton_gemv.GEMV_PDL and decode_gemv_on() and triton_gemv.pdl_available()
 
 
 def cuda_device_name() -> str:
