@@ -64,6 +64,11 @@ EXTEND_DENSE_CONFIGS: dict[int, tuple[int, int, int, int]] = {
 EXTEND_DENSE_SHAPE_CONFIGS: dict[tuple[int, str], tuple[int, int, int, int]] = {
     (64, "short"): (64, 64, 4, 2),   # 1x512: 10.7 us (old 11.4)
     (64, "long"): (128, 64, 4, 3),   # 1x2048: 54.4 us (old 80.7)
+    # head_dim 128 (llama-8b shape), few long prompts: 128-row tiles with 8 warps. In the engine on
+    # the H200, one 2048-token prompt: 125.3 us per layer (4009.6 per step) against 131.7 (4213.9)
+    # for the default tile, 274 against 261 TFLOP/s; the step 48.40 against 49.25 ms
+    # (bench/results/same-lease-6acce99/). At 512 tokens ("short") it was no faster (631 vs 622 us).
+    (128, "long"): (128, 64, 8, 3),
 }
 SHORT_STEP_TOKENS = 1024  # at most this many (padded) tokens: too few tiles to fill the GPU with big ones
 LONG_PROMPT_TOKENS = 1024  # tokens per request at least this: few long prompts

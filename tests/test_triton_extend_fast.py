@@ -162,7 +162,8 @@ def test_the_op_runs_the_dense_kernel_only_for_the_head_dims_measured_faster(hea
 
 def test_the_launch_follows_the_step_shape(monkeypatch):
     """head_dim 64: small tiles for a short step, 4-warp 128-row tiles for a few long prompts (a
-    whole-step graph pads one request to two), 8 warps for many prompts; head_dim 128: one config."""
+    whole-step graph pads one request to two), 8 warps for many prompts; head_dim 128: 8-warp
+    128-row tiles for a few long prompts, the default tile otherwise."""
     monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})  # the shipped tables, whatever the environment says
     assert [te.extend_shape(t, b) for t, b in [(512, 1), (1024, 1), (2048, 1), (2048, 2), (16384, 32), (4096, 8)]] \
         == ["short", "short", "long", "long", "many", "many"]
@@ -170,7 +171,8 @@ def test_the_launch_follows_the_step_shape(monkeypatch):
     assert pick(64, 512, 1) == (64 // 4, 64, 4, 2)
     assert pick(64, 2048, 1) == (128 // 4, 64, 4, 3)
     assert pick(64, 16384, 32) == (128 // 4, 64, 8, 3)
-    assert pick(128, 512, 1) == pick(128, 2048, 1) == pick(128, 16384, 32) == (64 // 4, 64, 4, 2)
+    assert pick(128, 512, 1) == pick(128, 16384, 32) == (64 // 4, 64, 4, 2)
+    assert pick(128, 2048, 1) == pick(128, 4096, 2) == (128 // 4, 64, 8, 3)
     assert te.extend_dense_config(64, 4, (16, 16, 4, 1), tokens=2048) == (4, 16, 4, 1)  # an explicit config wins
 
 
@@ -204,6 +206,14 @@ def test_the_shipped_head_dim_64_configs_match_torch(config, device):
     """The tile shapes the launch picks for llama-1b's head_dim (GQA group 4), on a ragged batch
     with and without cached prefixes (one prompt longer than a 128-row tile's 32 positions)."""
     batch = _batch([40, 3, 9], [40, 20, 9], device, page_size=16, num_kv_heads=2, group=4, head_dim=64, seed=11)
+    _assert_matches_oracle(batch, _dense_extend(batch, config=config))
+
+
+@pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 8, 3)])
+def test_the_shipped_head_dim_128_configs_match_torch(config, device):
+    """The tile shapes the launch picks for llama-8b's head_dim (GQA group 4): the default, and the
+    128-row tile of a few long prompts; a ragged batch with and without cached prefixes."""
+    batch = _batch([40, 3, 9], [40, 20, 9], device, page_size=16, num_kv_heads=1, group=4, head_dim=128, seed=13)
     _assert_matches_oracle(batch, _dense_extend(batch, config=config))
 
 
