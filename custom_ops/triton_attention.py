@@ -32,6 +32,7 @@ raises ``ValueError('tscompile: ...')`` before a kernel is launched.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -308,7 +309,7 @@ def _decode_split_kernel(
     max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_KV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
     of request b over its split s (``_split_range``).
@@ -321,6 +322,9 @@ def _decode_split_kernel(
     ``_writer_split`` writes it, then waits for its whole program (a CTA barrier; every thread takes
     the same branch) before its tiles read that slot.
     """
+    if PDL:  # DECODE_PDL: everything below may depend on the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -404,8 +408,12 @@ def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (B, Hq): ``_combine_head`` of (b, h)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     _combine_head(part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
                   stride_ot, stride_oh, stride_od, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, "")
 
@@ -459,7 +467,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), WRITE_KV=new_kv is not None,
-        **options,
+        **options, **pdl_launch(q.device, DECODE_PDL),
     )
     if num_splits == 1:
         return
@@ -469,7 +477,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
-        **({"num_warps": options["num_warps"]} if "num_warps" in options else {}),
+        **({"num_warps": options["num_warps"]} if "num_warps" in options else {}), **pdl_launch(q.device, DECODE_PDL),
     )
 
 
@@ -503,6 +511,35 @@ FUSED_DECODE = env_flag("TSCOMPILE_FUSED_DECODE", False)
 # against 4.700 / 5.678 for the three-kernel path, its GPU test bitwise equal to that path.
 # TSCOMPILE_DECODE_WRITE_IN_SPLIT=0 runs the three kernels. With FUSED_DECODE on, the fused kernel runs.
 DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
+
+# TSCOMPILE_DECODE_PDL=1 (opt-in, not yet timed): the unfused decode's split and combine kernels
+# launch with programmatic dependent launch, and every CUDA decode graph (every batch size, not only
+# the bs=1 graph that TSCOMPILE_GEMV_PDL covers) gets Inductor's ``triton.enable_pdl``
+# (tscompile/piece_compiler.py). Each kernel waits (``gdc_wait``) before it reads or writes anything and
+# lets the next kernel be scheduled (``gdc_launch_dependents``) right after: these launches are a few
+# dozen programs, so the next kernel's programs can be resident and waiting while they run. The bs=1
+# graph with PDL on its GEMV and Inductor kernels ran 0.9-2.8% faster on the H200
+# (bench/results/same-lease-6acce99/); this extends it to the attention kernels and the larger batches.
+DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", False)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_available(device: torch.device | str = "cuda") -> bool:
+    """Whether a launch on ``device`` can use PDL: CUDA, Hopper or later, not the CPU interpreter
+    (``gdc_wait`` has no interpreter form)."""
+    device = torch.device(device)
+    return (device.type == "cuda" and not _interpreting() and torch.cuda.is_available()
+            and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def pdl_launch(device: torch.device, pdl: bool) -> dict:
+    """The launch keywords of a kernel with a ``PDL`` constexpr that turn PDL on (none where it is off
+    or unavailable)."""
+    return {"PDL": True, "launch_pdl": True} if pdl and pdl_available(device) else {}
 
 # Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
 # launches (the last program of each pair resets its own). One buffer per device: launches on one

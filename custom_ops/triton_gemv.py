@@ -44,7 +44,6 @@ passes/prefill_gemv.py); ``scripts/gemv_sweep.py`` times it against cuBLAS.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import Optional
@@ -53,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, env_flag
+from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, env_flag, pdl_launch
 
 # Beyond this a step is a GEMM, not a skinny matmul: the weight tile's reuse across rows pays for a
 # real GEMM's tiling. 17-32 rows run the "dot" mode with a [BLOCK_N, 32] accumulator: the 32-token
@@ -378,24 +377,6 @@ GEMV_PDL = env_flag("TSCOMPILE_GEMV_PDL", True)
 GEMV_PEEL = env_flag("TSCOMPILE_GEMV_PEEL", False)
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def pdl_available(device: torch.device | str = "cuda") -> bool:
-    """Whether a launch on ``device`` can use PDL: CUDA, Hopper or later, not the CPU interpreter
-    (``gdc_wait`` has no interpreter form)."""
-    device = torch.device(device)
-    return (device.type == "cuda" and not _interpreting() and torch.cuda.is_available()
-            and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()))
-
-
-def _pdl_launch(x: torch.Tensor, pdl: bool) -> dict:
-    """The launch keywords that turn PDL on (none where it is off or unavailable)."""
-    return {"PDL": True, "launch_pdl": True} if pdl and pdl_available(x.device) else {}
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
@@ -450,7 +431,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
         RMS=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=bool(swiglu),
-        PEEL=GEMV_PEEL and mode == "acc", num_warps=warps, num_stages=stages, **_pdl_launch(x, pdl),
+        PEEL=GEMV_PEEL and mode == "acc", num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
     )
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK), m)](

@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import tscompile
 import tscompile.piece_compiler as piece_compiler
 from tscompile.config import TscompileConfig
+from tscompile.custom_ops import triton_attention as ta
 from tscompile.custom_ops import triton_gemv as tg
 from tscompile.passes.decode_gemv import DecodeGemv, swap_decode_gemvs
 
@@ -125,20 +126,26 @@ def test_the_inductor_cache_key_follows_the_launch_table(monkeypatch):
     assert DecodeGemv().uuid() == keys[-1]
 
 
-@pytest.mark.parametrize("flag, available, static, split_piece, user, wanted", [
-    (True, True, True, False, None, True),     # the bs=1 decode graph on a GPU with PDL
-    (False, True, True, False, None, False),   # TSCOMPILE_GEMV_PDL=0
-    (True, False, True, False, None, False),   # before Hopper
-    (True, True, False, False, None, False),   # a dynamic-batch graph: no GEMV pass, no PDL
-    (True, True, True, True, None, False),     # a prefill piece
-    (True, True, True, False, False, False),   # the user's option wins
+@pytest.mark.parametrize("flag, decode_pdl, available, static, split_piece, user, wanted", [
+    (True, False, True, True, False, None, True),     # the bs=1 decode graph on a GPU with PDL
+    (False, False, True, True, False, None, False),   # TSCOMPILE_GEMV_PDL=0
+    (True, False, False, True, False, None, False),   # before Hopper
+    (True, False, True, False, False, None, False),   # a dynamic-batch graph: no GEMV pass, no PDL
+    (True, True, True, False, False, None, True),     # ... unless TSCOMPILE_DECODE_PDL=1
+    (False, True, True, True, False, None, True),     # which covers the bs=1 graph too
+    (True, True, False, False, False, None, False),   # before Hopper, neither
+    (True, True, True, True, True, None, False),      # a prefill piece never
+    (True, False, True, True, False, False, False),   # the user's option wins
 ])
-def test_the_decode_gemv_graph_gets_inductors_pdl(monkeypatch, flag, available, static, split_piece, user, wanted):
-    """Inductor's ``triton.enable_pdl`` goes with the decode GEMV kernel's PDL launches, in exactly the
-    graph the decode pass runs in."""
+def test_the_decode_graphs_get_inductors_pdl(monkeypatch, flag, decode_pdl, available, static, split_piece, user,
+                                             wanted):
+    """Inductor's ``triton.enable_pdl`` goes with the PDL launches of the kernels between its own: in the
+    graph the decode GEMV pass runs in (TSCOMPILE_GEMV_PDL), and with TSCOMPILE_DECODE_PDL (the decode
+    attention kernels) in every decode graph; never in a prefill piece."""
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(tg, "GEMV_PDL", flag)
-    monkeypatch.setattr(tg, "pdl_available", lambda device="cuda": available)
+    monkeypatch.setattr(ta, "DECODE_PDL", decode_pdl)
+    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     options = {} if user is None else {"triton.enable_pdl": user}
     patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
@@ -241,7 +248,7 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     assert paths["gemv_table_file"] == "/sweeps/gemv_sweep.json" and "prefill_gemv_configs" not in paths
     monkeypatch.setattr(tg, "GEMV_PDL", True)
     assert paths["gemv_pdl"] is False and paths["gemv_peel"] is False  # no GPU with PDL here
-    monkeypatch.setattr(tg, "pdl_available", lambda device="cuda": True)
+    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": True)
     assert report.kernel_paths()["gemv_pdl"] is True
     monkeypatch.setattr(tg, "GEMV_PDL", False)
     assert report.kernel_paths()["gemv_pdl"] is False

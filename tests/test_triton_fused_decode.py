@@ -440,3 +440,62 @@ def test_fused_decode_equals_unfused_on_gpu_with_two_warp_launches(dtype, longes
     geometry = [(x["BLOCK_N"], x.get("num_warps")) for x in split_spy.launches + fused_spy.launches]
     assert geometry == [(32, 2), (32, 2)]
     assert [x.get("num_warps") for x in combine_spy.launches] == ([2] if longest > 64 else [])
+
+
+# -- TSCOMPILE_DECODE_PDL: the split and combine kernels launched with PDL ---------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs,longest", [(1, 48), (1, 2000), (33, 2000)])
+def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(bs, longest, monkeypatch):
+    """TSCOMPILE_DECODE_PDL on Hopper: the write-in-split decode captured in a CUDA graph right after a
+    kernel that writes its q and its new K/V rows, replayed with new sources. A split or combine program
+    that touched q, the cache or the partials before its ``gdc_wait`` would see the previous replay's
+    values; every replay gives the bits of the same graph captured without PDL (one split, several, and
+    33 requests)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or later")
+    kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (bs - 1,),
+                                                          generator=torch.Generator().manual_seed(bs + longest))]
+    batch = _poisoned_batch(kv_lens, 1, torch.device("cuda"), num_kv_heads=8, group=4, head_dim=128,
+                            dtype=torch.bfloat16, seed=bs)
+    sources = {n: batch[n].clone() for n in ("q", "k", "v")}
+    monkeypatch.setattr(ta, "FUSED_DECODE", False)
+    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", True)
+
+    def capture(pdl: bool):
+        monkeypatch.setattr(ta, "DECODE_PDL", pdl)
+        live = {n: torch.empty_like(t) for n, t in sources.items()}
+        k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+        out = torch.empty_like(batch["q"])
+
+        def step():
+            for n in live:  # the kernels before: the step's q and new K/V rows are written right before
+                torch.mul(sources[n], 1.0, out=live[n])
+            ta.triton_attention(live["q"], live["k"], live["v"], k_cache, v_cache, out, batch["page_table"],
+                                batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph, out, k_cache
+
+    plain, pdl = capture(False), capture(True)
+    for seed in (1, 2, 3):
+        g = torch.Generator("cuda").manual_seed(seed)
+        for t in sources.values():
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        results = []
+        for graph, out, k_cache in (plain, pdl):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append((out.clone(), k_cache.clone()))
+        assert not results[0][0][:bs].isnan().any()
+        assert _same_bits(results[1][0], results[0][0]), f"seed {seed}: the PDL output differs"
+        assert _same_bits(results[1][1], results[0][1]), f"seed {seed}: the PDL cache write differs"

@@ -87,7 +87,7 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
     whether Inductor captures the graph."""
     on_cuda = device_type == "cuda"
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
-    if on_cuda and static and not split_piece and decode_pdl_on():
+    if on_cuda and graph_pdl_on(static, split_piece):
         defaults = {**defaults, "triton.enable_pdl": True}
     patches = {**defaults, **config.inductor_patches(static)}
     if on_cuda and patches.get("post_grad_custom_post_pass") is None:  # the user's own pass wins
@@ -141,9 +141,22 @@ def decode_pdl_on() -> bool:
     """TSCOMPILE_GEMV_PDL (custom_ops/triton_gemv.py, on by default) where the decode GEMV pass runs on a
     GPU that has PDL: the bs=1 graph's Inductor kernels launch with it too (``triton.enable_pdl``),
     which is what makes the GEMV kernel's PDL launches pay (either alone was slower on the H200)."""
-    from tscompile.custom_ops import triton_gemv
+    from tscompile.custom_ops import triton_attention, triton_gemv
 
-    return triton_gemv.GEMV_PDL and decode_gemv_on() and triton_gemv.pdl_available()
+    return triton_gemv.GEMV_PDL and decode_gemv_on() and triton_attention.pdl_available()
+
+
+def graph_pdl_on(static: bool, split_piece: bool) -> bool:
+    """Whether a CUDA graph compiles with Inductor's PDL: the bs=1 decode graph with ``decode_pdl_on``,
+    and with the opt-in TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py) every graph that is not a
+    prefill piece. The split pieces never: their attention breaks launch without it."""
+    if split_piece:
+        return False
+    from tscompile.custom_ops import triton_attention
+
+    if triton_attention.DECODE_PDL and triton_attention.pdl_available():
+        return True
+    return static and decode_pdl_on()
 
 
 def cuda_device_name() -> str:
