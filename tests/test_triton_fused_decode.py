@@ -18,6 +18,7 @@ import triton.language as tl
 
 from helpers import LaunchSpy, random_paged_batch
 from tscompile.attention.triton_backend import TritonAttentionBackend
+from tscompile.bench.graph_timing import capture_graph
 from tscompile.custom_ops import triton_attention as ta
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
@@ -475,14 +476,7 @@ def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(b
             ta.triton_attention(live["q"], live["k"], live["v"], k_cache, v_cache, out, batch["page_table"],
                                 batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)  # a warm-up call on a side stream, then the capture
         return graph, out, k_cache
 
     plain, pdl = capture(False), capture(True)

@@ -18,6 +18,7 @@ import pathlib
 import pytest
 import torch
 
+from tscompile.bench.graph_timing import capture_graph
 from tscompile.custom_ops import triton_gemv as tg
 
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-5}
@@ -607,14 +608,7 @@ def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu(monkeyp
             torch.mul(r_src, -1.0, out=residual)
             tg.gemv(x, w, out, config=config, pdl=True, **kwargs)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)  # a warm-up call on a side stream, then the capture
         for seed in (1, 2, 3):
             src.copy_(torch.randn(1, k, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
             r_src.copy_(torch.randn(1, n, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 9)))
