@@ -477,7 +477,8 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
-        **({"num_warps": options["num_warps"]} if "num_warps" in options else {}), **pdl_launch(q.device, DECODE_PDL),
+        **({"num_warps": options["num_warps"]} if "num_warps" in options else {}),
+        **pdl_launch(q.device, DECODE_PDL),
     )
 
 

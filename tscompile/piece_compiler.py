@@ -82,9 +82,9 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
 def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type: str, split_piece: bool,
                            cudagraph_trees: bool) -> dict:
     """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults (static
-    graphs and split pieces only; Inductor's PDL in the graph of the decode GEMV pass), then the user's options (which win), tscompile's post-grad passes
-    on CUDA unless the options set a post-grad post pass of their own (``_our_post_grad_passes``), and
-    whether Inductor captures the graph."""
+    graphs and split pieces only; Inductor's PDL where ``graph_pdl_on``), then the user's options
+    (which win), tscompile's post-grad passes on CUDA unless the options set a post-grad post pass of
+    their own (``_our_post_grad_passes``), and whether Inductor captures the graph."""
     on_cuda = device_type == "cuda"
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
     if on_cuda and graph_pdl_on(static, split_piece):
