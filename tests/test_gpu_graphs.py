@@ -189,6 +189,9 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     monkeypatch.setattr(tg, "DECODE_GEMV_DEVICES", (torch.cuda.get_device_name(),))  # any GPU: the table is llama-tiny's
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {
         (512, 256): (1, 256, 1, 4, 1, "acc"), (256, 256): (2, 256, 1, 4, 1, "acc"), (1024, 256): (4, 128, 1, 8, 1, "acc")})
+    from tscompile import piece_compiler
+
+    assert piece_compiler.decode_pdl_on() is pdl  # the bs=1 graph and its GEMV calls get PDL only in the pdl case
     model = tscompile.models.build_config("llama-tiny", vocab_size=640)
     cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
     params = SamplingParams(max_new_tokens=6)

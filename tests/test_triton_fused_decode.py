@@ -456,6 +456,7 @@ def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(b
     33 requests)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
+    assert ta.pdl_launch(torch.device("cuda"), True) == {"PDL": True, "launch_pdl": True}  # PDL really on
     kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (bs - 1,),
                                                           generator=torch.Generator().manual_seed(bs + longest))]
     batch = _poisoned_batch(kv_lens, 1, torch.device("cuda"), num_kv_heads=8, group=4, head_dim=128,

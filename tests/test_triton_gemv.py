@@ -590,6 +590,7 @@ def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu(monkeyp
     llama-8b's qkv (norm fused) and output (residual fused) shapes and the plain down shape."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
+    assert tg.pdl_launch(torch.device("cuda"), True) == {"PDL": True, "launch_pdl": True}  # PDL really on
     config = (1, 2048, 1, 8, 1, "acc")
     cases = (((6144, 4096), "norm"), ((4096, 4096), "residual"), ((4096, 14336), None))
     for ((n, k), fuse), peel in itertools.product(cases, (False, True)):
