@@ -513,15 +513,17 @@ FUSED_DECODE = env_flag("TSCOMPILE_FUSED_DECODE", False)
 # TSCOMPILE_DECODE_WRITE_IN_SPLIT=0 runs the three kernels. With FUSED_DECODE on, the fused kernel runs.
 DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
 
-# TSCOMPILE_DECODE_PDL=1 (opt-in, not yet timed): the unfused decode's split and combine kernels
-# launch with programmatic dependent launch, and every CUDA decode graph (every batch size, not only
-# the bs=1 graph that TSCOMPILE_GEMV_PDL covers) gets Inductor's ``triton.enable_pdl``
+# TSCOMPILE_DECODE_PDL (on by default; =0 off): the unfused decode's split and combine kernels launch
+# with programmatic dependent launch, and every CUDA decode graph (every batch size, not only the bs=1
+# graph that TSCOMPILE_GEMV_PDL covers) gets Inductor's ``triton.enable_pdl``
 # (tscompile/piece_compiler.py). Each kernel waits (``gdc_wait``) before it reads or writes anything and
 # lets the next kernel be scheduled (``gdc_launch_dependents``) right after: these launches are a few
-# dozen programs, so the next kernel's programs can be resident and waiting while they run. The bs=1
-# graph with PDL on its GEMV and Inductor kernels ran 0.9-2.8% faster on the H200
-# (bench/results/same-lease-6acce99/); this extends it to the attention kernels and the larger batches.
-DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", False)
+# dozen programs, so the next kernel's programs can be resident and waiting while they run. On one
+# H200 machine in one lease (bench/results/same-lease-8285f4f/): llama-8b TPOT 4.299 -> 4.182 ms at
+# bs=1 and 5.627 -> 5.444 at bs=32; llama-1b 0.974 -> 0.948 (bs 1), 1.191 -> 1.181 (8),
+# 1.398 -> 1.383 (32), 1.676 -> 1.673 (64); its GPU test bitwise equal to the plain launches.
+# Kernel tables profiled under PDL count a waiting kernel's time too, so their sums exceed the step.
+DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
 
 
 @functools.lru_cache(maxsize=None)

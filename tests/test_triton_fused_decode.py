@@ -478,7 +478,9 @@ def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(b
                                 batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True)
 
         graph = capture_graph(step)  # a warm-up call on a side stream, then the capture
-        return graph, out, k_cache
+        # The graph holds raw pointers only: what it reads and writes must outlive it, or the next
+        # capture's tensors reuse those blocks and the two graphs write each other's inputs.
+        return graph, out, k_cache, (live, v_cache)
 
     plain, pdl = capture(False), capture(True)
     for seed in (1, 2, 3):
@@ -486,7 +488,7 @@ def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(b
         for t in sources.values():
             t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
         results = []
-        for graph, out, k_cache in (plain, pdl):
+        for graph, out, k_cache, _live in (plain, pdl):
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()

@@ -148,8 +148,8 @@ def decode_pdl_on() -> bool:
 
 def graph_pdl_on(static: bool, split_piece: bool) -> bool:
     """Whether a CUDA graph compiles with Inductor's PDL: the bs=1 decode graph with ``decode_pdl_on``,
-    and with the opt-in TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py) every graph that is not a
-    prefill piece. The split pieces never: their attention breaks launch without it."""
+    and with TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py, on by default) every graph that is not
+    a prefill piece. The split pieces never: their attention breaks launch without it."""
     if split_piece:
         return False
     from tscompile.custom_ops import triton_attention
