@@ -98,6 +98,7 @@ def kernel_paths() -> dict:
     paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
              "decode_gemv": decode_gemv,
              "prefill_gemv": triton_gemv.PREFILL_GEMV,
+             "batch_gemv": triton_gemv.BATCH_GEMV,
              "fused_decode": triton_attention.FUSED_DECODE,
              # TSCOMPILE_DECODE_PDL where it applies: the decode attention and every decode graph with PDL
              "decode_pdl": triton_attention.DECODE_PDL and triton_attention.pdl_available(),
@@ -109,10 +110,11 @@ def kernel_paths() -> dict:
             paths["decode_gemv_fused_configs"] = {f"{n}x{k}": list(c)
                                                   for (n, k), c in triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()}
             paths["gemv_fused_table_file"] = triton_gemv.GEMV_FUSED_TABLE_FILE or None
-    if triton_gemv.PREFILL_GEMV:
+    few_rows = triton_gemv.PREFILL_GEMV or triton_gemv.BATCH_GEMV
+    if few_rows:  # one few-row table for the prefill pieces and the decode batches
         paths["prefill_gemv_configs"] = {f"{m}x{n}x{k}": list(c)
                                          for (m, n, k), c in triton_gemv.PREFILL_GEMV_CONFIGS.items()}
-    if decode_gemv or triton_gemv.PREFILL_GEMV:
+    if decode_gemv or few_rows:
         paths["gemv_table_file"] = triton_gemv.GEMV_TABLE_FILE or None
         paths["gemv_pdl"] = decode_pdl_on()  # the decode calls and their graph's kernels launch with PDL
         paths["gemv_peel"] = triton_gemv.GEMV_PEEL

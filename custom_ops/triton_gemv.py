@@ -531,6 +531,16 @@ def _launch_of(key: str) -> tuple:
 PREFILL_GEMV = env_flag("TSCOMPILE_PREFILL_GEMV", False)
 PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {}
 
+# TSCOMPILE_BATCH_GEMV=1 (opt-in, not yet run on a GPU): the same few-row table and swap in the
+# dynamic-batch decode graph (batch sizes 2..MAX_ROWS; the CUDA graph of each batch size makes the
+# choice once, at capture), its kernel launched with PDL where that graph's Inductor kernels are
+# (``GEMV_PDL``). Why: at llama-8b bs=32 the step's cuBLAS matmuls read at 3.0-3.75 TB/s (4.27 ms of
+# 5.43, H200, bench/results/same-lease-8285f4f/), and scripts/gemv_sweep.py timed the kernel's 32-row
+# launches at 1.05-1.06x cuBLAS for llama-8b's o, gate/up and LM head (same-lease-ada2650/call1/
+# gemv_sweep.json, which TSCOMPILE_GEMV_TABLE can name). Unlike the prefill pieces, a decode step's
+# time is steady to 0.1%, so the A/B can tell a few percent.
+BATCH_GEMV = env_flag("TSCOMPILE_BATCH_GEMV", False)
+
 TABLE_MIN_SPEEDUP = 1.02  # a smaller margin over cuBLAS is within run-to-run spread: not worth leaving it
 
 
@@ -569,7 +579,7 @@ def gemv_tables_from_file(path: str) -> tuple[dict, dict, dict]:
                          f"JSON ({type(e).__name__}: {e})") from None
 
 
-GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV or PREFILL_GEMV else ""
+GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV or PREFILL_GEMV or BATCH_GEMV else ""
 if GEMV_TABLE_FILE:  # read only with a pass on: a process that never swaps needs no sweep file
     DECODE_GEMV_CONFIGS, DECODE_GEMV_FUSE_ONLY, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
 
@@ -624,17 +634,19 @@ def prefill_gemv_weights() -> set[tuple[int, int]]:
 
 
 @torch.library.custom_op("tscompile::skinny_mm", mutates_args=())
-def skinny_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T``: through ``gemv`` at ``PREFILL_GEMV_CONFIGS``' launch when (M, N, K) is
-    listed, else ``x @ w.T`` (cuBLAS on CUDA); M is known only now (the piece is compiled for every
-    token count)."""
+    listed, else ``x @ w.T`` (cuBLAS on CUDA); M is known only now (the graph is compiled for every
+    token or batch count). ``pdl``: the kernel launches with PDL (a graph whose Inductor kernels do)."""
     config = PREFILL_GEMV_CONFIGS.get((x.shape[0], *w.shape))
     if config is None:
         return x @ w.T
+    if pdl:
+        return gemv(_k_contiguous(x), w, config=config, pdl=True)
     return gemv(_k_contiguous(x), w, config=config)
 
 
 @skinny_mm.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 

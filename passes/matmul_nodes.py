@@ -85,11 +85,13 @@ def swap_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...], wanted, target
     return count
 
 
-def replace_matmul(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target) -> None:
+def replace_matmul(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target,
+                   kwargs: dict | None = None) -> None:
     """``node`` (a matmul of ``x`` and ``transposed`` = w.T, with ``residual`` folded in or None) becomes
-    ``target(x, w)``, plus ``residual`` after it (the eager model's rounding: the product, then the sum)."""
+    ``target(x, w, **kwargs)``, plus ``residual`` after it (the eager model's rounding: the product,
+    then the sum)."""
     with graph.inserting_before(node):
-        op = graph.call_function(target, (x, w))
+        op = graph.call_function(target, (x, w), kwargs or {})
         out = op if residual is None else graph.call_function(aten.add.Tensor, (residual, op))
     op.meta.update(node.meta)
     out.meta.update(node.meta)

@@ -13,11 +13,14 @@ whole-step graph makes that choice once, at capture; a step run without a graph 
 per swapped matmul.
 
 Opt-in (``TSCOMPILE_PREFILL_GEMV=1``; ``piece_compiler`` adds the pass to CUDA split pieces, before
-the residual-addmm pass). Numerics: where cuBLAS still runs, the same ``x @ w.T``; where the kernel
+the residual-addmm pass). ``TSCOMPILE_BATCH_GEMV=1`` (opt-in) adds it to the dynamic-batch decode graph,
+where the row count is the batch size and the kernel launches with PDL if the graph's kernels do. Numerics: where cuBLAS still runs, the same ``x @ w.T``; where the kernel
 runs, float32 accumulation rounded once, as cuBLAS does, in another summation order.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx
@@ -28,23 +31,29 @@ from tscompile.passes import matmul_nodes
 from tscompile.passes.matmul_nodes import swap_matmuls
 
 
-def swap_prefill_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",)) -> int:
+def swap_prefill_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), pdl: bool = False) -> int:
     """Replace every ``mm(x, permute(w))`` whose weight shape ``PREFILL_GEMV_CONFIGS`` lists by
     ``tscompile::skinny_mm(x, w)``, and a residual ``addmm(r, x, permute(w))`` by ``r + skinny_mm(x, w)``
-    (the eager model's rounding: the product, then the sum); returns how many."""
+    (the eager model's rounding: the product, then the sum); ``pdl``: ``skinny_mm(x, w, pdl=True)``.
+    Returns how many."""
     weights = triton_gemv.prefill_gemv_weights()
     if not weights:
         return 0
-    return swap_matmuls(graph, devices, lambda x, shape: shape in weights, torch.ops.tscompile.skinny_mm.default)
+    replace = functools.partial(matmul_nodes.replace_matmul, kwargs={"pdl": True}) if pdl else None
+    return swap_matmuls(graph, devices, lambda x, shape: shape in weights, torch.ops.tscompile.skinny_mm.default,
+                        replace)
 
 
 class PrefillGemv(CustomGraphPass):
     """The pass as (part of) Inductor's ``post_grad_custom_post_pass``; the uuid keys Inductor's cache
-    by this file, the kernel's and the launch table as it is now."""
+    by this file, the kernel's, the launch table as it is now and ``pdl``."""
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        swap_prefill_matmuls(graph)
+        swap_prefill_matmuls(graph, pdl=self.pdl)
 
     def uuid(self) -> bytes:
-        table = repr(sorted(triton_gemv.PREFILL_GEMV_CONFIGS.items())).encode()
+        table = repr((sorted(triton_gemv.PREFILL_GEMV_CONFIGS.items()), self.pdl)).encode()
         return get_hash_for_files((__file__, matmul_nodes.__file__, triton_gemv.__file__)) + table

@@ -252,9 +252,15 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     assert report.kernel_paths()["gemv_pdl"] is True
     monkeypatch.setattr(tg, "GEMV_PDL", False)
     assert report.kernel_paths()["gemv_pdl"] is False
-    monkeypatch.setattr(tg, "PREFILL_GEMV", True)
     monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})
-    assert report.kernel_paths()["prefill_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}
+    for prefill, batch in ((True, False), (False, True)):  # the few-row table, for either pass that reads it
+        monkeypatch.setattr(tg, "PREFILL_GEMV", prefill)
+        monkeypatch.setattr(tg, "BATCH_GEMV", batch)
+        paths = report.kernel_paths()
+        assert (paths["prefill_gemv"], paths["batch_gemv"]) == (prefill, batch)
+        assert paths["prefill_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}
+    monkeypatch.setattr(tg, "BATCH_GEMV", False)
+    assert "prefill_gemv_configs" not in report.kernel_paths()
 
 
 

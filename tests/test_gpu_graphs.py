@@ -208,6 +208,48 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     assert len(norms) == 1 if fuse else len(norms) >= 2 * layers, norms
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_tokens(monkeypatch, pdl):
+    """TSCOMPILE_BATCH_GEMV with llama-tiny's qkv and gate/up weights listed at every row count the
+    kernel takes: one bs=4 decode step of the dynamic-batch graph runs ``_gemv_kernel`` twice per layer
+    (at capture the row count is 4: listed) and cuBLAS for o, down and the LM head; tokens as eager's
+    (float32, three requests padded to the 4-row graph). ``pdl``: the graph's Inductor kernels and
+    the kernel launch with PDL (TSCOMPILE_DECODE_PDL and TSCOMPILE_GEMV_PDL)."""
+    import re
+
+    from tscompile import piece_compiler
+    from tscompile.custom_ops import triton_attention as ta
+    from tscompile.custom_ops import triton_gemv as tg
+
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or later")
+    monkeypatch.setattr(tg, "BATCH_GEMV", True)
+    monkeypatch.setattr(ta, "DECODE_PDL", pdl)
+    monkeypatch.setattr(tg, "GEMV_PDL", pdl)
+    dot = (64, 128, 1, 4, 4, "dot")
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): dot for m in range(2, tg.MAX_ROWS + 1)
+                                                     for n in (512, 1024)})
+    pdl_calls, real = [], tg.gemv
+
+    def counting(x, w, out=None, config=None, **kw):
+        pdl_calls.append(kw.get("pdl", False))
+        return real(x, w, out, config, **kw)
+
+    monkeypatch.setattr(tg, "gemv", counting)
+    assert piece_compiler.graph_pdl_on(False, False) is pdl
+    model = tscompile.models.build_config("llama-tiny", vocab_size=640)  # the LM head is no listed shape
+    params = SamplingParams(max_new_tokens=6)
+    eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:3], params))
+    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2, 4)})
+    assert ids(llm.generate(PROMPTS[:3], params)) == eager
+    assert pdl_calls and set(pdl_calls) == {pdl}
+    four = _decode_kernels(llm.runner, 4)
+    layers = model.n_layers
+    assert sum(k == "_gemv_kernel" for k in four) == 2 * layers, four
+    cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
+    assert len([k for k in four if cublas.search(k) and k != "_gemv_kernel"]) >= 2 * layers + 1, four
+
+
 def test_prefill_gemv_pass_runs_the_kernel_inside_whole_step_graphs_and_gives_eager_tokens(monkeypatch):
     """TSCOMPILE_PREFILL_GEMV (passes/prefill_gemv.py) with llama-tiny's qkv and gate/up weights listed at
     every row count the kernel takes (up to 32): whole-step prefill graphs of the Triton backend call

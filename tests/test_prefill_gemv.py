@@ -6,6 +6,7 @@ by naming the CPU device (the kernel runs under the interpreter, which conftest 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -23,12 +24,15 @@ aten = torch.ops.aten
 DOT = (16, 64, 1, 4, 1, "dot")
 
 
-def _counting_gemv(monkeypatch) -> list:
+def _counting_gemv(monkeypatch, pdl_calls: list | None = None) -> list:
+    """The (M, N, K, launch) of every ``gemv`` call from now on; ``pdl_calls`` gets each call's ``pdl``."""
     calls, real = [], tg.gemv
+    pdl_calls = [] if pdl_calls is None else pdl_calls
 
-    def gemv(x, w, out=None, config=None):
+    def gemv(x, w, out=None, config=None, **kw):
         calls.append((x.shape[0], *w.shape, config))
-        return real(x, w, out, config)
+        pdl_calls.append(kw.get("pdl", False))
+        return real(x, w, out, config, **kw)
 
     monkeypatch.setattr(tg, "gemv", gemv)
     return calls
@@ -158,3 +162,91 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_kernel_at_l
     assert swapped and sum(swapped) >= 2  # the qkv projection of each layer's piece
     assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
     assert all(config == DOT and 1 < m <= tg.MAX_ROWS for m, _, _, config in calls)
+
+
+# -- TSCOMPILE_BATCH_GEMV: the same swap in the dynamic-batch decode graph ----------------------------
+
+def test_the_swap_with_pdl_asks_the_kernel_for_pdl(monkeypatch):
+    """``pdl=True`` (a decode graph whose Inductor kernels launch with PDL): the swapped ``skinny_mm``
+    calls carry it and pass it to the kernel; cuBLAS still runs at an unlisted row count."""
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    pdl_calls = []
+    calls = _counting_gemv(monkeypatch, pdl_calls)
+    gm = make_fx(_projections)(*_inputs(4))
+    assert swap_prefill_matmuls(gm.graph, devices=("cpu",), pdl=True) == 2
+    gm.recompile()
+    swapped = [n for n in gm.graph.nodes if n.target is torch.ops.tscompile.skinny_mm.default]
+    assert len(swapped) == 2 and all(n.kwargs == {"pdl": True} for n in swapped)
+    x, w, w_other, r = _inputs(4)
+    listed, other, residual = gm(x, w, w_other, r)
+    torch.testing.assert_close(listed, x @ w.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(residual, r + x @ w.T, rtol=1e-5, atol=1e-4)
+    assert len(calls) == 2 and pdl_calls == [True, True]
+    x = torch.randn(3, 48)
+    calls.clear()
+    assert torch.equal(torch.ops.tscompile.skinny_mm(x, w, pdl=True), x @ w.T) and not calls  # 3 rows: unlisted
+
+
+@pytest.mark.parametrize("flag, static, split_piece, graph_pdl, gemv_pdl, wanted", [
+    (True, False, False, True, True, PrefillGemv(pdl=True)),     # a decode batch graph with PDL
+    (True, False, False, False, True, PrefillGemv(pdl=False)),   # ... without Inductor's PDL: nor the kernel
+    (True, False, False, True, False, PrefillGemv(pdl=False)),   # TSCOMPILE_GEMV_PDL=0
+    (False, False, False, True, True, None),                     # off by default
+    (True, True, False, True, True, "DecodeGemv"),               # the bs=1 graph keeps the one-row pass
+    (True, False, True, True, True, UnfuseResidualAddmm),        # a prefill piece: TSCOMPILE_PREFILL_GEMV's
+])
+def test_dynamic_decode_graphs_get_the_few_row_swap_with_batch_gemv(monkeypatch, flag, static, split_piece, graph_pdl,
+                                                                    gemv_pdl, wanted):
+    monkeypatch.setattr(tg, "BATCH_GEMV", flag)
+    monkeypatch.setattr(tg, "PREFILL_GEMV", False)
+    monkeypatch.setattr(tg, "GEMV_PDL", gemv_pdl)
+    monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(piece_compiler, "graph_pdl_on", lambda static, split_piece: graph_pdl)
+    got = piece_compiler.piece_inductor_patches(TscompileConfig(), static, device_type="cuda", split_piece=split_piece,
+                                                cudagraph_trees=False).get("post_grad_custom_post_pass")
+    if isinstance(wanted, PrefillGemv):
+        assert isinstance(got, PrefillGemv) and got.pdl is wanted.pdl
+    elif wanted == "DecodeGemv":
+        assert type(got).__name__ == "DecodeGemv"
+    elif wanted is None:
+        assert got is None
+    else:
+        assert isinstance(got, wanted)
+
+
+def test_the_cache_key_follows_pdl():
+    assert PrefillGemv(pdl=True).uuid() != PrefillGemv(pdl=False).uuid() == PrefillGemv().uuid()
+
+
+def test_an_engine_with_batch_gemv_gives_the_eager_tokens_and_runs_the_kernel_at_the_batch_sizes(monkeypatch):
+    """The compiled CPU engine (llama-tiny, float32) with the swap in its dynamic-batch decode graph,
+    the qkv weight listed at every row count the kernel takes: the eager engine's greedy tokens, and the
+    kernel ran for the listed shape only, at the decode batch's row count (on the CPU no graph pads the
+    three requests to the ladder's 4)."""
+    table = {(m, 512, 256): DOT for m in range(2, tg.MAX_ROWS + 1)}
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", table)
+    params = tscompile.SamplingParams(max_new_tokens=3)
+    prompts = [p for p in PROMPTS if len(p) > 1][:3]
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(prompts, params))
+
+    class CpuBatchGemv(PrefillGemv):
+        def __call__(self, graph):
+            swapped.append(swap_prefill_matmuls(graph, devices=("cpu",), pdl=self.pdl))
+
+    swapped = []
+    real_patches = piece_compiler.piece_inductor_patches
+
+    def patches_with_the_pass(config, static, **kw):
+        patches = real_patches(config, static, **kw)
+        if not static and not kw["split_piece"]:  # the decode batch graph; compiled, not loaded from the cache
+            patches.update(post_grad_custom_post_pass=CpuBatchGemv(), force_disable_caches=True)
+        return patches
+
+    calls = _counting_gemv(monkeypatch)
+    monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
+    llm = small_llm(dtype=torch.float32, enforce_eager=False, compile_options={"decode_ladder": (1, 2, 4)})
+    assert ids(llm.generate(prompts, params)) == want
+    assert swapped and sum(swapped) >= 2  # the qkv projection of each layer
+    assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
+    assert {m for m, _, _, _ in calls} == {len(prompts)}, calls

@@ -103,12 +103,19 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
 def _our_post_grad_passes(static: bool, split_piece: bool) -> list:
     """The passes a CUDA graph gets: in a split piece the opt-in prefill GEMV swap (first: it takes the
     residual ``addmm`` of the shapes it swaps itself), then the residual-addmm unfusing; in a static
-    graph that is not a piece (the bs=1 decode step) the decode GEMV swap (``decode_gemv_on``)."""
+    graph that is not a piece (the bs=1 decode step) the decode GEMV swap (``decode_gemv_on``); in a
+    dynamic graph that is not a piece (the decode step of batch sizes above 1) the opt-in few-row swap
+    (``batch_gemv_on``), launched with PDL where the graph's kernels are."""
     passes = []
     if split_piece and prefill_gemv_on():
         from tscompile.passes.prefill_gemv import PrefillGemv
 
         passes.append(PrefillGemv())
+    if not static and not split_piece and batch_gemv_on():
+        from tscompile.custom_ops import triton_gemv
+        from tscompile.passes.prefill_gemv import PrefillGemv
+
+        passes.append(PrefillGemv(pdl=triton_gemv.GEMV_PDL and graph_pdl_on(static, split_piece)))
     if split_piece and UNFUSE_RESIDUAL_ADDMM:
         from tscompile.passes.residual_addmm import UnfuseResidualAddmm
 
@@ -126,6 +133,15 @@ def prefill_gemv_on() -> bool:
     from tscompile.custom_ops import triton_gemv
 
     return triton_gemv.PREFILL_GEMV
+
+
+def batch_gemv_on() -> bool:
+    """TSCOMPILE_BATCH_GEMV (custom_ops/triton_gemv.py, opt-in): the dynamic-batch decode graph runs the
+    matmuls of the few-row table's weight shapes through ``tscompile::skinny_mm``, which takes the
+    kernel at the listed batch sizes (passes/prefill_gemv.py)."""
+    from tscompile.custom_ops import triton_gemv
+
+    return triton_gemv.BATCH_GEMV
 
 
 def decode_gemv_on() -> bool:
