@@ -524,6 +524,12 @@ DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
 # 1.398 -> 1.383 (32), 1.676 -> 1.673 (64); its GPU test bitwise equal to the plain launches.
 # Kernel tables profiled under PDL count a waiting kernel's time too, so their sums exceed the step.
 DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
+# TSCOMPILE_PREFILL_PDL=1 (opt-in, not yet run on a GPU): the same for prefill steps: the dense extend
+# kernel launches with PDL and the pieces of a split (prefill) graph get Inductor's PDL, so a 32-token
+# step's ~170 (llama-1b) to ~360 (llama-8b) kernels may each be scheduled while the one before ends.
+# The other kernels between pieces (the KV write of other head dims, FlashInfer's) launch without it,
+# which is safe: a PDL kernel waits for the whole kernel before it, whatever launched that one.
+PREFILL_PDL = env_flag("TSCOMPILE_PREFILL_PDL", False)
 
 
 @functools.lru_cache(maxsize=None)

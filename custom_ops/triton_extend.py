@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tscompile.custom_ops import triton_attention
 from tscompile.custom_ops.triton_attention import (
     FAST_EXTEND_HEAD_DIMS, _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows,
-    check_supported, register_dense_extend, write_kv,
+    check_supported, pdl_launch, register_dense_extend, write_kv,
 )
 
 LOG2_E = 1.4426950408889634
@@ -138,11 +139,15 @@ def _extend_dense_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     REQS_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    WRITE_KV: tl.constexpr, ZERO_PADDING: tl.constexpr,
+    WRITE_KV: tl.constexpr, ZERO_PADDING: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid ((cdiv(T, BLOCK_M) + B) * Hkv,): program pid handles query block pid // Hkv of the
     concatenated requests for KV head pid % Hkv, or, past the last query block, BLOCK_M padding
-    rows (``_extend_block``). See the module docstring."""
+    rows (``_extend_block``). See the module docstring. ``PDL`` (TSCOMPILE_PREFILL_PDL): wait for the
+    kernel before before reading anything, then let the next one be scheduled."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     tile = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
@@ -344,7 +349,7 @@ def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr
         BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, REQS_PAD=max(_next_pow2(b), 2),
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
         WRITE_KV=write_loc is not None, ZERO_PADDING=zero_padding,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_launch(q.device, triton_attention.PREFILL_PDL),
     )
 
 

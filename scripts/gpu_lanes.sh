@@ -94,7 +94,7 @@ tests_for() {
     session13) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k torch_gpu_or_new_x_gpu_or_decode_gemv_pass_or_prefill_gemv_pass" ;;  # the gemv "acc" mode, 32-row "dot" tiles, the decode and prefill GEMV passes
     session15) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k fused_norm_and_residual_llama_8b_or_decode_gemv_pass_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # the fused GEMV (TSCOMPILE_DECODE_GEMV_FUSE), the default decode GEMV table on the H200
     session16) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k pdl" ;;  # TSCOMPILE_GEMV_PDL: the kernel after a writer in a graph, the engine's tokens
-    session18) echo "tests/test_gpu_graphs.py -k batch_gemv_or_prefill_gemv_pass_or_decode_gemv_pass" ;;  # TSCOMPILE_BATCH_GEMV (the few-row swap in the decode batch graphs, with and without PDL)
+    session18) echo "tests/test_gpu_graphs.py tests/test_triton_extend_fast.py -k batch_gemv_or_prefill_gemv_pass_or_decode_gemv_pass_or_prefill_pdl" ;;  # TSCOMPILE_BATCH_GEMV (the few-row swap in the decode batch graphs, with and without PDL), TSCOMPILE_PREFILL_PDL (extend kernel and prefill pieces)
     session17) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py tests/test_triton_extend_fast.py tests/test_triton_fused_decode.py -k pdl_or_llama8b_or_float32_fits_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # PDL on by default (GEMV), TSCOMPILE_DECODE_PDL (attention), head_dim 128 long-prompt extend tile
     triton_graphs) echo "tests/test_gpu_graphs.py -k triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # with env: flags
     all) echo "tests" ;;

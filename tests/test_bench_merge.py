@@ -176,7 +176,7 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     assert eager_run["env"]["kernel_paths"] == {
         "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT, "fused_decode": ta.FUSED_DECODE,
         "decode_gemv": piece_compiler.decode_gemv_on(), "prefill_gemv": tg.PREFILL_GEMV, "batch_gemv": tg.BATCH_GEMV,
-        "decode_pdl": ta.DECODE_PDL and ta.pdl_available(),
+        "decode_pdl": ta.DECODE_PDL and ta.pdl_available(), "prefill_pdl": ta.PREFILL_PDL and ta.pdl_available(),
         "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
     other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,

@@ -141,10 +141,12 @@ def test_the_decode_graphs_get_inductors_pdl(monkeypatch, flag, decode_pdl, avai
                                              wanted):
     """Inductor's ``triton.enable_pdl`` goes with the PDL launches of the kernels between its own: in the
     graph the decode GEMV pass runs in (TSCOMPILE_GEMV_PDL), and with TSCOMPILE_DECODE_PDL (the decode
-    attention kernels) in every decode graph; never in a prefill piece."""
+    attention kernels) in every decode graph; in a prefill piece only with TSCOMPILE_PREFILL_PDL (off
+    here, the next test)."""
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(tg, "GEMV_PDL", flag)
     monkeypatch.setattr(ta, "DECODE_PDL", decode_pdl)
+    monkeypatch.setattr(ta, "PREFILL_PDL", False)
     monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     options = {} if user is None else {"triton.enable_pdl": user}
@@ -152,6 +154,23 @@ def test_the_decode_graphs_get_inductors_pdl(monkeypatch, flag, decode_pdl, avai
                                                     device_type="cuda", split_piece=split_piece, cudagraph_trees=False)
     assert patches.get("triton.enable_pdl", False) is wanted
     assert patches.get("combo_kernels", False) is (static or split_piece)  # the other CUDA defaults stay
+
+
+@pytest.mark.parametrize("prefill_pdl, available, split_piece, user, wanted", [
+    (True, True, True, None, True),      # a prefill piece with TSCOMPILE_PREFILL_PDL
+    (False, True, True, None, False),    # off by default
+    (True, False, True, None, False),    # before Hopper
+    (True, True, True, False, False),    # the user's option wins
+])
+def test_prefill_pieces_get_inductors_pdl_with_prefill_pdl(monkeypatch, prefill_pdl, available, split_piece, user,
+                                                           wanted):
+    monkeypatch.setattr(ta, "PREFILL_PDL", prefill_pdl)
+    monkeypatch.setattr(ta, "DECODE_PDL", True)  # which never reaches a piece by itself
+    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
+    options = {} if user is None else {"triton.enable_pdl": user}
+    patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), False,
+                                                    device_type="cuda", split_piece=split_piece, cudagraph_trees=False)
+    assert patches.get("triton.enable_pdl", False) is wanted
 
 
 @pytest.mark.parametrize("flag, static, device, gpu, table_file, user_pass, wanted", [

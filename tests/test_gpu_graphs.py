@@ -341,6 +341,27 @@ def _prefill_runtime(llm):
     return whole if whole is not None else llm.runner.piece_graphs
 
 
+@pytest.mark.parametrize("model, mode", MODEL_MODES)
+def test_prefill_pdl_gives_the_eager_tokens_in_whole_step_and_piecewise_graphs(monkeypatch, model, mode):
+    """TSCOMPILE_PREFILL_PDL on Hopper: the prefill pieces compile with Inductor's PDL and the extend
+    kernel launches with it; prefill graphs (whole-step and per piece, the narrowing model's too) give
+    the eager tokens (float32, Triton, a 64-token chunk and mixed steps)."""
+    from tscompile import piece_compiler
+    from tscompile.counters import counters
+    from tscompile.custom_ops import triton_attention as ta
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or later")
+    monkeypatch.setattr(ta, "PREFILL_PDL", True)
+    assert piece_compiler.graph_pdl_on(False, True)  # the pieces really get it
+    prompts, params = PROMPTS[:4], SamplingParams(max_new_tokens=4)
+    eager = ids(make(model, "triton", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params))
+    llm = make(model, "triton", compile_options=_ladder(mode), max_num_batched_tokens=64)
+    counters.clear()
+    assert ids(llm.generate(prompts, params)) == eager
+    assert counters["prefill_graphed"] > 0
+
+
 @pytest.mark.parametrize("model, backend, whole", [("llama-tiny", "triton", True), ("llama-tiny", "torch", False),
                                                    ("narrow-tiny", "triton", False)])
 def test_default_prefill_graph_mode_picks_whole_step_graphs_where_they_can_run(model, backend, whole):

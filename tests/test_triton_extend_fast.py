@@ -298,6 +298,70 @@ def test_gpu_new_kernel_replays_under_cuda_graph_with_other_lengths(monkeypatch)
         torch.testing.assert_close(out.float(), _oracle(batch).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_extend_launch_asks_for_pdl_with_prefill_pdl(monkeypatch, flag):
+    """TSCOMPILE_PREFILL_PDL: the launch asks ``pdl_launch`` for PDL (which grants it on a Hopper GPU,
+    never under the interpreter); the output is unchanged."""
+    monkeypatch.setattr(ta, "PREFILL_PDL", flag)
+    asked, real = [], te.pdl_launch
+
+    def recording(device, pdl):
+        asked.append(pdl)
+        return real(device, pdl)
+
+    monkeypatch.setattr(te, "pdl_launch", recording)
+    batch = _batch([5, 3], [9, 3], "cpu", page_size=4, num_kv_heads=2, group=2, head_dim=16, seed=3)
+    _assert_matches_oracle(batch, _dense_extend(batch))
+    assert asked == [flag]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,kv_lens", [([32], [32]), ([300, 1, 129, 64], [300, 1500, 129, 2000])])
+def test_gpu_prefill_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits(q_lens, kv_lens, monkeypatch):
+    """TSCOMPILE_PREFILL_PDL on Hopper: the extend kernel (writing the new K/V rows itself) captured in a
+    CUDA graph right after a kernel that writes its q, k and v, replayed with new sources. A program
+    that read them (or the cache) before its ``gdc_wait`` would see the previous replay's values; every
+    replay gives the bits of the same graph captured without PDL, output and caches."""
+    from tscompile.bench.graph_timing import capture_graph
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or later")
+    assert ta.pdl_launch(torch.device("cuda"), True) == {"PDL": True, "launch_pdl": True}  # PDL really on
+    batch = _llama8b_batch(q_lens, kv_lens, seed=len(q_lens))
+    sources = {n: batch[n].clone() for n in ("q", "k", "v")}
+
+    def capture(pdl: bool):
+        monkeypatch.setattr(ta, "PREFILL_PDL", pdl)
+        live = {n: torch.empty_like(t) for n, t in sources.items()}
+        k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+        out = torch.empty_like(batch["q"])
+
+        def step():
+            for n in live:  # the kernels before: the step's q and new K/V rows are written right before
+                torch.mul(sources[n], 1.0, out=live[n])
+            te.dense_extend(live["q"], live["k"], live["v"], k_cache, v_cache, out, batch["page_table"],
+                            batch["seq_lens"], batch["qo_indptr"], SCALE, write_loc=batch["write_loc"],
+                            zero_padding=True)
+
+        # the graph holds raw pointers only: everything it reads or writes is kept with it
+        return capture_graph(step), out, k_cache, v_cache, live
+
+    plain, pdl = capture(False), capture(True)
+    for seed in (1, 2, 3):
+        g = torch.Generator("cuda").manual_seed(seed)
+        for t in sources.values():
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        results = []
+        for graph, out, k_cache, v_cache, _live in (plain, pdl):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append((out.clone(), k_cache.clone(), v_cache.clone()))
+        assert not results[0][0].isnan().any()
+        for got, want, what in zip(results[1], results[0], ("output", "K cache", "V cache")):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"seed {seed}: the PDL {what} differs"
+
+
 # -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
 
 

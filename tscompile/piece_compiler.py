@@ -164,11 +164,13 @@ def decode_pdl_on() -> bool:
 
 def graph_pdl_on(static: bool, split_piece: bool) -> bool:
     """Whether a CUDA graph compiles with Inductor's PDL: the bs=1 decode graph with ``decode_pdl_on``,
-    and with TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py, on by default) every graph that is not
-    a prefill piece. The split pieces never: their attention breaks launch without it."""
-    if split_piece:
-        return False
+    with TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py, on by default) every graph that is not
+    a prefill piece, and the prefill pieces with the opt-in TSCOMPILE_PREFILL_PDL (the extend kernel
+    between them launches with PDL then too)."""
     from tscompile.custom_ops import triton_attention
+
+    if split_piece:
+        return triton_attention.PREFILL_PDL and triton_attention.pdl_available()
 
     if triton_attention.DECODE_PDL and triton_attention.pdl_available():
         return True
