@@ -314,6 +314,12 @@ def kernels_markdown(result: dict) -> list[str]:
             "recorded input shapes: its inputs' bytes (read at least once, so a lower bound) / its time; \"-\" "
             "for every other kernel, among them every kernel of a CUDA graph replay and Inductor's fused Triton "
             "kernels, which no aten op with shapes launches.")
+    paths = result.get("env", {}).get("kernel_paths", {})
+    if any(paths.get(k) for k in ("decode_pdl", "gemv_pdl", "prefill_pdl")):
+        note += (" **PDL was on** (" + ", ".join(k for k in ("decode_pdl", "gemv_pdl", "prefill_pdl") if paths.get(k))
+                 + "): a kernel launched with it starts before the one before it ends and waits, and the profiler "
+                 "counts the wait, so kernel times overlap and their sum exceeds the step; per-kernel figures "
+                 "need a run with PDL off (TSCOMPILE_DECODE_PDL=0 TSCOMPILE_GEMV_PDL=0).")
     return ["### Kernels", "", note, "", *[b + "\n" for b in blocks]]
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tscompile.bench import cli as bench_cli
-from tscompile.bench import kernel_table
+from tscompile.bench import kernel_table, report
 from tscompile.bench.workloads import EngineRunner, StaticCacheRunner
 from tscompile.cli import main as tscompile_main
 from tscompile.models import PRESETS, build_model
@@ -277,3 +277,22 @@ def test_cuda_kernel_times_see_graph_replays_and_attribute_eager_matmuls():
         torch.mm(a, b, out=out)
     replayed = kernel_table.kernel_times(graph.replay, reps=3)
     assert replayed and sum(t for _, t in replayed.values()) > 0
+
+
+@pytest.mark.parametrize("paths, warned", [
+    ({"decode_pdl": True, "gemv_pdl": False}, "decode_pdl"),
+    ({"decode_pdl": False, "gemv_pdl": True, "prefill_pdl": True}, "gemv_pdl, prefill_pdl"),
+    ({"decode_pdl": False, "gemv_pdl": False}, None),
+    ({}, None),  # a run recorded before the switches
+])
+def test_the_kernels_section_says_when_pdl_made_kernel_times_overlap(paths, warned):
+    table = {"activity": "cuda kernels", "steps": 3, "top_n": 15, "distinct": 1, "kernels_per_step": 1.0,
+             "kernel_ms_per_step": 0.005, "step_bytes": 10_000, "step_gbps": 2.0,
+             "top": [{"name": "k", "count_per_step": 1.0, "us_per_step": 5.0, "share_pct": 100.0, "gbps": None}]}
+    result = {"env": {"kernel_paths": paths}, "prefill": [],
+              "results": [{"mode": "tscompile-triton", "batch_size": 1, "kernel_table": table}]}
+    note = report.kernels_markdown(result)[2]
+    if warned is None:
+        assert "PDL was on" not in note
+    else:
+        assert f"**PDL was on** ({warned})" in note
