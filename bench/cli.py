@@ -164,7 +164,8 @@ def add_parser(sub) -> None:
                    help=f"kernels listed per row (default {kernel_table.DEFAULT_TOP})")
     p.add_argument("--merge", nargs="+", default=None, metavar="RUN.json",
                    help="no run: one table from these bench JSONs of the same workload and machine kind, each mode "
-                        "from one of them (an all-mode table whose modes did not fit in one GPU call)")
+                        "from one of them (an all-mode table whose modes did not fit in one GPU call); "
+                        "RUN.json:MODE,MODE takes only those modes of a run")
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--output-md", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="decode ms/step vs batch size (matplotlib)")

@@ -7,7 +7,7 @@ dtype, prompt and output lengths, iterations, page size, GPU (or CPU) model and 
 versions, and float32 references that agree where both ran. Each row must come from one run (a row
 measured twice would need a choice the merge cannot make; a mode's rows may come from several runs,
 which the markdown names), and every row keeps the copy bandwidth and matmul peak of its own run,
-which the markdown lists per run.
+which the markdown lists per run. ``RUN.json:MODE,MODE`` takes only those modes of a run.
 """
 
 from __future__ import annotations
@@ -24,15 +24,41 @@ SAME_ARGS = ("model", "dtype", "input_len", "output_len", "num_iters", "num_iter
 SAME_ENV = ("device", "gpu_name", "cpu_name", "torch_version", "triton_version", "cuda_version")
 
 
+def split_selection(arg: str) -> tuple[str, list[str] | None]:
+    """``RUN.json`` or ``RUN.json:MODE[,MODE]`` (only those modes of that run: say the baselines of a run
+    whose own tscompile rows a newer run replaces) -> (path, modes or None)."""
+    path, sep, modes = arg.rpartition(":")
+    if not sep or not path.endswith(".json") or not modes or modes.endswith(".json"):
+        return arg, None
+    return path, [m.strip() for m in modes.split(",") if m.strip()]
+
+
+def select_modes(result: dict, modes: list[str], name: str) -> dict:
+    """``result`` with only ``modes``' rows and mode info; ValueError('tscompile: ...') for a mode the run
+    does not have."""
+    missing = [m for m in modes if m not in result.get("modes_run", [])]
+    if missing:
+        raise ValueError(f"tscompile: --merge {name!r}: no mode {', '.join(missing)} in that run (it ran "
+                         f"{', '.join(result.get('modes_run', [])) or 'none'})")
+    kept = copy.copy(result)
+    kept["results"] = [r for r in result["results"] if r["mode"] in modes]
+    kept["prefill"] = [r for r in result["prefill"] if r["mode"] in modes]
+    kept["modes"] = {m: info for m, info in (result.get("modes") or {}).items() if m in modes}
+    kept["modes_run"] = [m for m in result["modes_run"] if m in modes]
+    return kept
+
+
 def load(path: str | os.PathLike) -> dict:
+    """A bench JSON to merge; ``RUN.json:MODE,MODE`` keeps only those modes (``split_selection``)."""
+    path, modes = split_selection(os.fspath(path))
     with open(path) as f:
         result = json.load(f)
     if any(key not in result for key in ("results", "prefill", "args", "env")):
-        raise ValueError(f"tscompile: --merge {os.fspath(path)!r} is not a `tscompile bench` JSON of the engine "
+        raise ValueError(f"tscompile: --merge {path!r} is not a `tscompile bench` JSON of the engine "
                          f"modes (no results/prefill/args/env)")
     if "merged_from" in result:
-        raise ValueError(f"tscompile: --merge {os.fspath(path)!r} is itself a merge; merge the runs it names")
-    return result
+        raise ValueError(f"tscompile: --merge {path!r} is itself a merge; merge the runs it names")
+    return result if modes is None else select_modes(result, modes, path)
 
 
 def _check_same(first: dict, other: dict, first_name: str, other_name: str) -> None:

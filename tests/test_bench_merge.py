@@ -76,6 +76,40 @@ def test_merge_refuses_a_row_from_two_runs(tmp_path, eager_run, capsys):
     assert not out_md.exists()
 
 
+def test_a_selection_takes_only_the_named_modes_of_a_run(tmp_path, eager_run, capsys):
+    """``RUN.json:MODE`` keeps that run's other modes out: a newer run of one mode merges with an older
+    all-mode run's baselines, which the whole older file would refuse (its row of that mode clashes)."""
+    both = _as_mode(eager_run, "compile-default", bandwidth=1.0)
+    both["results"] += copy.deepcopy(eager_run["results"])  # an all-mode run: eager and compile-default
+    both["prefill"] += copy.deepcopy(eager_run["prefill"])
+    both["modes"]["eager"] = eager_run["modes"]["eager"]
+    both["modes_run"] = ["compile-default", "eager"]
+    newer = _write(tmp_path, "newer.json", eager_run)
+    older = _write(tmp_path, "older.json", both)
+    assert tscompile_main(["bench", "--merge", newer, older]) == 2  # eager measured in both
+    assert "eager bs=1 was measured in both" in capsys.readouterr().err
+    out_json = tmp_path / "m.json"
+    assert tscompile_main(["bench", "--merge", newer, f"{older}:compile-default", "--output-json", str(out_json)]) == 0
+    merged = json.loads(out_json.read_text())
+    assert [run["modes"] for run in merged["merged_from"]] == [["eager"], ["compile-default"]]
+    assert merged["merged_from"][1]["source"] == f"{older}:compile-default"
+    eager_rows = [r for r in merged["results"] if r["mode"] == "eager"]
+    assert [r["tpot_ms_median"] for r in eager_rows] == [r["tpot_ms_median"] for r in eager_run["results"]]
+    assert tscompile_main(["bench", "--merge", newer, f"{older}:compile-max"]) == 2
+    assert f"tscompile: --merge {older!r}: no mode compile-max in that run (it ran compile-default, eager)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arg, want", [
+    ("a.json", ("a.json", None)),
+    ("runs/a.json:eager", ("runs/a.json", ["eager"])),
+    ("a.json:compile-default, eager", ("a.json", ["compile-default", "eager"])),
+    ("c:/runs/a.json", ("c:/runs/a.json", None)),  # a colon inside the path is no selection
+])
+def test_a_selection_is_parsed_from_the_file_argument(arg, want):
+    assert bench_merge.split_selection(arg) == want
+
+
 def test_a_modes_rows_may_come_from_two_runs_and_the_table_says_which(tmp_path, eager_run):
     """A cut-short run's missing rows measured by a later run of the same mode: each row from the run
     that measured it, and the runs list says which rows each run gave."""
