@@ -313,3 +313,45 @@ def member_offset(path, name: str) -> int:
         f.seek(info.header_offset + 26)
         name_len, extra_len = struct.unpack("<HH", f.read(4))
     return info.header_offset + 30 + name_len + extra_len
+
+
+def assert_pdl_graph_gives_the_plain_bits(sources: dict, set_pdl, make_op, seeds=(1, 2, 3)) -> list:
+    """A PDL launch checked where PDL can go wrong: ``make_op(live)`` -> (op, outputs, keep) builds an op
+    over the ``live`` copies of ``sources`` writing ``outputs`` (output first, poisoned with NaN before
+    every replay; then any cache it writes); each op is captured in a CUDA graph right after the kernels
+    that write ``live`` (``torch.mul``), once with ``set_pdl(False)`` and once with ``set_pdl(True)``.
+    For each seed, new sources and one replay of each: every output bitwise the same (a PDL program that
+    read its inputs before its ``gdc_wait`` would see the previous replay's). Returns the plain graph's
+    outputs per seed for the caller's own checks. ``keep`` is whatever else the graph reads or writes:
+    a graph holds raw pointers only, so those must outlive it (or the next capture reuses their blocks)."""
+    from tscompile.bench.graph_timing import capture_graph
+
+    graphs = []
+    for pdl in (False, True):
+        set_pdl(pdl)
+        live = {n: torch.empty_like(t) for n, t in sources.items()}
+        op, outputs, keep = make_op(live)
+
+        def step(live=live, op=op):
+            for n in live:
+                torch.mul(sources[n], 1.0, out=live[n])
+            op()
+
+        graphs.append((capture_graph(step), outputs, (live, keep)))
+    device = next(iter(sources.values())).device
+    plain_outputs = []
+    for seed in seeds:
+        g = torch.Generator(device).manual_seed(seed)
+        for t in sources.values():
+            t.copy_(torch.randn(t.shape, generator=g, device=device))
+        results = []
+        for graph, outputs, _keep in graphs:
+            outputs[0].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            results.append([t.clone() for t in outputs])
+        for i, (got, want) in enumerate(zip(*results)):
+            bits = {4: torch.int32, 2: torch.int16}[got.element_size()]
+            assert torch.equal(got.view(bits), want.view(bits)), f"seed {seed}: the PDL graph's output {i} differs"
+        plain_outputs.append(results[0])
+    return plain_outputs

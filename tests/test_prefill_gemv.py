@@ -132,33 +132,39 @@ def test_the_inductor_cache_key_follows_the_table(monkeypatch):
     assert chain.uuid() == PassChain([PrefillGemv(), UnfuseResidualAddmm()]).uuid() != UnfuseResidualAddmm().uuid()
 
 
-def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_kernel_at_listed_rows(monkeypatch):
-    """The compiled CPU engine (llama-tiny, float32) with the pass in its prefill pieces, the qkv
-    weight listed at every row count the kernel takes: the eager engine's greedy tokens, and the
-    kernel ran for the listed shape only, at listed row counts."""
-    table = {(m, 512, 256): DOT for m in range(2, tg.MAX_ROWS + 1)}
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", table)
+def _engine_with_the_cpu_pass(monkeypatch, graphs, num_prompts: int, decode_ladder) -> tuple[list, list]:
+    """The compiled CPU engine (llama-tiny, float32) with the swap (on CPU graphs) in the graphs that
+    ``graphs(static, split_piece)`` picks, the qkv weight listed at every row count the kernel takes:
+    asserts the eager engine's greedy tokens; returns (swaps per compiled graph, kernel calls)."""
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, 512, 256): DOT for m in range(2, tg.MAX_ROWS + 1)})
     params = tscompile.SamplingParams(max_new_tokens=3)
-    prompts = [p for p in PROMPTS if len(p) > 1][:2]
+    prompts = [p for p in PROMPTS if len(p) > 1][:num_prompts]
     want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(prompts, params))
 
-    class CpuPrefillGemv(PrefillGemv):
+    class CpuPass(PrefillGemv):
         def __call__(self, graph):
-            swapped.append(swap_prefill_matmuls(graph, devices=("cpu",)))
+            swapped.append(swap_prefill_matmuls(graph, devices=("cpu",), pdl=self.pdl))
 
     swapped = []
     real_patches = piece_compiler.piece_inductor_patches
 
     def patches_with_the_pass(config, static, **kw):
         patches = real_patches(config, static, **kw)
-        if kw["split_piece"]:  # compiled, not loaded from the cache, so the pass runs
-            patches.update(post_grad_custom_post_pass=CpuPrefillGemv(), force_disable_caches=True)
+        if graphs(static, kw["split_piece"]):  # compiled, not loaded from the cache, so the pass runs
+            patches.update(post_grad_custom_post_pass=CpuPass(), force_disable_caches=True)
         return patches
 
     calls = _counting_gemv(monkeypatch)
     monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
-    llm = small_llm(dtype=torch.float32, enforce_eager=False, compile_options={"decode_ladder": (1,)})
+    llm = small_llm(dtype=torch.float32, enforce_eager=False, compile_options={"decode_ladder": decode_ladder})
     assert ids(llm.generate(prompts, params)) == want
+    return swapped, calls
+
+
+def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_kernel_at_listed_rows(monkeypatch):
+    """The pass in the prefill pieces: the eager engine's tokens, and the kernel ran for the listed
+    shape only, at listed row counts."""
+    swapped, calls = _engine_with_the_cpu_pass(monkeypatch, lambda static, split_piece: split_piece, 2, (1,))
     assert swapped and sum(swapped) >= 2  # the qkv projection of each layer's piece
     assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
     assert all(config == DOT and 1 < m <= tg.MAX_ROWS for m, _, _, config in calls)
@@ -220,33 +226,11 @@ def test_the_cache_key_follows_pdl():
 
 
 def test_an_engine_with_batch_gemv_gives_the_eager_tokens_and_runs_the_kernel_at_the_batch_sizes(monkeypatch):
-    """The compiled CPU engine (llama-tiny, float32) with the swap in its dynamic-batch decode graph,
-    the qkv weight listed at every row count the kernel takes: the eager engine's greedy tokens, and the
-    kernel ran for the listed shape only, at the decode batch's row count (on the CPU no graph pads the
-    three requests to the ladder's 4)."""
-    table = {(m, 512, 256): DOT for m in range(2, tg.MAX_ROWS + 1)}
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", table)
-    params = tscompile.SamplingParams(max_new_tokens=3)
-    prompts = [p for p in PROMPTS if len(p) > 1][:3]
-    want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(prompts, params))
-
-    class CpuBatchGemv(PrefillGemv):
-        def __call__(self, graph):
-            swapped.append(swap_prefill_matmuls(graph, devices=("cpu",), pdl=self.pdl))
-
-    swapped = []
-    real_patches = piece_compiler.piece_inductor_patches
-
-    def patches_with_the_pass(config, static, **kw):
-        patches = real_patches(config, static, **kw)
-        if not static and not kw["split_piece"]:  # the decode batch graph; compiled, not loaded from the cache
-            patches.update(post_grad_custom_post_pass=CpuBatchGemv(), force_disable_caches=True)
-        return patches
-
-    calls = _counting_gemv(monkeypatch)
-    monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
-    llm = small_llm(dtype=torch.float32, enforce_eager=False, compile_options={"decode_ladder": (1, 2, 4)})
-    assert ids(llm.generate(prompts, params)) == want
+    """The swap in the dynamic-batch decode graph: the eager engine's tokens, and the kernel ran for the
+    listed shape only, at the decode batch's row count (on the CPU no graph pads the three requests to
+    the ladder's 4)."""
+    swapped, calls = _engine_with_the_cpu_pass(monkeypatch, lambda static, split_piece: not static and not split_piece,
+                                               3, (1, 2, 4))
     assert swapped and sum(swapped) >= 2  # the qkv projection of each layer
     assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
-    assert {m for m, _, _, _ in calls} == {len(prompts)}, calls
+    assert {m for m, _, _, _ in calls} == {3}, calls
