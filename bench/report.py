@@ -92,7 +92,7 @@ def kernel_paths() -> dict:
     this process runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged
     table says so per run)."""
     from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
-    from tscompile.piece_compiler import decode_gemv_on, decode_pdl_on
+    from tscompile.piece_compiler import decode_gemv_on, decode_pdl_on, graph_pdl_on
 
     decode_gemv = decode_gemv_on()  # the flag, and this GPU is one its table was timed on
     paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
@@ -112,12 +112,14 @@ def kernel_paths() -> dict:
                                                   for (n, k), c in triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()}
             paths["gemv_fused_table_file"] = triton_gemv.GEMV_FUSED_TABLE_FILE or None
     few_rows = triton_gemv.PREFILL_GEMV or triton_gemv.BATCH_GEMV
+    if triton_gemv.BATCH_GEMV:  # the decode batch graphs' swapped calls launch with PDL where those graphs do
+        paths["batch_gemv_pdl"] = triton_gemv.GEMV_PDL and graph_pdl_on(False, False)
     if few_rows:  # one few-row table for the prefill pieces and the decode batches
         paths["prefill_gemv_configs"] = {f"{m}x{n}x{k}": list(c)
                                          for (m, n, k), c in triton_gemv.PREFILL_GEMV_CONFIGS.items()}
     if decode_gemv or few_rows:
         paths["gemv_table_file"] = triton_gemv.GEMV_TABLE_FILE or None
-        paths["gemv_pdl"] = decode_pdl_on()  # the decode calls and their graph's kernels launch with PDL
+        paths["gemv_pdl"] = decode_pdl_on()  # the bs=1 decode calls and their graph's kernels launch with PDL
         paths["gemv_peel"] = triton_gemv.GEMV_PEEL
     return paths
 
@@ -319,7 +321,7 @@ def kernels_markdown(result: dict) -> list[str]:
         note += (" **PDL was on** (" + ", ".join(k for k in ("decode_pdl", "gemv_pdl", "prefill_pdl") if paths.get(k))
                  + "): a kernel launched with it starts before the one before it ends and waits, and the profiler "
                  "counts the wait, so kernel times overlap and their sum exceeds the step; per-kernel figures "
-                 "need a run with PDL off (TSCOMPILE_DECODE_PDL=0 TSCOMPILE_GEMV_PDL=0).")
+                 "need a run with PDL off (TSCOMPILE_DECODE_PDL=0 TSCOMPILE_GEMV_PDL=0 TSCOMPILE_PREFILL_PDL=0).")
     return ["### Kernels", "", note, "", *[b + "\n" for b in blocks]]
 
 

@@ -525,24 +525,29 @@ DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
 # Kernel tables profiled under PDL count a waiting kernel's time too, so their sums exceed the step.
 DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
 # TSCOMPILE_PREFILL_PDL=1 (opt-in, not yet run on a GPU): the same for prefill steps: the dense extend
-# kernel launches with PDL and the pieces of a split (prefill) graph get Inductor's PDL, so a 32-token
-# step's ~170 (llama-1b) to ~360 (llama-8b) kernels may each be scheduled while the one before ends.
-# The other kernels between pieces (the KV write of other head dims, FlashInfer's) launch without it,
-# which is safe: a PDL kernel waits for the whole kernel before it, whatever launched that one.
+# kernel launches with PDL and the pieces of a split (prefill) graph get Inductor's PDL, so most of a
+# 32-token step's ~170 (llama-1b) to ~360 (llama-8b) kernels may be scheduled while the one before
+# ends. cuBLAS and the other kernels between pieces (the KV write of other head dims, FlashInfer's)
+# launch without it, which is safe: a PDL kernel waits for the whole kernel before it, whatever
+# launched that one.
 PREFILL_PDL = env_flag("TSCOMPILE_PREFILL_PDL", False)
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _pdl_device(device: torch.device) -> bool:
+    """A CUDA device of Hopper or later (cached: a decode step run without its graph asks twice per layer,
+    and ``torch.device.type`` alone costs about a microsecond)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_available(device: torch.device | str = "cuda") -> bool:
     """Whether a launch on ``device`` can use PDL: CUDA, Hopper or later, not the CPU interpreter
     (``gdc_wait`` has no interpreter form)."""
-    device = torch.device(device)
-    return (device.type == "cuda" and not _interpreting() and torch.cuda.is_available()
-            and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()))
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    return _pdl_device(device) and not _interpreting()
 
 
 def pdl_launch(device: torch.device, pdl: bool) -> dict:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -144,7 +143,7 @@ def _extend_dense_kernel(
     """Grid ((cdiv(T, BLOCK_M) + B) * Hkv,): program pid handles query block pid // Hkv of the
     concatenated requests for KV head pid % Hkv, or, past the last query block, BLOCK_M padding
     rows (``_extend_block``). See the module docstring. ``PDL`` (TSCOMPILE_PREFILL_PDL): wait for the
-    kernel before before reading anything, then let the next one be scheduled."""
+    kernel before this one before reading anything, then let the next one be scheduled."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -453,7 +453,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # tuning on, Inductor turns one-row matmuls into its own reductions before the pass runs, so the
 # pass then finds none.
 
-# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV or TSCOMPILE_PREFILL_GEMV on) replaces
+# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV, TSCOMPILE_PREFILL_GEMV or TSCOMPILE_BATCH_GEMV on) replaces
 # the tables with a sweep's picks (``decode_table_from_sweep``, ``prefill_table_from_sweep``), so one GPU
 # call can sweep and then run the engine on what it found, on any GPU.
 
@@ -613,18 +613,19 @@ def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("tscompile::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-            residual: Optional[torch.Tensor] = None, swiglu: bool = False) -> torch.Tensor:
+            residual: Optional[torch.Tensor] = None, swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``decode_gemv_configs()``' launch for w's shape
     (the default one for a shape without an entry); ``norm_weight`` / ``swiglu`` / ``residual``:
-    ``gemv``'s fused RMSNorm or SiLU-mul prologue and residual epilogue."""
+    ``gemv``'s fused RMSNorm or SiLU-mul prologue and residual epilogue; ``pdl``: launched with PDL
+    (the decode pass sets it where the graph's Inductor kernels have it)."""
     fused = norm_weight is not None or residual is not None or swiglu
     return gemv(_k_contiguous(x), w, config=decode_gemv_config(tuple(w.shape), fused), norm_weight=norm_weight,
-                eps=eps, residual=residual, swiglu=swiglu, pdl=GEMV_PDL)
+                eps=eps, residual=residual, swiglu=swiglu, pdl=pdl)
 
 
 @gemv_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-      residual: Optional[torch.Tensor] = None, swiglu: bool = False) -> torch.Tensor:
+      residual: Optional[torch.Tensor] = None, swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

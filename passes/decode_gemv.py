@@ -15,6 +15,8 @@ to the output dtype, as cuBLAS does, in another summation order.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -28,28 +30,33 @@ from tscompile.passes.silu_mul_nodes import match_silu_mul
 aten = torch.ops.aten
 
 
-def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), fuse: bool | None = None) -> int:
+def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), fuse: bool | None = None,
+                      pdl: bool = False) -> int:
     """Replace every one-row ``mm(x, permute(w))`` whose weight shape has a ``decode_gemv_configs``
     entry by ``tscompile::gemv(x, w)``, and a residual ``addmm(r, x, permute(w))`` by
     ``r + tscompile::gemv(x, w)`` (the eager model's rounding: the product, then the sum); returns
     how many. ``fuse`` (default ``DECODE_GEMV_FUSE``): the residual goes into the kernel's epilogue
     instead, and an x that is the model's RMSNorm output (or rows of it) or its SiLU-mul, read by
-    this matmul alone, is computed in the kernel from its input (``fuse_replace``)."""
+    this matmul alone, is computed in the kernel from its input (``fuse_replace``). ``pdl``: the calls
+    launch the kernel with PDL (``tscompile::gemv(..., pdl=True)``: a graph whose Inductor kernels do)."""
     fuse = triton_gemv.DECODE_GEMV_FUSE if fuse is None else fuse
     # one row: DECODE_GEMV_CONFIGS' launches hold M x BLOCK_N x BLOCK_K float32 products per program
     table = triton_gemv.decode_gemv_configs(fuse)
     return swap_matmuls(graph, devices, lambda x, shape: x.shape[0] == 1 and shape in table,
-                        torch.ops.tscompile.gemv.default, replace=fuse_replace if fuse else None)
+                        torch.ops.tscompile.gemv.default,
+                        replace=functools.partial(fuse_replace if fuse else matmul_nodes.replace_matmul,
+                                                  kwargs={"pdl": True} if pdl else None))
 
 
-def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target) -> None:
+def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target,
+                 kwargs: dict | None = None) -> None:
     """``node`` becomes ``target(x', w, ...)``: the residual (or None) as the kernel's epilogue, and
     x' = the RMSNorm's input (``norm_weight``, ``eps``) where x is that norm's output, directly or
     through a row ``index``, or x' = the [gate | up] projection output (``swiglu``) where x is the
     model's SiLU-mul of it; in either case only where x has no other reader. The matched nodes that
     nothing reads any more are erased, so the Inductor kernel that computed them (a norm with the
-    residual add before it, a SiLU-mul) is gone from the step."""
-    kwargs, dead = {}, []
+    residual add before it, a SiLU-mul) is gone from the step. ``kwargs``: the call's other keywords."""
+    kwargs, dead = dict(kwargs or {}), []
     rows = None
     source = x
     if is_call(source, aten.index.Tensor) and len(source.users) == 1 and len(source.args[1]) == 1:
@@ -80,13 +87,16 @@ def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transp
 
 class DecodeGemv(CustomGraphPass):
     """The pass as Inductor's ``post_grad_custom_post_pass``; the uuid keys Inductor's cache by this
-    file, the kernel's and the launch table as it is now (a process may change the table)."""
+    file, the kernel's, the launch table as it is now (a process may change the table) and ``pdl``."""
+
+    def __init__(self, pdl: bool = False):
+        self.pdl = pdl
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        swap_decode_gemvs(graph)
+        swap_decode_gemvs(graph, pdl=self.pdl)
 
     def uuid(self) -> bytes:
         table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.decode_gemv_configs().items()),
-                      sorted(triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()))).encode()
+                      sorted(triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()), self.pdl)).encode()
         files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, silu_mul_nodes.__file__, triton_gemv.__file__)
         return get_hash_for_files(files) + table

@@ -150,10 +150,35 @@ def test_the_decode_graphs_get_inductors_pdl(monkeypatch, flag, decode_pdl, avai
     monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     options = {} if user is None else {"triton.enable_pdl": user}
-    patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
-                                                    device_type="cuda", split_piece=split_piece, cudagraph_trees=False)
+    with piece_compiler.engine_graphs():
+        patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
+                                                        device_type="cuda", split_piece=split_piece,
+                                                        cudagraph_trees=False)
     assert patches.get("triton.enable_pdl", False) is wanted
     assert patches.get("combo_kernels", False) is (static or split_piece)  # the other CUDA defaults stay
+    if static and not split_piece:  # the decode GEMV pass's kernels launch with PDL exactly where the graph's do
+        assert isinstance(patches["post_grad_custom_post_pass"], DecodeGemv)
+        assert patches["post_grad_custom_post_pass"].pdl is (wanted and flag)
+
+
+@pytest.mark.parametrize("user", [None, True])
+def test_a_torch_compile_users_graphs_get_pdl_only_when_asked(monkeypatch, user):
+    """Outside the engine's own step (``piece_compiler.engine_graphs``) no graph gets Inductor's PDL
+    unasked, whatever the flags; asked for, the decode GEMV pass's kernels launch with it too."""
+    monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(tg, "GEMV_PDL", True)
+    monkeypatch.setattr(ta, "DECODE_PDL", True)
+    monkeypatch.setattr(ta, "PREFILL_PDL", True)
+    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": True)
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
+    options = {} if user is None else {"triton.enable_pdl": user}
+    for static, split_piece in ((True, False), (False, False), (False, True)):
+        patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
+                                                        device_type="cuda", split_piece=split_piece,
+                                                        cudagraph_trees=False)
+        assert patches.get("triton.enable_pdl", False) is bool(user)
+        if static:
+            assert patches["post_grad_custom_post_pass"].pdl is bool(user)
 
 
 @pytest.mark.parametrize("prefill_pdl, available, split_piece, user, wanted", [
@@ -168,8 +193,10 @@ def test_prefill_pieces_get_inductors_pdl_with_prefill_pdl(monkeypatch, prefill_
     monkeypatch.setattr(ta, "DECODE_PDL", True)  # which never reaches a piece by itself
     monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
     options = {} if user is None else {"triton.enable_pdl": user}
-    patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), False,
-                                                    device_type="cuda", split_piece=split_piece, cudagraph_trees=False)
+    with piece_compiler.engine_graphs():
+        patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), False,
+                                                        device_type="cuda", split_piece=split_piece,
+                                                        cudagraph_trees=False)
     assert patches.get("triton.enable_pdl", False) is wanted
 
 

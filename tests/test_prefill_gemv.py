@@ -6,6 +6,8 @@ by naming the CPU device (the kernel runs under the interpreter, which conftest 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -193,24 +195,27 @@ def test_the_swap_with_pdl_asks_the_kernel_for_pdl(monkeypatch):
     assert torch.equal(torch.ops.tscompile.skinny_mm(x, w, pdl=True), x @ w.T) and not calls  # 3 rows: unlisted
 
 
-@pytest.mark.parametrize("flag, static, split_piece, graph_pdl, gemv_pdl, wanted", [
-    (True, False, False, True, True, PrefillGemv(pdl=True)),     # a decode batch graph with PDL
-    (True, False, False, False, True, PrefillGemv(pdl=False)),   # ... without Inductor's PDL: nor the kernel
-    (True, False, False, True, False, PrefillGemv(pdl=False)),   # TSCOMPILE_GEMV_PDL=0
-    (False, False, False, True, True, None),                     # off by default
-    (True, True, False, True, True, "DecodeGemv"),               # the bs=1 graph keeps the one-row pass
-    (True, False, True, True, True, UnfuseResidualAddmm),        # a prefill piece: TSCOMPILE_PREFILL_GEMV's
+@pytest.mark.parametrize("flag, static, split_piece, graph_pdl, gemv_pdl, engine, wanted", [
+    (True, False, False, True, True, True, PrefillGemv(pdl=True)),     # the engine's decode batch graph with PDL
+    (True, False, False, False, True, True, PrefillGemv(pdl=False)),   # ... without Inductor's PDL: nor the kernel
+    (True, False, False, True, False, True, PrefillGemv(pdl=False)),   # TSCOMPILE_GEMV_PDL=0
+    (False, False, False, True, True, True, None),                     # off by default
+    (True, False, False, True, True, False, None),                     # a torch.compile user's dynamic graph
+    (True, True, False, True, True, True, "DecodeGemv"),               # the bs=1 graph keeps the one-row pass
+    (True, False, True, True, True, True, UnfuseResidualAddmm),        # a prefill piece: TSCOMPILE_PREFILL_GEMV's
 ])
 def test_dynamic_decode_graphs_get_the_few_row_swap_with_batch_gemv(monkeypatch, flag, static, split_piece, graph_pdl,
-                                                                    gemv_pdl, wanted):
+                                                                    gemv_pdl, engine, wanted):
     monkeypatch.setattr(tg, "BATCH_GEMV", flag)
     monkeypatch.setattr(tg, "PREFILL_GEMV", False)
     monkeypatch.setattr(tg, "GEMV_PDL", gemv_pdl)
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
-    monkeypatch.setattr(piece_compiler, "graph_pdl_on", lambda static, split_piece: graph_pdl)
-    got = piece_compiler.piece_inductor_patches(TscompileConfig(), static, device_type="cuda", split_piece=split_piece,
-                                                cudagraph_trees=False).get("post_grad_custom_post_pass")
+    monkeypatch.setattr(piece_compiler, "graph_pdl_on", lambda static, split_piece, engine=True: graph_pdl and engine)
+    with piece_compiler.engine_graphs() if engine else contextlib.nullcontext():
+        got = piece_compiler.piece_inductor_patches(TscompileConfig(), static, device_type="cuda",
+                                                    split_piece=split_piece, cudagraph_trees=False)
+    got = got.get("post_grad_custom_post_pass")
     if isinstance(wanted, PrefillGemv):
         assert isinstance(got, PrefillGemv) and got.pdl is wanted.pdl
     elif wanted == "DecodeGemv":

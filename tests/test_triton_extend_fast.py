@@ -299,9 +299,9 @@ def test_gpu_new_kernel_replays_under_cuda_graph_with_other_lengths(monkeypatch)
 
 
 @pytest.mark.parametrize("flag", [False, True])
-def test_the_extend_launch_asks_for_pdl_with_prefill_pdl(monkeypatch, flag):
+def test_the_extend_launch_asks_for_pdl_with_prefill_pdl(monkeypatch, flag, device):
     """TSCOMPILE_PREFILL_PDL: the launch asks ``pdl_launch`` for PDL (which grants it on a Hopper GPU,
-    never under the interpreter); the output is unchanged."""
+    never under the interpreter); the output still matches the oracle."""
     monkeypatch.setattr(ta, "PREFILL_PDL", flag)
     asked, real = [], te.pdl_launch
 
@@ -310,7 +310,7 @@ def test_the_extend_launch_asks_for_pdl_with_prefill_pdl(monkeypatch, flag):
         return real(device, pdl)
 
     monkeypatch.setattr(te, "pdl_launch", recording)
-    batch = _batch([5, 3], [9, 3], "cpu", page_size=4, num_kv_heads=2, group=2, head_dim=16, seed=3)
+    batch = _batch([5, 3], [9, 3], device, page_size=4, num_kv_heads=2, group=2, head_dim=16, seed=3)
     _assert_matches_oracle(batch, _dense_extend(batch))
     assert asked == [flag]
 

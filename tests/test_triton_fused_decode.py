@@ -18,7 +18,6 @@ import triton.language as tl
 
 from helpers import LaunchSpy, assert_pdl_graph_gives_the_plain_bits, random_paged_batch
 from tscompile.attention.triton_backend import TritonAttentionBackend
-from tscompile.bench.graph_timing import capture_graph
 from tscompile.custom_ops import triton_attention as ta
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec

@@ -27,7 +27,7 @@ from tscompile.counters import counters
 from tscompile.counters import reset as reset_counters
 from tscompile.passes.debug_dump import dump_split
 from tscompile.passes.split import has_breaks, split_graph
-from tscompile.piece_compiler import PieceWrappers, compile_piece, compile_split_module
+from tscompile.piece_compiler import PieceWrappers, compile_piece, compile_split_module, engine_graphs
 
 logger = logging.getLogger("tscompile")
 
@@ -103,7 +103,8 @@ def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if graph_pass is not None:
             graph_pass(gm)
-        return compile_graph(gm, example_inputs, config, wrappers)
+        with engine_graphs():  # the engine's own step: its PDL and GEMV defaults apply (piece_compiler)
+            return compile_graph(gm, example_inputs, config, wrappers)
 
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
 

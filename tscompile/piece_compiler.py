@@ -8,6 +8,8 @@ the attention (or narrowing) op eagerly.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import operator
 from dataclasses import dataclass
@@ -79,19 +81,41 @@ def compile_piece(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+# Set while the engine compiles its own step (``backend.compile_step``): its decode and prefill graphs
+# are the ones PDL and the batch GEMV swap were measured in. A torch.compile user's graphs get neither
+# unasked (Inductor's PDL is an experimental option upstream); ``inductor_options={"triton.enable_pdl":
+# True}`` asks, and the GEMV kernels then launch with PDL too.
+_ENGINE_GRAPHS: contextvars.ContextVar[bool] = contextvars.ContextVar("tscompile_engine_graphs", default=False)
+
+
+@contextlib.contextmanager
+def engine_graphs():
+    """Graphs compiled inside are the engine's own step (``_ENGINE_GRAPHS``)."""
+    token = _ENGINE_GRAPHS.set(True)
+    try:
+        yield
+    finally:
+        _ENGINE_GRAPHS.reset(token)
+
+
 def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type: str, split_piece: bool,
                            cudagraph_trees: bool) -> dict:
     """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults (static
-    graphs and split pieces only; Inductor's PDL where ``graph_pdl_on``), then the user's options
-    (which win), tscompile's post-grad passes on CUDA unless the options set a post-grad post pass of
-    their own (``_our_post_grad_passes``), and whether Inductor captures the graph."""
+    graphs and split pieces only; Inductor's PDL where ``graph_pdl_on`` for the engine's graphs), then
+    the user's options (which win), tscompile's post-grad passes on CUDA unless the options set a
+    post-grad post pass of their own (``_our_post_grad_passes``, their GEMV kernels launched with PDL
+    where the graph's Inductor kernels are), and whether Inductor captures the graph."""
     on_cuda = device_type == "cuda"
+    engine = _ENGINE_GRAPHS.get()
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
-    if on_cuda and graph_pdl_on(static, split_piece):
+    if on_cuda and graph_pdl_on(static, split_piece, engine):
         defaults = {**defaults, "triton.enable_pdl": True}
     patches = {**defaults, **config.inductor_patches(static)}
     if on_cuda and patches.get("post_grad_custom_post_pass") is None:  # the user's own pass wins
-        ours = _our_post_grad_passes(static, split_piece)
+        from tscompile.custom_ops import triton_gemv
+
+        kernel_pdl = triton_gemv.GEMV_PDL and bool(patches.get("triton.enable_pdl"))
+        ours = _our_post_grad_passes(static, split_piece, engine, kernel_pdl)
         if ours:
             from tscompile.passes.pass_chain import PassChain
 
@@ -100,22 +124,21 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
     return patches
 
 
-def _our_post_grad_passes(static: bool, split_piece: bool) -> list:
+def _our_post_grad_passes(static: bool, split_piece: bool, engine: bool, kernel_pdl: bool) -> list:
     """The passes a CUDA graph gets: in a split piece the opt-in prefill GEMV swap (first: it takes the
     residual ``addmm`` of the shapes it swaps itself), then the residual-addmm unfusing; in a static
-    graph that is not a piece (the bs=1 decode step) the decode GEMV swap (``decode_gemv_on``); in a
-    dynamic graph that is not a piece (the decode step of batch sizes above 1) the opt-in few-row swap
-    (``batch_gemv_on``), launched with PDL where the graph's kernels are."""
+    graph that is not a piece (the bs=1 decode step) the decode GEMV swap (``decode_gemv_on``); in the
+    engine's dynamic-batch decode graph the opt-in few-row swap (``batch_gemv_on``). ``kernel_pdl``:
+    the swapped GEMV kernels launch with PDL (the graph's Inductor kernels do, and TSCOMPILE_GEMV_PDL)."""
     passes = []
     if split_piece and prefill_gemv_on():
         from tscompile.passes.prefill_gemv import PrefillGemv
 
-        passes.append(PrefillGemv())
-    if not static and not split_piece and batch_gemv_on():
-        from tscompile.custom_ops import triton_gemv
+        passes.append(PrefillGemv(pdl=kernel_pdl))
+    if not static and not split_piece and engine and batch_gemv_on():
         from tscompile.passes.prefill_gemv import PrefillGemv
 
-        passes.append(PrefillGemv(pdl=triton_gemv.GEMV_PDL and graph_pdl_on(static, split_piece)))
+        passes.append(PrefillGemv(pdl=kernel_pdl))
     if split_piece and UNFUSE_RESIDUAL_ADDMM:
         from tscompile.passes.residual_addmm import UnfuseResidualAddmm
 
@@ -123,7 +146,7 @@ def _our_post_grad_passes(static: bool, split_piece: bool) -> list:
     if static and not split_piece and decode_gemv_on():
         from tscompile.passes.decode_gemv import DecodeGemv
 
-        passes.append(DecodeGemv())
+        passes.append(DecodeGemv(pdl=kernel_pdl))
     return passes
 
 
@@ -162,13 +185,16 @@ def decode_pdl_on() -> bool:
     return triton_gemv.GEMV_PDL and decode_gemv_on() and triton_attention.pdl_available()
 
 
-def graph_pdl_on(static: bool, split_piece: bool) -> bool:
-    """Whether a CUDA graph compiles with Inductor's PDL: the bs=1 decode graph with ``decode_pdl_on``,
-    with TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py, on by default) every graph that is not
-    a prefill piece, and the prefill pieces with the opt-in TSCOMPILE_PREFILL_PDL (the extend kernel
+def graph_pdl_on(static: bool, split_piece: bool, engine: bool = True) -> bool:
+    """Whether one of the engine's CUDA graphs compiles with Inductor's PDL (a torch.compile user's
+    graph, ``engine=False``, never unasked): the bs=1 decode graph with ``decode_pdl_on``, with
+    TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py, on by default) every graph that is not a
+    prefill piece, and the prefill pieces with the opt-in TSCOMPILE_PREFILL_PDL (the extend kernel
     between them launches with PDL then too)."""
     from tscompile.custom_ops import triton_attention
 
+    if not engine:
+        return False
     if split_piece:
         return triton_attention.PREFILL_PDL and triton_attention.pdl_available()
 
