@@ -7,6 +7,8 @@ on), with llama-tiny's weight shapes put in the launch table."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -75,6 +77,37 @@ def test_a_residual_addmm_becomes_residual_plus_gemv_and_a_bias_addmm_stays(monk
     assert torch.equal(biased, torch.addmm(bias, x, w.T))
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_pass_asks_each_call_for_pdl_as_told(monkeypatch, fuse, pdl):
+    """``pdl`` (the graph's Inductor kernels launch with PDL): every swapped call, plain or with the
+    residual fused, carries ``pdl=True`` and hands it to the kernel; without it no call asks."""
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    asked, real = [], tg.gemv
+
+    def gemv(x, w, out=None, config=None, **kw):
+        asked.append(kw.get("pdl"))
+        return real(x, w, out, config, **kw)
+
+    monkeypatch.setattr(tg, "gemv", gemv)
+
+    def layer(x, w, r):
+        return torch.addmm(r, x, w.T), x @ w.T
+
+    x, w, _ = _inputs()
+    r = torch.randn(1, 256)
+    gm = make_fx(layer)(x, w, r)
+    assert swap_decode_gemvs(gm.graph, devices=("cpu",), fuse=fuse, pdl=pdl) == 2
+    gm.recompile()
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.tscompile.gemv.default]
+    assert [n.kwargs.get("pdl", False) for n in calls] == [pdl, pdl]
+    residual, plain = gm(x, w, r)
+    torch.testing.assert_close(residual, r + x @ w.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(plain, x @ w.T, rtol=1e-5, atol=1e-4)
+    assert asked == [pdl, pdl]
+    assert DecodeGemv(pdl=True).uuid() != DecodeGemv(pdl=False).uuid()
+
+
 def test_cuda_only_by_default_and_one_row_only_and_not_for_a_strided_weight(monkeypatch):
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     assert swap_decode_gemvs(make_fx(_projections)(*_inputs()).graph) == 0  # a CPU graph, default devices
@@ -126,6 +159,23 @@ def test_the_inductor_cache_key_follows_the_launch_table(monkeypatch):
     assert DecodeGemv().uuid() == keys[-1]
 
 
+def _pdl_patches(monkeypatch, *, gemv_pdl, decode_pdl, prefill_pdl, available, static, split_piece, user,
+                 engine=True) -> dict:
+    """The Inductor patches of one CUDA graph on an H200 (the decode GEMV pass on) with these PDL
+    switches, ``available`` standing in for the GPU's PDL, ``user``: the user's ``triton.enable_pdl``
+    (None: unset); ``engine``: compiled as the engine's own step."""
+    monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(tg, "GEMV_PDL", gemv_pdl)
+    monkeypatch.setattr(ta, "DECODE_PDL", decode_pdl)
+    monkeypatch.setattr(ta, "PREFILL_PDL", prefill_pdl)
+    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
+    config = TscompileConfig(inductor_options={} if user is None else {"triton.enable_pdl": user})
+    with piece_compiler.engine_graphs() if engine else contextlib.nullcontext():
+        return piece_compiler.piece_inductor_patches(config, static, device_type="cuda", split_piece=split_piece,
+                                                     cudagraph_trees=False)
+
+
 @pytest.mark.parametrize("flag, decode_pdl, available, static, split_piece, user, wanted", [
     (True, False, True, True, False, None, True),     # the bs=1 decode graph on a GPU with PDL
     (False, False, True, True, False, None, False),   # TSCOMPILE_GEMV_PDL=0
@@ -143,17 +193,8 @@ def test_the_decode_graphs_get_inductors_pdl(monkeypatch, flag, decode_pdl, avai
     graph the decode GEMV pass runs in (TSCOMPILE_GEMV_PDL), and with TSCOMPILE_DECODE_PDL (the decode
     attention kernels) in every decode graph; in a prefill piece only with TSCOMPILE_PREFILL_PDL (off
     here, the next test)."""
-    monkeypatch.setattr(tg, "DECODE_GEMV", True)
-    monkeypatch.setattr(tg, "GEMV_PDL", flag)
-    monkeypatch.setattr(ta, "DECODE_PDL", decode_pdl)
-    monkeypatch.setattr(ta, "PREFILL_PDL", False)
-    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
-    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
-    options = {} if user is None else {"triton.enable_pdl": user}
-    with piece_compiler.engine_graphs():
-        patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
-                                                        device_type="cuda", split_piece=split_piece,
-                                                        cudagraph_trees=False)
+    patches = _pdl_patches(monkeypatch, gemv_pdl=flag, decode_pdl=decode_pdl, prefill_pdl=False, available=available,
+                           static=static, split_piece=split_piece, user=user)
     assert patches.get("triton.enable_pdl", False) is wanted
     assert patches.get("combo_kernels", False) is (static or split_piece)  # the other CUDA defaults stay
     if static and not split_piece:  # the decode GEMV pass's kernels launch with PDL exactly where the graph's do
@@ -165,17 +206,9 @@ def test_the_decode_graphs_get_inductors_pdl(monkeypatch, flag, decode_pdl, avai
 def test_a_torch_compile_users_graphs_get_pdl_only_when_asked(monkeypatch, user):
     """Outside the engine's own step (``piece_compiler.engine_graphs``) no graph gets Inductor's PDL
     unasked, whatever the flags; asked for, the decode GEMV pass's kernels launch with it too."""
-    monkeypatch.setattr(tg, "DECODE_GEMV", True)
-    monkeypatch.setattr(tg, "GEMV_PDL", True)
-    monkeypatch.setattr(ta, "DECODE_PDL", True)
-    monkeypatch.setattr(ta, "PREFILL_PDL", True)
-    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": True)
-    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
-    options = {} if user is None else {"triton.enable_pdl": user}
     for static, split_piece in ((True, False), (False, False), (False, True)):
-        patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), static,
-                                                        device_type="cuda", split_piece=split_piece,
-                                                        cudagraph_trees=False)
+        patches = _pdl_patches(monkeypatch, gemv_pdl=True, decode_pdl=True, prefill_pdl=True, available=True,
+                               static=static, split_piece=split_piece, user=user, engine=False)
         assert patches.get("triton.enable_pdl", False) is bool(user)
         if static:
             assert patches["post_grad_custom_post_pass"].pdl is bool(user)
@@ -189,14 +222,9 @@ def test_a_torch_compile_users_graphs_get_pdl_only_when_asked(monkeypatch, user)
 ])
 def test_prefill_pieces_get_inductors_pdl_with_prefill_pdl(monkeypatch, prefill_pdl, available, split_piece, user,
                                                            wanted):
-    monkeypatch.setattr(ta, "PREFILL_PDL", prefill_pdl)
-    monkeypatch.setattr(ta, "DECODE_PDL", True)  # which never reaches a piece by itself
-    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": available)
-    options = {} if user is None else {"triton.enable_pdl": user}
-    with piece_compiler.engine_graphs():
-        patches = piece_compiler.piece_inductor_patches(TscompileConfig(inductor_options=options), False,
-                                                        device_type="cuda", split_piece=split_piece,
-                                                        cudagraph_trees=False)
+    patches = _pdl_patches(monkeypatch, gemv_pdl=True, decode_pdl=True,  # which never reaches a piece by itself
+                           prefill_pdl=prefill_pdl, available=available, static=False, split_piece=split_piece,
+                           user=user)
     assert patches.get("triton.enable_pdl", False) is wanted
 
 
