@@ -364,11 +364,11 @@ def _check_fusions(x: torch.Tensor, k: int, n: int, norm_weight: torch.Tensor | 
             raise ValueError(f"tscompile: gemv residual must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
 
 
-# TSCOMPILE_GEMV_PDL (on by default; =0 off): the decode pass's calls (``tscompile::gemv``) launch the
-# kernel with programmatic dependent launch on Hopper and later, and the graph they run in gets
-# Inductor's ``triton.enable_pdl`` (tscompile/piece_compiler.py), so each kernel of the bs=1 step may
-# be scheduled while the one before it finishes and waits (``gdc_wait``) only before it touches what
-# that one wrote. Measured on the H200, both on, one machine, bs=1 TPOT: llama-8b 4.362 -> 4.325 ms,
+# TSCOMPILE_GEMV_PDL (on by default; =0 off): the GEMV passes' calls launch the kernel with
+# programmatic dependent launch on Hopper and later wherever their graph's Inductor kernels have
+# ``triton.enable_pdl``, and the engine's bs=1 decode graph gets it (tscompile/piece_compiler.py), so
+# each kernel of the step may be scheduled while the one before it finishes and waits (``gdc_wait``)
+# only before it touches what that one wrote. Measured on the H200, both on, one machine, bs=1 TPOT: llama-8b 4.362 -> 4.325 ms,
 # llama-1b 0.999 -> 0.971 (bench/results/same-lease-6acce99/); either one alone was slower.
 GEMV_PDL = env_flag("TSCOMPILE_GEMV_PDL", True)
 # TSCOMPILE_GEMV_PEEL=1: the "acc" mode's first weight chunk is loaded before the PDL wait (it does not
@@ -642,9 +642,7 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tens
     config = PREFILL_GEMV_CONFIGS.get((x.shape[0], *w.shape))
     if config is None:
         return x @ w.T
-    if pdl:
-        return gemv(_k_contiguous(x), w, config=config, pdl=True)
-    return gemv(_k_contiguous(x), w, config=config)
+    return gemv(_k_contiguous(x), w, config=config, pdl=pdl)
 
 
 @skinny_mm.register_fake

@@ -13,9 +13,10 @@ whole-step graph makes that choice once, at capture; a step run without a graph 
 per swapped matmul.
 
 Opt-in (``TSCOMPILE_PREFILL_GEMV=1``; ``piece_compiler`` adds the pass to CUDA split pieces, before
-the residual-addmm pass). ``TSCOMPILE_BATCH_GEMV=1`` (opt-in) adds it to the dynamic-batch decode graph,
-where the row count is the batch size and the kernel launches with PDL if the graph's kernels do. Numerics: where cuBLAS still runs, the same ``x @ w.T``; where the kernel
-runs, float32 accumulation rounded once, as cuBLAS does, in another summation order.
+the residual-addmm pass). ``TSCOMPILE_BATCH_GEMV=1`` (opt-in) adds it to the engine's dynamic-batch
+decode graph, where the row count is the batch size. Either way the kernel launches with PDL if the
+graph's kernels do. Numerics: where cuBLAS still runs, the same ``x @ w.T``; where the kernel runs,
+float32 accumulation rounded once, as cuBLAS does, in another summation order.
 """
 
 from __future__ import annotations

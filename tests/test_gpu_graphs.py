@@ -266,9 +266,9 @@ def test_prefill_gemv_pass_runs_the_kernel_inside_whole_step_graphs_and_gives_ea
                                                      for n in (512, 1024)})
     calls, real = [], tg.gemv
 
-    def counting(x, w, out=None, config=None):
+    def counting(x, w, out=None, config=None, **kw):
         calls.append((x.shape[0], *w.shape, config))
-        return real(x, w, out, config)
+        return real(x, w, out, config, **kw)
 
     monkeypatch.setattr(tg, "gemv", counting)
     model = tscompile.models.build_config("llama-tiny", vocab_size=640)  # the LM head is no listed shape

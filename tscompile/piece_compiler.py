@@ -131,11 +131,7 @@ def _our_post_grad_passes(static: bool, split_piece: bool, engine: bool, kernel_
     engine's dynamic-batch decode graph the opt-in few-row swap (``batch_gemv_on``). ``kernel_pdl``:
     the swapped GEMV kernels launch with PDL (the graph's Inductor kernels do, and TSCOMPILE_GEMV_PDL)."""
     passes = []
-    if split_piece and prefill_gemv_on():
-        from tscompile.passes.prefill_gemv import PrefillGemv
-
-        passes.append(PrefillGemv(pdl=kernel_pdl))
-    if not static and not split_piece and engine and batch_gemv_on():
+    if prefill_gemv_on() if split_piece else (not static and engine and batch_gemv_on()):
         from tscompile.passes.prefill_gemv import PrefillGemv
 
         passes.append(PrefillGemv(pdl=kernel_pdl))
