@@ -59,7 +59,20 @@ DECODE_MAX_SPLITS = 32
 # the measured choice per shape (``_decode_block_n``, ``_decode_launch_options``); a number overrides
 # it for every shape (tests shrink the tile; scripts/decode_attn_sweep.py times other settings).
 DECODE_BLOCK_N: int | None = None
-DECODE_NUM_WARPS: int | None = None
+
+
+def decode_warps_override(text: str) -> int | None:
+    """``TSCOMPILE_DECODE_NUM_WARPS``: every decode launch at that many warps (1, 2, 4 or 8), so a
+    GPU bench can A/B the per-shape choice below in the engine; unset or empty: the choice."""
+    text = text.strip()
+    if not text:
+        return None
+    if text not in ("1", "2", "4", "8"):
+        raise ValueError(f"tscompile: TSCOMPILE_DECODE_NUM_WARPS must be 1, 2, 4 or 8, got {text!r}")
+    return int(text)
+
+
+DECODE_NUM_WARPS: int | None = decode_warps_override(os.environ.get("TSCOMPILE_DECODE_NUM_WARPS", ""))
 DECODE_NUM_STAGES: int | None = None
 # From the H200 (llama-8b's decode shape: 32 query / 8 KV heads of 128, 576-token contexts in a
 # 2064-position table; bench/results/llama-8b-0d6d148/README.md): scripts/decode_attn_sweep.py found
@@ -68,11 +81,15 @@ DECODE_NUM_STAGES: int | None = None
 # programs resident per SM for the long per-split loops; with fewer the splits are short and 4 warps
 # win). In the bench's kernel tables the split kernel per step went 357 -> 295 us at bs=8, 812 -> 729
 # at 32 and 1397 -> 1307 at 64, but 153 -> 170 at bs=1 (8 programs, two-tile splits): below 64
-# programs the 64-key tile stays. Only head_dim 128 was swept: other head dims keep the 64-key tile
-# and Triton's defaults they were measured with (head_dim 256 always takes 32: registers, shared
-# memory). The fused kernel launches with the same options, so both paths reduce alike.
+# programs the 64-key tile stays. head_dim 64 (llama-1b's decode shape, 16 layers per graph; swept
+# on the H200 in bench/results/same-lease-ec654af/): its 64-key tile stays, and 2 warps beat Triton's
+# 4 from 64 programs (split + combine per layer, 4 warps -> 2: bs=8 9.41 -> 8.26 us, bs=32 16.75 ->
+# 16.20, bs=64 29.55 -> 26.57); at bs=1 (8 programs) 4 stay. Other head dims keep Triton's defaults
+# (head_dim 256 always takes 32-key tiles: registers, shared memory). The fused kernel launches with
+# the same options, so both paths reduce alike.
 DECODE_SHORT_TILE_FROM_PROGRAMS = 64
 DECODE_WARPS_2_FROM_PROGRAMS = 256
+DECODE_WARPS_2_FROM_PROGRAMS_D64 = 64
 
 
 def _decode_block_n(head_dim: int, programs: int) -> int:
@@ -87,7 +104,9 @@ def _decode_block_n(head_dim: int, programs: int) -> int:
 
 def _decode_launch_options(batch: int, num_kv_heads: int, head_dim: int) -> dict:
     warps = DECODE_NUM_WARPS
-    if warps is None and head_dim == 128 and batch * num_kv_heads >= DECODE_WARPS_2_FROM_PROGRAMS:
+    programs = batch * num_kv_heads
+    if warps is None and ((head_dim == 128 and programs >= DECODE_WARPS_2_FROM_PROGRAMS)
+                          or (head_dim == 64 and programs >= DECODE_WARPS_2_FROM_PROGRAMS_D64)):
         warps = 2
     return {k: v for k, v in (("num_warps", warps), ("num_stages", DECODE_NUM_STAGES)) if v is not None}
 

@@ -172,19 +172,33 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
 
 def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     """head_dim 128 (measured on the H200) gets 32-key tiles from 64 (request, KV head) programs and
-    2 warps from 256; head_dim 64 (not swept) keeps 64-key tiles and Triton's defaults, 256 its
+    2 warps from 256; head_dim 64 keeps 64-key tiles and gets 2 warps from 64 programs; 256 its
     32-key tile and Triton's defaults; the module knobs override both."""
     assert [ta._decode_block_n(d, 64) for d in (64, 128, 256)] == [64, 32, 32]
     assert [ta._decode_block_n(d, 63) for d in (64, 128, 256)] == [64, 64, 32]  # bs=1 of 8 KV heads: 64
     assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 2}
     assert ta._decode_launch_options(31, 8, 128) == {}
-    assert ta._decode_launch_options(64, 8, 64) == {}
-    assert ta._decode_launch_options(64, 8, 256) == {}  # only head_dim 128 was measured with 2 warps
+    assert ta._decode_launch_options(8, 8, 64) == {"num_warps": 2}  # llama-1b bs=8: 64 programs
+    assert ta._decode_launch_options(7, 8, 64) == {}
+    assert ta._decode_launch_options(1, 8, 64) == {}  # llama-1b bs=1: Triton's 4 warps
+    assert ta._decode_launch_options(64, 8, 256) == {}  # 128 and 64 were measured with 2 warps, not 256
+    assert ta._decode_launch_options(64, 8, 32) == {}
     monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
     monkeypatch.setattr(ta, "DECODE_NUM_WARPS", 8)
     monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 2)
     assert [ta._decode_block_n(d, 8) for d in (64, 128)] == [16, 16]
     assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 2}
+
+
+@pytest.mark.parametrize("text, want", [("", None), (" ", None), ("4", 4), ("2", 2), (" 8 ", 8)])
+def test_the_decode_warps_override_reads_the_environment_value(text, want):
+    assert ta.decode_warps_override(text) == want
+
+
+@pytest.mark.parametrize("text", ["3", "16", "four", "0", "-2"])
+def test_a_bad_decode_warps_override_is_refused(text):
+    with pytest.raises(ValueError, match="^tscompile: TSCOMPILE_DECODE_NUM_WARPS"):
+        ta.decode_warps_override(text)
 
 
 def test_decode_head_dim_128_past_the_two_warp_threshold_matches_torch(device, monkeypatch):
@@ -407,19 +421,20 @@ def test_gpu_decode_matches_torch(dtype, head_dim, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_decode_with_two_warp_launches_matches_torch(dtype, monkeypatch):
-    """36 requests x 8 KV heads: past DECODE_WARPS_2_FROM_PROGRAMS, so head_dim 128 launches the split
-    kernel with 2 warps and 32-key tiles (the bench's bs=32/64 llama-8b geometry), and the combine
-    kernel with the same 2 warps."""
+@pytest.mark.parametrize("head_dim, block_n", [(128, 32), (64, 64)])
+def test_gpu_decode_with_two_warp_launches_matches_torch(dtype, head_dim, block_n, monkeypatch):
+    """36 requests x 8 KV heads: past both two-warp thresholds, so the split kernel launches with 2
+    warps (head_dim 128 with 32-key tiles, the bench's bs=32/64 llama-8b geometry; head_dim 64 with
+    64-key tiles, llama-1b's), and the combine kernel with the same 2 warps."""
     spy, combine = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_combine_kernel)
     monkeypatch.setattr(ta, "_decode_split_kernel", spy)
     monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
     kv_lens = [int(x) for x in torch.randint(1, 900, (36,), generator=torch.Generator().manual_seed(41))]
-    batch = _batch([1] * len(kv_lens), kv_lens, "cuda", page_size=16, num_kv_heads=8, group=4, head_dim=128,
+    batch = _batch([1] * len(kv_lens), kv_lens, "cuda", page_size=16, num_kv_heads=8, group=4, head_dim=head_dim,
                    dtype=dtype, seed=42, pad_rows=2)
     out = _compare(batch, decode=True, **_GPU_TOL[dtype])
     assert torch.equal(out[len(kv_lens):], torch.zeros_like(out[len(kv_lens):]))
-    assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(32, 2)]
+    assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(block_n, 2)]
     assert [x.get("num_warps") for x in combine.launches] == [2]
 
 
