@@ -531,7 +531,8 @@ def _launch_of(key: str) -> tuple:
 PREFILL_GEMV = env_flag("TSCOMPILE_PREFILL_GEMV", False)
 PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {}
 
-# TSCOMPILE_BATCH_GEMV=1 (opt-in, not yet run on a GPU): the same few-row table and swap in the
+# TSCOMPILE_BATCH_GEMV=1 (opt-in; on the H200 0.3-0.5%: llama-8b bs=32 5.470 -> 5.440 ms on its machine's
+# own sweep, bench/results/same-lease-ec654af/, whose 32-row picks moved between machines): the same few-row table and swap in the
 # dynamic-batch decode graph (batch sizes 2..MAX_ROWS; the CUDA graph of each batch size makes the
 # choice once, at capture), its kernel launched with PDL where that graph's Inductor kernels are
 # (``GEMV_PDL``). Why: at llama-8b bs=32 the step's cuBLAS matmuls read at 3.0-3.75 TB/s (4.27 ms of
