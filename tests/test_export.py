@@ -1,7 +1,9 @@
 """Packages (``tscompile export`` / ``load_package`` / ``run-package``): torch.export + AOTInductor
 programs against the eager engine, external weights, and every refusal.
 
-Compiling is slow on a CPU, so each package is built once per session (small bounds) and shared."""
+Compiling is slow on a CPU, so each package is built once per test run (small bounds) and shared,
+with other test files too (``shared_packages.py``): the package with external weights, built with
+tight bounds, is also the one the tight-bounds test runs."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tscompile.export import export_package, read_package_metadata
 from tscompile.utils import UPLOAD_ALIGN_BYTES
 
 from helpers import assert_other_releases_refused, ids, record_modes
+from shared_packages import BOUNDS, TIGHT_BOUNDS, loadable_cxx, shared_package
 
 DEVICE = torch.device(os.environ.get("TSCOMPILE_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -32,22 +35,6 @@ ep = torch.export.export(m, (x,))
 path = torch._inductor.aoti_compile_and_package(ep, package_path="{p}")
 torch.testing.assert_close(torch._inductor.aoti_load_package(path)(x), m(x))
 """
-
-
-SYSTEM_GXX = "/usr/bin/g++"
-
-
-def _loadable_cxx() -> str | None:
-    """The system g++ when ``CXX`` names another compiler: the GPU machine's ``CXX`` builds
-    libraries without ``libstdc++`` that crash when loaded (``tscompile.package.compiler_check``),
-    and these tests export with ``verify=False``, so nothing would rebuild them."""
-    import shutil
-
-    cxx = os.environ.get("CXX")
-    if not cxx or not os.path.exists(SYSTEM_GXX):
-        return None
-    named = shutil.which(cxx) or cxx
-    return None if os.path.realpath(named) == os.path.realpath(SYSTEM_GXX) else SYSTEM_GXX
 
 
 def _aoti_loads_here(tmp: str) -> tuple[bool, str]:
@@ -68,7 +55,7 @@ def aoti_usable(tmp_path_factory):
     here, since Inductor read ``CXX`` when it was imported); on a GPU, a probe package must load."""
     import torch._inductor.config as inductor_config
 
-    gxx = _loadable_cxx()
+    gxx = loadable_cxx()
     with pytest.MonkeyPatch.context() as patch, inductor_config.patch({"cpp.cxx": (gxx,)} if gxx else {}):
         if gxx:
             patch.setenv("CXX", gxx)
@@ -80,7 +67,6 @@ def aoti_usable(tmp_path_factory):
 
 
 OTHER_DEVICE = "cpu" if DEVICE.type == "cuda" else "cuda"
-BOUNDS = dict(max_num_seqs=4, max_model_len=64, page_size=4, max_num_batched_tokens=32)
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
            [77, 66, 55], [400, 401], [9, 9, 9, 9, 9, 9, 9]]
 # ragged batches inside the bounds (1 .. max_num_seqs), and one past it that queues and chunks
@@ -94,35 +80,26 @@ EXPECTED_OPS = {
 
 @pytest.fixture(scope="session")
 def package(tmp_path_factory):
-    """``package(model, weights)`` -> path; built on first use, once per session."""
-    built = {}
+    """``package(model, weights)`` -> path; built on first use, once per test run. Weights inside:
+    ``BOUNDS``; external weights (exported through the CLI): ``TIGHT_BOUNDS``."""
 
     def get(model: str, weights: str = "inside"):
-        if (model, weights) not in built:
-            path = tmp_path_factory.mktemp("packages") / f"{model}-{weights}.pt2"
-            if weights == "external":  # through the CLI, so `tscompile export` is covered too
-                args = ["export", "--model", model, "--out", str(path), "--device", DEVICE.type, "--dtype", "float32",
-                        "--weights", "external", "--no-verify"]  # the load check: test_package_load_check.py
-                for k, v in BOUNDS.items():
-                    args += [f"--{k.replace('_', '-')}", str(v)]
-                assert cli_main(args) == 0
-            else:
-                export_package(model, path, device=DEVICE, dtype=torch.float32, weights=weights, verify=False,
-                               **BOUNDS)
-            built[(model, weights)] = path
-        return built[(model, weights)]
+        bounds = TIGHT_BOUNDS if weights == "external" else BOUNDS
+        return shared_package(tmp_path_factory, model, device=DEVICE, weights=weights, bounds=bounds)
 
     return get
 
 
 @pytest.fixture(scope="session")
 def eager():
+    """``eager(model, bounds=BOUNDS)``: the eager engine a package of those bounds is checked against."""
     made = {}
 
-    def get(model: str):
-        if model not in made:
-            made[model] = tscompile.LLM(model, device=DEVICE, dtype=torch.float32, enforce_eager=True, **BOUNDS)
-        return made[model]
+    def get(model: str, bounds: dict = BOUNDS):
+        key = (model, tuple(sorted(bounds.items())))
+        if key not in made:
+            made[key] = tscompile.LLM(model, device=DEVICE, dtype=torch.float32, enforce_eager=True, **bounds)
+        return made[key]
 
     return get
 
@@ -148,14 +125,13 @@ def test_package_greedy_equals_eager_across_batch_sizes(model, package, eager):
     assert not llm.has_unfinished()
 
 
-def test_tight_bounds_batch_of_one_and_four_token_steps(tmp_path_factory):
+def test_tight_bounds_batch_of_one_and_four_token_steps(package, eager):
     """Bounds of 2 requests and 4 tokens a step: batch and token sizes of 1 and 2 are ordinary sizes
-    (no 0/1 specialization), prompts run in 4-token chunks, the third request waits for a slot."""
-    bounds = dict(max_num_seqs=2, max_model_len=24, page_size=4, max_num_batched_tokens=4)
-    path = tmp_path_factory.mktemp("tight") / "tight.pt2"
-    export_package("llama-tiny", path, device=DEVICE, dtype=torch.float32, verify=False, **bounds)
-    llm = tscompile.load_package(path)
-    ref = tscompile.LLM("llama-tiny", device=DEVICE, dtype=torch.float32, enforce_eager=True, **bounds)
+    (no 0/1 specialization), prompts run in 4-token chunks, the third request waits for a slot.
+    (The package with these bounds is the one with external weights.)"""
+    llm = tscompile.load_package(package("llama-tiny", "external"))
+    assert llm.package.record["bounds"] == {k: v for k, v in TIGHT_BOUNDS.items() if k != "page_size"}
+    ref = eager("llama-tiny", TIGHT_BOUNDS)
     params = SamplingParams(max_new_tokens=5)
     for batch in ([[300]], [PROMPTS[0]], [[1, 2], [3]], [PROMPTS[0], [300], PROMPTS[3]]):
         assert ids(llm.generate(batch, params)) == ids(ref.generate(batch, params))
@@ -206,10 +182,10 @@ def test_external_weights_load_agree_and_are_borrowed(package, eager):
 
     with safe_open(weights_file, framework="pt") as f:  # RoPE rows for the package's positions only
         head_dim = tscompile.models.build_config("llama-tiny").head_dim
-        assert f.get_slice("rope_cos").get_shape() == [BOUNDS["max_model_len"], head_dim // 2]
+        assert f.get_slice("rope_cos").get_shape() == [TIGHT_BOUNDS["max_model_len"], head_dim // 2]
     llm = tscompile.load_package(external)
     params = SamplingParams(max_new_tokens=6)
-    assert ids(llm.generate(PROMPTS, params)) == ids(eager("llama-tiny").generate(PROMPTS, params))
+    assert ids(llm.generate(PROMPTS, params)) == ids(eager("llama-tiny", TIGHT_BOUNDS).generate(PROMPTS, params))
     # the programs read the very tensors loaded from the file (no second copy): zeroing the output
     # projection in place zeroes every logit, so greedy (stable sort) picks token 0 everywhere
     llm.package.weights["output.weight"].zero_()
