@@ -1,8 +1,9 @@
 """``tscompile bench``'s package mode on the CPU: a loaded package's decode and prefill rows beside
 the engine's, its load-to-first-token time, the export it asks for, and its refusals.
 
-One llama-tiny package is exported per module (a real AOTInductor build: slow on a CPU) and shared;
-the mode's own export is checked by recording its call rather than paying a second build."""
+One llama-tiny package (a real AOTInductor build: slow on a CPU) is shared, with test_export.py too
+(``shared_packages.py``: its tight-bounds package with external weights); the mode's own export is
+checked by recording its call rather than paying a second build."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import torch
 from tscompile.bench import cli as bench_cli
 from tscompile.bench import package_mode
 from tscompile.cli import main as tscompile_main
-from tscompile.export import export_package
 from tscompile.models import PRESETS
+from tscompile.package.record import weights_path
 from helpers import one_thread_fixture
+from shared_packages import TIGHT_BOUNDS, shared_package
 
 # a step budget below the bench's (2048): the mode must run a given package within its own bound,
-# chunking bs=2's two 8-token prompts into steps of 8 tokens
-PACKAGE_BOUNDS = dict(max_num_seqs=2, max_model_len=32, page_size=16, max_num_batched_tokens=8)
+# chunking bs=2's two 8-token prompts into steps of 4 tokens
+PACKAGE_BOUNDS = TIGHT_BOUNDS
 
 
 one_thread = pytest.fixture(autouse=True)(one_thread_fixture)
@@ -30,9 +32,8 @@ one_thread = pytest.fixture(autouse=True)(one_thread_fixture)
 
 @pytest.fixture(scope="module")
 def tiny_package(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench_package") / "tiny.pt2"
-    export_package("llama-tiny", path, device="cpu", dtype=torch.float32, verify=False, **PACKAGE_BOUNDS)
-    return path
+    """llama-tiny, float32, on the CPU, its weights in a file beside it (read-only: shared)."""
+    return shared_package(tmp_path_factory, "llama-tiny", device="cpu", weights="external", bounds=PACKAGE_BOUNDS)
 
 
 def _bench(tmp_path, *extra: str) -> dict:
@@ -76,9 +77,9 @@ def test_bench_package_mode_with_a_given_package(tmp_path, tiny_package):
     info = _assert_package_rows(result)
     assert info["exported"] is False and info["export_s"] is None and info["package_path"] == str(tiny_package)
     assert info["bounds"] == {k: v for k, v in PACKAGE_BOUNDS.items() if k != "page_size"}
-    assert info["max_num_batched_tokens"] == 8  # the package's bound, not the bench's 2048
+    assert info["max_num_batched_tokens"] == 4  # the package's bound, not the bench's 2048
     assert info["bench_max_num_batched_tokens"] == 2048
-    assert "at most 8 tokens (the package's bound; the other modes 2048)" in result["markdown"]
+    assert "at most 4 tokens (the package's bound; the other modes 2048)" in result["markdown"]
     assert "given by --package" in result["markdown"]
 
 
@@ -92,6 +93,7 @@ def test_bench_package_mode_exports_the_bench_model_with_its_limits(tmp_path, ti
     def export(model, out, **kw):
         calls.append((model, kw))
         shutil.copy(tiny_package, out)
+        shutil.copy(weights_path(tiny_package), weights_path(out))  # its weights file, named after it
 
     monkeypatch.setattr("tscompile.export.export_package", export)
     result = _bench(tmp_path, "--modes", "eager", "package")
