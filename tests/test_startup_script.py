@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared_packages import BOUNDS, shared_package
+
 _PATH = Path(__file__).resolve().parents[1] / "scripts" / "startup.py"
 _spec = importlib.util.spec_from_file_location("startup_script", _PATH)
 startup = importlib.util.module_from_spec(_spec)
@@ -162,18 +164,40 @@ def test_compiled_engine_child_keeps_compile_out_of_its_phases(tmp_path):
         pytest.approx(r["first_token_s"])
 
 
+def test_export_child_exports_the_model_with_the_starts_bounds_and_reports_its_build(tmp_path, monkeypatch):
+    """The export child (run in this process) hands export_package the script's model, device, dtype,
+    bounds and weights, verified (export_package's default), and reports the build; the export itself
+    is export_package's, tested by test_export.py and test_package_load_check.py."""
+    import tscompile.export
+
+    calls = []
+
+    def export(model, out, **kw):
+        calls.append((model, out, kw))
+        return {"build_seconds": 1.5, "compiler": {"command": "g++", "path": "/usr/bin/g++", "source": "default"}}
+
+    monkeypatch.setattr(tscompile.export, "export_package", export)
+    package = str(tmp_path / "tiny.pt2")
+    r = startup._child_export(startup.parse_args(SMALL + ["--package", package, "--dtype", "float32"]))
+    assert calls == [("llama-tiny", package, dict(device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64,
+                                                  weights="external"))]
+    assert r["build_s"] == 1.5 and r["export_s"] >= 0.0 and r["compiler"]["command"] == "g++"
+    startup._child_export(startup.parse_args(SMALL + ["--package", package, "--weights", "inside"]))
+    assert calls[1][2]["weights"] == "inside" and calls[1][2]["dtype"] is None
+
+
 @pytest.mark.slow
-def test_package_child_splits_its_first_token_into_first_calls(tmp_path):
-    package = tmp_path / "tiny.pt2"
+def test_package_child_splits_its_first_token_into_first_calls(tmp_path, tmp_path_factory):
+    # a package with SMALL's bounds, shared with test_export.py (its export child: the test above)
+    package = shared_package(tmp_path_factory, "llama-tiny", device="cpu", weights="inside", bounds=BOUNDS)
+    assert (BOUNDS["max_num_seqs"], BOUNDS["max_model_len"]) == (4, 64)  # SMALL's
     args = startup.parse_args(SMALL + ["--package", str(package)])
-    env = _child_env(tmp_path)
-    export = startup._spawn("export", args, env)
-    assert not export.get("error"), export
-    r = startup._spawn("package", args, env)
+    r = startup._spawn("package", args, _child_env(tmp_path))
     assert not r.get("error"), r
     for key in ("first_token_s", "second_prefill_s", "decode_8_tokens_s", "load_package_s", "other_s"):
         assert r[key] >= 0.0, (key, r[key])
     assert r["cuda_init_s"] is None
+    assert r["weights"] == "inside" and r["weights_s"] is None  # loaded with the libraries: no split
     # the first prompt calls the prefill program, the second prompt calls it again, the 8-token call decodes
     programs = {"prefill", "decode", "prefill_metadata"}
     assert programs <= set(r["first_call_phases"])
