@@ -368,8 +368,9 @@ def _check_fusions(x: torch.Tensor, k: int, n: int, norm_weight: torch.Tensor | 
 # programmatic dependent launch on Hopper and later wherever their graph's Inductor kernels have
 # ``triton.enable_pdl``, and the engine's bs=1 decode graph gets it (tscompile/piece_compiler.py), so
 # each kernel of the step may be scheduled while the one before it finishes and waits (``gdc_wait``)
-# only before it touches what that one wrote. Measured on the H200, both on, one machine, bs=1 TPOT: llama-8b 4.362 -> 4.325 ms,
-# llama-1b 0.999 -> 0.971 (bench/results/same-lease-6acce99/); either one alone was slower.
+# only before it touches what that one wrote. Measured on the H200, both on, one machine, bs=1 TPOT:
+# llama-8b 4.362 -> 4.325 ms, llama-1b 0.999 -> 0.971 (bench/results/same-lease-6acce99/); either one
+# alone was slower.
 GEMV_PDL = env_flag("TSCOMPILE_GEMV_PDL", True)
 # TSCOMPILE_GEMV_PEEL=1: the "acc" mode's first weight chunk is loaded before the PDL wait (it does not
 # depend on the kernel before). Off: it made llama-8b's bs=1 step slower (4.420 ms with PDL against
@@ -531,9 +532,9 @@ def _launch_of(key: str) -> tuple:
 PREFILL_GEMV = env_flag("TSCOMPILE_PREFILL_GEMV", False)
 PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {}
 
-# TSCOMPILE_BATCH_GEMV=1 (opt-in; on the H200 0.3-0.5%: llama-8b bs=32 5.470 -> 5.440 ms on its machine's
-# own sweep, bench/results/same-lease-ec654af/, whose 32-row picks moved between machines): the same few-row table and swap in the
-# dynamic-batch decode graph (batch sizes 2..MAX_ROWS; the CUDA graph of each batch size makes the
+# TSCOMPILE_BATCH_GEMV=1 (opt-in; on the H200 0.3-0.5%: llama-8b bs=32 5.470 -> 5.440 ms on its
+# machine's own sweep, bench/results/same-lease-ec654af/, whose 32-row picks moved between machines):
+# the same few-row table and swap in the dynamic-batch decode graph (batch sizes 2..MAX_ROWS; the CUDA graph of each batch size makes the
 # choice once, at capture), its kernel launched with PDL where that graph's Inductor kernels are
 # (``GEMV_PDL``). Why: at llama-8b bs=32 the step's cuBLAS matmuls read at 3.0-3.75 TB/s (4.27 ms of
 # 5.43, H200, bench/results/same-lease-8285f4f/), and scripts/gemv_sweep.py timed the kernel's 32-row
