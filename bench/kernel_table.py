@@ -26,6 +26,11 @@ import torch
 
 DEFAULT_STEPS = 3
 DEFAULT_TOP = 15
+# A pause longer than this between kernels is the host's: a step's CUDA graph runs its kernels a few
+# us apart, while the host work between two profiled calls (admitting a request, its metadata, the
+# read-back) takes 100 us or more. So kernels closer than this belong to one burst, one call's device
+# work when calls are synchronous (the bs=1 prefill rows).
+BURST_GAP_US = 20.0
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 # element sizes of the dtype names the profiler records (c10's names); others fall back to the
 # caller's dtype, the bench's one dtype for weights and activations
@@ -77,6 +82,37 @@ def _device_events(events) -> list:
     # it runs) shows up on the device timeline too, spanning the kernels it launched: not a kernel
     return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
             and not getattr(e, "is_user_annotation", False)]
+
+
+@dataclass
+class DeviceTimeline:
+    busy_us: float  # the union of the kernels' intervals: kernels that overlap (PDL) count once
+    bursts: list[tuple[float, float]]  # (span, busy) us of each run of kernels no pause splits
+
+
+def _timeline(intervals: list[tuple[float, float]]) -> DeviceTimeline:
+    """Busy time and bursts of device ``intervals`` (start, end) in us, in any order."""
+    bursts: list[tuple[float, float]] = []
+    start = end = burst_busy = None
+    for lo, hi in sorted(intervals):
+        if end is not None and lo - end > BURST_GAP_US:
+            bursts.append((end - start, burst_busy))
+            start = end = None
+        if end is None:
+            start, end, burst_busy = lo, hi, hi - lo
+        elif hi > end:
+            burst_busy += hi - max(lo, end)  # only the part past what is already covered
+            end = hi
+    if end is not None:
+        bursts.append((end - start, burst_busy))
+    return DeviceTimeline(sum(b for _, b in bursts), bursts)
+
+
+def timeline_of(prof, device_type: str) -> DeviceTimeline | None:
+    """The device timeline of a profile (CUDA only): busy time and bursts of its kernels and copies."""
+    if device_type != "cuda":
+        return None
+    return _timeline([(k.time_range.start, k.time_range.end) for k in _device_events(prof.events())])
 
 
 def _cuda_stats(events, default_itemsize: int) -> dict[str, KernelStat]:
@@ -181,9 +217,14 @@ def profile_calls(fn: Callable[[], object], reps: int, device_type: str):
 
 
 def table(stats: dict[str, KernelStat], steps: int, device_type: str, top: int,
-          step_bytes: int | None = None) -> dict:
+          step_bytes: int | None = None, timeline: DeviceTimeline | None = None) -> dict:
     """The JSON of one row's kernel table: per step figures of every kernel summed, the ``top``
-    kernels by time, and the step's achieved bandwidth (``step_bytes`` / summed kernel time)."""
+    kernels by time, and the step's achieved bandwidth (``step_bytes`` / summed kernel time).
+
+    With the profile's ``timeline``: the device's busy time per step, and where the profile holds one
+    burst per step (synchronous calls), a step's span on the device from its first kernel's start to
+    its last kernel's end: the row's wall time less that span is host work before and after the
+    device's, and the span less the busy time is the pauses between the step's kernels."""
     total_us = sum(s.us for s in stats.values())
     ranked = sorted(stats.items(), key=lambda kv: -kv[1].us)
     rows = []
@@ -196,4 +237,16 @@ def table(stats: dict[str, KernelStat], steps: int, device_type: str, top: int,
             "top_n": top, "distinct": len(stats), "kernels_per_step": sum(s.count for s in stats.values()) / steps,
             "kernel_ms_per_step": kernel_ms, "step_bytes": step_bytes,
             "step_gbps": step_bytes / (kernel_ms * 1e-3) / 1e9 if step_bytes and kernel_ms > 0 else None,
-            "top": rows}
+            "top": rows, **_timeline_fields(timeline, steps)}
+
+
+def _timeline_fields(timeline: DeviceTimeline | None, steps: int) -> dict:
+    if timeline is None:
+        return {}
+    fields = {"device_busy_ms_per_step": timeline.busy_us / steps / 1e3, "device_bursts": len(timeline.bursts),
+              "device_span_ms_per_step": None, "device_pause_ms_per_step": None}
+    if len(timeline.bursts) == steps and steps > 0:
+        span = sum(s for s, _ in timeline.bursts)
+        fields["device_span_ms_per_step"] = span / steps / 1e3
+        fields["device_pause_ms_per_step"] = (span - timeline.busy_us) / steps / 1e3
+    return fields

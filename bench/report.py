@@ -285,7 +285,19 @@ def _kernel_heading(label: str, kt: dict) -> str:
     bandwidth = (f", {kt['step_gbps']:.1f} GB/s ({kt['step_bytes'] / 1e6:.2f} MB of weights + KV / summed time)"
                  if kt.get("step_gbps") else "")
     return (f"**{label}**: {kt['kernels_per_step']:.0f} {kt['activity']} per step ({kt['distinct']} distinct), "
-            f"{kt['kernel_ms_per_step']:.3f} ms summed per step over {kt['steps']} profiled steps{bandwidth}")
+            f"{kt['kernel_ms_per_step']:.3f} ms summed per step over {kt['steps']} profiled steps{bandwidth}"
+            f"{_device_time(kt)}")
+
+
+def _device_time(kt: dict) -> str:
+    """The device timeline's figures of a kernel table, where the run recorded them (CUDA)."""
+    if kt.get("device_busy_ms_per_step") is None:
+        return ""
+    text = f"; the device busy {kt['device_busy_ms_per_step']:.3f} ms per step (overlapping kernels counted once)"
+    if kt.get("device_span_ms_per_step") is not None:
+        text += (f"; one step's kernels span {kt['device_span_ms_per_step']:.3f} ms on the device, "
+                 f"{kt['device_pause_ms_per_step']:.3f} of it pauses between kernels")
+    return text
 
 
 def kernel_section(label: str, kt: dict) -> str:
@@ -315,7 +327,11 @@ def kernels_markdown(result: dict) -> list[str]:
             "kernel only for a kernel that is the sole kernel of an aten matmul (mm, addmm, bmm, baddbmm) with "
             "recorded input shapes: its inputs' bytes (read at least once, so a lower bound) / its time; \"-\" "
             "for every other kernel, among them every kernel of a CUDA graph replay and Inductor's fused Triton "
-            "kernels, which no aten op with shapes launches.")
+            "kernels, which no aten op with shapes launches. Device busy (CUDA) = the union of the activities' "
+            "intervals per step, overlapping ones counted once. Where every profiled call's activities form one "
+            "burst (no pause over 20 us: the bs=1 prefill rows, synchronous calls), a step's span runs from its "
+            "first activity's start to its last one's end; the row's wall time less the span is host work before "
+            "and after the device's, the span less the busy time the pauses between kernels.")
     paths = result.get("env", {}).get("kernel_paths", {})
     if any(paths.get(k) for k in ("decode_pdl", "gemv_pdl", "prefill_pdl")):
         note += (" **PDL was on** (" + ", ".join(k for k in ("decode_pdl", "gemv_pdl", "prefill_pdl") if paths.get(k))

@@ -233,14 +233,16 @@ class Bench:
         if window.steps < 1:
             return {"error": "the profiled run had no decode step in its window"}
         stats = kernel_table.stats_of(window.prof, self.device.type, self.dtype.itemsize)
-        return kernel_table.table(stats, window.steps, self.device.type, a.kernel_table_top, row["step_bytes"])
+        return kernel_table.table(stats, window.steps, self.device.type, a.kernel_table_top, row["step_bytes"],
+                                  kernel_table.timeline_of(window.prof, self.device.type))
 
     def prefill_kernel_table(self, runner, prompt: list[int]) -> dict:
         a = self.args
         prof = kernel_table.profile_calls(lambda: runner.run_prefill(prompt), a.kernel_table_steps, self.device.type)
         stats = kernel_table.stats_of(prof, self.device.type, self.dtype.itemsize)
         # a prefill is bound by its FLOPs, not its bytes: no step bandwidth (its TFLOP/s is in the row)
-        return kernel_table.table(stats, a.kernel_table_steps, self.device.type, a.kernel_table_top)
+        return kernel_table.table(stats, a.kernel_table_steps, self.device.type, a.kernel_table_top,
+                                  timeline=kernel_table.timeline_of(prof, self.device.type))
 
     def prefill_row(self, mode: str, runner, length: int) -> dict:
         a = self.args

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -225,6 +226,44 @@ def test_cuda_matmul_bytes_only_for_a_matmul_ops_sole_kernel():
     assert sum(k["share_pct"] for k in t["top"]) == pytest.approx(100 * 11.5 / 12.5)
 
 
+def test_the_device_timeline_counts_overlapping_kernels_once_and_splits_bursts_at_host_pauses():
+    gap = kernel_table.BURST_GAP_US
+    rng = random.Random(7)
+    for _ in range(20):
+        # two steps: kernels a few us apart, one pair overlapping (PDL), then a host pause
+        lo = rng.uniform(0.0, 50.0)
+        first = [(lo, lo + 4.0), (lo + 3.0, lo + 6.0), (lo + 5.5, lo + 5.8), (lo + 6.0 + gap / 2, lo + 9.0 + gap / 2)]
+        lo2 = first[-1][1] + gap + rng.uniform(1.0, 200.0)
+        second = [(lo2, lo2 + 2.5), (lo2 + 2.5, lo2 + 7.0)]  # back to back: no pause, no overlap
+        intervals = first + second
+        rng.shuffle(intervals)
+        tl = kernel_table._timeline(intervals)
+        assert len(tl.bursts) == 2
+        (span1, busy1), (span2, busy2) = tl.bursts
+        assert span1 == pytest.approx(9.0 + gap / 2) and busy1 == pytest.approx(6.0 + 3.0)
+        assert span2 == pytest.approx(7.0) and busy2 == pytest.approx(7.0)
+        assert tl.busy_us == pytest.approx(busy1 + busy2)
+    assert kernel_table._timeline([]).bursts == [] and kernel_table._timeline([]).busy_us == 0.0
+
+
+def test_the_kernel_table_reports_the_device_span_only_with_one_burst_per_step():
+    stats = {"k": kernel_table.KernelStat(count=4, us=20.0)}
+    two = kernel_table.DeviceTimeline(busy_us=16.0, bursts=[(9.0, 7.0), (11.0, 9.0)])
+    t = kernel_table.table(stats, steps=2, device_type="cuda", top=3, timeline=two)
+    assert t["device_busy_ms_per_step"] == pytest.approx(8.0e-3) and t["device_bursts"] == 2
+    assert t["device_span_ms_per_step"] == pytest.approx(10.0e-3)
+    assert t["device_pause_ms_per_step"] == pytest.approx(2.0e-3)
+    heading = report.kernel_section("prefill x 32 tokens", t).splitlines()[0]
+    assert "the device busy 0.008 ms per step" in heading and "span 0.010 ms on the device, 0.002 of it pauses" in heading
+    # decode steps run back to back (the host works ahead): the bursts are not the steps
+    merged = kernel_table.DeviceTimeline(busy_us=16.0, bursts=[(20.0, 16.0)])
+    t = kernel_table.table(stats, steps=2, device_type="cuda", top=3, timeline=merged)
+    assert t["device_span_ms_per_step"] is None and t["device_pause_ms_per_step"] is None
+    heading = report.kernel_section("decode", t).splitlines()[0]
+    assert "the device busy 0.008 ms per step" in heading and "span" not in heading
+    assert "device" not in report.kernel_section("cpu", kernel_table.table(stats, 2, "cpu", 3)).splitlines()[0]
+
+
 # -- on the GPU -----------------------------------------------------------------------------------
 def _attribution_evidence(prof) -> str:
     """What the profiler linked, for a failed attribution: each kernel's linked id and the CPU events
@@ -251,7 +290,10 @@ def test_kernel_table_on_cuda_lists_kernels(tmp_path):
         assert kt["activity"] == "cuda kernels" and kt["kernels_per_step"] > 0 and kt["kernel_ms_per_step"] > 0
         assert 0 < len(kt["top"]) <= kernel_table.DEFAULT_TOP
         assert sum(k["share_pct"] for k in kt["top"]) <= 100.0 + 1e-9
-    assert "| kernel | count/step |" in md
+        assert 0 < kt["device_busy_ms_per_step"] <= kt["kernel_ms_per_step"] + 1e-9
+        if kt["device_span_ms_per_step"] is not None:
+            assert kt["device_span_ms_per_step"] >= kt["device_busy_ms_per_step"] - 1e-9
+    assert "| kernel | count/step |" in md and "the device busy" in md
 
 
 @pytest.mark.gpu
