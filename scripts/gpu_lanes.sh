@@ -14,7 +14,10 @@
 #                  BENCH_RESUME=1: rows an earlier call of the same warm machine measured (kept in .bench_live/)
 #                  are skipped, the rest written as ..._rN files (merge them with bench --merge); runs
 #                  of an earlier lease: put their JSON in .bench_seed/ under .bench_live/'s names and
-#                  carry .bench_seed (never .bench_live: a carried path replaces the device's copy)
+#                  carry .bench_seed (never .bench_live: a carried path replaces the device's copy).
+#                  A row counts as done only when every mode of the job measured it, so a job of
+#                  several modes cut inside its second mode measures everything again: for a run
+#                  that may span calls, give each mode its own job (bench:M:A bench:M:B ...)
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
