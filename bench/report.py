@@ -270,10 +270,10 @@ def prefill_table(rows: list[dict], mfu_title: str = "MFU") -> str:
     for r in rows:
         mfu = r.get("mfu")
         out.append([r["mode"], str(r["prompt_len"]), _fmt(r.get("prefill_ms"), ".2f"), _spread(r, "prefill_ms", ".2f"),
-                    _fmt(r.get("prefill_tokens_per_s"), ".1f"), _fmt(r.get("prefill_tflops"), ".3g"),
-                    f"{100 * mfu:.1f}%" if mfu is not None else "-", _error(r)])
-    return _table(["mode", "prompt len (bs=1)", "prefill ms (median)", "min-max", "prefill tok/s", "TFLOP/s",
-                   mfu_title, "error"], out)
+                    _fmt(r.get("host_launch_ms"), ".3f"), _fmt(r.get("prefill_tokens_per_s"), ".1f"),
+                    _fmt(r.get("prefill_tflops"), ".3g"), f"{100 * mfu:.1f}%" if mfu is not None else "-", _error(r)])
+    return _table(["mode", "prompt len (bs=1)", "prefill ms (median)", "min-max", "host until launch ms",
+                   "prefill tok/s", "TFLOP/s", mfu_title, "error"], out)
 
 
 KERNEL_NAME_CHARS = 100  # cuBLAS and CUTLASS template names run to hundreds of characters; the JSON keeps them
@@ -418,7 +418,9 @@ def markdown(result: dict) -> str:
              "and graph breaks, and tscompile's own counters, over the mode's whole run. Static-cache compile/"
              "capture times are the first warm-up run's excess over the steady state.",
              "", "MFU = prefill FLOPs (2 x linear weights x tokens, the output projection for the last token, causal "
-             "attention 4 x L(L+1)/2 x heads x head_dim per layer) / median prefill time / the matmul peak."]
+             "attention 4 x L(L+1)/2 x heads x head_dim per layer) / median prefill time / the matmul peak. "
+             "Host until launch (the engine's modes) = median host time from the submit until the step that "
+             "launched the prefill returned: the host's work before the device's."]
     if any(r.get("roofline_note") and r.get("pct_of_roofline") is None for r in result["results"]):
         notes += ["", "% roofline \"-\": the step's bytes stay in cache (on the CPU always, see "
                   "`roofline.roofline_applies`), so the copy-bandwidth roofline does not bound it."]

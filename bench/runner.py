@@ -250,7 +250,12 @@ class Bench:
         for _ in range(a.num_iters_warmup):
             runner.run_prefill(prompt)
         before = dict(counters)
-        times = sorted(runner.run_prefill(prompt) for _ in range(a.num_iters))
+        times, launches = [], []
+        for _ in range(a.num_iters):
+            times.append(runner.run_prefill(prompt))
+            if getattr(runner, "host_launch_s", None) is not None:  # the engine's runner: its host share
+                launches.append(runner.host_launch_s)
+        times.sort()
         # what the timed runs did: graphed or not, and whether anything was captured or compiled in them
         steps = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
         secs = statistics.median(times)  # the median: one slow run (a GC pause, the OS) moves it least
@@ -259,7 +264,8 @@ class Bench:
                 "prefill_ms_min": times[0] * 1e3, "prefill_ms_max": times[-1] * 1e3,
                 "prefill_ms_mean": sum(times) / len(times) * 1e3, "prefill_tokens_per_s": length / secs,
                 "prefill_flops": flops, "prefill_tflops": flops / secs / 1e12,
-                "mfu": roofline.mfu(flops, secs, self.peak_tflops), "timed_runs": steps}
+                "mfu": roofline.mfu(flops, secs, self.peak_tflops), "timed_runs": steps,
+               "host_launch_ms": statistics.median(launches) * 1e3 if launches else None}
         if getattr(a, "kernel_table", False):  # after the timed runs
             row["kernel_table"] = self._guarded_table(lambda: self.prefill_kernel_table(runner, prompt))
         return row

@@ -239,9 +239,14 @@ class EngineRunner:
         return BatchTiming(ttft.seconds, dec.seconds, steps, [list(r.output) for r in reqs], calls or [], other)
 
     def run_prefill(self, prompt: list[int]) -> float:
+        """One prompt to its first token; its wall time. ``host_launch_s`` keeps the host's time from
+        the submit until the step that launched the prefill returned: the host work before the device's."""
         params = self._params(max_new_tokens=1, temperature=0.0)
         with Timer(self.device) as t:
+            start = time.perf_counter()
             req = self.llm.add_request(prompt, params)
+            self.llm.step()
+            self.host_launch_s = time.perf_counter() - start
             while not req.finished:
                 self.llm.step()
         self.llm.sync()

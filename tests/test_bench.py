@@ -160,6 +160,11 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     assert "MFU \"-\"" in stdout and "% roofline \"-\"" in stdout
     assert sorted((p["mode"], p["prompt_len"]) for p in result["prefill"]) == [("compile-default", 8), ("eager", 8)]
     assert all(p["error"] is None and p["prefill_ms"] > 0 for p in result["prefill"])
+    # the host's share until the launch: the engine's runs only, inside the row's wall time
+    prefill = {p["mode"]: p for p in result["prefill"]}
+    assert 0 < prefill["eager"]["host_launch_ms"] <= prefill["eager"]["prefill_ms_max"]
+    assert prefill["compile-default"]["host_launch_ms"] is None
+    assert "| host until launch ms |" in stdout
     # the engine counters of the timed runs: eager's steps ran without graphs and compiled nothing;
     # the static-cache baseline does not go through the engine
     timed = {(r["mode"], r.get("batch_size", r.get("prompt_len"))): r["timed_runs"] for r in rows + result["prefill"]}
