@@ -1,5 +1,7 @@
 """Slot math, block-table expansion, the null page and the allocator."""
 
+import random
+
 import pytest
 import torch
 
@@ -44,3 +46,28 @@ def test_allocator_never_hands_out_block_zero_and_refuses_when_exhausted():
         alloc.allocate(1)
     alloc.free(got[:2])
     assert 0 not in alloc.allocate(2)
+
+
+def test_allocator_hands_out_the_ids_one_pop_at_a_time_would():
+    """``allocate`` takes its blocks as one slice: the ids and their order are those of popping the
+    free list one block at a time, through any mix of allocations (0 blocks, all of them) and frees."""
+    rng = random.Random(0)
+    for num_blocks in (2, 3, 9, 40):
+        alloc, free, held = BlockAllocator(num_blocks), list(range(num_blocks - 1, 0, -1)), []
+        for _ in range(200):
+            if held and rng.random() < 0.4:
+                blocks = held.pop(rng.randrange(len(held)))
+                alloc.free(blocks)
+                free.extend(reversed(blocks))
+            else:
+                n = rng.randint(0, len(free))
+                expected = [free.pop() for _ in range(n)]
+                assert alloc.allocate(n) == expected
+                held.append(expected)
+            assert alloc.num_free == len(free)
+
+
+def test_allocator_refuses_to_free_a_block_outside_the_pool():
+    alloc = BlockAllocator(5)
+    with pytest.raises(AssertionError, match="freeing block 5 outside the pool"):
+        alloc.free([1, 5])

@@ -35,11 +35,17 @@ class BlockAllocator:
                 f"tscompile: page pool exhausted in cache group {self.group_name!r}: need {n} blocks, "
                 f"{len(self._free)} free of {self.num_blocks - 1}; raise num_pages or lower max_num_seqs"
             )
-        return [self._free.pop() for _ in range(n)]
+        # the ids ``n`` pops would give, in their order, as one slice (a prompt takes many blocks)
+        at = len(self._free) - n
+        blocks = self._free[at:]
+        blocks.reverse()
+        del self._free[at:]
+        return blocks
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            assert 0 < b < self.num_blocks, f"freeing block {b} outside the pool"
+        # min and max run in C; the message's loop runs only on a failure
+        assert not blocks or (0 < min(blocks) and max(blocks) < self.num_blocks), \
+            f"freeing block {next(b for b in blocks if not 0 < b < self.num_blocks)} outside the pool"
         self._free.extend(reversed(blocks))
 
 
