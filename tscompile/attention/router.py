@@ -64,6 +64,9 @@ class AttentionRouter(AttentionBackend):
         self._idle_inputs: DecodeInputs | None = None
         self.decode_write_locations: tuple[torch.Tensor, ...] | None = None
         self.extend_write_locations: tuple[torch.Tensor, ...] | None = None
+        # per group, the last extend metadata published: a whole-step bucket's persistent buffers are
+        # the same tensors every step, and a frozen dataclass costs microseconds to build
+        self._extend_meta: list[AttentionMetadata | None] = [None] * len(specs)
 
     def child_backends(self) -> list[AttentionBackend]:
         return list(self.leaves)
@@ -205,7 +208,11 @@ class AttentionRouter(AttentionBackend):
         write_locs = []
         for gid, (group, leaf) in enumerate(zip(plan.groups, self.leaves)):
             page_table, seq_lens, qo_indptr, slots = arrays[4 * gid: 4 * gid + 4]
-            leaf.init_forward_metadata(group, AttentionMetadata(page_table, seq_lens, qo_indptr, False))
+            meta = self._extend_meta[gid]
+            if (meta is None or meta.page_table is not page_table or meta.seq_lens is not seq_lens
+                    or meta.qo_indptr is not qo_indptr):
+                meta = self._extend_meta[gid] = AttentionMetadata(page_table, seq_lens, qo_indptr, False)
+            leaf.init_forward_metadata(group, meta)
             write_locs.append(slots)
         self.extend_write_locations = tuple(write_locs)
 

@@ -118,7 +118,8 @@ class WholeStepPrefill:
         fill(buf.host)
         buf.send(non_blocking=not self.host_replay)
         if not self.host_replay:
-            buf.sent = torch.cuda.Event()
+            if buf.sent is None:  # one event per bucket, re-recorded: its last record was waited for above
+                buf.sent = torch.cuda.Event()
             buf.sent.record(torch.cuda.current_stream(self.device))  # the copy's stream, not the current device's
         return buf.tensors
 

@@ -372,6 +372,8 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """Admit what fits, pick this step's rows and return its plan (None: nothing to run)."""
+        if not self.running and not self.waiting:
+            return None  # idle (the step after a last request's): what follows would find nothing
         preempted = self.num_preemptions
         self._grow()
         # after a preemption nothing is admitted this step: the freed blocks go to the running
