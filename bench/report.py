@@ -328,10 +328,11 @@ def kernels_markdown(result: dict) -> list[str]:
             "recorded input shapes: its inputs' bytes (read at least once, so a lower bound) / its time; \"-\" "
             "for every other kernel, among them every kernel of a CUDA graph replay and Inductor's fused Triton "
             "kernels, which no aten op with shapes launches. Device busy (CUDA) = the union of the activities' "
-            "intervals per step, overlapping ones counted once. Where every profiled call's activities form one "
-            "burst (no pause over 20 us: the bs=1 prefill rows, synchronous calls), a step's span runs from its "
-            "first activity's start to its last one's end; the row's wall time less the span is host work before "
-            "and after the device's, the span less the busy time the pauses between kernels.")
+            "intervals per step, overlapping ones counted once. Where the profile holds one burst of activities per "
+            "step (no pause over 20 us inside a step), a step's span runs from its first activity's start to its "
+            "last one's end, and the span less the busy time is the pauses between its kernels; for synchronous "
+            "calls the row's wall time less the span is host work. A bs=1 prefill's staging copies and its graph "
+            "can fall into separate bursts: then no span, and host until launch plus busy time tell the same.")
     paths = result.get("env", {}).get("kernel_paths", {})
     if any(paths.get(k) for k in ("decode_pdl", "gemv_pdl", "prefill_pdl")):
         note += (" **PDL was on** (" + ", ".join(k for k in ("decode_pdl", "gemv_pdl", "prefill_pdl") if paths.get(k))
