@@ -28,8 +28,8 @@ DEFAULT_STEPS = 3
 DEFAULT_TOP = 15
 # A pause longer than this between kernels is the host's: a step's CUDA graph runs its kernels a few
 # us apart, while the host work between two profiled calls (admitting a request, its metadata, the
-# read-back) takes 100 us or more. So kernels closer than this belong to one burst, one call's device
-# work when calls are synchronous (the bs=1 prefill rows).
+# read-back) takes 100 us or more. So kernels closer than this belong to one burst. On the H200 a
+# decode step's graph was one burst, a bs=1 prefill three (its staging copies and its graph).
 BURST_GAP_US = 20.0
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 # element sizes of the dtype names the profiler records (c10's names); others fall back to the
@@ -222,9 +222,8 @@ def table(stats: dict[str, KernelStat], steps: int, device_type: str, top: int,
     kernels by time, and the step's achieved bandwidth (``step_bytes`` / summed kernel time).
 
     With the profile's ``timeline``: the device's busy time per step, and where the profile holds one
-    burst per step (synchronous calls), a step's span on the device from its first kernel's start to
-    its last kernel's end: the row's wall time less that span is host work before and after the
-    device's, and the span less the busy time is the pauses between the step's kernels."""
+    burst per step, a step's span on the device from its first kernel's start to its last kernel's
+    end; the span less the busy time is the pauses between the step's kernels."""
     total_us = sum(s.us for s in stats.values())
     ranked = sorted(stats.items(), key=lambda kv: -kv[1].us)
     rows = []

@@ -265,7 +265,7 @@ class Bench:
                 "prefill_ms_mean": sum(times) / len(times) * 1e3, "prefill_tokens_per_s": length / secs,
                 "prefill_flops": flops, "prefill_tflops": flops / secs / 1e12,
                 "mfu": roofline.mfu(flops, secs, self.peak_tflops), "timed_runs": steps,
-               "host_launch_ms": statistics.median(launches) * 1e3 if launches else None}
+                "host_launch_ms": statistics.median(launches) * 1e3 if launches else None}
         if getattr(a, "kernel_table", False):  # after the timed runs
             row["kernel_table"] = self._guarded_table(lambda: self.prefill_kernel_table(runner, prompt))
         return row

@@ -545,9 +545,9 @@ DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
 DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
 # TSCOMPILE_PREFILL_PDL=1 (opt-in; on the H200 correct but no faster: llama-1b 1.40 vs 1.40 ms at 32
 # tokens, 1.58 vs 1.54 at 128, bench/results/same-lease-ec654af/): the same for prefill steps: the
-# dense extend kernel launches with PDL and the pieces of a split (prefill) graph get Inductor's PDL, so most of a
-# 32-token step's ~170 (llama-1b) to ~360 (llama-8b) kernels may be scheduled while the one before
-# ends. cuBLAS and the other kernels between pieces (the KV write of other head dims, FlashInfer's)
+# dense extend kernel launches with PDL and the pieces of a split (prefill) graph get Inductor's PDL,
+# so most of a 32-token step's ~170 (llama-1b) to ~360 (llama-8b) kernels may be scheduled while the
+# one before ends. cuBLAS and the other kernels between pieces (the KV write of other head dims, FlashInfer's)
 # launch without it, which is safe: a PDL kernel waits for the whole kernel before it, whatever
 # launched that one.
 PREFILL_PDL = env_flag("TSCOMPILE_PREFILL_PDL", False)

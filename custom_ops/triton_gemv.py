@@ -534,8 +534,8 @@ PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {}
 
 # TSCOMPILE_BATCH_GEMV=1 (opt-in; on the H200 0.3-0.5%: llama-8b bs=32 5.470 -> 5.440 ms on its
 # machine's own sweep, bench/results/same-lease-ec654af/, whose 32-row picks moved between machines):
-# the same few-row table and swap in the dynamic-batch decode graph (batch sizes 2..MAX_ROWS; the CUDA graph of each batch size makes the
-# choice once, at capture), its kernel launched with PDL where that graph's Inductor kernels are
+# the same few-row table and swap in the dynamic-batch decode graph (batch sizes 2..MAX_ROWS; the CUDA
+# graph of each batch size makes the choice once, at capture), its kernel launched with PDL where that graph's Inductor kernels are
 # (``GEMV_PDL``). Why: at llama-8b bs=32 the step's cuBLAS matmuls read at 3.0-3.75 TB/s (4.27 ms of
 # 5.43, H200, bench/results/same-lease-8285f4f/), and scripts/gemv_sweep.py timed the kernel's 32-row
 # launches at 1.05-1.06x cuBLAS for llama-8b's o, gate/up and LM head (same-lease-ada2650/call1/
