@@ -18,6 +18,14 @@
 #                  A row counts as done only when every mode of the job measured it, so a job of
 #                  several modes cut inside its second mode measures everything again: for a run
 #                  that may span calls, give each mode its own job (bench:M:A bench:M:B ...)
+#   prewarm:M:MODES  every mode of MODES (comma-separated) benched at once, one process each, 1 iteration,
+#                  no warm-up, no kernel table, to fill the compile caches (FX graph, AOTAutograd, the
+#                  coordinate-descent `.best_config`s) that the timed bench:M:MODE jobs after it then
+#                  load: a one-machine table of every mode fits fewer calls. The modes' tuning runs
+#                  beside each other's compiles and short runs (both tuned parties alike); the timed
+#                  figures come only from the bench jobs, whose compile times are then warm ones.
+#                  Its rows are discarded; its logs go to $OUT/prewarm_M_MODE.log. With BENCH_RESUME=1
+#                  a prewarm done in an earlier call of the warm machine is not repeated.
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
@@ -168,6 +176,19 @@ run_job() {  # lane job
         --output-json "$OUT/$file.json" --output-md "$OUT/$file.md" --no-progress \
         2> "$OUT/$file.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/$file.md"
       [ "${BENCH_RESUME:-0}" = 1 ] && [ -f "$OUT/$file.json" ] && cp "$OUT/$file.json" .bench_live/ ;;
+    prewarm:*)
+      local spec=${job#prewarm:}; local model=${spec%%:*} modes=${spec#*:} m pids=()
+      local marker=.bench_live/prewarm_${model}_${modes//,/_}.done
+      [ "${BENCH_RESUME:-0}" = 1 ] && [ -f "$marker" ] && { echo "== $job: done in an earlier call"; return; }
+      for m in ${modes//,/ }; do
+        timeout $left tscompile bench --model $model --modes $m --batch-size ${BENCH_BS:-1 8 32 64} --input-len 512 \
+          --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 1 --num-iters-warmup 0 \
+          --output-json /tmp/prewarm_${model}_$m.json --output-md /tmp/prewarm_${model}_$m.md --no-progress \
+          > "$OUT/prewarm_${model}_$m.log" 2>&1 &
+        pids+=($!)
+      done
+      local rc=0 pid; for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+      echo "rc=$rc ($(date +%T))"; [ $rc = 0 ] && mkdir -p .bench_live && touch "$marker" ;;
     startup:*|startup-tuned:*)  # startup-tuned: the same with the bs=1 decode graph's tuning
       local spec=${job#*:}; local model=${spec%%:*} skip="" tag="" extra=""
       [ "$spec" != "$model" ] && skip=${spec#*:}
