@@ -1,0 +1,201 @@
+"""Does reading a projection's weight into L2 while the step does latency-bound work pay? (H200 probe)
+
+    python scripts/l2_prefetch_probe.py [out.json]      (CUDA only; well under a minute on an H200)
+    LANE0="py:scripts/l2_prefetch_probe.py" bash scripts/gpu_lanes.sh   (the JSON lands in $OUT)
+
+Why: a decode step's small projections read their weights from DRAM well below copy bandwidth (the
+llama-1b bs=1 qkv, o and down GEMVs at about 2.5 TB/s, its bs=32 qkv and o matmuls at about 1.6, against
+a 4.2 TB/s copy: bench/results/same-lease-6be9ade/): an 8-13 MB read spends much of its few
+microseconds ramping up (bench/results/gemv/). Meanwhile decode attention, the norms and RoPE barely
+use the memory bus. If a side stream reads the next projection's weight into L2 during that work,
+the projection itself reads from L2. This probe measures whether that pays before the engine is
+changed for it.
+
+What runs: per projection shape (llama-1b qkv, o, down, gate/up; llama-8b qkv, o) and row count
+(M = 1, 32), a CUDA graph of L "layers", each a stall (`torch.cuda._sleep`, calibrated to STALLS_US:
+the stand-in for attention and the small kernels) followed by the matmul on that layer's own copy
+of the weight. There are enough copies to pass 4x the L2 (ROTATE_BYTES), so every matmul starts
+from DRAM as in the model. Four graphs each:
+
+- `stall`: the stalls alone.
+- `serial`: stall, then matmul.
+- `prefetch_join`: a side stream reads the layer's weight into L2 (one load of every byte,
+  evict_last) beside the stall; the matmul waits for that read.
+- `prefetch_free`: the same, but the matmul does not wait (the streams join once, at the end).
+
+Per layer, `serial - stall` is the matmul's exposed time from DRAM, `prefetch_* - stall` with the read
+beside the stall. Times are the median over REPLAYS graph replays (CUDA events), divided by L. The
+matmul is cuBLAS (`F.linear`). At M = 1, where the shape has a launch in
+`triton_gemv.DECODE_GEMV_CONFIGS`, the engine's Triton GEMV is measured as well. Before timing, every
+matmul's output is checked against float32 math, and the prefetch kernel's partial sums against the
+weight's sum."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = {  # (model, projection): (N, K) of the [N, K] weight
+    ("llama-1b", "qkv"): (3072, 2048), ("llama-1b", "o"): (2048, 2048), ("llama-1b", "down"): (2048, 8192),
+    ("llama-1b", "gate_up"): (16384, 2048), ("llama-8b", "qkv"): (6144, 4096), ("llama-8b", "o"): (4096, 4096),
+}
+ROWS = (1, 32)
+STALLS_US = (3.0, 9.0)  # the small kernels between two projections; bs=1 attention per layer (~9 us)
+ROTATE_BYTES = 200 << 20  # 4x the H200's 50 MB L2
+MIN_LAYERS = 8
+REPLAYS = 30
+PREFETCH_BLOCK = 4096  # elements per program: 8 KB of bf16
+MAX_DIFF = 5e-2  # outputs ~N(0, 1) (w scaled by 1/sqrt(K)); bf16 rounding stays well below
+
+
+@triton.jit
+def _l2_prefetch_kernel(src, partial, n, BLOCK: tl.constexpr):
+    # every element loaded once with evict_last, so the lines stay in L2 for the consumer; the
+    # per-program sum is stored only so that the compiler cannot drop the loads
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(src + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
+    tl.store(partial + pid, tl.sum(x.to(tl.float32), axis=0))
+
+
+def prefetch_partials(w: torch.Tensor) -> torch.Tensor:
+    """The fp32 buffer ``prefetch_into_l2`` writes for ``w``: one partial sum per program."""
+    return torch.empty(triton.cdiv(w.numel(), PREFETCH_BLOCK), device=w.device, dtype=torch.float32)
+
+
+def prefetch_into_l2(w: torch.Tensor, partial: torch.Tensor) -> None:
+    """Read every byte of the contiguous ``w`` once (into L2 on a GPU); ``partial`` gets the sums."""
+    if not w.is_contiguous():
+        raise ValueError("tscompile: the L2 prefetch reads a contiguous weight")
+    n = w.numel()
+    grid = triton.cdiv(n, PREFETCH_BLOCK)
+    if partial.numel() != grid or partial.dtype != torch.float32:
+        raise ValueError(f"tscompile: the prefetch needs a float32 buffer of {grid} partial sums")
+    _l2_prefetch_kernel[(grid,)](w.view(-1), partial, n, BLOCK=PREFETCH_BLOCK)
+
+
+def sleep_cycles_per_us() -> float:
+    """Calibrates ``torch.cuda._sleep``: GPU cycles per microsecond, from a graph of long sleeps."""
+    cycles = 200_000
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            torch.cuda._sleep(cycles)
+    us = time_graph(graph) / 10
+    return cycles / us
+
+
+def time_graph(graph: torch.cuda.CUDAGraph) -> float:
+    """Median microseconds per replay over REPLAYS replays (after 3 untimed)."""
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def build_graph(variant: str, weights, partials, x, outs, stall_cycles: int, matmul) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        for w, part, out in zip(weights, partials, outs):
+            prefetch = variant in ("prefetch_join", "prefetch_free")
+            if prefetch:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    prefetch_into_l2(w, part)
+            torch.cuda._sleep(stall_cycles)
+            if variant == "prefetch_join":
+                main.wait_stream(side)
+            if variant != "stall":
+                matmul(x, w, out)
+        if variant == "prefetch_free":
+            main.wait_stream(side)
+    return graph
+
+
+def cublas(x, w, out):
+    torch.matmul(x, w.t(), out=out)
+
+
+def probe_shape(model: str, proj: str, n: int, k: int, cycles_per_us: float) -> list[dict]:
+    from tscompile.custom_ops import triton_gemv as tg
+
+    weight_bytes = n * k * 2
+    layers = max(MIN_LAYERS, math.ceil(ROTATE_BYTES / weight_bytes))
+    weights = [(torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16) for _ in range(layers)]
+    partials = [prefetch_partials(w) for w in weights]
+    for w, part in zip(weights[:2], partials[:2]):  # the read covers every element
+        part.fill_(float("nan"))
+        prefetch_into_l2(w, part)
+        want = w.float().sum().item()
+        assert math.isclose(part.sum().item(), want, rel_tol=1e-3, abs_tol=1.0), (part.sum().item(), want)
+    rows = []
+    for m in ROWS:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        kernels = {"cublas": cublas}
+        launch = tg.DECODE_GEMV_CONFIGS.get((n, k))
+        if m == 1 and launch is not None:
+            kernels["triton_gemv"] = lambda x_, w_, out_, launch=launch: tg.gemv(x_, w_, out_, config=launch)
+        ref = x.float() @ weights[0].float().t()
+        for name, matmul in kernels.items():
+            outs[0].fill_(float("nan"))
+            matmul(x, weights[0], outs[0])
+            torch.cuda.synchronize()
+            diff = (outs[0].float() - ref).abs().max().item()
+            if not diff <= MAX_DIFF:
+                raise AssertionError(f"{model} {proj} M={m} {name}: max |diff| {diff} against float32")
+            for stall_us in STALLS_US:
+                cycles = int(stall_us * cycles_per_us)
+                t = {v: time_graph(build_graph(v, weights, partials, x, outs, cycles, matmul)) / layers
+                     for v in ("stall", "serial", "prefetch_join", "prefetch_free")}
+                row = {"model": model, "proj": proj, "n": n, "k": k, "m": m, "kernel": name, "layers": layers,
+                       "weight_mb": round(weight_bytes / 1e6, 2), "stall_us": stall_us,
+                       **{f"{v}_us": round(u, 3) for v, u in t.items()},
+                       "matmul_from_dram_us": round(t["serial"] - t["stall"], 3),
+                       "gain_join_us": round(t["serial"] - t["prefetch_join"], 3),
+                       "gain_free_us": round(t["serial"] - t["prefetch_free"], 3)}
+                row["dram_tb_s"] = round(weight_bytes / max(row["matmul_from_dram_us"], 1e-3) / 1e6, 2)
+                print(f"{model:8s} {proj:7s} M={m:<2d} {name:11s} stall {stall_us:4.1f} us: serial "
+                      f"{t['serial']:6.2f}  prefetch+join {t['prefetch_join']:6.2f}  prefetch free "
+                      f"{t['prefetch_free']:6.2f}  (stall alone {t['stall']:5.2f}; matmul from DRAM "
+                      f"{row['matmul_from_dram_us']:5.2f} us, {row['dram_tb_s']:.2f} TB/s)", flush=True)
+                rows.append(row)
+    del weights, partials
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if not torch.cuda.is_available():
+        print("tscompile: scripts/l2_prefetch_probe.py measures an NVIDIA GPU; none is visible", file=sys.stderr)
+        return 2
+    out_path = argv[0] if argv else os.path.join(os.environ.get("OUT", "."), "l2_prefetch_probe.json")
+    cycles_per_us = sleep_cycles_per_us()
+    print(f"{torch.cuda.get_device_name()}: torch.cuda._sleep runs {cycles_per_us:.0f} cycles per us")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "sleep_cycles_per_us": cycles_per_us, "replays": REPLAYS, "rows": []}
+    for (model, proj), (n, k) in SHAPES.items():
+        result["rows"] += probe_shape(model, proj, n, k, cycles_per_us)
+        with open(out_path, "w") as f:  # rewritten per shape: a call cut at its deadline keeps the rest
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
