@@ -12,20 +12,21 @@ the projection itself reads from L2. This probe measures whether that pays befor
 changed for it.
 
 What runs: per projection shape (llama-1b qkv, o, down, gate/up; llama-8b qkv, o) and row count
-(M = 1, 32), a CUDA graph of L "layers", each a stall (`torch.cuda._sleep`, calibrated to STALLS_US:
-the stand-in for attention and the small kernels) followed by the matmul on that layer's own copy
-of the weight. There are enough copies to pass 4x the L2 (ROTATE_BYTES), so every matmul starts
-from DRAM as in the model. Four graphs each:
+(M = 1, 32), a CUDA graph of L "layers", each some work followed by the matmul on that layer's own
+copy of the weight. The work is a stall (`torch.cuda._sleep`, calibrated to STALLS_US: the stand-in
+for attention and the small kernels) or a bandwidth-bound read (a matmul on llama-1b's 67 MB gate/up
+weight at the same M: the stand-in for the projection before). There are enough copies to pass 4x
+the L2 (ROTATE_BYTES), so every matmul starts from DRAM as in the model. Four graphs each:
 
-- `stall`: the stalls alone.
-- `serial`: stall, then matmul.
+- `stall`: the work alone.
+- `serial`: the work, then the matmul.
 - `prefetch_join`: a side stream reads the layer's weight into L2 (one load of every byte,
-  evict_last) beside the stall; the matmul waits for that read.
+  evict_last) beside the work; the matmul waits for that read.
 - `prefetch_free`: the same, but the matmul does not wait (the streams join once, at the end).
 
 Per layer, `serial - stall` is the matmul's exposed time from DRAM, `prefetch_* - stall` with the read
-beside the stall. Times are the median over REPLAYS graph replays (CUDA events), divided by L. The
-matmul is cuBLAS (`F.linear`). At M = 1, where the shape has a launch in
+beside the work. Times are the median over REPLAYS graph replays (CUDA events), divided by L. The
+matmul is cuBLAS (`torch.matmul`). At M = 1, where the shape has a launch in
 `triton_gemv.DECODE_GEMV_CONFIGS`, the engine's Triton GEMV is measured as well. Before timing, every
 matmul's output is checked against float32 math, and the prefetch kernel's partial sums against the
 weight's sum."""
@@ -47,6 +48,10 @@ SHAPES = {  # (model, projection): (N, K) of the [N, K] weight
 }
 ROWS = (1, 32)
 STALLS_US = (3.0, 9.0)  # the small kernels between two projections; bs=1 attention per layer (~9 us)
+# the bandwidth-bound stand-in: llama-1b's fused gate/up [N, K] at the same M, over copies that pass
+# the L2 (does a prefetch beside a kernel that already streams DRAM gain or just share the bus?)
+NEIGHBOR = (16384, 2048)
+NEIGHBOR_COPIES = 4
 ROTATE_BYTES = 200 << 20  # 4x the H200's 50 MB L2
 MIN_LAYERS = 8
 REPLAYS = 30
@@ -107,18 +112,19 @@ def time_graph(graph: torch.cuda.CUDAGraph) -> float:
     return statistics.median(times)
 
 
-def build_graph(variant: str, weights, partials, x, outs, stall_cycles: int, matmul) -> torch.cuda.CUDAGraph:
+def build_graph(variant: str, weights, partials, x, outs, before, matmul) -> torch.cuda.CUDAGraph:
+    """L layers of ``before(i)`` (the work the prefetch hides behind) then the matmul on weight i."""
     side = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         main = torch.cuda.current_stream()
-        for w, part, out in zip(weights, partials, outs):
+        for i, (w, part, out) in enumerate(zip(weights, partials, outs)):
             prefetch = variant in ("prefetch_join", "prefetch_free")
             if prefetch:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     prefetch_into_l2(w, part)
-            torch.cuda._sleep(stall_cycles)
+            before(i)
             if variant == "prefetch_join":
                 main.wait_stream(side)
             if variant != "stall":
@@ -132,7 +138,7 @@ def cublas(x, w, out):
     torch.matmul(x, w.t(), out=out)
 
 
-def probe_shape(model: str, proj: str, n: int, k: int, cycles_per_us: float) -> list[dict]:
+def probe_shape(model: str, proj: str, n: int, k: int, cycles_per_us: float, neighbors) -> list[dict]:
     from tscompile.custom_ops import triton_gemv as tg
 
     weight_bytes = n * k * 2
@@ -160,18 +166,22 @@ def probe_shape(model: str, proj: str, n: int, k: int, cycles_per_us: float) -> 
             diff = (outs[0].float() - ref).abs().max().item()
             if not diff <= MAX_DIFF:
                 raise AssertionError(f"{model} {proj} M={m} {name}: max |diff| {diff} against float32")
-            for stall_us in STALLS_US:
-                cycles = int(stall_us * cycles_per_us)
-                t = {v: time_graph(build_graph(v, weights, partials, x, outs, cycles, matmul)) / layers
+            nx = torch.randn(m, NEIGHBOR[1], device="cuda").to(torch.bfloat16)
+            nout = torch.empty(m, NEIGHBOR[0], device="cuda", dtype=torch.bfloat16)
+            stalls = {f"sleep {us:g} us": (lambda i, c=int(us * cycles_per_us): torch.cuda._sleep(c))
+                      for us in STALLS_US}
+            stalls["gate/up read"] = lambda i: cublas(nx, neighbors[i % len(neighbors)], nout)
+            for stall, before in stalls.items():
+                t = {v: time_graph(build_graph(v, weights, partials, x, outs, before, matmul)) / layers
                      for v in ("stall", "serial", "prefetch_join", "prefetch_free")}
                 row = {"model": model, "proj": proj, "n": n, "k": k, "m": m, "kernel": name, "layers": layers,
-                       "weight_mb": round(weight_bytes / 1e6, 2), "stall_us": stall_us,
+                       "weight_mb": round(weight_bytes / 1e6, 2), "stall": stall,
                        **{f"{v}_us": round(u, 3) for v, u in t.items()},
                        "matmul_from_dram_us": round(t["serial"] - t["stall"], 3),
                        "gain_join_us": round(t["serial"] - t["prefetch_join"], 3),
                        "gain_free_us": round(t["serial"] - t["prefetch_free"], 3)}
                 row["dram_tb_s"] = round(weight_bytes / max(row["matmul_from_dram_us"], 1e-3) / 1e6, 2)
-                print(f"{model:8s} {proj:7s} M={m:<2d} {name:11s} stall {stall_us:4.1f} us: serial "
+                print(f"{model:8s} {proj:7s} M={m:<2d} {name:11s} {stall:12s}: serial "
                       f"{t['serial']:6.2f}  prefetch+join {t['prefetch_join']:6.2f}  prefetch free "
                       f"{t['prefetch_free']:6.2f}  (stall alone {t['stall']:5.2f}; matmul from DRAM "
                       f"{row['matmul_from_dram_us']:5.2f} us, {row['dram_tb_s']:.2f} TB/s)", flush=True)
@@ -188,10 +198,12 @@ def main(argv: list[str]) -> int:
     out_path = argv[0] if argv else os.path.join(os.environ.get("OUT", "."), "l2_prefetch_probe.json")
     cycles_per_us = sleep_cycles_per_us()
     print(f"{torch.cuda.get_device_name()}: torch.cuda._sleep runs {cycles_per_us:.0f} cycles per us")
+    neighbors = [(torch.randn(*NEIGHBOR, device="cuda") / math.sqrt(NEIGHBOR[1])).to(torch.bfloat16)
+                 for _ in range(NEIGHBOR_COPIES)]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "sleep_cycles_per_us": cycles_per_us, "replays": REPLAYS, "rows": []}
     for (model, proj), (n, k) in SHAPES.items():
-        result["rows"] += probe_shape(model, proj, n, k, cycles_per_us)
+        result["rows"] += probe_shape(model, proj, n, k, cycles_per_us, neighbors)
         with open(out_path, "w") as f:  # rewritten per shape: a call cut at its deadline keeps the rest
             json.dump(result, f, indent=1)
     return 0
