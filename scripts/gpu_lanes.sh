@@ -25,7 +25,10 @@
 #                  beside each other's compiles and short runs (both tuned parties alike); the timed
 #                  figures come only from the bench jobs, whose compile times are then warm ones.
 #                  Its rows are discarded; its logs go to $OUT/prewarm_M_MODE.log. With BENCH_RESUME=1
-#                  a prewarm done in an earlier call of the warm machine is not repeated.
+#                  a prewarm done in an earlier call of the warm machine is not repeated. The sequence
+#                  that gave llama-1b's one-machine table (bench/results/same-lease-6be9ade/README.md):
+#                  GPU_CACHE_OUT=1 with the prewarm alone, then at once (the machine stays warm ~30 s)
+#                  GPU_CACHE_IN=.gpu_cache with every mode's bench job, so a lost machine costs no compile.
 #   startup:M[:S]  scripts/startup.py for M: cold, warm and package start; S: starts to skip (a,b); the
 #                  exported package is kept as /tmp/pkg_M.pt2
 #   startup-tuned:M[:S]  the same with --decode-tuning on (what the bs=1 graph's tuning costs a start)
