@@ -1,4 +1,5 @@
-"""What each mode compiled: Dynamo's recompiles and graph breaks beside tscompile's own counters.
+"""What each mode compiled: Dynamo's recompiles and graph breaks, Inductor's FX graph cache hits,
+beside tscompile's own counters.
 
 Dynamo's ``torch._dynamo.utils.counters`` (as read in torch 2.13) has a ``"graph_break"`` table (one
 key per break reason, the count of frame compiles that hit it) and ``"stats"``/``"unique_graphs"``
@@ -18,6 +19,11 @@ from tscompile.counters import counters as tscompile_counters
 
 # tscompile's counters that say what a mode compiled and captured (tscompile/counters.py)
 TSCOMPILE_KEYS = ("graphs", "pieces_compiled", "breaks", "decode_captures", "prefill_captures")
+# Inductor's FX graph cache, per compiled graph one of hit / miss / bypass (a bypass: a graph the cache
+# cannot key, compiled every time). A bench on warm caches (scripts/gpu_lanes.sh prewarm) reports
+# warm compile times; these say which graphs really came from the cache.
+FX_CACHE_KEYS = {"fx_cache_hits": "fxgraph_cache_hit", "fx_cache_misses": "fxgraph_cache_miss",
+                 "fx_cache_bypasses": "fxgraph_cache_bypass"}
 # compiles kept in Dynamo's record of compilation metrics (its default keeps the last 64)
 METRICS_LIMIT = 100_000
 
@@ -50,11 +56,13 @@ def snapshot() -> dict:
     dyn = dynamo_utils.counters
     return {"graph_breaks": sum(dyn["graph_break"].values()), "graphs_compiled": dyn["stats"]["unique_graphs"],
             "recompile_records": len(_recompile_records()),
+            **{k: dyn["inductor"][name] for k, name in FX_CACHE_KEYS.items()},
             **{k: tscompile_counters[k] for k in TSCOMPILE_KEYS}}
 
 
 def since(before: dict) -> dict:
-    """Integers: ``recompiles``, ``graph_breaks``, ``graphs_compiled`` (Dynamo) and ``TSCOMPILE_KEYS``."""
+    """Integers: ``recompiles``, ``graph_breaks``, ``graphs_compiled`` (Dynamo), ``FX_CACHE_KEYS``
+    (Inductor) and ``TSCOMPILE_KEYS``."""
     now = snapshot()
     out = {"recompiles": now["recompile_records"] - before["recompile_records"]}
     out.update({k: now[k] - before[k] for k in now if k != "recompile_records"})

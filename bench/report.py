@@ -243,7 +243,14 @@ def decode_table(rows: list[dict]) -> str:
 
 
 COMPILE_HEADER = ["mode", "setup s", "compile s", "capture s", "dynamo graphs", "recompiles", "graph breaks",
-                  "tscompile graphs", "pieces", "breaks", "captures (decode+prefill)", "error"]
+                  "FX cache hit/miss/bypass", "tscompile graphs", "pieces", "breaks", "captures (decode+prefill)",
+                  "error"]
+
+
+def _fx_cache(st: dict) -> str:
+    """"hits/misses/bypasses", or "-" for a run recorded before the bench counted them."""
+    keys = ("fx_cache_hits", "fx_cache_misses", "fx_cache_bypasses")
+    return "/".join(str(st[k]) for k in keys) if all(k in st for k in keys) else "-"
 
 
 def compile_table(modes: dict) -> str:
@@ -253,7 +260,7 @@ def compile_table(modes: dict) -> str:
         captures = (st["decode_captures"] + st["prefill_captures"]) if st else None
         out.append([mode, _fmt(info.get("setup_s"), ".1f"), _fmt(info.get("compile_s"), ".2f"),
                     _fmt(info.get("capture_s"), ".2f"), _fmt(st.get("graphs_compiled")), _fmt(st.get("recompiles")),
-                    _fmt(st.get("graph_breaks")), _fmt(st.get("graphs")), _fmt(st.get("pieces_compiled")),
+                    _fmt(st.get("graph_breaks")), _fx_cache(st), _fmt(st.get("graphs")), _fmt(st.get("pieces_compiled")),
                     _fmt(st.get("breaks")), _fmt(captures), _error(info)])
     return _table(COMPILE_HEADER, out)
 
@@ -416,8 +423,10 @@ def markdown(result: dict) -> str:
              "the mean decode context) / copy bandwidth; % roofline = roofline / median TPOT.",
              "", _reference_line(result),
              "", "Compile table: Dynamo's graphs compiled, recompiles (compiles whose cache entry's guards failed) "
-             "and graph breaks, and tscompile's own counters, over the mode's whole run. Static-cache compile/"
-             "capture times are the first warm-up run's excess over the steady state.",
+             "and graph breaks, Inductor's FX graph cache (per graph it compiled: a hit, a miss, or a bypass "
+             "that the cache cannot key), and tscompile's own counters, over the mode's whole run. Static-cache "
+             "compile/capture times are the first warm-up run's excess over the steady state; with FX cache hits "
+             "they are warm-cache times.",
              "", "MFU = prefill FLOPs (2 x linear weights x tokens, the output projection for the last token, causal "
              "attention 4 x L(L+1)/2 x heads x head_dim per layer) / median prefill time / the matmul peak. "
              "Host until launch (the engine's modes) = median host time from the submit until the step that "

@@ -101,9 +101,10 @@ REQUIRED_ROW_KEYS = {"mode", "batch_size", "error", "ttft_ms", "tpot_ms", "decod
                      "capture_s", "peak_memory_gib", "step_bytes", "roofline_ms", "achieved_gbps", "pct_of_roofline",
                      "ttft_ms_median", "ttft_ms_min", "ttft_ms_max", "tpot_ms_median", "tpot_ms_min", "tpot_ms_max",
                      "reference_check"}
-COMPILE_KEYS = {"recompiles", "graph_breaks", "graphs_compiled", *compile_stats.TSCOMPILE_KEYS}
+COMPILE_KEYS = {"recompiles", "graph_breaks", "graphs_compiled", *compile_stats.FX_CACHE_KEYS,
+                *compile_stats.TSCOMPILE_KEYS}
 NEW_MARKDOWN_COLUMNS = ("| mode | bs | TPOT ms (median) | TPOT min-max | decode tok/s | TTFT ms (median) | TTFT min-max |",
-                        "vs f32 reference (req 0) |", "| dynamo graphs | recompiles | graph breaks | tscompile graphs |",
+                        "vs f32 reference (req 0) |", "| dynamo graphs | recompiles | graph breaks | FX cache hit/miss/bypass | tscompile graphs |",
                         "| prefill tok/s | TFLOP/s | MFU | error |")
 
 
@@ -151,6 +152,10 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     # size under dynamic=True recompiles (0/1 specialization of the batch dimension)
     assert not any(result["modes"]["eager"]["compile_stats"].values())
     assert result["modes"]["compile-default"]["compile_stats"]["graphs_compiled"] >= 2
+    # every graph Inductor compiled went through its FX graph cache: a hit, a miss or a bypass each
+    fx = result["modes"]["compile-default"]["compile_stats"]
+    assert fx["fx_cache_hits"] + fx["fx_cache_misses"] + fx["fx_cache_bypasses"] >= fx["graphs_compiled"]
+    assert f'| {fx["fx_cache_hits"]}/{fx["fx_cache_misses"]}/{fx["fx_cache_bypasses"]} |' in out_md.read_text()
     # the modules Inductor loaded per mode (on the CPU C++ kernels: no run-time-chosen Triton config)
     assert result["modes"]["eager"]["autotuned_kernels"] == {"kernels": [], "graphs": 0}
     assert result["modes"]["compile-default"]["autotuned_kernels"]["graphs"] >= 2
