@@ -25,7 +25,7 @@ the L2 (ROTATE_BYTES), so every matmul starts from DRAM as in the model. Four gr
 - `prefetch_free`: the same, but the matmul does not wait (the streams join once, at the end).
 
 Per layer, `serial - stall` is the matmul's exposed time from DRAM, `prefetch_* - stall` with the read
-beside the work. Times are the median over REPLAYS graph replays (CUDA events), divided by L. The
+beside the work. Times are the mean of REPLAYS back-to-back graph replays, divided by L. The
 matmul is cuBLAS (`torch.matmul`). At M = 1, where the shape has a launch in
 `triton_gemv.DECODE_GEMV_CONFIGS`, the engine's Triton GEMV is measured as well. Before timing, every
 matmul's output is checked against float32 math, and the prefetch kernel's partial sums against the
@@ -35,12 +35,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+
+from tscompile.bench.graph_timing import capture_graph, replay_us
 
 SHAPES = {  # (model, projection): (N, K) of the [N, K] weight
     ("llama-1b", "qkv"): (3072, 2048), ("llama-1b", "o"): (2048, 2048), ("llama-1b", "down"): (2048, 8192),
@@ -54,7 +55,7 @@ NEIGHBOR = (16384, 2048)
 NEIGHBOR_COPIES = 4
 ROTATE_BYTES = 200 << 20  # 4x the H200's 50 MB L2
 MIN_LAYERS = 8
-REPLAYS = 30
+REPLAYS = 30  # back to back between two events (bench/graph_timing.py)
 PREFETCH_BLOCK = 4096  # elements per program: 8 KB of bf16
 MAX_DIFF = 5e-2  # outputs ~N(0, 1) (w scaled by 1/sqrt(K)); bf16 rounding stays well below
 
@@ -88,38 +89,23 @@ def prefetch_into_l2(w: torch.Tensor, partial: torch.Tensor) -> None:
 def sleep_cycles_per_us() -> float:
     """Calibrates ``torch.cuda._sleep``: GPU cycles per microsecond, from a graph of long sleeps."""
     cycles = 200_000
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def sleeps():
         for _ in range(10):
             torch.cuda._sleep(cycles)
-    us = time_graph(graph) / 10
-    return cycles / us
+
+    return cycles / (replay_us(capture_graph(sleeps), REPLAYS) / 10)
 
 
-def time_graph(graph: torch.cuda.CUDAGraph) -> float:
-    """Median microseconds per replay over REPLAYS replays (after 3 untimed)."""
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def build_graph(variant: str, weights, partials, x, outs, before, matmul) -> torch.cuda.CUDAGraph:
-    """L layers of ``before(i)`` (the work the prefetch hides behind) then the matmul on weight i."""
+def layers_us(variant: str, weights, partials, x, outs, before, matmul) -> float:
+    """Microseconds per layer of L layers of ``before(i)`` (the work the prefetch hides behind) then
+    the matmul on weight i, replayed as one CUDA graph (a side stream for the prefetch variants)."""
+    prefetch = variant in ("prefetch_join", "prefetch_free")
     side = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def run():
         main = torch.cuda.current_stream()
         for i, (w, part, out) in enumerate(zip(weights, partials, outs)):
-            prefetch = variant in ("prefetch_join", "prefetch_free")
             if prefetch:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
@@ -131,7 +117,8 @@ def build_graph(variant: str, weights, partials, x, outs, before, matmul) -> tor
                 matmul(x, w, out)
         if variant == "prefetch_free":
             main.wait_stream(side)
-    return graph
+
+    return replay_us(capture_graph(run), REPLAYS) / len(weights)
 
 
 def cublas(x, w, out):
@@ -159,6 +146,11 @@ def probe_shape(model: str, proj: str, n: int, k: int, cycles_per_us: float, nei
         if m == 1 and launch is not None:
             kernels["triton_gemv"] = lambda x_, w_, out_, launch=launch: tg.gemv(x_, w_, out_, config=launch)
         ref = x.float() @ weights[0].float().t()
+        nx = torch.randn(m, NEIGHBOR[1], device="cuda").to(torch.bfloat16)
+        nout = torch.empty(m, NEIGHBOR[0], device="cuda", dtype=torch.bfloat16)
+        stalls = {f"sleep {us:g} us": (lambda i, c=int(us * cycles_per_us): torch.cuda._sleep(c))
+                  for us in STALLS_US}
+        stalls["gate/up read"] = lambda i: cublas(nx, neighbors[i % len(neighbors)], nout)
         for name, matmul in kernels.items():
             outs[0].fill_(float("nan"))
             matmul(x, weights[0], outs[0])
@@ -166,13 +158,8 @@ def probe_shape(model: str, proj: str, n: int, k: int, cycles_per_us: float, nei
             diff = (outs[0].float() - ref).abs().max().item()
             if not diff <= MAX_DIFF:
                 raise AssertionError(f"{model} {proj} M={m} {name}: max |diff| {diff} against float32")
-            nx = torch.randn(m, NEIGHBOR[1], device="cuda").to(torch.bfloat16)
-            nout = torch.empty(m, NEIGHBOR[0], device="cuda", dtype=torch.bfloat16)
-            stalls = {f"sleep {us:g} us": (lambda i, c=int(us * cycles_per_us): torch.cuda._sleep(c))
-                      for us in STALLS_US}
-            stalls["gate/up read"] = lambda i: cublas(nx, neighbors[i % len(neighbors)], nout)
             for stall, before in stalls.items():
-                t = {v: time_graph(build_graph(v, weights, partials, x, outs, before, matmul)) / layers
+                t = {v: layers_us(v, weights, partials, x, outs, before, matmul)
                      for v in ("stall", "serial", "prefetch_join", "prefetch_free")}
                 row = {"model": model, "proj": proj, "n": n, "k": k, "m": m, "kernel": name, "layers": layers,
                        "weight_mb": round(weight_bytes / 1e6, 2), "stall": stall,
