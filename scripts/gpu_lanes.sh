@@ -18,14 +18,16 @@
 #                  A row counts as done only when every mode of the job measured it, so a job of
 #                  several modes cut inside its second mode measures everything again: for a run
 #                  that may span calls, give each mode its own job (bench:M:A bench:M:B ...)
-#   prewarm:M:MODES  every mode of MODES (comma-separated) benched at once, one process each, 1 iteration,
-#                  no warm-up, no kernel table, to fill the compile caches (FX graph, AOTAutograd, the
+#   prewarm:M:MODES  every mode of MODES (comma-separated) benched once, 1 iteration, no warm-up, no
+#                  kernel table (the tscompile modes first, one at a time: the engine takes 0.9 of the
+#                  device; then the stock modes at once, one process each), to fill the compile caches (FX graph, AOTAutograd, the
 #                  coordinate-descent `.best_config`s) that the timed bench:M:MODE jobs after it then
-#                  load: a one-machine table of every mode fits fewer calls. The modes' tuning runs
-#                  beside each other's compiles and short runs (both tuned parties alike); the timed
+#                  load: a one-machine table of every mode fits fewer calls. The tuned baseline's
+#                  coordinate-descent tuning runs beside the other stock modes' compiles and short runs,
+#                  tscompile's bs=1 tuning alone (PREWARM_SERIAL=1: every mode alone, slower); the timed
 #                  figures come only from the bench jobs, whose compile times are then warm ones.
 #                  Its rows are discarded; its logs go to $OUT/prewarm_M_MODE.log. With BENCH_RESUME=1
-#                  a prewarm done in an earlier call of the warm machine is not repeated. The sequence
+#                  a mode whose prewarm finished in an earlier call of the warm machine is not repeated. The sequence
 #                  that gave llama-1b's one-machine table (bench/results/same-lease-6be9ade/README.md):
 #                  GPU_CACHE_OUT=1 with the prewarm alone, then at once (the machine stays warm ~30 s)
 #                  GPU_CACHE_IN=.gpu_cache with every mode's bench job, so a lost machine costs no compile.
@@ -180,18 +182,38 @@ run_job() {  # lane job
         2> "$OUT/$file.log"; echo "rc=$?"; sed -n '/### Decode/,/### Kernels/p' "$OUT/$file.md"
       [ "${BENCH_RESUME:-0}" = 1 ] && [ -f "$OUT/$file.json" ] && cp "$OUT/$file.json" .bench_live/ ;;
     prewarm:*)
-      local spec=${job#prewarm:}; local model=${spec%%:*} modes=${spec#*:} m pids=()
-      local marker=.bench_live/prewarm_${model}_${modes//,/_}.done
-      [ "${BENCH_RESUME:-0}" = 1 ] && [ -f "$marker" ] && { echo "== $job: done in an earlier call"; return; }
+      # tscompile's engine takes gpu_memory_utilization (0.9) of the whole device for itself, so beside
+      # three other 8B processes it found no room for its KV pool (H200, 2026-12-03): the engine modes
+      # prewarm first, one at a time on the idle device, then the stock modes together. A mode whose
+      # prewarm finished in an earlier call of the warm machine (BENCH_RESUME=1) is not repeated.
+      local spec=${job#prewarm:}; local model=${spec%%:*} modes=${spec#*:} m rc=0 pid
+      local engine_modes=() stock_modes=() pids=()
       for m in ${modes//,/ }; do
+        case $m in tscompile*) engine_modes+=("$m") ;; *) stock_modes+=("$m") ;; esac
+      done
+      mkdir -p .bench_live
+      prewarm_one() {  # one mode's untimed bench; a marker in .bench_live when it finished
+        local m=$1 marker=.bench_live/prewarm_${model}_$1.done
+        [ "${BENCH_RESUME:-0}" = 1 ] && [ -f "$marker" ] && { echo "== prewarm $model $m: done in an earlier call"; return 0; }
+        local left=$((deadline - SECONDS - 5)); [ $left -lt 30 ] && { echo "== prewarm $model $m skipped: ${left}s left"; return 1; }
         timeout $left tscompile bench --model $model --modes $m --batch-size ${BENCH_BS:-1 8 32 64} --input-len 512 \
           --output-len 128 --prefill-lens ${BENCH_PREFILL_LENS:-32 2048} --num-iters 1 --num-iters-warmup 0 \
           --output-json /tmp/prewarm_${model}_$m.json --output-md /tmp/prewarm_${model}_$m.md --no-progress \
-          > "$OUT/prewarm_${model}_$m.log" 2>&1 &
-        pids+=($!)
-      done
-      local rc=0 pid; for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
-      echo "rc=$rc ($(date +%T))"; [ $rc = 0 ] && mkdir -p .bench_live && touch "$marker" ;;
+          > "$OUT/prewarm_${model}_$m.log" 2>&1
+        local r=$? why=""
+        # an error row (the bench exits 0 after one) means the caches were not filled either
+        [ $r = 0 ] && grep -q '"error": "' /tmp/prewarm_${model}_$m.json && { r=1; why=", an error row (its log)"; }
+        echo "== prewarm $model $m: rc=$r$why ($(date +%T))"
+        [ $r = 0 ] && touch "$marker"; return $r
+      }
+      for m in "${engine_modes[@]}"; do prewarm_one "$m" || rc=1; done
+      if [ "${PREWARM_SERIAL:-0}" = 1 ]; then  # every mode alone: each party's tuning on an idle device
+        for m in "${stock_modes[@]}"; do prewarm_one "$m" || rc=1; done
+      else
+        for m in "${stock_modes[@]}"; do prewarm_one "$m" & pids+=($!); done
+      fi
+      for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+      echo "rc=$rc ($(date +%T))" ;;
     startup:*|startup-tuned:*)  # startup-tuned: the same with the bs=1 decode graph's tuning
       local spec=${job#*:}; local model=${spec%%:*} skip="" tag="" extra=""
       [ "$spec" != "$model" ] && skip=${spec#*:}
