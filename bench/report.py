@@ -107,6 +107,8 @@ def kernel_paths() -> dict:
     if decode_gemv:  # which projections left cuBLAS, at which launches, with the norms fused or not, from where
         paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.decode_gemv_configs().items()}
         paths["decode_gemv_fuse"] = triton_gemv.DECODE_GEMV_FUSE
+        # what a coordinate-descent-tuned bs=1 graph puts back in place of Inductor's reductions
+        paths["decode_tuned_matmuls"] = {f"{n}x{k}": c for (n, k), c in triton_gemv.decode_tuned_matmuls().items()}
         if triton_gemv.DECODE_GEMV_FUSE:  # a fused call's own launches, and the fused sweep they came from
             paths["decode_gemv_fused_configs"] = {f"{n}x{k}": list(c)
                                                   for (n, k), c in triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()}

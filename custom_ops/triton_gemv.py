@@ -479,6 +479,35 @@ DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per 
     (128256, 4096): (1, 2048, 1, 8, 1, "acc"),   # llama-8b LM head: 233.9 / 243.2
 }
 
+# With coordinate-descent tuning on in the bs=1 decode graph (opt-in, the gpt-fast setting:
+# ``static_inductor_options={"coordinate_descent_tuning": True}``), Inductor turns every one-row
+# matmul into its own reduction before the pass runs, tunes it and fuses the RMSNorm before it (and
+# the SiLU-mul before down) into it. The pass then finds those decompositions (passes/decode_gemv.py,
+# ``swap_decomposed_matmuls``) and puts back, per weight shape, what beat Inductor's kernel: this
+# kernel ("gemv", at its DECODE_GEMV_CONFIGS launch) or cuBLAS ("cublas"); shapes not listed keep
+# Inductor's. The choice: the tuned static-cache baseline's kernel table (the same projections,
+# Inductor-generated and tuned, norms fused) against tscompile-triton's, same machine, same call
+# (H200, bs=1, us per layer; llama-8b bench/results/same-lease-2d9e6ac/, llama-1b same-lease-6be9ade/).
+# Inductor's kept: llama-8b qkv 13.8 with its norm vs 13.7 + 2.5 here, gate/up 55.2 with its norm vs
+# cuBLAS 57.8 + 2.5; llama-1b qkv 6.0 with its norm vs 6.0 + 1.7, LM head 116 with its norm vs 123.
+# Not yet run in the engine: a GPU bench of tscompile-triton with and without the tuning decides.
+DECODE_TUNED_MATMULS: dict[tuple[int, int], str] = {  # (N, K): "gemv" or "cublas"; us per call, that / Inductor's
+    (4096, 4096): "gemv",     # llama-8b output: 10.0 / 10.5 (9.2 alone, 11.9 with the residual add)
+    (4096, 14336): "gemv",    # llama-8b down: 29.1 + 1.5 SiLU-mul / 34.8 with it
+    (128256, 4096): "gemv",   # llama-8b LM head: 234 / 245 with the final norm
+    (2048, 2048): "gemv",     # llama-1b output: 4.7 / 5.1
+    (2048, 8192): "gemv",     # llama-1b down: 10.0 + 1.2 SiLU-mul / 18.4 with it
+    (16384, 2048): "cublas",  # llama-1b gate/up: 18.2 + 1.7 norm / 25.6 with it
+}
+TUNED_CHOICES = ("gemv", "cublas")
+
+
+def decode_tuned_matmuls() -> dict[tuple[int, int], str]:
+    """``DECODE_TUNED_MATMULS``, or nothing with TSCOMPILE_GEMV_TABLE: the choices were measured
+    against Inductor's kernels on the H200, and another GPU's sweep says nothing about those there."""
+    return {} if GEMV_TABLE_FILE else DECODE_TUNED_MATMULS
+
+
 # Listed only with TSCOMPILE_DECODE_GEMV_FUSE: a launch at parity with cuBLAS on its own, which the
 # fusion makes worth it (it takes the norm kernel before the projection away).
 DECODE_GEMV_FUSE_ONLY: dict[tuple[int, int], tuple] = {

@@ -8,6 +8,12 @@ pass swaps those matmuls, and only those whose weight shape has a measured launc
 ``DECODE_GEMV_CONFIGS`` (custom_ops/triton_gemv.py), for the ``tscompile::gemv`` custom op: a fixed
 launch, so a compile cannot pick a slower one.
 
+With coordinate-descent tuning on (``static_inductor_options``, the gpt-fast setting), Inductor has
+decomposed the one-row matmuls into its own reductions before this pass runs; the pass then puts
+back, per weight shape, the kernel that beat Inductor's tuned one in the same run
+(``DECODE_TUNED_MATMULS``: this kernel or cuBLAS) and leaves the rest, with the RMSNorm Inductor
+fuses into them, to Inductor (``swap_decomposed_matmuls``).
+
 On by default on the GPUs that table was timed on (``piece_compiler`` adds the pass to static CUDA
 graphs only; ``TSCOMPILE_DECODE_GEMV=0`` turns it off). Numerics: float32 accumulation rounded once
 to the output dtype, as cuBLAS does, in another summation order.
@@ -23,7 +29,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from tscompile.custom_ops import triton_gemv
 from tscompile.passes import matmul_nodes, rms_norm_nodes, silu_mul_nodes
-from tscompile.passes.matmul_nodes import erase_unused, is_call, swap_matmuls
+from tscompile.passes.matmul_nodes import (decomposed_matmul, erase_unused, is_call, swap_matmuls,
+                                          transposed_weight, val_of)
 from tscompile.passes.rms_norm_nodes import match_rms_norm
 from tscompile.passes.silu_mul_nodes import match_silu_mul
 
@@ -42,10 +49,49 @@ def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",
     fuse = triton_gemv.DECODE_GEMV_FUSE if fuse is None else fuse
     # one row: DECODE_GEMV_CONFIGS' launches hold M x BLOCK_N x BLOCK_K float32 products per program
     table = triton_gemv.decode_gemv_configs(fuse)
-    return swap_matmuls(graph, devices, lambda x, shape: x.shape[0] == 1 and shape in table,
-                        torch.ops.tscompile.gemv.default,
-                        replace=functools.partial(fuse_replace if fuse else matmul_nodes.replace_matmul,
-                                                  kwargs={"pdl": True} if pdl else None))
+    swapped = swap_matmuls(graph, devices, lambda x, shape: x.shape[0] == 1 and shape in table,
+                           torch.ops.tscompile.gemv.default,
+                           replace=functools.partial(fuse_replace if fuse else matmul_nodes.replace_matmul,
+                                                     kwargs={"pdl": True} if pdl else None))
+    return swapped + swap_decomposed_matmuls(graph, devices, pdl=pdl)
+
+
+def swap_decomposed_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), pdl: bool = False) -> int:
+    """With coordinate-descent tuning on, Inductor has already turned each one-row matmul into its own
+    reduction (``matmul_nodes.decomposed_matmul``). Where ``decode_tuned_matmuls`` names the weight's
+    shape, the reduction goes back to ``tscompile::gemv(x, w)`` ("gemv", if the launch table has the
+    shape) or to ``mm(x, wt)`` for cuBLAS ("cublas"); elsewhere Inductor keeps it, with the norm it
+    fuses into it. Returns how many went."""
+    policy = triton_gemv.decode_tuned_matmuls()
+    count = 0
+    for node in list(graph.nodes):
+        found = decomposed_matmul(node) if policy else None
+        if found is None:
+            continue
+        x, transposed, chain = found
+        w = transposed_weight(transposed)
+        xval, wval = val_of(x), val_of(w) if w is not None else None
+        if wval is None or xval.shape[0] != 1 or xval.dtype not in triton_gemv.SUPPORTED_DTYPES:
+            continue
+        if wval.dtype != xval.dtype or xval.device.type not in devices or wval.device != xval.device:
+            continue
+        shape = tuple(wval.shape)
+        choice = policy.get(shape) if all(type(d) is int for d in shape) else None
+        if choice == "gemv" and triton_gemv.decode_gemv_config(shape) is None:
+            choice = None  # a sweep's table without this shape: no launch to run it at
+        if choice is None:
+            continue
+        end = chain[0]
+        with graph.inserting_before(end):
+            if choice == "gemv":
+                op = graph.call_function(torch.ops.tscompile.gemv.default, (x, w), {"pdl": True} if pdl else {})
+            else:
+                op = graph.call_function(aten.mm.default, (x, transposed))
+        op.meta.update(end.meta)
+        end.replace_all_uses_with(op)
+        erase_unused(graph, [*chain, transposed])
+        count += 1
+    return count
 
 
 def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target,
@@ -97,6 +143,7 @@ class DecodeGemv(CustomGraphPass):
 
     def uuid(self) -> bytes:
         table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.decode_gemv_configs().items()),
-                      sorted(triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()), self.pdl)).encode()
+                      sorted(triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()),
+                      sorted(triton_gemv.decode_tuned_matmuls().items()), self.pdl)).encode()
         files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, silu_mul_nodes.__file__, triton_gemv.__file__)
         return get_hash_for_files(files) + table

@@ -58,6 +58,47 @@ def matmul_args(node: torch.fx.Node, devices: tuple[str, ...]) -> tuple | None:
     return None
 
 
+def _strip_upcast(node):
+    """(source, cast node or None) of ``convert_element_type(source, float32)``; (node, None) otherwise."""
+    if is_call(node, torch.ops.prims.convert_element_type.default) and node.args[1] == torch.float32:
+        return node.args[0], node
+    return node, None
+
+
+def decomposed_matmul(node: torch.fx.Node) -> tuple | None:
+    """(x, transposed w, the chain's nodes, last first) where ``node`` ends Inductor's decomposition
+    of a one-row ``mm(x, wt)``, what ``mm`` becomes with coordinate-descent tuning on a GPU (its
+    ``decomposition.mm``): ``sum(unsqueeze(x, 2) * unsqueeze(wt, 0), [1])``, on float32 upcasts of
+    x and wt and cast back to x's dtype for lower-precision inputs. None for anything else, or where
+    a node inside the chain has another reader (it could not go)."""
+    cast_back = None
+    if is_call(node, torch.ops.prims.convert_element_type.default):
+        cast_back, node = node, node.args[0]
+    if not is_call(node, aten.sum.dim_IntList) or list(node.args[1]) != [1] or node.kwargs.get("dtype") is not None:
+        return None
+    if len(node.args) > 2 and node.args[2]:  # keepdim
+        return None
+    mul = node.args[0]
+    if not is_call(mul, aten.mul.Tensor) or len(mul.users) != 1:
+        return None
+    left, right = mul.args
+    if not (is_call(left, aten.unsqueeze.default) and left.args[1] == 2
+            and is_call(right, aten.unsqueeze.default) and right.args[1] == 0):
+        return None
+    (x, x_cast), (wt, w_cast) = _strip_upcast(left.args[0]), _strip_upcast(right.args[0])
+    if (x_cast is None) != (w_cast is None) or (x_cast is None) != (cast_back is None):
+        return None  # upcast inputs and a cast-back result together, or none of them (float32)
+    xval, wtval, out = val_of(x), val_of(wt), val_of(cast_back if cast_back is not None else node)
+    if xval is None or wtval is None or out is None or xval.dim() != 2 or out.dtype != xval.dtype:
+        return None
+    if len(node.users) != 1 and cast_back is not None:
+        return None
+    chain = [n for n in (cast_back, node, mul, left, right, x_cast, w_cast) if n is not None]
+    if any(len(n.users) != 1 for n in (left, right, *(c for c in (x_cast, w_cast) if c is not None))):
+        return None
+    return x, wt, chain
+
+
 def swap_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...], wanted, target, replace=None) -> int:
     """Replace every matmul ``matmul_args`` recognises, of a K-contiguous weight of static shape and
     x's dtype (one the Triton kernel takes) on ``devices``, for which ``wanted(x_val, weight_shape)``

@@ -308,6 +308,11 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
     monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "/sweeps/gemv_sweep.json")
     monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", False)
     assert report.kernel_paths()["decode_gemv_fuse"] is False
+    assert report.kernel_paths()["decode_tuned_matmuls"] == {}  # another GPU's sweep: no tuned policy
+    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "")
+    monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
+    assert report.kernel_paths()["decode_tuned_matmuls"] == {"512x256": "gemv", "256x256": "cublas"}
+    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "/sweeps/gemv_sweep.json")
     monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", True)  # the fuse-only launches join the recorded table
     monkeypatch.setattr(tg, "DECODE_GEMV_FUSE_ONLY", {(24, 256): (8, 128, 1, 4, 1, "acc")})
     paths = report.kernel_paths()
@@ -485,3 +490,162 @@ def test_rms_norm_matcher_finds_the_models_norm_and_refuses_a_2d_weight():
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert found is not None and (found.x, found.weight, found.eps) == (placeholders[0], placeholders[1], 1e-6)
     assert match_rms_norm(_output_node(traced(torch.ones(1, 64)))) is None
+
+
+# -- with coordinate-descent tuning: Inductor's decomposed one-row matmuls -------------------------
+
+def _decomposed(f, *shapes, dtype=torch.float32):
+    """``f`` traced as Inductor's decompositions leave it with coordinate-descent tuning on a GPU:
+    on the meta device, which takes the GPU branch of ``decomposition.mm`` (CPU and MPS do not)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+
+    args = [torch.empty(*s, dtype=dtype, device="meta") for s in shapes]
+    with inductor_config.patch(coordinate_descent_tuning=True):
+        return make_fx(f, decomposition_table=select_decomp_table())(*args)
+
+
+def _three_projections(x, w_a, w_b, w_c):
+    return x @ w_a.T, x @ w_b.T, x @ w_c.T
+
+
+THREE = [(1, 256), (512, 256), (256, 256), (1024, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_matcher_finds_inductors_decomposed_one_row_matmul(dtype):
+    from tscompile.passes.matmul_nodes import decomposed_matmul
+
+    gm = _decomposed(lambda x, w: x @ w.T, (1, 256), (512, 256), dtype=dtype)
+    assert aten.mm.default not in _targets(gm) and aten.sum.dim_IntList in _targets(gm)  # decomposed
+    found = [(n, decomposed_matmul(n)) for n in gm.graph.nodes if decomposed_matmul(n) is not None]
+    assert len(found) == 1
+    end, (x, transposed, chain) = found[0]
+    assert end is chain[0] and end is next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert x.op == "placeholder" and x.name.startswith("x")
+    assert transposed.target is aten.permute.default and transposed.args[0].name.startswith("w")
+    # cast back to bf16 (and the two upcasts) only for a lower-precision dtype
+    casts = sum(n.target is torch.ops.prims.convert_element_type.default for n in chain)
+    assert casts == (0 if dtype == torch.float32 else 3)
+
+
+def test_the_matcher_refuses_a_reduction_that_is_not_a_one_row_matmul():
+    from tscompile.passes.matmul_nodes import decomposed_matmul
+
+    def not_mm(x, w):  # the same ops, other dims: a sum over K of an outer product, not x @ w.T
+        return (x.unsqueeze(2) * w.T.unsqueeze(0)).sum([2]), (x.unsqueeze(1) * w.unsqueeze(0)).sum([1])
+
+    gm = make_fx(not_mm)(torch.randn(1, 8), torch.randn(8, 8))
+    assert all(decomposed_matmul(n) is None for n in gm.graph.nodes)
+
+
+def test_tuned_policy_puts_back_the_gemv_and_cublas_and_keeps_inductors_reduction(monkeypatch):
+    """Policy {512x256: gemv, 256x256: cuBLAS}, 1024x256 unlisted: one ``tscompile::gemv``, one
+    ``mm`` and one reduction left; the swapped graph computes the three products (run on the CPU)."""
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
+    from tscompile.passes.decode_gemv import swap_decomposed_matmuls
+
+    gm = _decomposed(_three_projections, *THREE)
+    assert swap_decomposed_matmuls(gm.graph, devices=("cuda",)) == 0  # a meta graph: not a listed device
+    assert swap_decomposed_matmuls(gm.graph, devices=("meta",)) == 2
+    gm.graph.lint()
+    gm.recompile()
+    targets = _targets(gm)
+    assert targets.count(torch.ops.tscompile.gemv.default) == 1 and targets.count(aten.mm.default) == 1
+    assert targets.count(aten.sum.dim_IntList) == 1 and targets.count(aten.mul.Tensor) == 1
+    g = torch.Generator().manual_seed(7)
+    args = [torch.randn(*s, generator=g) for s in THREE]
+    x = args[0]
+    out = gm(*args)  # fresh outputs (a functional graph allocates them), against fresh random inputs
+    for got, w in zip(out, args[1:]):
+        torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_tuned_policy_needs_a_launch_and_is_off_with_another_gpus_sweep(monkeypatch):
+    from tscompile.passes.decode_gemv import swap_decomposed_matmuls
+
+    monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {})  # no launch for 512x256: Inductor keeps it
+    assert swap_decomposed_matmuls(_decomposed(_three_projections, *THREE).graph, devices=("meta",)) == 1
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "a100.json")  # measured against the H200's kernels only
+    assert tg.decode_tuned_matmuls() == {}
+    assert swap_decomposed_matmuls(_decomposed(_three_projections, *THREE).graph, devices=("meta",)) == 0
+
+
+def test_the_inductor_cache_key_follows_the_tuned_policy(monkeypatch):
+    before = DecodeGemv().uuid()
+    monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "cublas"})
+    assert DecodeGemv().uuid() != before
+
+
+def test_shipped_tuned_policy_names_known_choices_and_shapes_with_a_launch():
+    assert set(tg.DECODE_TUNED_MATMULS.values()) <= set(tg.TUNED_CHOICES)
+    for shape, choice in tg.DECODE_TUNED_MATMULS.items():
+        if choice == "gemv":  # a gemv pick runs at the plain table's launch
+            assert shape in tg.DECODE_GEMV_CONFIGS
+        else:  # a cuBLAS pick is a shape the plain table leaves to cuBLAS too
+            assert shape not in tg.DECODE_GEMV_CONFIGS
+
+
+def test_a_tuned_engine_gives_the_eager_tokens_with_the_policys_kernels(monkeypatch):
+    """The compiled CPU engine (llama-tiny, float32) with coordinate-descent tuning in its static bs=1
+    decode graph, and Inductor's one-row ``mm`` decomposition made to apply on the CPU as it does on a
+    GPU: the pass puts the policy's kernels back (qkv-shaped 512x256, which the LM head shares: the
+    gemv op; the output projection: cuBLAS), gate/up stays Inductor's reduction, and the greedy
+    tokens are the eager engine's."""
+    from torch._inductor import decomposition
+
+    from tscompile.passes.decode_gemv import swap_decomposed_matmuls
+
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
+    monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
+    params = tscompile.SamplingParams(max_new_tokens=4)
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(PROMPTS[:1], params))
+
+    def one_row_mm_as_on_a_gpu(a, b, out_dtype=None):  # decomposition.mm's GPU branch
+        if out_dtype is None and a.shape[0] == 1:
+            return (a.unsqueeze(2) * b.unsqueeze(0)).sum(dim=1)
+        return NotImplemented
+
+    # both tables Inductor may take (select_decomp_table): the plain one and its cached copy
+    for table in (decomposition.decompositions, decomposition.fast_random_decomps()):
+        monkeypatch.setitem(table, aten.mm.default, one_row_mm_as_on_a_gpu)
+    seen = []
+
+    class CpuDecodeGemv(DecodeGemv):
+        def __call__(self, graph):
+            reductions = sum(n.target is aten.sum.dim_IntList for n in graph.nodes)
+            swapped = swap_decomposed_matmuls(graph, devices=("cpu",))
+            seen.append((reductions, swapped, sum(n.target is aten.mm.default for n in graph.nodes),
+                         sum(n.target is aten.sum.dim_IntList for n in graph.nodes)))
+
+    real_patches = piece_compiler.piece_inductor_patches
+
+    def patches_with_the_pass(config, static, **kw):
+        patches = real_patches(config, static, **kw)
+        if static:
+            patches.update(post_grad_custom_post_pass=CpuDecodeGemv(), force_disable_caches=True)
+        return patches
+
+    calls, real_gemv = [], tg.gemv
+
+    def counting_gemv(x, w, out=None, config=None, **fused):
+        calls.append(tuple(w.shape))
+        return real_gemv(x, w, out, config, **fused)
+
+    monkeypatch.setattr(tg, "gemv", counting_gemv)
+    monkeypatch.setattr(piece_compiler, "piece_inductor_patches", patches_with_the_pass)
+    llm = small_llm(dtype=torch.float32, enforce_eager=False,
+                    compile_options={"decode_ladder": (1,),
+                                     "static_inductor_options": {"coordinate_descent_tuning": True}})
+    got = ids(llm.generate(PROMPTS[:1], params))
+    assert got == want
+    layers = llm.runner.model.config.n_layers
+    # per layer qkv, output, gate/up and down (256x512, unlisted) decomposed, and the LM head
+    reductions, swapped, mms, left = seen[0]
+    assert len(seen) == 1 and reductions == 4 * layers + 1
+    assert swapped == 2 * layers + 1 and mms == layers  # qkv and the LM head: gemv; output: cuBLAS
+    assert left == reductions - swapped
+    assert calls and set(calls) == {(512, 256)}  # the op ran inside the graph's steps, for that shape only

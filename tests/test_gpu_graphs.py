@@ -208,6 +208,31 @@ def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_giv
     assert len(norms) == 1 if fuse else len(norms) >= 2 * layers, norms
 
 
+def test_tuned_decode_graph_puts_the_policys_kernels_back_and_gives_eager_tokens(monkeypatch):
+    """Coordinate-descent tuning on in the bs=1 graph, with llama-tiny's shapes in the tuned policy
+    (``DECODE_TUNED_MATMULS``: qkv 512x256 to the GEMV kernel, the output projection to cuBLAS): one
+    bs=1 step runs ``_gemv_kernel`` once per layer and cuBLAS for the output projections only, gate/up,
+    down and the LM head (a 640-id vocabulary) stay Inductor's reductions; tokens as eager's (float32)."""
+    import re
+
+    from tscompile.custom_ops import triton_gemv as tg
+
+    monkeypatch.setattr(tg, "DECODE_GEMV", True)
+    monkeypatch.setattr(tg, "DECODE_GEMV_DEVICES", (torch.cuda.get_device_name(),))
+    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {(512, 256): (1, 256, 1, 4, 1, "acc")})
+    monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
+    model = tscompile.models.build_config("llama-tiny", vocab_size=640)
+    cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
+    params = SamplingParams(max_new_tokens=6)
+    eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
+    llm = make(model, backend="triton", tuned=True, compile_options={"decode_ladder": (1, 2)})
+    assert ids(llm.generate(PROMPTS[:1], params)) == eager
+    one = _decode_kernels(llm.runner, 1)
+    layers = model.n_layers
+    assert sum(k == "_gemv_kernel" for k in one) == layers, one
+    assert layers <= len([k for k in one if cublas.search(k) and k != "_gemv_kernel"]) <= 2 * layers, one
+
+
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_tokens(monkeypatch, pdl):
     """TSCOMPILE_BATCH_GEMV with llama-tiny's qkv and gate/up weights listed at every row count the

@@ -51,8 +51,10 @@ class TscompileConfig:
     inductor_options: ``torch._inductor.config`` patches for every piece Inductor compiles (a dict).
     static_inductor_options: more patches only for graphs whose input sizes are all static (the
         engine's bs=1 decode graph). ``{"coordinate_descent_tuning": True}`` here is the gpt-fast
-        setting: Inductor turns the one-row matmuls into fused GEMV reductions and tunes them. Off by
-        default: on the H200 it doubles llama-1b's start-up for no steady gain (README, start-up).
+        setting: Inductor turns the one-row matmuls into fused GEMV reductions and tunes them, and the
+        decode GEMV pass puts back the projections its measured policy gives to the Triton GEMV or
+        cuBLAS (passes/decode_gemv.py). Off by default: on the H200 it doubles llama-1b's start-up
+        for no steady gain (README, start-up; measured before that policy existed).
     debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
     """
 
