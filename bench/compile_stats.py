@@ -28,11 +28,44 @@ FX_CACHE_KEYS = {"fx_cache_hits": "fxgraph_cache_hit", "fx_cache_misses": "fxgra
 METRICS_LIMIT = 100_000
 
 
-def _recompile_records() -> list:
+# Where compile time went, from Dynamo's per-compile ``CompilationMetrics`` (fields as in torch 2.11 to
+# 2.13; a field a version lacks counts as absent). The spans nest: a frame's compile holds
+# AOTAutograd's, which holds Inductor's, which holds Triton's kernel compiles and compile-time
+# autotuning. Run-time records (``is_runtime``) carry the first-run autotuning and CUDA-graph
+# recording that a mode pays on its first calls. Why: with every graph an FX cache hit, the tuned
+# baseline still spent about 40 s per batch size in its warm-up runs (H200, llama-1b and llama-8b,
+# bench/results/same-lease-2d9e6ac/); these say where.
+PHASE_FIELDS = {
+    "frame_s": "dynamo_cumulative_compile_time_us",
+    "aot_autograd_s": "aot_autograd_cumulative_compile_time_us",
+    "inductor_s": "inductor_cumulative_compile_time_us",
+    "triton_compile_s": "triton_compile_time_us",
+    "compile_autotune_s": "compile_time_autotune_time_us",
+    "runtime_autotune_s": "runtime_triton_autotune_time_us",
+    "cudagraphify_s": "runtime_cudagraphify_time_us",
+    "gc_s": "gc_time_us",
+}
+
+
+def _metrics() -> list:
     get = getattr(dynamo_utils, "get_compilation_metrics", None)
-    if get is None:
-        return []
-    return [m for m in get() if getattr(m, "recompile_reason", None)]
+    return list(get()) if get is not None else []
+
+
+def _recompile_records() -> list:
+    return [m for m in _metrics() if getattr(m, "recompile_reason", None)]
+
+
+def compile_phases(before: dict) -> dict[str, float]:
+    """Seconds per ``PHASE_FIELDS`` phase, summed over the compiles (and run-time records) since
+    ``before``; a phase no record measured is left out."""
+    records = _metrics()[before.get("metrics_records", 0):]
+    out: dict[str, float] = {}
+    for key, field in PHASE_FIELDS.items():
+        values = [v for v in (getattr(m, field, None) for m in records) if isinstance(v, (int, float))]
+        if values:
+            out[key] = sum(values) / 1e6
+    return out
 
 
 def keep_compilation_metrics() -> int | None:
@@ -55,7 +88,7 @@ def restore_compilation_metrics(old_limit: int | None) -> None:
 def snapshot() -> dict:
     dyn = dynamo_utils.counters
     return {"graph_breaks": sum(dyn["graph_break"].values()), "graphs_compiled": dyn["stats"]["unique_graphs"],
-            "recompile_records": len(_recompile_records()),
+            "recompile_records": len(_recompile_records()), "metrics_records": len(_metrics()),
             **{k: dyn["inductor"][name] for k, name in FX_CACHE_KEYS.items()},
             **{k: tscompile_counters[k] for k in TSCOMPILE_KEYS}}
 
@@ -65,7 +98,7 @@ def since(before: dict) -> dict:
     (Inductor) and ``TSCOMPILE_KEYS``."""
     now = snapshot()
     out = {"recompiles": now["recompile_records"] - before["recompile_records"]}
-    out.update({k: now[k] - before[k] for k in now if k != "recompile_records"})
+    out.update({k: now[k] - before[k] for k in now if k not in ("recompile_records", "metrics_records")})
     return out
 
 

@@ -267,6 +267,21 @@ def compile_table(modes: dict) -> str:
     return _table(COMPILE_HEADER, out)
 
 
+PHASE_COLUMNS = {"frame_s": "frame compile s", "aot_autograd_s": "AOTAutograd s", "inductor_s": "Inductor s",
+                 "triton_compile_s": "Triton compile s", "compile_autotune_s": "autotune at compile s",
+                 "runtime_autotune_s": "autotune at run s", "cudagraphify_s": "CUDA-graph record s", "gc_s": "GC s"}
+
+
+def compile_phase_table(modes: dict) -> str:
+    """Per mode, the seconds Dynamo's compile records put in each phase (``compile_stats.PHASE_FIELDS``);
+    empty when no mode has any (eager only, or a run recorded before the bench kept them)."""
+    rows = [(mode, info.get("compile_phases") or {}) for mode, info in modes.items()]
+    if not any(phases for _, phases in rows):
+        return ""
+    return _table(["mode", *PHASE_COLUMNS.values()],
+                  [[mode, *(_fmt(phases.get(k), ".2f") for k in PHASE_COLUMNS)] for mode, phases in rows])
+
+
 def mfu_header(result: dict) -> str:
     peak, source = result.get("peak_tflops"), result.get("peak_tflops_source")
     if result.get("merged_from"):
@@ -441,8 +456,13 @@ def markdown(result: dict) -> str:
         notes += ["", "Static-cache GQA formulation: " + "; ".join(gqa) + "."]
     if not peak:
         notes += ["", "MFU \"-\": no matmul peak (the CPU has none measured; give --peak-tflops to set one)."]
+    phases = compile_phase_table(result.get("modes", {}))
+    phase_part = ["Compile time by phase (Dynamo's compile records; the spans nest: a frame's compile "
+                  "holds AOTAutograd's, which holds Inductor's, which holds Triton's compiles and the "
+                  "autotuning at compile; the run-time records hold the first calls' autotuning and "
+                  "CUDA-graph recording):", "", phases, ""] if phases else []
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
-                      "### Compiles per mode", "", compile_table(result.get("modes", {})), "",
+                      "### Compiles per mode", "", compile_table(result.get("modes", {})), "", *phase_part,
                       "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, "",
                       *kernels_markdown(result), *autotune_markdown(result.get("modes", {}))])
 

@@ -282,6 +282,7 @@ class Bench:
         def note_compiles() -> None:  # after every row, so a run cut short keeps them too
             info["compile_stats"] = compile_stats.since(compiled_before)
             info["recompile_reasons"] = compile_stats.recompile_reasons(compiled_before)
+            info["compile_phases"] = compile_stats.compile_phases(compiled_before)
             # the launch configurations Inductor chose at run time (two runs differ there, not in code)
             info["autotuned_kernels"] = autotune_record.collect(modules_before)
 

@@ -156,6 +156,13 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     fx = result["modes"]["compile-default"]["compile_stats"]
     assert fx["fx_cache_hits"] + fx["fx_cache_misses"] + fx["fx_cache_bypasses"] >= fx["graphs_compiled"]
     assert f'| {fx["fx_cache_hits"]}/{fx["fx_cache_misses"]}/{fx["fx_cache_bypasses"]} |' in out_md.read_text()
+    # where the compile time went: eager has no compile record; the baseline's phases nest (a frame's
+    # compile holds AOTAutograd's, which holds Inductor's)
+    assert result["modes"]["eager"]["compile_phases"] == {}
+    phases = result["modes"]["compile-default"]["compile_phases"]
+    assert 0 < phases["aot_autograd_s"] <= phases["frame_s"], phases
+    assert phases.get("inductor_s", 0) <= phases["aot_autograd_s"]  # none at all when every graph was a cache hit
+    assert "| compile-default | " + f'{phases["frame_s"]:.2f} | {phases["aot_autograd_s"]:.2f} |' in stdout
     # the modules Inductor loaded per mode (on the CPU C++ kernels: no run-time-chosen Triton config)
     assert result["modes"]["eager"]["autotuned_kernels"] == {"kernels": [], "graphs": 0}
     assert result["modes"]["compile-default"]["autotuned_kernels"]["graphs"] >= 2
@@ -435,6 +442,27 @@ def test_compile_stats_count_dynamo_recompiles_and_graph_breaks():
     assert stats["recompiles"] == 2 and stats["graph_breaks"] == 2 and stats["graphs_compiled"] == 4
     assert all(type(v) is int for v in stats.values())
     assert reasons and all("dtype" in r for r in reasons)
+
+
+def test_compile_phases_sum_the_compile_records_since_the_snapshot():
+    """Only the compiles after the snapshot count: a second compile adds its own phase times, a
+    snapshot taken after both sees none of them."""
+    torch._dynamo.reset()
+    old_limit = compile_stats.keep_compilation_metrics()
+    try:
+        before = compile_stats.snapshot()
+        torch.compile(lambda x: x.sin() + 1, backend="inductor")(torch.randn(8))
+        one = compile_stats.compile_phases(before)
+        torch.compile(lambda x: x.cos() * 2, backend="inductor")(torch.randn(8))
+        two = compile_stats.compile_phases(before)
+        after = compile_stats.compile_phases(compile_stats.snapshot())
+    finally:
+        compile_stats.restore_compilation_metrics(old_limit)
+    torch._dynamo.reset()
+    assert 0 < one["aot_autograd_s"] <= one["frame_s"]
+    assert two["frame_s"] > one["frame_s"] and two["aot_autograd_s"] > one["aot_autograd_s"]
+    assert after == {}
+    assert set(two) <= set(compile_stats.PHASE_FIELDS)
 
 
 def test_tscompile_options_reach_the_compiled_modes_only_and_are_reported(tmp_path, monkeypatch, capsys):
