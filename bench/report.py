@@ -245,13 +245,14 @@ def decode_table(rows: list[dict]) -> str:
 
 
 COMPILE_HEADER = ["mode", "setup s", "compile s", "capture s", "dynamo graphs", "recompiles", "graph breaks",
-                  "FX cache hit/miss/bypass", "tscompile graphs", "pieces", "breaks", "captures (decode+prefill)",
+                  "FX cache hit/miss/bypass", "AOT cache hit/miss/bypass", "tscompile graphs", "pieces", "breaks", "captures (decode+prefill)",
                   "error"]
 
 
-def _fx_cache(st: dict) -> str:
-    """"hits/misses/bypasses", or "-" for a run recorded before the bench counted them."""
-    keys = ("fx_cache_hits", "fx_cache_misses", "fx_cache_bypasses")
+def _fx_cache(st: dict, prefix: str = "fx") -> str:
+    """"hits/misses/bypasses" of Inductor's FX graph cache (``prefix`` "aot": AOTAutograd's cache), or
+    "-" for a run recorded before the bench counted them."""
+    keys = (f"{prefix}_cache_hits", f"{prefix}_cache_misses", f"{prefix}_cache_bypasses")
     return "/".join(str(st[k]) for k in keys) if all(k in st for k in keys) else "-"
 
 
@@ -262,7 +263,7 @@ def compile_table(modes: dict) -> str:
         captures = (st["decode_captures"] + st["prefill_captures"]) if st else None
         out.append([mode, _fmt(info.get("setup_s"), ".1f"), _fmt(info.get("compile_s"), ".2f"),
                     _fmt(info.get("capture_s"), ".2f"), _fmt(st.get("graphs_compiled")), _fmt(st.get("recompiles")),
-                    _fmt(st.get("graph_breaks")), _fx_cache(st), _fmt(st.get("graphs")), _fmt(st.get("pieces_compiled")),
+                    _fmt(st.get("graph_breaks")), _fx_cache(st), _fx_cache(st, "aot"), _fmt(st.get("graphs")), _fmt(st.get("pieces_compiled")),
                     _fmt(st.get("breaks")), _fmt(captures), _error(info)])
     return _table(COMPILE_HEADER, out)
 
@@ -441,7 +442,8 @@ def markdown(result: dict) -> str:
              "", _reference_line(result),
              "", "Compile table: Dynamo's graphs compiled, recompiles (compiles whose cache entry's guards failed) "
              "and graph breaks, Inductor's FX graph cache (per graph it compiled: a hit, a miss, or a bypass "
-             "that the cache cannot key), and tscompile's own counters, over the mode's whole run. Static-cache "
+             "that the cache cannot key), AOTAutograd's cache likewise (a miss traces the graph again), and "
+             "tscompile's own counters, over the mode's whole run. Static-cache "
              "compile/capture times are the first warm-up run's excess over the steady state; with FX cache hits "
              "they are warm-cache times.",
              "", "MFU = prefill FLOPs (2 x linear weights x tokens, the output projection for the last token, causal "

@@ -102,9 +102,9 @@ REQUIRED_ROW_KEYS = {"mode", "batch_size", "error", "ttft_ms", "tpot_ms", "decod
                      "ttft_ms_median", "ttft_ms_min", "ttft_ms_max", "tpot_ms_median", "tpot_ms_min", "tpot_ms_max",
                      "reference_check"}
 COMPILE_KEYS = {"recompiles", "graph_breaks", "graphs_compiled", *compile_stats.FX_CACHE_KEYS,
-                *compile_stats.TSCOMPILE_KEYS}
+                *compile_stats.AOT_CACHE_KEYS, *compile_stats.TSCOMPILE_KEYS}
 NEW_MARKDOWN_COLUMNS = ("| mode | bs | TPOT ms (median) | TPOT min-max | decode tok/s | TTFT ms (median) | TTFT min-max |",
-                        "vs f32 reference (req 0) |", "| dynamo graphs | recompiles | graph breaks | FX cache hit/miss/bypass | tscompile graphs |",
+                        "vs f32 reference (req 0) |", "| dynamo graphs | recompiles | graph breaks | FX cache hit/miss/bypass | AOT cache hit/miss/bypass | tscompile graphs |",
                         "| prefill tok/s | TFLOP/s | MFU | error |")
 
 
@@ -156,6 +156,13 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     fx = result["modes"]["compile-default"]["compile_stats"]
     assert fx["fx_cache_hits"] + fx["fx_cache_misses"] + fx["fx_cache_bypasses"] >= fx["graphs_compiled"]
     assert f'| {fx["fx_cache_hits"]}/{fx["fx_cache_misses"]}/{fx["fx_cache_bypasses"]} |' in out_md.read_text()
+    # and through AOTAutograd's cache (when this torch has it on): a hit, a miss or a bypass each
+    from torch._functorch import config as functorch_config
+
+    aot = f'{fx["aot_cache_hits"]}/{fx["aot_cache_misses"]}/{fx["aot_cache_bypasses"]}'
+    assert f"| {aot} |" in out_md.read_text()
+    if getattr(functorch_config, "enable_autograd_cache", False):
+        assert fx["aot_cache_hits"] + fx["aot_cache_misses"] + fx["aot_cache_bypasses"] >= fx["graphs_compiled"], fx
     # where the compile time went: eager has no compile record; the baseline's phases nest (a frame's
     # compile holds AOTAutograd's, which holds Inductor's)
     assert result["modes"]["eager"]["compile_phases"] == {}
