@@ -102,6 +102,7 @@ def kernel_paths() -> dict:
              "fused_decode": triton_attention.FUSED_DECODE,
              # TSCOMPILE_DECODE_PDL where it applies: the decode attention and every decode graph with PDL
              "decode_pdl": triton_attention.DECODE_PDL and triton_attention.pdl_available(),
+             "decode_bs1_splits": triton_attention.DECODE_BS1_SPLITS,  # None: the occupancy rule
              "prefill_pdl": triton_attention.PREFILL_PDL and triton_attention.pdl_available(),
              "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
     if decode_gemv:  # which projections left cuBLAS, at which launches, with the norms fused or not, from where

@@ -73,6 +73,25 @@ def decode_warps_override(text: str) -> int | None:
 
 
 DECODE_NUM_WARPS: int | None = decode_warps_override(os.environ.get("TSCOMPILE_DECODE_NUM_WARPS", ""))
+
+
+def decode_bs1_splits_override(text: str) -> int | None:
+    """``TSCOMPILE_DECODE_BS1_SPLITS``: at most that many splits in a one-request decode launch (1: the
+    split kernel alone writes the output, no combine), so a GPU bench can A/B fewer splits at bs=1;
+    unset or empty: the occupancy rule. Why: the bs=1 step's attention is latency-bound (llama-1b 146
+    us per step for 16 layers of split + combine, H200, bench/results/same-lease-6be9ade/), and the
+    H200 sweeps only ever tried 17-32 splits there (their split targets of 256-4096 programs over 8
+    KV heads; bench/results/same-lease-ec654af/call2/decode_attn_sweep.md)."""
+    text = text.strip()
+    if not text:
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= DECODE_MAX_SPLITS:
+        raise ValueError(f"tscompile: TSCOMPILE_DECODE_BS1_SPLITS must be a whole number from 1 to "
+                         f"{DECODE_MAX_SPLITS}, got {text!r}")
+    return int(text)
+
+
+DECODE_BS1_SPLITS: int | None = decode_bs1_splits_override(os.environ.get("TSCOMPILE_DECODE_BS1_SPLITS", ""))
 DECODE_NUM_STAGES: int | None = None
 # From the H200 (llama-8b's decode shape: 32 query / 8 KV heads of 128, 576-token contexts in a
 # 2064-position table; bench/results/llama-8b-0d6d148/README.md): scripts/decode_attn_sweep.py found
@@ -446,6 +465,8 @@ def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int) 
     splits."""
     by_length = cdiv(max_kv, _min_split(block_n))
     by_occupancy = cdiv(DECODE_TARGET_PROGRAMS, max(batch * num_kv_heads, 1))
+    if batch == 1 and DECODE_BS1_SPLITS is not None:
+        by_occupancy = DECODE_BS1_SPLITS
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
 
 

@@ -201,6 +201,60 @@ def test_a_bad_decode_warps_override_is_refused(text):
         ta.decode_warps_override(text)
 
 
+@pytest.mark.parametrize("text, want", [("", None), (" ", None), ("1", 1), (" 4 ", 4), ("32", 32)])
+def test_the_decode_bs1_splits_override_reads_the_environment_value(text, want):
+    assert ta.decode_bs1_splits_override(text) == want
+
+
+@pytest.mark.parametrize("text", ["0", "33", "two", "-1", "1.5"])
+def test_a_bad_decode_bs1_splits_override_is_refused(text):
+    with pytest.raises(ValueError, match="^tscompile: TSCOMPILE_DECODE_BS1_SPLITS"):
+        ta.decode_bs1_splits_override(text)
+
+
+def test_the_bs1_splits_override_caps_one_request_launches_only(monkeypatch):
+    """llama-1b's decode table (2064 positions, 8 KV heads, 64-key tiles): 32 splits at bs=1 by the
+    occupancy rule, the override's count with it (never more than the table's minimum-length
+    splits), and other batch sizes untouched."""
+    assert ta.decode_num_splits(2064, 1, 8, 64) == 32
+    default_bs8 = ta.decode_num_splits(2064, 8, 8, 64)
+    monkeypatch.setattr(ta, "DECODE_BS1_SPLITS", 4)
+    assert ta.decode_num_splits(2064, 1, 8, 64) == 4
+    assert ta.decode_num_splits(100, 1, 8, 64) == 2  # 100 positions hold two 64-key splits at most
+    assert ta.decode_num_splits(2064, 8, 8, 64) == default_bs8
+    monkeypatch.setattr(ta, "DECODE_BS1_SPLITS", 1)
+    assert ta.decode_num_splits(2064, 1, 8, 64) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_a_one_request_decode_with_few_splits_matches_torch(device, monkeypatch, splits):
+    """The override's launches against the float32 oracle, output poisoned first: 1 split (the split
+    kernel writes the output alone), 2 and 3 (an odd count, padded to 4 in the combine)."""
+    monkeypatch.setattr(ta, "DECODE_BS1_SPLITS", splits)
+    monkeypatch.setattr(ta, "DECODE_MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
+    combine = LaunchSpy(ta._decode_combine_kernel)
+    monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
+    g = torch.Generator().manual_seed(100 + splits)
+    hq, hkv, d, page, kv_len = 4, 2, 32, 4, 45
+    pages = 16
+    k_cache = torch.randn(pages, page, hkv, d, generator=g).to(device)
+    v_cache = torch.randn(pages, page, hkv, d, generator=g).to(device)
+    table = torch.randperm(pages - 1, generator=g)[:12].add(1).to(torch.int32).view(1, 12).to(device)
+    seq_lens = torch.tensor([kv_len], dtype=torch.int32, device=device)
+    q = torch.randn(1, hq, d, generator=g).to(device)
+    out = torch.full_like(q, float("nan"))
+    ta.paged_decode(q, k_cache, v_cache, out, table, seq_lens, d ** -0.5)
+    keys = k_cache[table[0].long()].flatten(0, 1)[:kv_len]  # [kv_len, hkv, d] in position order
+    values = v_cache[table[0].long()].flatten(0, 1)[:kv_len]
+    group = hq // hkv
+    scores = torch.einsum("hd,khd->hk", q[0], keys.repeat_interleave(group, 1)) * d ** -0.5
+    want = torch.einsum("hk,khd->hd", scores.softmax(-1), values.repeat_interleave(group, 1))
+    torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-4)
+    assert ta.decode_num_splits(table.shape[1] * page, 1, hkv, 16) == splits
+    assert len(combine.launches) == (0 if splits == 1 else 1)
+
+
 def test_decode_head_dim_128_past_the_two_warp_threshold_matches_torch(device, monkeypatch):
     """The default head_dim-128 launch past both thresholds against the oracle: the split kernel
     launched with 32-key tiles and 2 warps, and the combine with the same 2 warps (its sums over the
