@@ -96,7 +96,7 @@ tests_for() {
     ladder) echo "tests/test_gpu_graphs.py -k ladder_without_1" ;;
     gpu_packages_ext) echo "tests/test_gpu_packages.py -k external_weights_or_bf16" ;;
     extend_fast) echo "tests/test_triton_extend_fast.py" ;;
-    unverified) echo "tests/test_gpu_graphs.py -k tuned_decode_graph_or_bs1_decode_runs_its_matmuls_or_decode_gemv_pass" ;;  # the tuned decode graph's policy (DECODE_TUNED_MATMULS)
+    unverified) echo "tests/test_gpu_graphs.py tests/test_triton_backend.py -k tuned_decode_graph_or_bs1_decode_runs_its_matmuls_or_decode_gemv_pass_or_few_splits" ;;  # the tuned decode graph's policy (DECODE_TUNED_MATMULS), TSCOMPILE_DECODE_BS1_SPLITS
     merge_check) echo "tests/test_gpu_graphs.py tests/test_prefill_startup_capture.py -k prefill_graph_or_startup_capture_or_start_up_capture_or_compiled_graphs_equal_or_triton_equals_torch_or_replay_equals_eager" ;;
     final) echo "tests/test_triton_extend_fast.py tests/test_gpu_graphs.py -k gpu_new_kernel_or_gpu_float32_or_bs1_decode_or_whole-triton_or_llama-tiny-whole" ;;
     hostwork) echo "tests/test_gpu_graphs.py tests/test_prefill_startup_capture.py -k whole-triton_or_llama-tiny-whole_or_async_scheduling_or_compiled_graphs_equal_or_bs1_decode_or_padded_rows_write_or_start_up_capture" ;;
