@@ -34,9 +34,9 @@ METRICS_LIMIT = 100_000
 
 
 # Where compile time went, from Dynamo's per-compile ``CompilationMetrics`` (fields as in torch 2.11 to
-# 2.13; a field a version lacks counts as absent). The spans nest: a frame's compile holds
-# AOTAutograd's, which holds Inductor's, which holds Triton's kernel compiles and compile-time
-# autotuning. Run-time records (``is_runtime``) carry the first-run autotuning and CUDA-graph
+# 2.13; a field a version lacks counts as absent). The phases overlap as Dynamo attributes them and
+# need not add up: a cold CPU run recorded more Inductor than AOTAutograd time (70.6 s against 2.4),
+# a warm one AOTAutograd inside the frame's compile. Run-time records (``is_runtime``) carry the first-run autotuning and CUDA-graph
 # recording that a mode pays on its first calls. Why: with every graph an FX cache hit, the tuned
 # baseline still spent about 40 s per batch size in its warm-up runs (H200, llama-1b and llama-8b,
 # bench/results/same-lease-2d9e6ac/); these say where.

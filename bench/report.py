@@ -460,10 +460,9 @@ def markdown(result: dict) -> str:
     if not peak:
         notes += ["", "MFU \"-\": no matmul peak (the CPU has none measured; give --peak-tflops to set one)."]
     phases = compile_phase_table(result.get("modes", {}))
-    phase_part = ["Compile time by phase (Dynamo's compile records; the spans nest: a frame's compile "
-                  "holds AOTAutograd's, which holds Inductor's, which holds Triton's compiles and the "
-                  "autotuning at compile; the run-time records hold the first calls' autotuning and "
-                  "CUDA-graph recording):", "", phases, ""] if phases else []
+    phase_part = ["Compile time by phase, summed over Dynamo's compile records of the mode (as Dynamo "
+                  "attributes it: the phases overlap and need not add up; the run-time records hold the "
+                  "first calls' autotuning and CUDA-graph recording):", "", phases, ""] if phases else []
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
                       "### Compiles per mode", "", compile_table(result.get("modes", {})), "", *phase_part,
                       "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, "",

@@ -163,12 +163,12 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
     assert f"| {aot} |" in out_md.read_text()
     if getattr(functorch_config, "enable_autograd_cache", False):
         assert fx["aot_cache_hits"] + fx["aot_cache_misses"] + fx["aot_cache_bypasses"] >= fx["graphs_compiled"], fx
-    # where the compile time went: eager has no compile record; the baseline's phases nest (a frame's
-    # compile holds AOTAutograd's, which holds Inductor's)
+    # where the compile time went: eager has no compile record; the baseline's frames took time in
+    # Dynamo and AOTAutograd (Inductor's share may be none: every graph a cache hit)
     assert result["modes"]["eager"]["compile_phases"] == {}
     phases = result["modes"]["compile-default"]["compile_phases"]
-    assert 0 < phases["aot_autograd_s"] <= phases["frame_s"], phases
-    assert phases.get("inductor_s", 0) <= phases["aot_autograd_s"]  # none at all when every graph was a cache hit
+    assert phases["frame_s"] > 0 and phases["aot_autograd_s"] > 0, phases
+    assert set(phases) <= set(compile_stats.PHASE_FIELDS) and all(v >= 0 for v in phases.values())
     assert "| compile-default | " + f'{phases["frame_s"]:.2f} | {phases["aot_autograd_s"]:.2f} |' in stdout
     # the modules Inductor loaded per mode (on the CPU C++ kernels: no run-time-chosen Triton config)
     assert result["modes"]["eager"]["autotuned_kernels"] == {"kernels": [], "graphs": 0}
@@ -466,7 +466,7 @@ def test_compile_phases_sum_the_compile_records_since_the_snapshot():
     finally:
         compile_stats.restore_compilation_metrics(old_limit)
     torch._dynamo.reset()
-    assert 0 < one["aot_autograd_s"] <= one["frame_s"]
+    assert one["frame_s"] > 0 and one["aot_autograd_s"] > 0
     assert two["frame_s"] > one["frame_s"] and two["aot_autograd_s"] > one["aot_autograd_s"]
     assert after == {}
     assert set(two) <= set(compile_stats.PHASE_FIELDS)
