@@ -57,8 +57,8 @@ def _metrics() -> list:
     return list(get()) if get is not None else []
 
 
-def _recompile_records() -> list:
-    return [m for m in _metrics() if getattr(m, "recompile_reason", None)]
+def _recompile_records(records: list | None = None) -> list:
+    return [m for m in (_metrics() if records is None else records) if getattr(m, "recompile_reason", None)]
 
 
 def compile_phases(before: dict) -> dict[str, float]:
@@ -91,9 +91,9 @@ def restore_compilation_metrics(old_limit: int | None) -> None:
 
 
 def snapshot() -> dict:
-    dyn = dynamo_utils.counters
+    dyn, records = dynamo_utils.counters, _metrics()
     return {"graph_breaks": sum(dyn["graph_break"].values()), "graphs_compiled": dyn["stats"]["unique_graphs"],
-            "recompile_records": len(_recompile_records()), "metrics_records": len(_metrics()),
+            "recompile_records": len(_recompile_records(records)), "metrics_records": len(records),
             **{k: dyn["inductor"][name] for k, name in FX_CACHE_KEYS.items()},
             **{k: dyn["aot_autograd"][name] for k, name in AOT_CACHE_KEYS.items()},
             **{k: tscompile_counters[k] for k in TSCOMPILE_KEYS}}

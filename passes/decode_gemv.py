@@ -63,9 +63,11 @@ def swap_decomposed_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("
     shape) or to ``mm(x, wt)`` for cuBLAS ("cublas"); elsewhere Inductor keeps it, with the norm it
     fuses into it. Returns how many went."""
     policy = triton_gemv.decode_tuned_matmuls()
+    if not policy:
+        return 0
     count = 0
     for node in list(graph.nodes):
-        found = decomposed_matmul(node) if policy else None
+        found = decomposed_matmul(node)
         if found is None:
             continue
         x, transposed, chain = found
