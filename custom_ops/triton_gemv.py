@@ -27,6 +27,12 @@ stores it ([N, K], K contiguous):
     - optional split-K: SPLIT_K programs per column block each cover one K range and write a
       float32 partial; a second small kernel sums the partials in a fixed order and casts. Plain
       stores instead of atomics keep the result deterministic and need no zeroed buffer.
+      "dot_sum" is "dot" without that second kernel: each program counts itself in on a per-column-
+      block counter after storing its partial, and the last to arrive sums the partials in split
+      order (the second kernel's order, so the same bits) and resets the counter. At 8-32 rows a
+      two-kernel split lost 2-3 us to split 1 per call on the H200, more than the extra programs
+      gained (bench/results/same-lease-ec654af/call1/gemv_sweep.json). The counters are one buffer
+      per device: calls on two streams at once must not both use it (the engine runs one stream).
 
 Fusions for the bs=1 decode step (``gemv``'s keywords, TSCOMPILE_DECODE_GEMV_FUSE): an RMSNorm
 prologue (the products use x * norm weight, and the sum is scaled once by the row's rsqrt(mean(x^2)
@@ -60,7 +66,8 @@ from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, env
 # bench/results/same-lease-b0f9ede/), which scripts/gemv_sweep.py times with GEMV_SWEEP_ROWS=16,32.
 MAX_ROWS = 32
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MODES = ("fma", "dot", "acc")
+MODES = ("fma", "dot", "acc", "dot_sum")
+DOT_MODES = ("dot", "dot_sum")
 
 # Programs the automatic split-K aims for: about four per SM of an H200 (132 SMs), enough
 # column-block x K-range programs in flight to saturate HBM when N alone gives too few.
@@ -126,10 +133,11 @@ def _acc_chunk(acc3, ss, w, x_rows, g_ptr, k, K, EVEN_K: tl.constexpr, RMS: tl.c
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, g_ptr, r_ptr, M, N, K, k_per_split, eps,
     stride_xm, stride_wn, stride_os, stride_om, stride_on, stride_rm, stride_rn,
+    fin_ptr, count_ptr, stride_fm, stride_fn,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
     RMS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    PEEL: tl.constexpr = False, PDL: tl.constexpr = False,
+    PEEL: tl.constexpr = False, PDL: tl.constexpr = False, LAST_SUMS: tl.constexpr = False,
 ):
     """Program (column block, K range): the float32 sum over its K range for its BLOCK_N columns
     and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split).
@@ -139,7 +147,12 @@ def _gemv_kernel(
     sum of squares is gathered from the same x loads. RESIDUAL (one K range): ``r`` is added to the
     rounded product before the store (the model's rounding: the product, then the sum). SWIGLU: x
     holds [gate | up], 2K wide, and the products use silu(gate) * up, rounded as the model rounds
-    them (``_swiglu``)."""
+    them (``_swiglu``).
+
+    LAST_SUMS ("dot_sum" mode, split K): after storing its partial, each program counts itself in at
+    ``count_ptr[pid_n]``; the last of the column block's splits to arrive sums the partials in split
+    order (so the result does not depend on which one was last), stores the rounded sum to ``fin``
+    and resets the counter to 0 for the next launch: no second kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,6 +245,9 @@ def _gemv_kernel(
             r = tl.load(r_ptr + m[None, :] * stride_rm + n[:, None] * stride_rn, mask=live, other=0.0)
             val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_base + m[None, :] * stride_om + n[:, None] * stride_on, val, mask=live)
+        if LAST_SUMS:  # out is the float32 partials here
+            _sum_if_last(out_ptr, fin_ptr, count_ptr + pid_n, m, n, live, stride_os, stride_om, stride_on,
+                         stride_fm, stride_fn, BLOCK_N, M_PAD)
     else:
         if RMS:
             acc = acc * tl.rsqrt(ss / K + eps)
@@ -241,6 +257,28 @@ def _gemv_kernel(
             r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :] * stride_rn, mask=live, other=0.0)
             val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_base + m[:, None] * stride_om + n[None, :] * stride_on, val, mask=live)
+
+
+@triton.jit
+def _sum_if_last(part_ptr, fin_ptr, counter, m, n, live, stride_ps, stride_pm, stride_pn, stride_fm, stride_fn,
+                 BLOCK_N: tl.constexpr, M_PAD: tl.constexpr):
+    """The "dot_sum" tail of one program: count in after the partial is stored; the last arrival of
+    the column block sums every split's partial in split order and resets the counter.
+
+    Ordering: the barrier puts every thread's partial stores before the counting atomic, whose
+    acq_rel at GPU scope publishes them (and, for the last arrival, makes the other programs'
+    published partials visible); the partials are then read through L2 (".cg"), never a stale L1."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    splits = tl.num_programs(1)
+    if arrived == splits - 1:
+        total = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # from zero as _sum_splits_kernel: the same bits
+        for s in range(splits):
+            total += tl.load(part_ptr + s * stride_ps + m[None, :] * stride_pm + n[:, None] * stride_pn,
+                             mask=live, other=0.0, cache_modifier=".cg")
+        tl.store(fin_ptr + m[None, :] * stride_fm + n[:, None] * stride_fn,
+                 total.to(fin_ptr.dtype.element_ty), mask=live)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -258,6 +296,27 @@ def _sum_splits_kernel(
 
 
 SUM_BLOCK = 1024
+
+# "dot_sum": one arrival counter per column block, in one zeroed buffer per device made once and kept
+# for the process (a CUDA graph captured with it holds its address; every launch leaves it zeroed).
+ARRIVAL_SLOTS = 1 << 16
+_ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
+    """The "dot_sum" counters for ``blocks`` column blocks on ``device``, or None where the call must
+    sum with the second kernel instead: more blocks than ARRIVAL_SLOTS, or a CUDA-graph capture
+    before the buffer exists (made inside a capture, it would be zeroed only when the graph
+    replays, not before an eager call)."""
+    if blocks > ARRIVAL_SLOTS:
+        return None
+    key = (device.type, device.index)
+    counters = _ARRIVALS.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _ARRIVALS[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return counters
 
 
 def split_layout(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -282,7 +341,7 @@ def _refuse_config(config, why: str):
     return ValueError(
         f"tscompile: gemv config {config!r} is not allowed ({why}); expected (BLOCK_N, BLOCK_K, SPLIT_K, "
         f"num_warps, num_stages[, mode]) with BLOCK_N, BLOCK_K powers of two, SPLIT_K >= 1, num_warps a "
-        f"power of two <= 16, num_stages >= 1, mode one of {MODES} (default 'fma'); 'dot' needs "
+        f"power of two <= 16, num_stages >= 1, mode one of {MODES} (default 'fma'); the dot modes need "
         f"BLOCK_N and BLOCK_K >= 16"
     )
 
@@ -302,8 +361,8 @@ def check_config(config) -> tuple[int, int, int, int, int, str]:
         raise _refuse_config(config, "bad SPLIT_K, num_warps or num_stages")
     if mode not in MODES:
         raise _refuse_config(config, f"unknown mode {mode!r}")
-    if mode == "dot" and min(block_n, block_k) < 16:  # tl.dot needs 16 per side
-        raise _refuse_config(config, "'dot' needs BLOCK_N and BLOCK_K >= 16")
+    if mode in DOT_MODES and min(block_n, block_k) < 16:  # tl.dot needs 16 per side
+        raise _refuse_config(config, f"{mode!r} needs BLOCK_N and BLOCK_K >= 16")
     return block_n, block_k, split_k, warps, stages, mode
 
 
@@ -417,7 +476,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     if norm_weight is not None or residual is not None:
         split_k = 1
     splits, per_split = split_layout(k, block_k, split_k)
-    use_dot = mode == "dot"
+    use_dot = mode in DOT_MODES
+    counters = arrival_counters(x.device, triton.cdiv(n, block_n)) if mode == "dot_sum" and splits > 1 else None
     m_pad = max(_next_pow2(m), 16) if use_dot else _next_pow2(m)
     # bf16 tl.dot is wrong under the CPU interpreter: products in float32 there (GPU keeps 16-bit)
     dot_fp32 = use_dot and x.dtype == torch.bfloat16 and _interpreting()
@@ -429,12 +489,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
         x, w, target, x if norm_weight is None else norm_weight, x if residual is None else residual,
         m, n, k, per_split, float(eps),
         x.stride(0), w.stride(0), stride_os, stride_om, stride_on, stride_rm, stride_rn,
+        out, x if counters is None else counters, *(out.stride() if counters is not None else (0, 0)),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
         RMS=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=bool(swiglu),
-        PEEL=GEMV_PEEL and mode == "acc", num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
+        PEEL=GEMV_PEEL and mode == "acc", LAST_SUMS=counters is not None,
+        num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
     )
-    if splits > 1:
+    if splits > 1 and counters is None:
         _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK), m)](
             target, out, n, splits, target.stride(0), target.stride(1), *out.stride(), BLOCK=SUM_BLOCK,
         )

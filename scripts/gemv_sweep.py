@@ -57,6 +57,7 @@ REP_MS = 3  # per do_bench_cudagraph replay (10 replays per measurement): ~640 m
 # tile x split or not for "dot", which pads M to 16) near 33. "fma": narrow column blocks with long
 # contiguous K segments (wider blocks hold M x BLOCK_N x BLOCK_K products per chunk in registers);
 # "dot": 64/128-column weight tiles as the tensor-core operand (32 columns: the pre-Hopper mma).
+# From DOT_SUM_MIN_ROWS rows each "dot" tile also runs as "dot_sum" (below): one more compile per tile.
 TILE_GRID = [
     (4, 512, 4, 2, "fma"), (8, 512, 4, 2, "fma"), (16, 256, 4, 2, "fma"),
     (64, 128, 4, 4, "dot"), (64, 256, 4, 3, "dot"), (128, 128, 8, 3, "dot"), (32, 128, 4, 4, "dot"),
@@ -75,6 +76,14 @@ ACC_MAX_ROWS = 2
 # "fma" holds M x BLOCK_N x BLOCK_K products per chunk in registers: past 8 rows (GEMV_SWEEP_ROWS=16,32,
 # the 32-token prefill's question) only the tensor-core "dot" tiles are worth a compile
 FMA_MAX_ROWS = 8
+
+
+# "dot_sum" (the split partials summed by the last program of each column block, no second kernel):
+# each "dot" tile at these splits and the automatic one, from 8 rows (the decode batch and the
+# 32-token prefill, where cuBLAS's small projections read at 1.4-3.2 TB/s on the H200 and the
+# two-kernel split lost to split 1 by 2-3 us: bench/results/same-lease-ec654af/call1/gemv_sweep.json)
+DOT_SUM_SPLITS = (2, 4, 8)
+DOT_SUM_MIN_ROWS = 8
 
 
 def _env_list(name):
@@ -96,6 +105,9 @@ def configs_for(m, n, k):
             continue
         for split in (1, tg.auto_split(n, k, block_n, block_k)):
             cfgs.append((block_n, block_k, split, warps, stages, mode))
+        if mode == "dot" and m >= DOT_SUM_MIN_ROWS:  # the same tile, its splits summed in the kernel
+            for split in sorted({*DOT_SUM_SPLITS, tg.auto_split(n, k, block_n, block_k)} - {1}):
+                cfgs.append((block_n, block_k, split, warps, stages, "dot_sum"))
     if m <= ACC_MAX_ROWS:
         cfgs += [(block_n, block_k, 1, warps, stages, mode) for block_n, block_k, warps, stages, mode in ACC_TILES]
     return list(dict.fromkeys(cfgs))

@@ -233,13 +233,15 @@ def test_tuned_decode_graph_puts_the_policys_kernels_back_and_gives_eager_tokens
     assert layers <= len([k for k in one if cublas.search(k) and k != "_gemv_kernel"]) <= 2 * layers, one
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_tokens(monkeypatch, pdl):
+@pytest.mark.parametrize("pdl, launch", [(False, (64, 128, 1, 4, 4, "dot")), (True, (64, 128, 1, 4, 4, "dot")),
+                                         (True, (64, 128, 2, 4, 4, "dot_sum"))], ids=["plain", "pdl", "pdl-dot_sum"])
+def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_tokens(monkeypatch, pdl, launch):
     """TSCOMPILE_BATCH_GEMV with llama-tiny's qkv and gate/up weights listed at every row count the
     kernel takes: one bs=4 decode step of the dynamic-batch graph runs ``_gemv_kernel`` twice per layer
     (at capture the row count is 4: listed) and cuBLAS for o, down and the LM head; tokens as eager's
     (float32, three requests padded to the 4-row graph). ``pdl``: the graph's Inductor kernels and
-    the kernel launch with PDL (TSCOMPILE_DECODE_PDL and TSCOMPILE_GEMV_PDL)."""
+    the kernel launch with PDL (TSCOMPILE_DECODE_PDL and TSCOMPILE_GEMV_PDL). "dot_sum" (K split in
+    two, summed by the last program): still no second kernel in the step."""
     import re
 
     from tscompile import piece_compiler
@@ -251,8 +253,7 @@ def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_t
     monkeypatch.setattr(tg, "BATCH_GEMV", True)
     monkeypatch.setattr(ta, "DECODE_PDL", pdl)
     monkeypatch.setattr(tg, "GEMV_PDL", pdl)
-    dot = (64, 128, 1, 4, 4, "dot")
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): dot for m in range(2, tg.MAX_ROWS + 1)
+    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): launch for m in range(2, tg.MAX_ROWS + 1)
                                                      for n in (512, 1024)})
     pdl_calls, real = [], tg.gemv
 
@@ -271,6 +272,7 @@ def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_t
     four = _decode_kernels(llm.runner, 4)
     layers = model.n_layers
     assert sum(k == "_gemv_kernel" for k in four) == 2 * layers, four
+    assert "_sum_splits_kernel" not in four, four
     cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
     assert len([k for k in four if cublas.search(k) and k != "_gemv_kernel"]) >= 2 * layers + 1, four
 

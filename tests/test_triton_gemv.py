@@ -73,6 +73,53 @@ def test_gemv_prefill_rows_match_float32_math(dtype, m, config, device):
     _assert_matches(out, x, w)
 
 
+DOT_SUM = (16, 32, 3, 4, 1, "dot_sum")  # three K ranges, summed by the last program of each column block
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m, n, k", [(3, 40, 96), (17, 33, 80), (32, 48, 200)])
+def test_dot_sum_gives_the_two_kernel_splits_bits_and_leaves_its_counters_zeroed(dtype, m, n, k, device, monkeypatch):
+    """"dot_sum" against "dot" at the same split (the partials summed by ``_sum_splits_kernel``), bit
+    for bit, output poisoned first; no second kernel launched; every arrival counter back at 0, so
+    the next call (fresh x, again poisoned) sums right too. Tails in N and K included."""
+    from helpers import LaunchSpy
+
+    sums = LaunchSpy(tg._sum_splits_kernel)
+    for seed in (1, 2):
+        x, w = _inputs(m, n, k, dtype, device, seed=seed * 1000 + m + n)
+        two_kernels = tg.gemv(x, w, config=DOT_SUM[:5] + ("dot",))
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+        with monkeypatch.context() as patch:
+            patch.setattr(tg, "_sum_splits_kernel", sums)
+            assert tg.gemv(x, w, out, config=DOT_SUM) is out
+        assert sums.launches == []
+        assert torch.equal(out, two_kernels)
+        _assert_matches(out, x, w)
+        assert int(tg.arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+def test_dot_sum_falls_back_to_the_sum_kernel_when_counters_are_short(device, monkeypatch):
+    """More column blocks than counter slots: the call launches the second kernel instead (and
+    gets the same result); so does a split of 1, which has nothing to sum."""
+    from helpers import LaunchSpy
+
+    x, w = _inputs(4, 48, 96, torch.float32, device, seed=7)
+    monkeypatch.setattr(tg, "ARRIVAL_SLOTS", 2)  # 48 columns / 16 = 3 blocks
+    sums = LaunchSpy(tg._sum_splits_kernel)
+    monkeypatch.setattr(tg, "_sum_splits_kernel", sums)
+    out = torch.full((4, 48), float("nan"), device=device)
+    tg.gemv(x, w, out, config=DOT_SUM)
+    assert len(sums.launches) == 1
+    _assert_matches(out, x, w)
+    assert tg.arrival_counters(torch.device(device), 3) is None
+
+
+def test_dot_sum_needs_tensor_core_tiles():
+    assert tg.check_config((16, 16, 2, 4, 1, "dot_sum")) == (16, 16, 2, 4, 1, "dot_sum")
+    with pytest.raises(ValueError, match="tscompile: .*'dot_sum' needs BLOCK_N and BLOCK_K >= 16"):
+        tg.check_config((8, 32, 2, 4, 1, "dot_sum"))
+
+
 def test_gemv_writes_only_inside_out_and_reads_strided_x_rows(device):
     """out is a column window of a NaN buffer: tail blocks must not store past column N; x rows sit
     in a wider buffer (row stride > K)."""
@@ -330,12 +377,21 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
 
 
 def test_gemv_sweep_offers_only_tensor_core_tiles_past_eight_rows():
-    """At 16 and 32 rows (GEMV_SWEEP_ROWS=16,32) the "fma" tiles are not compiled; at 8 they are."""
+    """At 16 and 32 rows (GEMV_SWEEP_ROWS=16,32) the "fma" tiles are not compiled; at 8 they are.
+    From 8 rows every "dot" tile also runs as "dot_sum" at splits 2, 4, 8 and the automatic one (never
+    at split 1, where there is nothing to sum); below 8 rows not at all."""
     sweep = _load_sweep()
     assert "fma" in {c[-1] for c in sweep.configs_for(8, 4096, 4096)}
-    for m in (16, 32):
+    assert "dot_sum" not in {c[-1] for c in sweep.configs_for(4, 4096, 4096)}
+    for m in (8, 16, 32):
         cfgs = sweep.configs_for(m, 4096, 4096)
-        assert {c[-1] for c in cfgs} == {"dot"} and len(cfgs) > 1
+        if m > 8:
+            assert {c[-1] for c in cfgs} == {"dot", "dot_sum"}
+        for block_n, block_k, _, _, mode in sweep.TILE_GRID:
+            if mode != "dot":
+                continue
+            splits = {c[2] for c in cfgs if c[-1] == "dot_sum" and c[:2] == (block_n, block_k)}
+            assert splits == {2, 4, 8, tg.auto_split(4096, 4096, block_n, block_k)} - {1}, (block_n, block_k, splits)
 
 
 def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, monkeypatch):
@@ -580,6 +636,32 @@ def test_gemv_replays_in_cuda_graph_with_new_x_gpu(m, config):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), new_x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, proj", [("llama-8b", "o"), ("llama-8b", "qkv"), ("llama-1b", "down"), ("llama-1b", "o")])
+def test_dot_sum_equals_the_two_kernel_split_on_every_launch_gpu(model, proj):
+    """On the GPU the programs of a column block really race for the counter: 200 fresh inputs at 32
+    rows (eager, then replayed from a CUDA graph with new x copied in), each "dot_sum" result bit-equal
+    to the two-kernel "dot" split of the same launch; the counters end at zero."""
+    n, k = {("llama-8b", "o"): (4096, 4096), ("llama-8b", "qkv"): (6144, 4096),
+            ("llama-1b", "down"): (2048, 8192), ("llama-1b", "o"): (2048, 2048)}[(model, proj)]
+    config = (64, 256, 4, 4, 3, "dot_sum")
+    x, w = _inputs(32, n, k, torch.bfloat16, "cuda", seed=n + k)
+    out = torch.full((32, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = capture_graph(lambda: tg.gemv(x, w, out, config=config))
+    g = torch.Generator("cuda").manual_seed(5)
+    for i in range(200):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16))
+        want = tg.gemv(x, w, config=config[:5] + ("dot",))
+        out.fill_(float("nan"))
+        if i % 2:
+            graph.replay()
+        else:
+            tg.gemv(x, w, out, config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"launch {i} ({'replay' if i % 2 else 'eager'})"
+    assert int(tg._ARRIVALS[("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 @pytest.mark.gpu
