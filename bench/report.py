@@ -92,13 +92,14 @@ def kernel_paths() -> dict:
     this process runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged
     table says so per run)."""
     from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
-    from tscompile.piece_compiler import decode_gemv_on, decode_pdl_on, graph_pdl_on
+    from tscompile.piece_compiler import batch_gemv_on, decode_gemv_on, decode_pdl_on, graph_pdl_on, prefill_gemv_on
 
-    decode_gemv = decode_gemv_on()  # the flag, and this GPU is one its table was timed on
+    # each GEMV swap as it applies: the flag, and this GPU is one its table was timed on
+    decode_gemv, prefill_gemv, batch_gemv = decode_gemv_on(), prefill_gemv_on(), batch_gemv_on()
     paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
              "decode_gemv": decode_gemv,
-             "prefill_gemv": triton_gemv.PREFILL_GEMV,
-             "batch_gemv": triton_gemv.BATCH_GEMV,
+             "prefill_gemv": prefill_gemv,
+             "batch_gemv": batch_gemv,
              "fused_decode": triton_attention.FUSED_DECODE,
              # TSCOMPILE_DECODE_PDL where it applies: the decode attention and every decode graph with PDL
              "decode_pdl": triton_attention.DECODE_PDL and triton_attention.pdl_available(),
@@ -114,8 +115,8 @@ def kernel_paths() -> dict:
             paths["decode_gemv_fused_configs"] = {f"{n}x{k}": list(c)
                                                   for (n, k), c in triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()}
             paths["gemv_fused_table_file"] = triton_gemv.GEMV_FUSED_TABLE_FILE or None
-    few_rows = triton_gemv.PREFILL_GEMV or triton_gemv.BATCH_GEMV
-    if triton_gemv.BATCH_GEMV:  # the decode batch graphs' swapped calls launch with PDL where those graphs do
+    few_rows = prefill_gemv or batch_gemv
+    if batch_gemv:  # the decode batch graphs' swapped calls launch with PDL where those graphs do
         paths["batch_gemv_pdl"] = triton_gemv.GEMV_PDL and graph_pdl_on(False, False)
     if few_rows:  # one few-row table for the prefill pieces and the decode batches
         paths["prefill_gemv_configs"] = {f"{m}x{n}x{k}": list(c)

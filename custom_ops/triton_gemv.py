@@ -612,27 +612,41 @@ def _launch_of(key: str) -> tuple:
     return (*(int(v) for v in ints), mode)
 
 
-# -- the prefill pieces' few-row projections (opt-in) -----------------------------------------------
-# TSCOMPILE_PREFILL_GEMV=1: in the pieces of a split (prefill) graph on CUDA, every matmul whose weight
-# shape appears below runs through ``tscompile::skinny_mm`` (passes/prefill_gemv.py), which picks at
-# run time: this kernel at the listed launch when the step's row count M is listed with the shape,
-# cuBLAS otherwise. The pieces are compiled once for every token count (M is symbolic), hence the
-# choice at run time; in a captured whole-step graph it is made once, at capture. Keys (M, N, K).
-# Empty here: nothing is measured yet (scripts/gemv_sweep.py with GEMV_SWEEP_ROWS=16,32 is), so the
-# pass has nothing to swap until TSCOMPILE_GEMV_TABLE names a sweep whose launches beat cuBLAS.
-PREFILL_GEMV = env_flag("TSCOMPILE_PREFILL_GEMV", False)
-PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {}
+# -- the few-row projections: the decode batch graphs (on) and the prefill pieces (opt-in) ---------
+# One table of launches keyed (M, N, K) serves both swaps (passes/prefill_gemv.py): a matmul whose
+# weight shape is listed runs through ``tscompile::skinny_mm``, which takes this kernel at the listed
+# launch when the step's row count M is listed with the shape, cuBLAS otherwise. Like the decode
+# table, it applies only on a GPU named in DECODE_GEMV_DEVICES, or with TSCOMPILE_GEMV_TABLE (a
+# sweep's picks replace it).
+#
+# The entries: one scripts/gemv_sweep.py run on the H200 at 8 and 32 rows (GEMV_SWEEP_ROWS=8,32, the
+# bench's decode batch sizes and the 32-token prefill), each the best launch that beat cuBLAS by
+# TABLE_MIN_SPEEDUP or more (bench/results/gpu-2026-12-03/call3/gemv_sweep.json). Every one is
+# "dot_sum": the two-kernel split lost to split 1, the in-kernel sum wins. Other row counts and
+# shapes (qkv, gate/up, the LM head, llama-1b's o: cuBLAS was as fast or faster) stay cuBLAS.
+PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {  # us per call, this kernel / cuBLAS
+    (8, 2048, 8192): (64, 256, 4, 4, 3, "dot_sum"),    # llama-1b down: 11.9 / 13.6
+    (32, 2048, 8192): (64, 128, 4, 4, 4, "dot_sum"),   # llama-1b down: 12.9 / 13.9
+    (8, 4096, 4096): (64, 256, 2, 4, 3, "dot_sum"),    # llama-8b output: 12.1 / 13.3
+    (32, 4096, 4096): (64, 128, 2, 4, 4, "dot_sum"),   # llama-8b output: 12.2 / 14.0
+    (8, 4096, 14336): (64, 128, 4, 4, 4, "dot_sum"),   # llama-8b down: 31.7 / 32.4
+    (32, 4096, 14336): (64, 128, 2, 4, 4, "dot_sum"),  # llama-8b down: 32.9 / 33.6
+}
 
-# TSCOMPILE_BATCH_GEMV=1 (opt-in; on the H200 0.3-0.5%: llama-8b bs=32 5.470 -> 5.440 ms on its
-# machine's own sweep, bench/results/same-lease-ec654af/, whose 32-row picks moved between machines):
-# the same few-row table and swap in the dynamic-batch decode graph (batch sizes 2..MAX_ROWS; the CUDA
-# graph of each batch size makes the choice once, at capture), its kernel launched with PDL where that graph's Inductor kernels are
-# (``GEMV_PDL``). Why: at llama-8b bs=32 the step's cuBLAS matmuls read at 3.0-3.75 TB/s (4.27 ms of
-# 5.43, H200, bench/results/same-lease-8285f4f/), and scripts/gemv_sweep.py timed the kernel's 32-row
-# launches at 1.05-1.06x cuBLAS for llama-8b's o, gate/up and LM head (same-lease-ada2650/call1/
-# gemv_sweep.json, which TSCOMPILE_GEMV_TABLE can name). Unlike the prefill pieces, a decode step's
-# time is steady to 0.1%, so the A/B can tell a few percent.
-BATCH_GEMV = env_flag("TSCOMPILE_BATCH_GEMV", False)
+# TSCOMPILE_BATCH_GEMV (on by default; =0 off): the engine's dynamic-batch decode graph (batch sizes
+# 2..MAX_ROWS; the CUDA graph of each batch size makes the choice once, at capture) takes the table,
+# its kernel launched with PDL where that graph's Inductor kernels are (``GEMV_PDL``). On the H200,
+# one machine, back-to-back processes, TPOT without -> with (bench/results/gpu-2026-12-03/call3/):
+# llama-1b bs 8 / 32 1.186 -> 1.139 / 1.389 -> 1.355 ms, llama-8b 4.933 -> 4.757 / 5.552 -> 5.469.
+# (The earlier "dot" picks gained 0.3-0.5%: same-lease-ec654af/.)
+BATCH_GEMV = env_flag("TSCOMPILE_BATCH_GEMV", True)
+# TSCOMPILE_PREFILL_GEMV=1 (opt-in): the pieces of a split (prefill) graph on CUDA take the table too.
+# They are compiled once for every token count (M is symbolic), hence the choice at run time; in a
+# captured whole-step graph it is made once, at capture. With the table above the 32-token prefill's
+# kernels took less device time (llama-8b 4.617 -> 4.559 ms busy, llama-1b 1.050 -> 1.032), but its
+# wall time moved with the host's pre-launch time, which varies by 0.3 ms between processes (llama-8b
+# 5.30 -> 5.47 ms, llama-1b 1.66 -> 1.58; same call): not shown to pay, so it stays opt-in.
+PREFILL_GEMV = env_flag("TSCOMPILE_PREFILL_GEMV", False)
 
 TABLE_MIN_SPEEDUP = 1.02  # a smaller margin over cuBLAS is within run-to-run spread: not worth leaving it
 
@@ -690,6 +704,12 @@ def fused_table_from_file(path: str) -> dict[tuple[int, int], tuple]:
 GEMV_FUSED_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_FUSED_TABLE", "") if DECODE_GEMV and DECODE_GEMV_FUSE else ""
 if GEMV_FUSED_TABLE_FILE:  # read only with the fusion on, as above
     DECODE_GEMV_FUSED_CONFIGS = fused_table_from_file(GEMV_FUSED_TABLE_FILE)
+
+
+def few_row_gemv_applies(flag: bool, device_name: str) -> bool:
+    """Whether a few-row swap (``flag``: BATCH_GEMV or PREFILL_GEMV) acts on a GPU of this name: as
+    ``decode_gemv_applies``, the table was timed there or read from a sweep."""
+    return flag and (bool(GEMV_TABLE_FILE) or device_name in DECODE_GEMV_DEVICES)
 
 
 def decode_gemv_applies(device_name: str) -> bool:

@@ -12,9 +12,10 @@ chooses when it runs: the Triton kernel where (M, N, K) is listed, ``x @ w.T`` o
 whole-step graph makes that choice once, at capture; a step run without a graph pays a Python op call
 per swapped matmul.
 
-Opt-in (``TSCOMPILE_PREFILL_GEMV=1``; ``piece_compiler`` adds the pass to CUDA split pieces, before
-the residual-addmm pass). ``TSCOMPILE_BATCH_GEMV=1`` (opt-in) adds it to the engine's dynamic-batch
-decode graph, where the row count is the batch size. Either way the kernel launches with PDL if the
+In the prefill pieces opt-in (``TSCOMPILE_PREFILL_GEMV=1``; ``piece_compiler`` adds the pass to CUDA
+split pieces, before the residual-addmm pass). ``TSCOMPILE_BATCH_GEMV`` (on by default on the GPUs the
+table was timed on) adds it to the engine's dynamic-batch decode graph, where the row count is the
+batch size. Either way the kernel launches with PDL if the
 graph's kernels do. Numerics: where cuBLAS still runs, the same ``x @ w.T``; where the kernel runs,
 float32 accumulation rounded once, as cuBLAS does, in another summation order.
 """

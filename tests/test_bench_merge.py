@@ -205,11 +205,11 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     from tscompile.custom_ops import triton_attention as ta
     from tscompile.custom_ops import triton_extend as te
     from tscompile import piece_compiler
-    from tscompile.custom_ops import triton_gemv as tg
 
     assert eager_run["env"]["kernel_paths"] == {
         "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT, "fused_decode": ta.FUSED_DECODE,
-        "decode_gemv": piece_compiler.decode_gemv_on(), "prefill_gemv": tg.PREFILL_GEMV, "batch_gemv": tg.BATCH_GEMV,
+        "decode_gemv": piece_compiler.decode_gemv_on(), "prefill_gemv": piece_compiler.prefill_gemv_on(),
+        "batch_gemv": piece_compiler.batch_gemv_on(),
         "decode_pdl": ta.DECODE_PDL and ta.pdl_available(), "prefill_pdl": ta.PREFILL_PDL and ta.pdl_available(),
         "decode_bs1_splits": ta.DECODE_BS1_SPLITS,
         "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}

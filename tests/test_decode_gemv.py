@@ -302,6 +302,7 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
 
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(tg, "DECODE_GEMV", False)
+    monkeypatch.setattr(tg, "BATCH_GEMV", False)  # the few-row table: below
     assert "decode_gemv_configs" not in report.kernel_paths()
     monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
@@ -338,6 +339,11 @@ def test_a_bench_run_records_the_launch_table_it_ran_with(monkeypatch):
         paths = report.kernel_paths()
         assert (paths["prefill_gemv"], paths["batch_gemv"]) == (prefill, batch)
         assert paths["prefill_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}
+    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "")
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA A100-SXM4-80GB")
+    paths = report.kernel_paths()  # the flag on, but not the GPU the table was timed on: no swap, no table
+    assert paths["batch_gemv"] is False and "prefill_gemv_configs" not in paths
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(tg, "BATCH_GEMV", False)
     assert "prefill_gemv_configs" not in report.kernel_paths()
 

@@ -7,6 +7,7 @@ by naming the CPU device (the kernel runs under the interpreter, which conftest 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -112,8 +113,9 @@ def test_nothing_is_swapped_on_other_devices_or_with_an_empty_table(monkeypatch)
 
 
 def test_split_cuda_pieces_get_the_swap_before_the_residual_addmm_pass(monkeypatch):
-    def post_pass(flag, split_piece=True, device="cuda", options=None):
+    def post_pass(flag, split_piece=True, device="cuda", options=None, gpu="NVIDIA H200"):
         monkeypatch.setattr(tg, "PREFILL_GEMV", flag)
+        monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: gpu)
         config = TscompileConfig(inductor_options=options or {})
         return piece_compiler.piece_inductor_patches(config, False, device_type=device, split_piece=split_piece,
                                                      cudagraph_trees=False).get("post_grad_custom_post_pass")
@@ -123,6 +125,7 @@ def test_split_cuda_pieces_get_the_swap_before_the_residual_addmm_pass(monkeypat
     assert isinstance(post_pass(False), UnfuseResidualAddmm)  # off by default
     assert post_pass(True, split_piece=False) is None  # a graph without breaks is no prefill piece
     assert post_pass(True, device="cpu") is None
+    assert isinstance(post_pass(True, gpu="NVIDIA A100-SXM4-80GB"), UnfuseResidualAddmm)  # not where the table was timed
     assert post_pass(True, options={"post_grad_custom_post_pass": "mine"}) == "mine"  # the user's pass wins
 
 
@@ -239,3 +242,28 @@ def test_an_engine_with_batch_gemv_gives_the_eager_tokens_and_runs_the_kernel_at
     assert swapped and sum(swapped) >= 2  # the qkv projection of each layer
     assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
     assert {m for m, _, _, _ in calls} == {3}, calls
+
+
+def test_the_shipped_few_row_table_holds_checked_launches_at_the_kernels_row_counts():
+    """The table the decode batch graphs take by default (H200 sweep): every launch one the kernel
+    accepts, every row count one it takes (2..MAX_ROWS), each weight shape a llama projection's."""
+    assert tg.PREFILL_GEMV_CONFIGS
+    for (m, n, k), launch in tg.PREFILL_GEMV_CONFIGS.items():
+        assert 1 < m <= tg.MAX_ROWS
+        assert tg.check_config(launch) == tuple(launch)
+        assert (n, k) in {(2048, 8192), (4096, 4096), (4096, 14336)}
+
+
+def test_the_batch_swap_is_on_by_default_only_where_the_table_was_timed(monkeypatch):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TSCOMPILE_")}
+    code = "from tscompile.custom_ops import triton_gemv as tg; print(tg.BATCH_GEMV, tg.PREFILL_GEMV)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.split() == ["True", "False"], run.stderr[-2000:]
+    monkeypatch.setattr(tg, "BATCH_GEMV", True)
+    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "")
+    for gpu, on in (("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False), ("", False)):
+        monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda gpu=gpu: gpu)
+        assert piece_compiler.batch_gemv_on() is on, gpu

@@ -538,12 +538,15 @@ def test_gemv_table_env_loads_a_sweeps_picks_and_refuses_a_bad_file(tmp_path):
     assert run.stdout.strip() == ("True [((6144, 4096), (1, 512, 1, 8, 1, 'acc'))] "
                                   "[((32, 6144, 4096), (64, 128, 1, 4, 4, 'dot'))] "
                                   "[((4096, 4096), (4, 4096, 1, 4, 1, 'acc'))]")
-    # with the pass off the file is never read: a missing one is no error, the shipped table stays
-    env.update(TSCOMPILE_DECODE_GEMV="0", TSCOMPILE_GEMV_TABLE=str(tmp_path / "missing.json"))
+    # with the passes off the file is never read: a missing one is no error, the shipped tables stay
+    env.update(TSCOMPILE_DECODE_GEMV="0", TSCOMPILE_BATCH_GEMV="0", TSCOMPILE_GEMV_TABLE=str(tmp_path / "missing.json"))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == (f"False {sorted(tg.DECODE_GEMV_CONFIGS.items())} [] "
+    assert run.stdout.strip() == (f"False {sorted(tg.DECODE_GEMV_CONFIGS.items())} {sorted(tg.PREFILL_GEMV_CONFIGS.items())} "
                                   f"{sorted(tg.DECODE_GEMV_FUSE_ONLY.items())}")
+    env["TSCOMPILE_BATCH_GEMV"] = "1"  # the batch swap alone reads it too
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode != 0 and "tscompile: TSCOMPILE_GEMV_TABLE=" in run.stderr
     bad_launch = _sweep_summary()
     bad_launch["m/qkv"]["best_m1"] = [3, 512, 1, 8, 1, "acc"]  # BLOCK_N not a power of two
     (tmp_path / "bad_launch.json").write_text(json.dumps({"summary": bad_launch}))

@@ -147,20 +147,22 @@ def _our_post_grad_passes(static: bool, split_piece: bool, engine: bool, kernel_
 
 
 def prefill_gemv_on() -> bool:
-    """TSCOMPILE_PREFILL_GEMV (custom_ops/triton_gemv.py): CUDA split pieces (the prefill step) run the
-    matmuls of the listed weight shapes through ``tscompile::skinny_mm`` (passes/prefill_gemv.py)."""
+    """TSCOMPILE_PREFILL_GEMV (custom_ops/triton_gemv.py, opt-in): CUDA split pieces (the prefill step)
+    run the matmuls of the listed weight shapes through ``tscompile::skinny_mm`` (passes/prefill_gemv.py),
+    on a GPU the table was timed on (or with a sweep's table)."""
     from tscompile.custom_ops import triton_gemv
 
-    return triton_gemv.PREFILL_GEMV
+    return triton_gemv.few_row_gemv_applies(triton_gemv.PREFILL_GEMV, cuda_device_name())
 
 
 def batch_gemv_on() -> bool:
-    """TSCOMPILE_BATCH_GEMV (custom_ops/triton_gemv.py, opt-in): the dynamic-batch decode graph runs the
-    matmuls of the few-row table's weight shapes through ``tscompile::skinny_mm``, which takes the
-    kernel at the listed batch sizes (passes/prefill_gemv.py)."""
+    """TSCOMPILE_BATCH_GEMV (custom_ops/triton_gemv.py, on by default): the dynamic-batch decode graph
+    runs the matmuls of the few-row table's weight shapes through ``tscompile::skinny_mm``, which takes
+    the kernel at the listed batch sizes (passes/prefill_gemv.py), on a GPU the table was timed on (or
+    with a sweep's table)."""
     from tscompile.custom_ops import triton_gemv
 
-    return triton_gemv.BATCH_GEMV
+    return triton_gemv.few_row_gemv_applies(triton_gemv.BATCH_GEMV, cuda_device_name())
 
 
 def decode_gemv_on() -> bool:
