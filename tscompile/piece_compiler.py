@@ -128,7 +128,7 @@ def _our_post_grad_passes(static: bool, split_piece: bool, engine: bool, kernel_
     """The passes a CUDA graph gets: in a split piece the opt-in prefill GEMV swap (first: it takes the
     residual ``addmm`` of the shapes it swaps itself), then the residual-addmm unfusing; in a static
     graph that is not a piece (the bs=1 decode step) the decode GEMV swap (``decode_gemv_on``); in the
-    engine's dynamic-batch decode graph the opt-in few-row swap (``batch_gemv_on``). ``kernel_pdl``:
+    engine's dynamic-batch decode graph the few-row swap (``batch_gemv_on``). ``kernel_pdl``:
     the swapped GEMV kernels launch with PDL (the graph's Inductor kernels do, and TSCOMPILE_GEMV_PDL)."""
     passes = []
     if prefill_gemv_on() if split_piece else (not static and engine and batch_gemv_on()):
