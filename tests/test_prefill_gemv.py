@@ -267,3 +267,14 @@ def test_the_batch_swap_is_on_by_default_only_where_the_table_was_timed(monkeypa
     for gpu, on in (("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False), ("", False)):
         monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda gpu=gpu: gpu)
         assert piece_compiler.batch_gemv_on() is on, gpu
+
+
+def test_the_shipped_few_row_table_is_the_recorded_sweeps_picks():
+    """The default table is exactly what the committed H200 sweep picked (each launch that beat
+    cuBLAS by TABLE_MIN_SPEEDUP at 8 or 32 rows), so the launches the default runs are the ones the
+    recorded A/B ran."""
+    import json
+    import pathlib
+
+    sweep = pathlib.Path(__file__).parents[1] / "bench/results/gpu-2026-12-03/call3/gemv_sweep.json"
+    assert tg.prefill_table_from_sweep(json.loads(sweep.read_text())) == tg.PREFILL_GEMV_CONFIGS
