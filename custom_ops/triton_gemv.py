@@ -27,9 +27,10 @@ stores it ([N, K], K contiguous):
     - optional split-K: SPLIT_K programs per column block each cover one K range and write a
       float32 partial; a second small kernel sums the partials in a fixed order and casts. Plain
       stores instead of atomics keep the result deterministic and need no zeroed buffer.
-      "dot_sum" is "dot" without that second kernel: each program counts itself in on a per-column-
-      block counter after storing its partial, and the last to arrive sums the partials in split
-      order (the second kernel's order, so the same bits) and resets the counter. At 8-32 rows a
+      "dot_sum" is "dot" without that second kernel (likewise "fma_sum", "acc_sum"): each program
+      counts itself in on a per-column-block counter after storing its partial, and the last to
+      arrive sums the partials in split order (the second kernel's order, so the same bits) and
+      resets the counter. At 8-32 rows a
       two-kernel split lost 2-3 us to split 1 per call on the H200, more than the extra programs
       gained (bench/results/same-lease-ec654af/call1/gemv_sweep.json). The counters are one buffer
       per device: calls on two streams at once must not both use it (the engine runs one stream).
@@ -66,7 +67,9 @@ from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, env
 # bench/results/same-lease-b0f9ede/), which scripts/gemv_sweep.py times with GEMV_SWEEP_ROWS=16,32.
 MAX_ROWS = 32
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MODES = ("fma", "dot", "acc", "dot_sum")
+# "<mode>_sum": the same products, with the split's partials summed by the kernel's last program (below)
+BASE_MODES = ("fma", "dot", "acc")
+MODES = (*BASE_MODES, *(f"{m}_sum" for m in BASE_MODES))
 DOT_MODES = ("dot", "dot_sum")
 
 # Programs the automatic split-K aims for: about four per SM of an H200 (132 SMs), enough
@@ -149,7 +152,7 @@ def _gemv_kernel(
     holds [gate | up], 2K wide, and the products use silu(gate) * up, rounded as the model rounds
     them (``_swiglu``).
 
-    LAST_SUMS ("dot_sum" mode, split K): after storing its partial, each program counts itself in at
+    LAST_SUMS (the "_sum" modes, split K): after storing its partial, each program counts itself in at
     ``count_ptr[pid_n]``; the last of the column block's splits to arrive sums the partials in split
     order (so the result does not depend on which one was last), stores the rounded sum to ``fin``
     and resets the counter to 0 for the next launch: no second kernel."""
@@ -246,8 +249,8 @@ def _gemv_kernel(
             val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_base + m[None, :] * stride_om + n[:, None] * stride_on, val, mask=live)
         if LAST_SUMS:  # out is the float32 partials here
-            _sum_if_last(out_ptr, fin_ptr, count_ptr + pid_n, m, n, live, stride_os, stride_om, stride_on,
-                         stride_fm, stride_fn, BLOCK_N, M_PAD)
+            _sum_if_last(out_ptr, fin_ptr, count_ptr + pid_n, m[None, :] * stride_om + n[:, None] * stride_on,
+                         m[None, :] * stride_fm + n[:, None] * stride_fn, live, stride_os)
     else:
         if RMS:
             acc = acc * tl.rsqrt(ss / K + eps)
@@ -257,13 +260,17 @@ def _gemv_kernel(
             r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :] * stride_rn, mask=live, other=0.0)
             val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_base + m[:, None] * stride_om + n[None, :] * stride_on, val, mask=live)
+        if LAST_SUMS:
+            _sum_if_last(out_ptr, fin_ptr, count_ptr + pid_n, m[:, None] * stride_om + n[None, :] * stride_on,
+                         m[:, None] * stride_fm + n[None, :] * stride_fn, live, stride_os)
 
 
 @triton.jit
-def _sum_if_last(part_ptr, fin_ptr, counter, m, n, live, stride_ps, stride_pm, stride_pn, stride_fm, stride_fn,
-                 BLOCK_N: tl.constexpr, M_PAD: tl.constexpr):
-    """The "dot_sum" tail of one program: count in after the partial is stored; the last arrival of
-    the column block sums every split's partial in split order and resets the counter.
+def _sum_if_last(part_ptr, fin_ptr, counter, part_offs, fin_offs, live, stride_ps):
+    """The "_sum" modes' tail of one program, over its tile's element offsets into one split's
+    partials (``part_offs``) and into the output (``fin_offs``): count in after the partial is
+    stored; the last arrival of the column block sums every split's partial in split order and
+    resets the counter.
 
     Ordering: the barrier puts every thread's partial stores before the counting atomic, whose
     acq_rel at GPU scope publishes them (and, for the last arrival, makes the other programs'
@@ -272,12 +279,10 @@ def _sum_if_last(part_ptr, fin_ptr, counter, m, n, live, stride_ps, stride_pm, s
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     splits = tl.num_programs(1)
     if arrived == splits - 1:
-        total = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # from zero as _sum_splits_kernel: the same bits
+        total = tl.zeros(part_offs.shape, dtype=tl.float32)  # from zero as _sum_splits_kernel: the same bits
         for s in range(splits):
-            total += tl.load(part_ptr + s * stride_ps + m[None, :] * stride_pm + n[:, None] * stride_pn,
-                             mask=live, other=0.0, cache_modifier=".cg")
-        tl.store(fin_ptr + m[None, :] * stride_fm + n[:, None] * stride_fn,
-                 total.to(fin_ptr.dtype.element_ty), mask=live)
+            total += tl.load(part_ptr + s * stride_ps + part_offs, mask=live, other=0.0, cache_modifier=".cg")
+        tl.store(fin_ptr + fin_offs, total.to(fin_ptr.dtype.element_ty), mask=live)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -297,14 +302,14 @@ def _sum_splits_kernel(
 
 SUM_BLOCK = 1024
 
-# "dot_sum": one arrival counter per column block, in one zeroed buffer per device made once and kept
+# The "_sum" modes: one arrival counter per column block, in one zeroed buffer per device made once and kept
 # for the process (a CUDA graph captured with it holds its address; every launch leaves it zeroed).
 ARRIVAL_SLOTS = 1 << 16
 _ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The "dot_sum" counters for ``blocks`` column blocks on ``device``, or None where the call must
+    """The "_sum" modes' counters for ``blocks`` column blocks on ``device``, or None where the call must
     sum with the second kernel instead: more blocks than ARRIVAL_SLOTS, or a CUDA-graph capture
     before the buffer exists (made inside a capture, it would be zeroed only when the graph
     replays, not before an eager call)."""
@@ -476,8 +481,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     if norm_weight is not None or residual is not None:
         split_k = 1
     splits, per_split = split_layout(k, block_k, split_k)
-    use_dot = mode in DOT_MODES
-    counters = arrival_counters(x.device, triton.cdiv(n, block_n)) if mode == "dot_sum" and splits > 1 else None
+    mode, sums_in_kernel = mode.removesuffix("_sum"), mode.endswith("_sum")
+    use_dot = mode == "dot"
+    counters = arrival_counters(x.device, triton.cdiv(n, block_n)) if sums_in_kernel and splits > 1 else None
     m_pad = max(_next_pow2(m), 16) if use_dot else _next_pow2(m)
     # bf16 tl.dot is wrong under the CPU interpreter: products in float32 there (GPU keeps 16-bit)
     dot_fp32 = use_dot and x.dtype == torch.bfloat16 and _interpreting()

@@ -57,7 +57,7 @@ REP_MS = 3  # per do_bench_cudagraph replay (10 replays per measurement): ~640 m
 # tile x split or not for "dot", which pads M to 16) near 33. "fma": narrow column blocks with long
 # contiguous K segments (wider blocks hold M x BLOCK_N x BLOCK_K products per chunk in registers);
 # "dot": 64/128-column weight tiles as the tensor-core operand (32 columns: the pre-Hopper mma).
-# From DOT_SUM_MIN_ROWS rows each "dot" tile also runs as "dot_sum" (below): one more compile per tile.
+# Each tile also runs in its "_sum" form (below): one more compile per tile and padded row count.
 TILE_GRID = [
     (4, 512, 4, 2, "fma"), (8, 512, 4, 2, "fma"), (16, 256, 4, 2, "fma"),
     (64, 128, 4, 4, "dot"), (64, 256, 4, 3, "dot"), (128, 128, 8, 3, "dot"), (32, 128, 4, 4, "dot"),
@@ -78,11 +78,12 @@ ACC_MAX_ROWS = 2
 FMA_MAX_ROWS = 8
 
 
-# "dot_sum" (the split partials summed by the last program of each column block, no second kernel):
-# each "dot" tile at these splits and the automatic one, from 8 rows (the decode batch and the
-# 32-token prefill, where cuBLAS's small projections read at 1.4-3.2 TB/s on the H200 and the
-# two-kernel split lost to split 1 by 2-3 us: bench/results/same-lease-ec654af/call1/gemv_sweep.json)
-DOT_SUM_SPLITS = (2, 4, 8)
+# The "_sum" modes (the split partials summed by the last program of each column block, no second
+# kernel): each tile also at these splits (and the automatic one). "dot_sum" from 8 rows (the decode
+# batch and the 32-token prefill, where cuBLAS's small projections read at 1.4-3.2 TB/s on the H200
+# and the two-kernel split lost to split 1 by 2-3 us: bench/results/same-lease-ec654af/call1/
+# gemv_sweep.json); "fma_sum" and "acc_sum" wherever their tiles run.
+SUM_SPLITS = (2, 4, 8)
 DOT_SUM_MIN_ROWS = 8
 
 
@@ -98,18 +99,24 @@ ACC_ONLY = os.environ.get("GEMV_SWEEP_ACC_ONLY", "0") == "1"
 
 def configs_for(m, n, k):
     """The shape's Triton configs: the module default first, then each tile at split 1 and auto
-    ("fma" tiles only at M <= FMA_MAX_ROWS), then (at M <= ACC_MAX_ROWS) the "acc" tiles at split 1."""
+    ("fma" tiles only at M <= FMA_MAX_ROWS), then (at M <= ACC_MAX_ROWS) the "acc" tiles at split 1;
+    each "fma" tile, each "dot" tile from DOT_SUM_MIN_ROWS rows and each "acc" tile also in its
+    "_sum" form at SUM_SPLITS and the automatic split (the partials summed in the kernel)."""
     cfgs = [tg.default_config(m, n, k)]
+
+    def summed(block_n, block_k, warps, stages, mode, splits):
+        return [(block_n, block_k, split, warps, stages, f"{mode}_sum") for split in sorted(set(splits) - {1})]
+
     for block_n, block_k, warps, stages, mode in [] if ACC_ONLY else TILE_GRID:
         if mode == "fma" and m > FMA_MAX_ROWS:
             continue
-        for split in (1, tg.auto_split(n, k, block_n, block_k)):
-            cfgs.append((block_n, block_k, split, warps, stages, mode))
-        if mode == "dot" and m >= DOT_SUM_MIN_ROWS:  # the same tile, its splits summed in the kernel
-            for split in sorted({*DOT_SUM_SPLITS, tg.auto_split(n, k, block_n, block_k)} - {1}):
-                cfgs.append((block_n, block_k, split, warps, stages, "dot_sum"))
+        auto = tg.auto_split(n, k, block_n, block_k)
+        cfgs += [(block_n, block_k, split, warps, stages, mode) for split in (1, auto)]
+        if mode == "fma" or m >= DOT_SUM_MIN_ROWS:
+            cfgs += summed(block_n, block_k, warps, stages, mode, (*SUM_SPLITS, auto))
     if m <= ACC_MAX_ROWS:
-        cfgs += [(block_n, block_k, 1, warps, stages, mode) for block_n, block_k, warps, stages, mode in ACC_TILES]
+        for block_n, block_k, warps, stages, mode in ACC_TILES:
+            cfgs += [(block_n, block_k, 1, warps, stages, mode), *summed(block_n, block_k, warps, stages, mode, SUM_SPLITS)]
     return list(dict.fromkeys(cfgs))
 
 

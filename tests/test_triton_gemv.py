@@ -74,24 +74,30 @@ def test_gemv_prefill_rows_match_float32_math(dtype, m, config, device):
 
 
 DOT_SUM = (16, 32, 3, 4, 1, "dot_sum")  # three K ranges, summed by the last program of each column block
+FMA_SUM, ACC_SUM = (16, 32, 3, 4, 1, "fma_sum"), (4, 16, 3, 4, 1, "acc_sum")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m, n, k", [(3, 40, 96), (17, 33, 80), (32, 48, 200)])
-def test_dot_sum_gives_the_two_kernel_splits_bits_and_leaves_its_counters_zeroed(dtype, m, n, k, device, monkeypatch):
-    """"dot_sum" against "dot" at the same split (the partials summed by ``_sum_splits_kernel``), bit
-    for bit, output poisoned first; no second kernel launched; every arrival counter back at 0, so
-    the next call (fresh x, again poisoned) sums right too. Tails in N and K included."""
+@pytest.mark.parametrize("config, m, n, k", [(DOT_SUM, 3, 40, 96), (DOT_SUM, 17, 33, 80), (DOT_SUM, 32, 48, 200),
+                                             (FMA_SUM, 1, 40, 96), (FMA_SUM, 5, 33, 200), (ACC_SUM, 1, 9, 72),
+                                             (ACC_SUM, 2, 12, 96)])
+def test_in_kernel_sums_give_the_two_kernel_splits_bits_and_leave_their_counters_zeroed(dtype, config, m, n, k, device,
+                                                                                      monkeypatch):
+    """Each "_sum" mode against its base mode at the same split (the partials summed by
+    ``_sum_splits_kernel``), bit for bit, output poisoned first; no second kernel launched; every
+    arrival counter back at 0, so the next call (fresh x, again poisoned) sums right too. Tails in N
+    and K included."""
     from helpers import LaunchSpy
 
     sums = LaunchSpy(tg._sum_splits_kernel)
+    base = config[:5] + (config[5].removesuffix("_sum"),)
     for seed in (1, 2):
         x, w = _inputs(m, n, k, dtype, device, seed=seed * 1000 + m + n)
-        two_kernels = tg.gemv(x, w, config=DOT_SUM[:5] + ("dot",))
+        two_kernels = tg.gemv(x, w, config=base)
         out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
         with monkeypatch.context() as patch:
             patch.setattr(tg, "_sum_splits_kernel", sums)
-            assert tg.gemv(x, w, out, config=DOT_SUM) is out
+            assert tg.gemv(x, w, out, config=config) is out
         assert sums.launches == []
         assert torch.equal(out, two_kernels)
         _assert_matches(out, x, w)
@@ -114,8 +120,24 @@ def test_dot_sum_falls_back_to_the_sum_kernel_when_counters_are_short(device, mo
     assert tg.arrival_counters(torch.device(device), 3) is None
 
 
+def test_counters_are_never_first_made_inside_a_cuda_graph_capture(monkeypatch):
+    """A buffer zeroed inside a capture would be zeroed only by the graph's replays: while a capture
+    runs, a device without counters gets none (the call takes the two-kernel sum); once they exist
+    (made eagerly, e.g. by a warm-up call), a capture uses them."""
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(tg, "_ARRIVALS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tg.arrival_counters(cuda0, 4) is None and tg._ARRIVALS == {}
+    made = torch.zeros(tg.ARRIVAL_SLOTS, dtype=torch.int32)
+    tg._ARRIVALS[("cuda", 0)] = made
+    assert tg.arrival_counters(cuda0, 4) is made
+
+
 def test_dot_sum_needs_tensor_core_tiles():
     assert tg.check_config((16, 16, 2, 4, 1, "dot_sum")) == (16, 16, 2, 4, 1, "dot_sum")
+    assert tg.check_config((8, 32, 2, 4, 1, "fma_sum"))[-1] == "fma_sum"  # no tensor cores: any tile
+    with pytest.raises(ValueError, match="tscompile: .*unknown mode 'dot_summed'"):
+        tg.check_config((16, 16, 2, 4, 1, "dot_summed"))
     with pytest.raises(ValueError, match="tscompile: .*'dot_sum' needs BLOCK_N and BLOCK_K >= 16"):
         tg.check_config((8, 32, 2, 4, 1, "dot_sum"))
 
@@ -353,10 +375,12 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
         n, k = row["n"], row["k"]
         split = tg.auto_split(n, k, 16, 32)
         assert split > 1
-        good_keys = {"16,32,1,4,1,fma", f"16,32,{split},4,1,fma"}
+        good_keys = {"16,32,1,4,1,fma", f"16,32,{split},4,1,fma",
+                     *(f"16,32,{s},4,1,fma_sum" for s in {2, 4, 8, split})}  # the in-kernel sums too
         wrong_keys = {k_ for k_ in row["triton"] if k_.startswith("8,32,")}
-        acc_keys = {"2,32,1,4,1,acc"} if row["m"] == 1 else set()
-        assert set(row["triton"]) == good_keys | wrong_keys | acc_keys and len(wrong_keys) == 2
+        acc_keys = {"2,32,1,4,1,acc", *(f"2,32,{s},4,1,acc_sum" for s in (2, 4, 8))} if row["m"] == 1 else set()
+        assert set(row["triton"]) == good_keys | wrong_keys | acc_keys
+        assert {k_.split(",", 2)[2] for k_ in wrong_keys} == {k_.split(",", 2)[2] for k_ in good_keys if "16,32," in k_}
         for key in acc_keys:
             assert row["triton"][key]["max_diff"] < 2e-2
         for key in good_keys:
@@ -379,10 +403,12 @@ def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch)
 def test_gemv_sweep_offers_only_tensor_core_tiles_past_eight_rows():
     """At 16 and 32 rows (GEMV_SWEEP_ROWS=16,32) the "fma" tiles are not compiled; at 8 they are.
     From 8 rows every "dot" tile also runs as "dot_sum" at splits 2, 4, 8 and the automatic one (never
-    at split 1, where there is nothing to sum); below 8 rows not at all."""
+    at split 1, where there is nothing to sum); below 8 rows not at all. "fma" tiles get their
+    "fma_sum" forms wherever they run."""
     sweep = _load_sweep()
-    assert "fma" in {c[-1] for c in sweep.configs_for(8, 4096, 4096)}
+    assert {"fma", "fma_sum"} <= {c[-1] for c in sweep.configs_for(8, 4096, 4096)}
     assert "dot_sum" not in {c[-1] for c in sweep.configs_for(4, 4096, 4096)}
+    assert all(c[2] > 1 for c in sweep.configs_for(4, 4096, 4096) if c[-1].endswith("_sum"))
     for m in (8, 16, 32):
         cfgs = sweep.configs_for(m, 4096, 4096)
         if m > 8:
@@ -396,7 +422,8 @@ def test_gemv_sweep_offers_only_tensor_core_tiles_past_eight_rows():
 
 def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, monkeypatch):
     """The short GPU call (GEMV_SWEEP_ONLY / GEMV_SWEEP_ROWS / GEMV_SWEEP_ACC_ONLY): only the named
-    shape, only the named M, only the module default and the "acc" tiles; the JSON says so."""
+    shape, only the named M, only the module default and the "acc" tiles (with their in-kernel sums);
+    the JSON says so."""
     monkeypatch.setenv("GEMV_SWEEP_ONLY", "tiny/b")
     monkeypatch.setenv("GEMV_SWEEP_ROWS", "1")
     monkeypatch.setenv("GEMV_SWEEP_ACC_ONLY", "1")
@@ -413,7 +440,7 @@ def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, 
     result = json.loads((tmp_path / "sweep.json").read_text())
     assert [(r["n"], r["m"]) for r in result["rows"]] == [(24, 1)]
     default = ",".join(map(str, tg.default_config(1, 24, 48)))
-    assert set(result["rows"][0]["triton"]) == {default, "2,32,1,4,1,acc"}
+    assert set(result["rows"][0]["triton"]) == {default, "2,32,1,4,1,acc", *(f"2,32,{s},4,1,acc_sum" for s in (2, 4, 8))}
     assert all(e["max_diff"] < 2e-2 for e in result["rows"][0]["triton"].values())
     assert list(result["summary"]) == ["tiny/b"] and result["acc_only"] and result["rows_m"] == [1]
 
@@ -665,6 +692,23 @@ def test_dot_sum_equals_the_two_kernel_split_on_every_launch_gpu(model, proj):
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"launch {i} ({'replay' if i % 2 else 'eager'})"
     assert int(tg._ARRIVALS[("cuda", torch.cuda.current_device())].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, config", [(1, (1, 2048, 2, 8, 1, "acc_sum")), (1, (8, 512, 4, 4, 2, "fma_sum")),
+                                       (4, (16, 256, 4, 4, 2, "fma_sum"))])
+def test_fma_and_acc_sums_equal_their_two_kernel_splits_gpu(m, config):
+    """The CUDA-core modes' in-kernel sums, racing for the counters on the GPU: 100 fresh inputs at
+    llama-8b's output shape, each bit-equal to the base mode's two-kernel split."""
+    n, k = 4096, 4096
+    x, w = _inputs(m, n, k, torch.bfloat16, "cuda", seed=m)
+    base = config[:5] + (config[5].removesuffix("_sum"),)
+    g = torch.Generator("cuda").manual_seed(9)
+    for i in range(100):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16))
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        tg.gemv(x, w, out, config=config)
+        assert torch.equal(out, tg.gemv(x, w, config=base)), f"launch {i}"
 
 
 @pytest.mark.gpu
