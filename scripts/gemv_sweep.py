@@ -29,7 +29,7 @@ every output (cuBLAS's too) is compared with `x.float() @ w.float().T`; a Triton
 than MAX_DIFF is reported and never picked. Prints one line per (shape, M) and per shape the config
 with the best mean ratio to each row's best (the candidate for `triton_gemv.SHAPE_CONFIGS`);
 writes everything to one JSON."""
-import itertools, json, os, sys, time
+import itertools, json, os, time
 
 import torch
 import torch.nn.functional as F
