@@ -78,10 +78,9 @@ DECODE_NUM_WARPS: int | None = decode_warps_override(os.environ.get("TSCOMPILE_D
 def decode_bs1_splits_override(text: str) -> int | None:
     """``TSCOMPILE_DECODE_BS1_SPLITS``: at most that many splits in a one-request decode launch (1: the
     split kernel alone writes the output, no combine), so a GPU bench can A/B fewer splits at bs=1;
-    unset or empty: the occupancy rule. Why: the bs=1 step's attention is latency-bound (llama-1b 146
-    us per step for 16 layers of split + combine, H200, bench/results/same-lease-6be9ade/), and the
-    H200 sweeps only ever tried 17-32 splits there (their split targets of 256-4096 programs over 8
-    KV heads; bench/results/same-lease-ec654af/call2/decode_attn_sweep.md)."""
+    unset or empty: the occupancy rule. Measured on the H200 at 2 splits: slower (llama-8b bs=1
+    4.197 -> 4.389 ms, llama-1b 0.939 -> 1.024; bench/results/gpu-2026-12-03/ call 1), so it is only
+    an A/B switch."""
     text = text.strip()
     if not text:
         return None

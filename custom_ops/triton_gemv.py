@@ -558,7 +558,9 @@ DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per 
 # (H200, bs=1, us per layer; llama-8b bench/results/same-lease-2d9e6ac/, llama-1b same-lease-6be9ade/).
 # Inductor's kept: llama-8b qkv 13.8 with its norm vs 13.7 + 2.5 here, gate/up 55.2 with its norm vs
 # cuBLAS 57.8 + 2.5; llama-1b qkv 6.0 with its norm vs 6.0 + 1.7, LM head 116 with its norm vs 123.
-# Not yet run in the engine: a GPU bench of tscompile-triton with and without the tuning decides.
+# In the engine on the H200 (bench/results/gpu-2026-12-03/ call 1) the tuning with this policy gained
+# 0.8% at llama-8b bs=1 (4.197 -> 4.164 ms) and nothing on llama-1b, for 14 s more autotuning at
+# start-up: the tuning stays opt-in.
 DECODE_TUNED_MATMULS: dict[tuple[int, int], str] = {  # (N, K): "gemv" or "cublas"; us per call, that / Inductor's
     (4096, 4096): "gemv",     # llama-8b output: 10.0 / 10.5 (9.2 alone, 11.9 with the residual add)
     (4096, 14336): "gemv",    # llama-8b down: 29.1 + 1.5 SiLU-mul / 34.8 with it
@@ -714,17 +716,12 @@ if GEMV_FUSED_TABLE_FILE:  # read only with the fusion on, as above
     DECODE_GEMV_FUSED_CONFIGS = fused_table_from_file(GEMV_FUSED_TABLE_FILE)
 
 
-def few_row_gemv_applies(flag: bool, device_name: str) -> bool:
-    """Whether a few-row swap (``flag``: BATCH_GEMV or PREFILL_GEMV) acts on a GPU of this name: as
-    ``decode_gemv_applies``, the table was timed there or read from a sweep."""
+def gemv_swap_applies(flag: bool, device_name: str) -> bool:
+    """Whether a GEMV swap whose switch is ``flag`` (DECODE_GEMV, BATCH_GEMV or PREFILL_GEMV) acts on a
+    GPU of this ``torch.cuda.get_device_name()``: the switch on, and the tables timed on that GPU or
+    read from a sweep (TSCOMPILE_GEMV_TABLE). A launch tuned on one GPU can lose to cuBLAS on another,
+    so no other GPU gets it unasked."""
     return flag and (bool(GEMV_TABLE_FILE) or device_name in DECODE_GEMV_DEVICES)
-
-
-def decode_gemv_applies(device_name: str) -> bool:
-    """Whether the decode pass swaps on a GPU of this ``torch.cuda.get_device_name()``: the flag on,
-    and the table timed on that GPU or read from a sweep (TSCOMPILE_GEMV_TABLE). A launch tuned on
-    one GPU can lose to cuBLAS on another, so no other GPU gets it unasked."""
-    return DECODE_GEMV and (bool(GEMV_TABLE_FILE) or device_name in DECODE_GEMV_DEVICES)
 
 
 def _k_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ class TscompileConfig:
         setting: Inductor turns the one-row matmuls into fused GEMV reductions and tunes them, and the
         decode GEMV pass puts back the projections its measured policy gives to the Triton GEMV or
         cuBLAS (passes/decode_gemv.py). Off by default: on the H200 it doubles llama-1b's start-up
-        for no steady gain (README, start-up; measured before that policy existed).
+        (README, start-up), and with that policy it gained 0.8% at llama-8b bs=1 and nothing on
+        llama-1b (bench/results/gpu-2026-12-03/).
     debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
     """
 

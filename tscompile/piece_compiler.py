@@ -152,7 +152,7 @@ def prefill_gemv_on() -> bool:
     on a GPU the table was timed on (or with a sweep's table)."""
     from tscompile.custom_ops import triton_gemv
 
-    return triton_gemv.few_row_gemv_applies(triton_gemv.PREFILL_GEMV, cuda_device_name())
+    return triton_gemv.gemv_swap_applies(triton_gemv.PREFILL_GEMV, cuda_device_name())
 
 
 def batch_gemv_on() -> bool:
@@ -162,7 +162,7 @@ def batch_gemv_on() -> bool:
     with a sweep's table)."""
     from tscompile.custom_ops import triton_gemv
 
-    return triton_gemv.few_row_gemv_applies(triton_gemv.BATCH_GEMV, cuda_device_name())
+    return triton_gemv.gemv_swap_applies(triton_gemv.BATCH_GEMV, cuda_device_name())
 
 
 def decode_gemv_on() -> bool:
@@ -171,7 +171,7 @@ def decode_gemv_on() -> bool:
     on a GPU its launch table was timed on (or with a sweep's table)."""
     from tscompile.custom_ops import triton_gemv
 
-    return triton_gemv.decode_gemv_applies(cuda_device_name())
+    return triton_gemv.gemv_swap_applies(triton_gemv.DECODE_GEMV, cuda_device_name())
 
 
 def decode_pdl_on() -> bool:
