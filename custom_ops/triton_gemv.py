@@ -627,17 +627,27 @@ def _launch_of(key: str) -> tuple:
 # table, it applies only on a GPU named in DECODE_GEMV_DEVICES, or with TSCOMPILE_GEMV_TABLE (a
 # sweep's picks replace it).
 #
-# The entries: one scripts/gemv_sweep.py run on the H200 at 8 and 32 rows (GEMV_SWEEP_ROWS=8,32, the
-# bench's decode batch sizes and the 32-token prefill), each the best launch that beat cuBLAS by
-# TABLE_MIN_SPEEDUP or more (bench/results/gpu-2026-12-03/call3/gemv_sweep.json). Every one is
-# "dot_sum": the two-kernel split lost to split 1, the in-kernel sum wins. Other row counts and
-# shapes (qkv, gate/up, the LM head, llama-1b's o: cuBLAS was as fast or faster) stay cuBLAS.
+# The entries: scripts/gemv_sweep.py on the H200, each the best launch that beat cuBLAS by
+# TABLE_MIN_SPEEDUP or more. At 8 and 32 rows (GEMV_SWEEP_ROWS=8,32, the bench's decode batch sizes
+# and the 32-token prefill; bench/results/gpu-2026-12-03/call3/gemv_sweep.json) every pick is
+# "dot_sum": the two-kernel split lost to split 1, the in-kernel sum wins. At the ladder's other
+# batch sizes 2, 4, 16 and 24 (bench/results/gpu-2026-12-03b/call2/gemv_sweep_rows.json): "dot_sum"
+# again at 16 and 24, the CUDA-core "acc" forms at 2 rows, nothing at 4 (cuBLAS won every shape).
+# Other row counts and shapes (qkv, gate/up, the LM head, llama-1b's o from 4 rows: cuBLAS was as
+# fast or faster) stay cuBLAS.
 PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {  # us per call, this kernel / cuBLAS
+    (2, 2048, 2048): (1, 2048, 8, 8, 1, "acc_sum"),    # llama-1b output: 5.9 / 6.0
+    (2, 2048, 8192): (1, 2048, 1, 8, 1, "acc"),        # llama-1b down: 12.4 / 13.5
     (8, 2048, 8192): (64, 256, 4, 4, 3, "dot_sum"),    # llama-1b down: 11.9 / 13.6
+    (16, 2048, 8192): (64, 128, 4, 4, 4, "dot_sum"),   # llama-1b down: 12.0 / 13.8
+    (24, 2048, 8192): (64, 256, 4, 4, 3, "dot_sum"),   # llama-1b down: 12.9 / 14.2
     (32, 2048, 8192): (64, 128, 4, 4, 4, "dot_sum"),   # llama-1b down: 12.9 / 13.9
     (8, 4096, 4096): (64, 256, 2, 4, 3, "dot_sum"),    # llama-8b output: 12.1 / 13.3
+    (16, 4096, 4096): (64, 128, 2, 4, 4, "dot_sum"),   # llama-8b output: 12.0 / 13.5
+    (24, 4096, 4096): (64, 256, 2, 4, 3, "dot_sum"),   # llama-8b output: 12.8 / 13.6
     (32, 4096, 4096): (64, 128, 2, 4, 4, "dot_sum"),   # llama-8b output: 12.2 / 14.0
     (8, 4096, 14336): (64, 128, 4, 4, 4, "dot_sum"),   # llama-8b down: 31.7 / 32.4
+    (16, 4096, 14336): (64, 128, 4, 4, 4, "dot_sum"),  # llama-8b down: 32.0 / 33.1
     (32, 4096, 14336): (64, 128, 2, 4, 4, "dot_sum"),  # llama-8b down: 32.9 / 33.6
 }
 

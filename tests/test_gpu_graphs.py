@@ -234,14 +234,16 @@ def test_tuned_decode_graph_puts_the_policys_kernels_back_and_gives_eager_tokens
 
 
 @pytest.mark.parametrize("pdl, launch", [(False, (64, 128, 1, 4, 4, "dot")), (True, (64, 128, 1, 4, 4, "dot")),
-                                         (True, (64, 128, 2, 4, 4, "dot_sum"))], ids=["plain", "pdl", "pdl-dot_sum"])
+                                         (True, (64, 128, 2, 4, 4, "dot_sum")), (True, (1, 128, 2, 4, 1, "acc_sum"))],
+                         ids=["plain", "pdl", "pdl-dot_sum", "pdl-acc_sum"])
 def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_tokens(monkeypatch, pdl, launch):
     """TSCOMPILE_BATCH_GEMV with llama-tiny's qkv and gate/up weights listed at every row count the
     kernel takes: one bs=4 decode step of the dynamic-batch graph runs ``_gemv_kernel`` twice per layer
     (at capture the row count is 4: listed) and cuBLAS for o, down and the LM head; tokens as eager's
     (float32, three requests padded to the 4-row graph). ``pdl``: the graph's Inductor kernels and
-    the kernel launch with PDL (TSCOMPILE_DECODE_PDL and TSCOMPILE_GEMV_PDL). "dot_sum" (K split in
-    two, summed by the last program): still no second kernel in the step."""
+    the kernel launch with PDL (TSCOMPILE_DECODE_PDL and TSCOMPILE_GEMV_PDL). "dot_sum" and "acc_sum"
+    (K split in two, summed by the last program; the table's 2-row pick is "acc_sum"): still no second
+    kernel in the step."""
     import re
 
     from tscompile import piece_compiler
