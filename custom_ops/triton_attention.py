@@ -42,6 +42,15 @@ import triton.language as tl
 from tscompile.custom_ops.attention import register_attention_impl
 from tscompile.utils import cdiv
 
+def env_flag(name: str, default: bool) -> bool:
+    """A 0/1 switch from the environment (A/B runs in fresh processes; unset or empty: the default);
+    anything else is refused, so a typo cannot silently run the other path."""
+    value = os.environ.get(name, "").strip() or ("1" if default else "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"tscompile: {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -52,7 +61,9 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # gets 10 one-tile splits, not 3 four-tile ones). Module-level so tests can shrink
 # DECODE_MIN_SPLIT_TOKENS and DECODE_BLOCK_N to exercise many splits on tiny shapes.
 DECODE_MIN_SPLIT_TOKENS = 64  # no split shorter than this (a whole number of tiles)
-DECODE_TARGET_PROGRAMS = 1024  # enough programs (batch * kv heads * splits) to fill a large GPU
+# Enough programs (batch * kv heads * splits) to fill a large GPU; None: the measured choice per
+# shape (``_decode_target_programs``), a number overrides it (tests, scripts/decode_attn_sweep.py).
+DECODE_TARGET_PROGRAMS: int | None = None
 DECODE_MAX_SPLITS = 32
 # Keys per tile (split lengths are whole tiles) and the split kernel's warps / pipeline stages (the
 # warps are the combine kernel's too, so its sums match the fused kernel's). None:
@@ -99,15 +110,28 @@ DECODE_NUM_STAGES: int | None = None
 # programs resident per SM for the long per-split loops; with fewer the splits are short and 4 warps
 # win). In the bench's kernel tables the split kernel per step went 357 -> 295 us at bs=8, 812 -> 729
 # at 32 and 1397 -> 1307 at 64, but 153 -> 170 at bs=1 (8 programs, two-tile splits): below 64
-# programs the 64-key tile stays. head_dim 64 (llama-1b's decode shape, 16 layers per graph; swept
+# programs the 64-key tile stays (the first sweep; its head_dim 128 choices from 64 programs are
+# replaced below, TSCOMPILE_DECODE_D128_RETUNE=0 brings them back). head_dim 64 (llama-1b's decode shape, 16 layers per graph; swept
 # on the H200 in bench/results/same-lease-ec654af/): its 64-key tile stays, and 2 warps beat Triton's
 # 4 from 64 programs (split + combine per layer, 4 warps -> 2: bs=8 9.41 -> 8.26 us, bs=32 16.75 ->
 # 16.20, bs=64 29.55 -> 26.57); at bs=1 (8 programs) 4 stay. Other head dims keep Triton's defaults
 # (head_dim 256 always takes 32-key tiles: registers, shared memory). The fused kernel launches with
 # the same options, so both paths reduce alike.
+#
+# head_dim 128 again (bench/results/gpu-2026-12-03b/call4/attn_d128/, one H200, the same sweep, us per
+# layer, default -> chosen): with 64-255 programs (bs 8-31) 2 warps and 2 stages (bs=8 13.00 -> 11.73);
+# with 256-511 (bs 32-63) 4 warps, 2 stages and half the splits (target 512 programs: bs=32 two
+# splits, 28.14 -> 26.76); from 512 (bs >= 64) the 64-key tile, 4 warps, 3 stages and one split (no
+# combine launch; bs=64 45.34 -> 41.04). TSCOMPILE_DECODE_D128_RETUNE=0: the first sweep's choices
+# (32-key tiles from 64 programs, 2 warps from 256, Triton's 3 stages, 1024 programs), for an A/B.
+DECODE_D128_RETUNE = env_flag("TSCOMPILE_DECODE_D128_RETUNE", True)
 DECODE_SHORT_TILE_FROM_PROGRAMS = 64
-DECODE_WARPS_2_FROM_PROGRAMS = 256
+DECODE_LONG_TILE_FROM_PROGRAMS_D128 = 512
+DECODE_WARPS_2_FROM_PROGRAMS = 64
+DECODE_WARPS_4_FROM_PROGRAMS = 256
 DECODE_WARPS_2_FROM_PROGRAMS_D64 = 64
+DECODE_HALF_TARGET_FROM_PROGRAMS_D128 = 256
+_TARGET_PROGRAMS = 1024
 
 
 def _decode_block_n(head_dim: int, programs: int) -> int:
@@ -115,18 +139,34 @@ def _decode_block_n(head_dim: int, programs: int) -> int:
     launch never changes)."""
     if DECODE_BLOCK_N is not None:
         return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
-    if head_dim >= 256 or (head_dim == 128 and programs >= DECODE_SHORT_TILE_FROM_PROGRAMS):
+    long_from = DECODE_LONG_TILE_FROM_PROGRAMS_D128 if DECODE_D128_RETUNE else float("inf")
+    if head_dim >= 256 or (head_dim == 128 and DECODE_SHORT_TILE_FROM_PROGRAMS <= programs < long_from):
         return 32
     return 64
 
 
 def _decode_launch_options(batch: int, num_kv_heads: int, head_dim: int) -> dict:
-    warps = DECODE_NUM_WARPS
+    warps, stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
     programs = batch * num_kv_heads
-    if warps is None and ((head_dim == 128 and programs >= DECODE_WARPS_2_FROM_PROGRAMS)
-                          or (head_dim == 64 and programs >= DECODE_WARPS_2_FROM_PROGRAMS_D64)):
+    if head_dim == 128 and not DECODE_D128_RETUNE:
+        warps = 2 if warps is None and programs >= DECODE_WARPS_4_FROM_PROGRAMS else warps
+    elif head_dim == 128 and programs >= DECODE_WARPS_2_FROM_PROGRAMS:
+        chosen_warps = 2 if programs < DECODE_WARPS_4_FROM_PROGRAMS else 4
+        chosen_stages = 2 if programs < DECODE_LONG_TILE_FROM_PROGRAMS_D128 else 3
+        warps = chosen_warps if warps is None else warps
+        stages = chosen_stages if stages is None else stages
+    elif warps is None and head_dim == 64 and programs >= DECODE_WARPS_2_FROM_PROGRAMS_D64:
         warps = 2
-    return {k: v for k, v in (("num_warps", warps), ("num_stages", DECODE_NUM_STAGES)) if v is not None}
+    return {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v is not None}
+
+
+def _decode_target_programs(head_dim: int | None, programs: int) -> int:
+    """The programs (batch x KV heads x splits) the split count aims for."""
+    if DECODE_TARGET_PROGRAMS is not None:
+        return DECODE_TARGET_PROGRAMS
+    if head_dim == 128 and DECODE_D128_RETUNE and programs >= DECODE_HALF_TARGET_FROM_PROGRAMS_D128:
+        return _TARGET_PROGRAMS // 2
+    return _TARGET_PROGRAMS
 
 
 def _next_pow2(x: int) -> int:
@@ -465,11 +505,12 @@ def _min_split(block_n: int) -> int:
     return cdiv(DECODE_MIN_SPLIT_TOKENS, block_n) * block_n
 
 
-def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int) -> int:
+def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int, head_dim: int | None = None) -> int:
     """Static split count: enough splits to fill the GPU, no more than a full table has minimum-length
     splits."""
     by_length = cdiv(max_kv, _min_split(block_n))
-    by_occupancy = cdiv(DECODE_TARGET_PROGRAMS, max(batch * num_kv_heads, 1))
+    programs = max(batch * num_kv_heads, 1)
+    by_occupancy = cdiv(_decode_target_programs(head_dim, programs), programs)
     if batch == 1 and DECODE_BS1_SPLITS is not None:
         by_occupancy = DECODE_BS1_SPLITS
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
@@ -482,7 +523,7 @@ def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     max_kv = page_table.shape[1] * page_size
     block_n = _decode_block_n(d, bs * hkv)
-    return (page_size, hkv, hq // hkv, max_kv, block_n, decode_num_splits(max_kv, bs, hkv, block_n),
+    return (page_size, hkv, hq // hkv, max_kv, block_n, decode_num_splits(max_kv, bs, hkv, block_n, d),
             _decode_launch_options(bs, hkv, d))
 
 
@@ -540,13 +581,6 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 # layers) at bs 1 / 8 / 32 / 64, while the two launches it saves per layer are worth about 1 us: a
 # net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
-def env_flag(name: str, default: bool) -> bool:
-    """A 0/1 switch from the environment (A/B runs in fresh processes; unset or empty: the default);
-    anything else is refused, so a typo cannot silently run the other path."""
-    value = os.environ.get(name, "").strip() or ("1" if default else "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"tscompile: {name} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 FUSED_DECODE = env_flag("TSCOMPILE_FUSED_DECODE", False)
@@ -576,7 +610,10 @@ DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
 # D-value pieces of many requests' rows; with the KV head fastest (True), the Hkv programs of one
 # (request, split) run side by side and read whole rows together. Same programs, same arithmetic:
 # the bits do not change, only which reads the GPU has in flight at once.
-# TSCOMPILE_DECODE_HEADS_FASTEST=1 turns it on (an A/B switch until the H200 has timed both).
+# TSCOMPILE_DECODE_HEADS_FASTEST=1 turns it on. Timed on the H200 by scripts/decode_attn_sweep.py
+# (bench/results/gpu-2026-12-03b/call4/): within 1% of the default order at bs 8, 32 and 64 for
+# head_dim 128 and 64 (e.g. llama-8b bs=32 27.65 vs 27.82 us per layer, bs=64 45.34 vs 45.33): HBM
+# serves the scattered 128-256-byte pieces as well as whole rows, so it stays off, an A/B switch.
 DECODE_HEADS_FASTEST = env_flag("TSCOMPILE_DECODE_HEADS_FASTEST", False)
 # TSCOMPILE_PREFILL_PDL=1 (opt-in; on the H200 correct but no faster: llama-1b 1.40 vs 1.40 ms at 32
 # tokens, 1.58 vs 1.54 at 128, bench/results/same-lease-ec654af/): the same for prefill steps: the

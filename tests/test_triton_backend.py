@@ -171,13 +171,30 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
 
 
 def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
-    """head_dim 128 (measured on the H200) gets 32-key tiles from 64 (request, KV head) programs and
-    2 warps from 256; head_dim 64 keeps 64-key tiles and gets 2 warps from 64 programs; 256 its
-    32-key tile and Triton's defaults; the module knobs override both."""
+    """head_dim 128 (measured on the H200): 64-key tiles and Triton's defaults below 64 (request, KV
+    head) programs; 32-key tiles, 2 warps, 2 stages from 64; 4 warps and half the splits from 256;
+    64-key tiles, 4 warps, 3 stages from 512 (one split at the bench's 2064-position table). head_dim
+    64 keeps 64-key tiles and gets 2 warps from 64 programs; 256 its 32-key tile and Triton's
+    defaults; the module knobs override all of it, and TSCOMPILE_DECODE_D128_RETUNE=0 brings back the
+    first sweep's head_dim-128 choices."""
     assert [ta._decode_block_n(d, 64) for d in (64, 128, 256)] == [64, 32, 32]
     assert [ta._decode_block_n(d, 63) for d in (64, 128, 256)] == [64, 64, 32]  # bs=1 of 8 KV heads: 64
-    assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 2}
+    assert [ta._decode_block_n(128, p) for p in (511, 512)] == [32, 64]
+    assert ta._decode_launch_options(7, 8, 128) == {}
+    assert ta._decode_launch_options(8, 8, 128) == {"num_warps": 2, "num_stages": 2}
+    assert ta._decode_launch_options(31, 8, 128) == {"num_warps": 2, "num_stages": 2}
+    assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 4, "num_stages": 2}
+    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 4, "num_stages": 3}
+    # splits at the bench's table: 1024 programs aimed at below 256, 512 from there
+    assert [ta.decode_num_splits(2064, bs, 8, ta._decode_block_n(128, bs * 8), 128) for bs in (8, 31, 32, 64)] \
+        == [16, 5, 2, 1]
+    assert ta.decode_num_splits(2064, 32, 8, 64, 64) == 4  # head_dim 64 keeps 1024
+    monkeypatch.setattr(ta, "DECODE_D128_RETUNE", False)
+    assert [ta._decode_block_n(128, p) for p in (63, 64, 512)] == [64, 32, 32]
     assert ta._decode_launch_options(31, 8, 128) == {}
+    assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 2}
+    assert ta.decode_num_splits(2064, 32, 8, 32, 128) == 4
+    monkeypatch.setattr(ta, "DECODE_D128_RETUNE", True)
     assert ta._decode_launch_options(8, 8, 64) == {"num_warps": 2}  # llama-1b bs=8: 64 programs
     assert ta._decode_launch_options(7, 8, 64) == {}
     assert ta._decode_launch_options(1, 8, 64) == {}  # llama-1b bs=1: Triton's 4 warps
@@ -185,9 +202,12 @@ def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     assert ta._decode_launch_options(64, 8, 32) == {}
     monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
     monkeypatch.setattr(ta, "DECODE_NUM_WARPS", 8)
-    monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 2)
+    monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 4)
+    monkeypatch.setattr(ta, "DECODE_TARGET_PROGRAMS", 2048)
     assert [ta._decode_block_n(d, 8) for d in (64, 128)] == [16, 16]
-    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 2}
+    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 4}
+    assert ta._decode_launch_options(8, 8, 128) == {"num_warps": 8, "num_stages": 4}
+    assert ta.decode_num_splits(2064, 32, 8, 16, 128) == 8
 
 
 @pytest.mark.parametrize("text, want", [("", None), (" ", None), ("4", 4), ("2", 2), (" 8 ", 8)])
@@ -475,21 +495,25 @@ def test_gpu_decode_matches_torch(dtype, head_dim, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim, block_n", [(128, 32), (64, 64)])
-def test_gpu_decode_with_two_warp_launches_matches_torch(dtype, head_dim, block_n, monkeypatch):
-    """36 requests x 8 KV heads: past both two-warp thresholds, so the split kernel launches with 2
-    warps (head_dim 128 with 32-key tiles, the bench's bs=32/64 llama-8b geometry; head_dim 64 with
-    64-key tiles, llama-1b's), and the combine kernel with the same 2 warps."""
+@pytest.mark.parametrize("head_dim, requests, block_n, warps", [(128, 18, 32, 2), (128, 36, 32, 4), (128, 70, 64, 4),
+                                                                (64, 36, 64, 2)])
+def test_gpu_decode_at_each_measured_geometry_matches_torch(dtype, head_dim, requests, block_n, warps, monkeypatch):
+    """N requests (+2 padded) x 8 KV heads, one per launch geometry of the measured policy: head_dim
+    128 at 160 programs (32-key tiles, 2 warps), 304 (32-key, 4 warps, half the splits) and 576
+    (64-key, 4 warps: the bench's bs=64, one split here as there, so no combine), head_dim 64 at 304
+    (llama-1b's 64-key tiles, 2 warps); the combine, where it runs, at the split's warps."""
     spy, combine = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_combine_kernel)
     monkeypatch.setattr(ta, "_decode_split_kernel", spy)
     monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
-    kv_lens = [int(x) for x in torch.randint(1, 900, (36,), generator=torch.Generator().manual_seed(41))]
+    kv_lens = [int(x) for x in torch.randint(1, 900, (requests,), generator=torch.Generator().manual_seed(41))]
     batch = _batch([1] * len(kv_lens), kv_lens, "cuda", page_size=16, num_kv_heads=8, group=4, head_dim=head_dim,
                    dtype=dtype, seed=42, pad_rows=2)
     out = _compare(batch, decode=True, **_GPU_TOL[dtype])
     assert torch.equal(out[len(kv_lens):], torch.zeros_like(out[len(kv_lens):]))
-    assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(block_n, 2)]
-    assert [x.get("num_warps") for x in combine.launches] == [2]
+    assert [(x["BLOCK_N"], x.get("num_warps")) for x in spy.launches] == [(block_n, warps)]
+    splits = spy.launches[0]["NUM_SPLITS"]
+    assert (splits == 1) == (requests == 70), splits
+    assert [x.get("num_warps") for x in combine.launches] == ([warps] if splits > 1 else [])
 
 
 @pytest.mark.gpu
