@@ -110,28 +110,31 @@ DECODE_NUM_STAGES: int | None = None
 # programs resident per SM for the long per-split loops; with fewer the splits are short and 4 warps
 # win). In the bench's kernel tables the split kernel per step went 357 -> 295 us at bs=8, 812 -> 729
 # at 32 and 1397 -> 1307 at 64, but 153 -> 170 at bs=1 (8 programs, two-tile splits): below 64
-# programs the 64-key tile stays (the first sweep; its head_dim 128 choices from 64 programs are
-# replaced below, TSCOMPILE_DECODE_D128_RETUNE=0 brings them back). head_dim 64 (llama-1b's decode shape, 16 layers per graph; swept
+# programs the 64-key tile stays. head_dim 64 (llama-1b's decode shape, 16 layers per graph; swept
 # on the H200 in bench/results/same-lease-ec654af/): its 64-key tile stays, and 2 warps beat Triton's
 # 4 from 64 programs (split + combine per layer, 4 warps -> 2: bs=8 9.41 -> 8.26 us, bs=32 16.75 ->
 # 16.20, bs=64 29.55 -> 26.57); at bs=1 (8 programs) 4 stay. Other head dims keep Triton's defaults
 # (head_dim 256 always takes 32-key tiles: registers, shared memory). The fused kernel launches with
 # the same options, so both paths reduce alike.
 #
-# head_dim 128 again (bench/results/gpu-2026-12-03b/call4/attn_d128/, one H200, the same sweep, us per
-# layer, default -> chosen): with 64-255 programs (bs 8-31) 2 warps and 2 stages (bs=8 13.00 -> 11.73);
-# with 256-511 (bs 32-63) 4 warps, 2 stages and half the splits (target 512 programs: bs=32 two
-# splits, 28.14 -> 26.76); from 512 (bs >= 64) the 64-key tile, 4 warps, 3 stages and one split (no
-# combine launch; bs=64 45.34 -> 41.04). TSCOMPILE_DECODE_D128_RETUNE=0: the first sweep's choices
-# (32-key tiles from 64 programs, 2 warps from 256, Triton's 3 stages, 1024 programs), for an A/B.
-DECODE_D128_RETUNE = env_flag("TSCOMPILE_DECODE_D128_RETUNE", True)
+# head_dim 128 from 512 programs (bs >= 64 of 8 KV heads): one split (no combine launch) of 64-key
+# tiles at 4 warps and 3 stages. A second sweep (bench/results/gpu-2026-12-03b/call4/attn_d128/, us
+# per layer) put it at 41.04 against 45.34 for the launch above, and in the engine, one H200,
+# back-to-back processes (call5/), llama-8b bs=64 TPOT went 6.358 -> 6.233 ms. The same sweep's
+# picks below 512 programs (2 warps + 2 stages at bs=8: 13.00 -> 11.73 us; 4 warps + two splits at
+# bs=32: 28.14 -> 26.76) were slower in the engine (bs=8 4.743 -> 4.776 ms, bs=32 5.425 -> 5.468),
+# so the first sweep's launch stays there. TSCOMPILE_DECODE_D128_ONE_SPLIT=0: that launch from 512
+# programs too, for an A/B.
+DECODE_D128_ONE_SPLIT = env_flag("TSCOMPILE_DECODE_D128_ONE_SPLIT", True)
 DECODE_SHORT_TILE_FROM_PROGRAMS = 64
-DECODE_LONG_TILE_FROM_PROGRAMS_D128 = 512
-DECODE_WARPS_2_FROM_PROGRAMS = 64
-DECODE_WARPS_4_FROM_PROGRAMS = 256
+DECODE_WARPS_2_FROM_PROGRAMS = 256
 DECODE_WARPS_2_FROM_PROGRAMS_D64 = 64
-DECODE_HALF_TARGET_FROM_PROGRAMS_D128 = 256
+DECODE_ONE_SPLIT_FROM_PROGRAMS_D128 = 512
 _TARGET_PROGRAMS = 1024
+
+
+def _one_split_launch(head_dim: int, programs: int) -> bool:
+    return head_dim == 128 and DECODE_D128_ONE_SPLIT and programs >= DECODE_ONE_SPLIT_FROM_PROGRAMS_D128
 
 
 def _decode_block_n(head_dim: int, programs: int) -> int:
@@ -139,8 +142,9 @@ def _decode_block_n(head_dim: int, programs: int) -> int:
     launch never changes)."""
     if DECODE_BLOCK_N is not None:
         return min(DECODE_BLOCK_N, 32) if head_dim >= 256 else DECODE_BLOCK_N
-    long_from = DECODE_LONG_TILE_FROM_PROGRAMS_D128 if DECODE_D128_RETUNE else float("inf")
-    if head_dim >= 256 or (head_dim == 128 and DECODE_SHORT_TILE_FROM_PROGRAMS <= programs < long_from):
+    if _one_split_launch(head_dim, programs):
+        return 64
+    if head_dim >= 256 or (head_dim == 128 and programs >= DECODE_SHORT_TILE_FROM_PROGRAMS):
         return 32
     return 64
 
@@ -148,25 +152,21 @@ def _decode_block_n(head_dim: int, programs: int) -> int:
 def _decode_launch_options(batch: int, num_kv_heads: int, head_dim: int) -> dict:
     warps, stages = DECODE_NUM_WARPS, DECODE_NUM_STAGES
     programs = batch * num_kv_heads
-    if head_dim == 128 and not DECODE_D128_RETUNE:
-        warps = 2 if warps is None and programs >= DECODE_WARPS_4_FROM_PROGRAMS else warps
-    elif head_dim == 128 and programs >= DECODE_WARPS_2_FROM_PROGRAMS:
-        chosen_warps = 2 if programs < DECODE_WARPS_4_FROM_PROGRAMS else 4
-        chosen_stages = 2 if programs < DECODE_LONG_TILE_FROM_PROGRAMS_D128 else 3
-        warps = chosen_warps if warps is None else warps
-        stages = chosen_stages if stages is None else stages
-    elif warps is None and head_dim == 64 and programs >= DECODE_WARPS_2_FROM_PROGRAMS_D64:
+    if _one_split_launch(head_dim, programs):
+        warps = 4 if warps is None else warps
+        stages = 3 if stages is None else stages
+    elif warps is None and ((head_dim == 128 and programs >= DECODE_WARPS_2_FROM_PROGRAMS)
+                            or (head_dim == 64 and programs >= DECODE_WARPS_2_FROM_PROGRAMS_D64)):
         warps = 2
     return {k: v for k, v in (("num_warps", warps), ("num_stages", stages)) if v is not None}
 
 
 def _decode_target_programs(head_dim: int | None, programs: int) -> int:
-    """The programs (batch x KV heads x splits) the split count aims for."""
+    """The programs (batch x KV heads x splits) the split count aims for: one split's worth for the
+    one-split launch, else enough to fill a large GPU."""
     if DECODE_TARGET_PROGRAMS is not None:
         return DECODE_TARGET_PROGRAMS
-    if head_dim == 128 and DECODE_D128_RETUNE and programs >= DECODE_HALF_TARGET_FROM_PROGRAMS_D128:
-        return _TARGET_PROGRAMS // 2
-    return _TARGET_PROGRAMS
+    return programs if head_dim is not None and _one_split_launch(head_dim, programs) else _TARGET_PROGRAMS
 
 
 def _next_pow2(x: int) -> int:

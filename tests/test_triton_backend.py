@@ -171,30 +171,26 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
 
 
 def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
-    """head_dim 128 (measured on the H200): 64-key tiles and Triton's defaults below 64 (request, KV
-    head) programs; 32-key tiles, 2 warps, 2 stages from 64; 4 warps and half the splits from 256;
-    64-key tiles, 4 warps, 3 stages from 512 (one split at the bench's 2064-position table). head_dim
-    64 keeps 64-key tiles and gets 2 warps from 64 programs; 256 its 32-key tile and Triton's
-    defaults; the module knobs override all of it, and TSCOMPILE_DECODE_D128_RETUNE=0 brings back the
-    first sweep's head_dim-128 choices."""
+    """head_dim 128 (measured on the H200) gets 32-key tiles from 64 (request, KV head) programs and
+    2 warps from 256, and from 512 one split of 64-key tiles at 4 warps and 3 stages (unless
+    TSCOMPILE_DECODE_D128_ONE_SPLIT=0); head_dim 64 keeps 64-key tiles and gets 2 warps from 64
+    programs; 256 its 32-key tile and Triton's defaults; the module knobs override all of it."""
     assert [ta._decode_block_n(d, 64) for d in (64, 128, 256)] == [64, 32, 32]
     assert [ta._decode_block_n(d, 63) for d in (64, 128, 256)] == [64, 64, 32]  # bs=1 of 8 KV heads: 64
     assert [ta._decode_block_n(128, p) for p in (511, 512)] == [32, 64]
-    assert ta._decode_launch_options(7, 8, 128) == {}
-    assert ta._decode_launch_options(8, 8, 128) == {"num_warps": 2, "num_stages": 2}
-    assert ta._decode_launch_options(31, 8, 128) == {"num_warps": 2, "num_stages": 2}
-    assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 4, "num_stages": 2}
-    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 4, "num_stages": 3}
-    # splits at the bench's table: 1024 programs aimed at below 256, 512 from there
-    assert [ta.decode_num_splits(2064, bs, 8, ta._decode_block_n(128, bs * 8), 128) for bs in (8, 31, 32, 64)] \
-        == [16, 5, 2, 1]
-    assert ta.decode_num_splits(2064, 32, 8, 64, 64) == 4  # head_dim 64 keeps 1024
-    monkeypatch.setattr(ta, "DECODE_D128_RETUNE", False)
-    assert [ta._decode_block_n(128, p) for p in (63, 64, 512)] == [64, 32, 32]
-    assert ta._decode_launch_options(31, 8, 128) == {}
     assert ta._decode_launch_options(32, 8, 128) == {"num_warps": 2}
-    assert ta.decode_num_splits(2064, 32, 8, 32, 128) == 4
-    monkeypatch.setattr(ta, "DECODE_D128_RETUNE", True)
+    assert ta._decode_launch_options(31, 8, 128) == {}
+    assert ta._decode_launch_options(63, 8, 128) == {"num_warps": 2}
+    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 4, "num_stages": 3}
+    # splits at the bench's 2064-position table: 1024 programs aimed at, one split from 512
+    assert [ta.decode_num_splits(2064, bs, 8, ta._decode_block_n(128, bs * 8), 128) for bs in (8, 32, 63, 64, 200)] \
+        == [16, 4, 3, 1, 1]
+    assert ta.decode_num_splits(2064, 64, 8, 64, 64) == 2  # head_dim 64 keeps 1024
+    monkeypatch.setattr(ta, "DECODE_D128_ONE_SPLIT", False)
+    assert ta._decode_block_n(128, 512) == 32
+    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 2}
+    assert ta.decode_num_splits(2064, 64, 8, 32, 128) == 2
+    monkeypatch.setattr(ta, "DECODE_D128_ONE_SPLIT", True)
     assert ta._decode_launch_options(8, 8, 64) == {"num_warps": 2}  # llama-1b bs=8: 64 programs
     assert ta._decode_launch_options(7, 8, 64) == {}
     assert ta._decode_launch_options(1, 8, 64) == {}  # llama-1b bs=1: Triton's 4 warps
@@ -202,12 +198,12 @@ def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     assert ta._decode_launch_options(64, 8, 32) == {}
     monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
     monkeypatch.setattr(ta, "DECODE_NUM_WARPS", 8)
-    monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 4)
+    monkeypatch.setattr(ta, "DECODE_NUM_STAGES", 2)
     monkeypatch.setattr(ta, "DECODE_TARGET_PROGRAMS", 2048)
-    assert [ta._decode_block_n(d, 8) for d in (64, 128)] == [16, 16]
-    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 4}
-    assert ta._decode_launch_options(8, 8, 128) == {"num_warps": 8, "num_stages": 4}
-    assert ta.decode_num_splits(2064, 32, 8, 16, 128) == 8
+    assert [ta._decode_block_n(d, 512) for d in (64, 128)] == [16, 16]
+    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 8, "num_stages": 2}
+    assert ta._decode_launch_options(8, 8, 128) == {"num_warps": 8, "num_stages": 2}
+    assert ta.decode_num_splits(2064, 64, 8, 16, 128) == 4
 
 
 @pytest.mark.parametrize("text, want", [("", None), (" ", None), ("4", 4), ("2", 2), (" 8 ", 8)])
@@ -495,13 +491,12 @@ def test_gpu_decode_matches_torch(dtype, head_dim, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim, requests, block_n, warps", [(128, 18, 32, 2), (128, 36, 32, 4), (128, 70, 64, 4),
-                                                                (64, 36, 64, 2)])
+@pytest.mark.parametrize("head_dim, requests, block_n, warps", [(128, 36, 32, 2), (128, 70, 64, 4), (64, 36, 64, 2)])
 def test_gpu_decode_at_each_measured_geometry_matches_torch(dtype, head_dim, requests, block_n, warps, monkeypatch):
-    """N requests (+2 padded) x 8 KV heads, one per launch geometry of the measured policy: head_dim
-    128 at 160 programs (32-key tiles, 2 warps), 304 (32-key, 4 warps, half the splits) and 576
-    (64-key, 4 warps: the bench's bs=64, one split here as there, so no combine), head_dim 64 at 304
-    (llama-1b's 64-key tiles, 2 warps); the combine, where it runs, at the split's warps."""
+    """N requests (+2 padded) x 8 KV heads, one per launch geometry past the thresholds: head_dim 128
+    at 304 programs (32-key tiles, 2 warps, several splits) and 576 (the one-split launch: 64-key
+    tiles, 4 warps, no combine; the bench's bs=64), head_dim 64 at 304 (llama-1b's 64-key tiles,
+    2 warps); the combine, where it runs, at the split's warps."""
     spy, combine = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_combine_kernel)
     monkeypatch.setattr(ta, "_decode_split_kernel", spy)
     monkeypatch.setattr(ta, "_decode_combine_kernel", combine)
