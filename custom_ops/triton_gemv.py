@@ -631,7 +631,7 @@ def _launch_of(key: str) -> tuple:
 # TABLE_MIN_SPEEDUP or more. At 8 and 32 rows (GEMV_SWEEP_ROWS=8,32, the bench's decode batch sizes
 # and the 32-token prefill; bench/results/gpu-2026-12-03/call3/gemv_sweep.json) every pick is
 # "dot_sum": the two-kernel split lost to split 1, the in-kernel sum wins. At the ladder's other
-# batch sizes 2, 4, 16 and 24 (bench/results/gpu-2026-12-03b/call2/gemv_sweep_rows.json): "dot_sum"
+# batch sizes 2, 4, 16 and 24 (bench/results/gpu-2026-12-03b/call3/gemv_sweep_rows.json): "dot_sum"
 # again at 16 and 24, the CUDA-core "acc" forms at 2 rows, nothing at 4 (cuBLAS won every shape).
 # Other row counts and shapes (qkv, gate/up, the LM head, llama-1b's o from 4 rows: cuBLAS was as
 # fast or faster) stay cuBLAS.

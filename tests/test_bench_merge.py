@@ -211,7 +211,8 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
         "decode_gemv": piece_compiler.decode_gemv_on(), "prefill_gemv": piece_compiler.prefill_gemv_on(),
         "batch_gemv": piece_compiler.batch_gemv_on(),
         "decode_pdl": ta.DECODE_PDL and ta.pdl_available(), "prefill_pdl": ta.PREFILL_PDL and ta.pdl_available(),
-        "decode_bs1_splits": ta.DECODE_BS1_SPLITS,
+        "decode_bs1_splits": ta.DECODE_BS1_SPLITS, "decode_d128_one_split": ta.DECODE_D128_ONE_SPLIT,
+        "decode_heads_fastest": ta.DECODE_HEADS_FASTEST,
         "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
     other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,
@@ -222,7 +223,7 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     line_b = next(line for line in md.splitlines() if line.startswith("- `b.json`"))
     assert ('kernel switches `{"decode_write_in_split": false, "extend_config_overrides": {"128": '
             '[128, 64, 8, 3]}, "fused_decode": false}`') in line_b
-    assert "kernel switches `{\"batch_gemv\": false, \"decode_bs1_splits\": null, \"decode_gemv\": " in \
+    assert "kernel switches `{\"batch_gemv\": false, \"decode_bs1_splits\": null, \"decode_d128_one_split\": true, " in \
         next(line for line in md.splitlines() if line.startswith("- `a.json`"))
     assert "kernel switches" not in next(line for line in md.splitlines() if line.startswith("- `c.json`"))
 

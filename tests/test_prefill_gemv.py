@@ -278,7 +278,7 @@ def test_the_shipped_few_row_table_is_the_recorded_sweeps_picks():
 
     results = pathlib.Path(__file__).parents[1] / "bench/results"
     picks = {}
-    for sweep in ("gpu-2026-12-03/call3/gemv_sweep.json", "gpu-2026-12-03b/call2/gemv_sweep_rows.json"):
+    for sweep in ("gpu-2026-12-03/call3/gemv_sweep.json", "gpu-2026-12-03b/call3/gemv_sweep_rows.json"):
         table = tg.prefill_table_from_sweep(json.loads((results / sweep).read_text()))
         assert table and not picks.keys() & table.keys(), f"{sweep}: no picks, or rows another sweep timed"
         picks |= table
