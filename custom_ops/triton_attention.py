@@ -42,6 +42,7 @@ import triton.language as tl
 from tscompile.custom_ops.attention import register_attention_impl
 from tscompile.utils import cdiv
 
+
 def env_flag(name: str, default: bool) -> bool:
     """A 0/1 switch from the environment (A/B runs in fresh processes; unset or empty: the default);
     anything else is refused, so a typo cannot silently run the other path."""
@@ -130,7 +131,7 @@ DECODE_SHORT_TILE_FROM_PROGRAMS = 64
 DECODE_WARPS_2_FROM_PROGRAMS = 256
 DECODE_WARPS_2_FROM_PROGRAMS_D64 = 64
 DECODE_ONE_SPLIT_FROM_PROGRAMS_D128 = 512
-_TARGET_PROGRAMS = 1024
+DECODE_DEFAULT_TARGET_PROGRAMS = 1024
 
 
 def _one_split_launch(head_dim: int, programs: int) -> bool:
@@ -166,7 +167,9 @@ def _decode_target_programs(head_dim: int | None, programs: int) -> int:
     one-split launch, else enough to fill a large GPU."""
     if DECODE_TARGET_PROGRAMS is not None:
         return DECODE_TARGET_PROGRAMS
-    return programs if head_dim is not None and _one_split_launch(head_dim, programs) else _TARGET_PROGRAMS
+    if head_dim is not None and _one_split_launch(head_dim, programs):
+        return programs
+    return DECODE_DEFAULT_TARGET_PROGRAMS
 
 
 def _next_pow2(x: int) -> int:
@@ -581,8 +584,6 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 # layers) at bs 1 / 8 / 32 / 64, while the two launches it saves per layer are worth about 1 us: a
 # net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
-
-
 FUSED_DECODE = env_flag("TSCOMPILE_FUSED_DECODE", False)
 # The default: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
 # stays a launch of its own, so a layer launches two kernels instead of three (one instead of two
@@ -612,8 +613,8 @@ DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
 # the bits do not change, only which reads the GPU has in flight at once.
 # TSCOMPILE_DECODE_HEADS_FASTEST=1 turns it on. Timed on the H200 by scripts/decode_attn_sweep.py
 # (bench/results/gpu-2026-12-03b/call4/): within 1% of the default order at bs 8, 32 and 64 for
-# head_dim 128 and 64 (e.g. llama-8b bs=32 27.65 vs 27.82 us per layer, bs=64 45.34 vs 45.33): HBM
-# serves the scattered 128-256-byte pieces as well as whole rows, so it stays off, an A/B switch.
+# head_dim 128 and 64 (e.g. llama-8b bs=32 27.65 vs 27.82 us per layer, bs=64 45.34 vs 45.33): no
+# measurable difference, so it stays off, an A/B switch.
 DECODE_HEADS_FASTEST = env_flag("TSCOMPILE_DECODE_HEADS_FASTEST", False)
 # TSCOMPILE_PREFILL_PDL=1 (opt-in; on the H200 correct but no faster: llama-1b 1.40 vs 1.40 ms at 32
 # tokens, 1.58 vs 1.54 at 128, bench/results/same-lease-ec654af/): the same for prefill steps: the

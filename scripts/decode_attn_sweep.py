@@ -170,7 +170,9 @@ def sweep(bs: int, a, device, dtype, deadline: float) -> dict:
     kv_bytes = bs * a.ctx * a.hkv * a.d * 2 * dtype.itemsize  # K and V read per layer
     default = {k: getattr(ta, k) for k in KNOBS}
     rows = [{"what": "default", **run_setting({}, layers, want, scale, device, a.reps, a.tol)}]
-    target = ta.DECODE_TARGET_PROGRAMS
+    # the tile settings at one split target (the engine's default when no override is set), so they
+    # compare with each other; the one-split launch of head_dim 128 shows among the "splits" rows
+    target = ta.DECODE_TARGET_PROGRAMS or ta.DECODE_DEFAULT_TARGET_PROGRAMS
     for block_n, warps, stages in itertools.product(a.block_n, a.warps, a.stages):
         if time.monotonic() > deadline:
             break

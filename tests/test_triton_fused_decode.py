@@ -462,7 +462,7 @@ def test_fused_decode_equals_unfused_on_gpu(num_kv_heads, group, head_dim, dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("longest", [48, 2000])
 @pytest.mark.parametrize("requests, block_n, warps", [(33, 32, 2), (64, 64, 4)])
-def test_fused_decode_equals_unfused_on_gpu_with_two_warp_launches(dtype, longest, requests, block_n, warps,
+def test_fused_decode_equals_unfused_on_gpu_at_the_large_batch_launches(dtype, longest, requests, block_n, warps,
                                                                    monkeypatch):
     """33 requests x 8 KV heads of 128: both paths launch with the 2-warp, 32-key geometry (the same
     launch options, so the same reductions; the combine kernel too) and still agree bit for bit;
