@@ -105,7 +105,6 @@ def kernel_paths() -> dict:
              "decode_pdl": triton_attention.DECODE_PDL and triton_attention.pdl_available(),
              "decode_bs1_splits": triton_attention.DECODE_BS1_SPLITS,  # None: the occupancy rule
              "decode_d128_one_split": triton_attention.DECODE_D128_ONE_SPLIT,
-             "decode_heads_fastest": triton_attention.DECODE_HEADS_FASTEST,
              "prefill_pdl": triton_attention.PREFILL_PDL and triton_attention.pdl_available(),
              "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
     if decode_gemv:  # which projections left cuBLAS, at which launches, with the norms fused or not, from where

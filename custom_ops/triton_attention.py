@@ -134,7 +134,7 @@ DECODE_ONE_SPLIT_FROM_PROGRAMS_D128 = 512
 DECODE_DEFAULT_TARGET_PROGRAMS = 1024
 
 
-def _one_split_launch(head_dim: int, programs: int) -> bool:
+def _one_split_launch(head_dim: int | None, programs: int) -> bool:
     return head_dim == 128 and DECODE_D128_ONE_SPLIT and programs >= DECODE_ONE_SPLIT_FROM_PROGRAMS_D128
 
 
@@ -167,7 +167,7 @@ def _decode_target_programs(head_dim: int | None, programs: int) -> int:
     one-split launch, else enough to fill a large GPU."""
     if DECODE_TARGET_PROGRAMS is not None:
         return DECODE_TARGET_PROGRAMS
-    if head_dim is not None and _one_split_launch(head_dim, programs):
+    if _one_split_launch(head_dim, programs):
         return programs
     return DECODE_DEFAULT_TARGET_PROGRAMS
 
@@ -390,11 +390,11 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_KV: tl.constexpr, PDL: tl.constexpr = False,
-    HEADS_FASTEST: tl.constexpr = False,
 ):
-    """Grid (B, Hkv, NUM_SPLITS), or (Hkv, B, NUM_SPLITS) with HEADS_FASTEST (``DECODE_HEADS_FASTEST``).
-    Program (b, kvh, s) attends the GROUP query heads of KV head kvh of request b over its split s
-    (``_split_range``).
+    """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
+    of request b over its split s (``_split_range``). (The KV head fastest in the grid, so the Hkv
+    programs of one position read its whole cache row together, gave the same bits and measured
+    even on the H200: bench/results/gpu-2026-12-03b/call4/.)
 
     Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
     part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split);
@@ -407,12 +407,8 @@ def _decode_split_kernel(
     if PDL:  # DECODE_PDL: everything below may depend on the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if HEADS_FASTEST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len, split_len, lo, hi = _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
     if WRITE_KV:
@@ -547,8 +543,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
     else:  # the split kernel writes out itself; the partials are never touched
         part_out = part_lse = out
     k, v, write_loc = new_kv if new_kv is not None else (q, q, seq_lens)  # not read without WRITE_KV
-    grid = (hkv, bs, num_splits) if DECODE_HEADS_FASTEST else (bs, hkv, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(bs, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out, k, v, write_loc,
         scale * 1.4426950408889634,  # scores in log2 units so the kernel can use exp2
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(), *out.stride(),
@@ -557,7 +552,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), WRITE_KV=new_kv is not None,
-        HEADS_FASTEST=DECODE_HEADS_FASTEST, **options, **pdl_launch(q.device, DECODE_PDL),
+        **options, **pdl_launch(q.device, DECODE_PDL),
     )
     if num_splits == 1:
         return
@@ -605,17 +600,6 @@ DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
 # 1.398 -> 1.383 (32), 1.676 -> 1.673 (64); its GPU test bitwise equal to the plain launches.
 # Kernel tables profiled under PDL count a waiting kernel's time too, so their sums exceed the step.
 DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
-# The split kernel's program order. The cache is [pages, P, Hkv, D]: one position's K (or V) of all
-# KV heads is one contiguous Hkv * D row (2 KiB for llama-8b), of which a program reads only its
-# head's D values. With the request fastest in the grid (False), the programs running at once read
-# D-value pieces of many requests' rows; with the KV head fastest (True), the Hkv programs of one
-# (request, split) run side by side and read whole rows together. Same programs, same arithmetic:
-# the bits do not change, only which reads the GPU has in flight at once.
-# TSCOMPILE_DECODE_HEADS_FASTEST=1 turns it on. Timed on the H200 by scripts/decode_attn_sweep.py
-# (bench/results/gpu-2026-12-03b/call4/): within 1% of the default order at bs 8, 32 and 64 for
-# head_dim 128 and 64 (e.g. llama-8b bs=32 27.65 vs 27.82 us per layer, bs=64 45.34 vs 45.33): no
-# measurable difference, so it stays off, an A/B switch.
-DECODE_HEADS_FASTEST = env_flag("TSCOMPILE_DECODE_HEADS_FASTEST", False)
 # TSCOMPILE_PREFILL_PDL=1 (opt-in; on the H200 correct but no faster: llama-1b 1.40 vs 1.40 ms at 32
 # tokens, 1.58 vs 1.54 at 128, bench/results/same-lease-ec654af/): the same for prefill steps: the
 # dense extend kernel launches with PDL and the pieces of a split (prefill) graph get Inductor's PDL,

@@ -36,7 +36,7 @@ from tscompile.custom_ops import attention as torch_attention
 from tscompile.custom_ops import triton_attention as ta
 from tscompile.utils import cdiv
 
-KNOBS = ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES", "DECODE_TARGET_PROGRAMS", "DECODE_HEADS_FASTEST")
+KNOBS = ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES", "DECODE_TARGET_PROGRAMS")
 
 
 def make_layers(bs: int, ctx: int, max_kv: int, hq: int, hkv: int, d: int, page: int, layers: int,
@@ -184,15 +184,8 @@ def sweep(bs: int, a, device, dtype, deadline: float) -> dict:
         for t in a.targets:
             if time.monotonic() > deadline or t == target:
                 continue
-            setting = {k: best[k] for k in KNOBS if k in best} | {"DECODE_TARGET_PROGRAMS": t}
+            setting = {k: best[k] for k in KNOBS} | {"DECODE_TARGET_PROGRAMS": t}
             rows.append({"what": "splits", **run_setting(setting, layers, want, scale, device, a.reps, a.tol)})
-    # the program order (DECODE_HEADS_FASTEST) at the default and the three fastest settings so far
-    fastest = sorted((r for r in rows if r.get("us_per_layer")), key=lambda r: r["us_per_layer"])[:3]
-    for base in [{}] + [{k: r[k] for k in KNOBS if k in r} for r in fastest if r["what"] != "default"]:
-        if time.monotonic() > deadline or base.get("DECODE_HEADS_FASTEST"):
-            continue
-        setting = base | {"DECODE_HEADS_FASTEST": True}
-        rows.append({"what": "heads fastest", **run_setting(setting, layers, want, scale, device, a.reps, a.tol)})
     rows.append(sdpa_row(layers, bs, a.ctx, a.static_len, scale, device, a.reps, a.tol, want))
     for r in rows:
         if r.get("us_per_layer"):
@@ -209,14 +202,14 @@ def markdown(result: dict) -> str:
              f"Defaults: {result['per_bs'][0]['defaults'] if result['per_bs'] else '-'}.", ""]
     for block in result["per_bs"]:
         lines += [f"### bs={block['bs']} ({block['kv_bytes_per_layer'] / 1e6:.1f} MB of K/V per layer)", "",
-                  "| what | BLOCK_N | warps | stages | target programs | heads fastest | splits | us/layer | GB/s | max err | error |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| what | BLOCK_N | warps | stages | target programs | splits | us/layer | GB/s | max err | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         rows = sorted(block["rows"], key=lambda r: (r.get("us_per_layer") is None, r.get("us_per_layer") or 0))
         for r in rows:
             def f(key, fmt="{}"):
                 return fmt.format(r[key]) if r.get(key) is not None else "-"
             lines.append(f"| {r['what']} | {f('DECODE_BLOCK_N')} | {f('DECODE_NUM_WARPS')} | {f('DECODE_NUM_STAGES')} | "
-                         f"{f('DECODE_TARGET_PROGRAMS')} | {f('DECODE_HEADS_FASTEST')} | {f('splits')} | {f('us_per_layer', '{:.2f}')} | "
+                         f"{f('DECODE_TARGET_PROGRAMS')} | {f('splits')} | {f('us_per_layer', '{:.2f}')} | "
                          f"{f('gbps', '{:.0f}')} | {f('max_abs_err', '{:.2g}')} | {r.get('error') or ''} |")
         lines.append("")
     return "\n".join(lines)

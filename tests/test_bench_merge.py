@@ -212,7 +212,6 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
         "batch_gemv": piece_compiler.batch_gemv_on(),
         "decode_pdl": ta.DECODE_PDL and ta.pdl_available(), "prefill_pdl": ta.PREFILL_PDL and ta.pdl_available(),
         "decode_bs1_splits": ta.DECODE_BS1_SPLITS, "decode_d128_one_split": ta.DECODE_D128_ONE_SPLIT,
-        "decode_heads_fastest": ta.DECODE_HEADS_FASTEST,
         "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
     other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,

@@ -235,37 +235,6 @@ def test_write_in_split_equals_the_three_kernel_path(dtype, splits, device, monk
     _assert_write_in_split_equals_three_kernels(batch, monkeypatch)
 
 
-def _assert_heads_fastest_gives_the_same_bits(batch, monkeypatch, calls=1) -> dict:
-    """The split kernel launched KV head fastest (``DECODE_HEADS_FASTEST``) against the default order:
-    the same output and caches bit for bit, from a launch whose grid is (Hkv, B, splits)."""
-    monkeypatch.setattr(ta, "DECODE_HEADS_FASTEST", False)
-    want = _run_write_in_split(batch, monkeypatch)
-    assert not want[0].isnan().any()
-    split = LaunchSpy(ta._decode_split_kernel)
-    monkeypatch.setattr(ta, "_decode_split_kernel", split)
-    monkeypatch.setattr(ta, "DECODE_HEADS_FASTEST", True)
-    bs, hkv = batch["q"].shape[0], batch["k_cache"].shape[2]
-    for call in range(calls):
-        split.launches.clear()
-        got = _run_write_in_split(batch, monkeypatch)
-        assert _same_bits(got[0], want[0]), f"call {call}: the output differs: {_differences(got[0], want[0])}"
-        for name, g, w in zip(("k_cache", "v_cache"), got[1:], want[1:]):  # page 0: the padded rows' race
-            assert _same_bits(g[1:], w[1:]), f"call {call}: {name} differs from the default order"
-        (launch,) = split.launches
-        assert launch["grid"][:2] == (hkv, bs) and launch["HEADS_FASTEST"] is True
-    return launch
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_heads_fastest_order_gives_the_default_orders_bits(dtype, splits, device, monkeypatch):
-    """Nine rows (three padded) over two KV heads: launching the KV head fastest changes which
-    programs run together, never what any of them computes or writes."""
-    batch = _poisoned_batch([130, 1, 17, 64, 33, 2], 3, device, num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
-                            seed=73)
-    assert (_num_splits(batch) > 1) == (splits == "many_splits")
-    _assert_heads_fastest_gives_the_same_bits(batch, monkeypatch)
-
-
 def test_write_in_split_of_only_padded_rows_writes_their_slots(device, monkeypatch, many_splits):
     """An idle step (every row seq_len 0, as at capture): zeros out, and row 0's K/V still reaches its
     real slot (split 0 writes it, reading nothing)."""
@@ -315,18 +284,6 @@ def test_write_in_split_equals_the_three_kernel_path_on_gpu(bs, longest, dtype, 
     launch = _assert_write_in_split_equals_three_kernels(batch, monkeypatch, calls=3)
     if bs == 33:
         assert (launch["BLOCK_N"], launch.get("num_warps")) == (32, 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("bs,longest", [(9, 48), (33, 2000)])
-def test_heads_fastest_order_gives_the_default_orders_bits_gpu(bs, longest, head_dim, monkeypatch):
-    """Compiled kernels at the real tile sizes (llama-1b's and llama-8b's head dims), three calls each."""
-    kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (bs - 1,),
-                                                          generator=torch.Generator().manual_seed(bs + longest))]
-    batch = _poisoned_batch(kv_lens, 2, torch.device("cuda"), num_kv_heads=8, group=4, head_dim=head_dim,
-                            dtype=torch.bfloat16, seed=bs + head_dim)
-    _assert_heads_fastest_gives_the_same_bits(batch, monkeypatch, calls=3)
 
 
 # -- the arrival-counter buffer -----------------------------------------------------------------------
