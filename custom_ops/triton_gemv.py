@@ -656,9 +656,10 @@ PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {  # us per call, this
 # its kernel launched with PDL where that graph's Inductor kernels are (``GEMV_PDL``). On the H200,
 # one machine, back-to-back processes, TPOT without -> with (bench/results/gpu-2026-12-03/call3/):
 # llama-1b bs 8 / 32 1.186 -> 1.139 / 1.389 -> 1.355 ms, llama-8b 4.933 -> 4.757 / 5.552 -> 5.469.
-# (The earlier "dot" picks gained 0.3-0.5%: same-lease-ec654af/.) That A/B read the launches from the
-# sweep's file (TSCOMPILE_GEMV_TABLE); this default, with the same table in the code, has not yet run
-# on the GPU itself.
+# (The earlier "dot" picks gained 0.3-0.5%: same-lease-ec654af/.) The default with the table in the
+# code: the same figures (gpu-2026-12-03b/ call 1), llama-1b 1.119 -> 1.068 / 1.261 -> 1.214 /
+# 1.324 -> 1.302 at bs 2 / 16 / 24 (its call 4), llama-8b 5.174 -> 5.023 / 5.438 -> 5.380 at bs 16 / 24
+# (bench/results/gpu-2026-12-03c/call1/).
 BATCH_GEMV = env_flag("TSCOMPILE_BATCH_GEMV", True)
 # TSCOMPILE_PREFILL_GEMV=1 (opt-in): the pieces of a split (prefill) graph on CUDA take the table too.
 # They are compiled once for every token count (M is symbolic), hence the choice at run time; in a
