@@ -462,9 +462,10 @@ def _store_one_split(out_ptr, o, lse, b, kvh, stride_ot, stride_oh, stride_od, G
 
 
 @triton.jit
-def _combined_head(part_out_ptr, part_lse_ptr, b, h, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
-    """out[b, h] in float32 = sum_s w_s * part_out[b, h, s] / sum_s w_s, w_s = 2^(lse_s - max lse).
+def _combine_head(part_out_ptr, part_lse_ptr, out_ptr, b, h, stride_ot, stride_oh, stride_od,
+                  NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+    """out[b, h] = sum_s w_s * part_out[b, h, s] / sum_s w_s, w_s = 2^(lse_s - max lse).
 
     A request with no KV at all (seq_len 0, a padded row) has every lse = -inf: it gets exact zeros.
     CACHE: the partials' load cache modifier (".cg" when other programs wrote them in this launch)."""
@@ -479,39 +480,9 @@ def _combined_head(part_out_ptr, part_lse_ptr, b, h, NUM_HEADS: tl.constexpr, NU
     denom = tl.sum(w, 0)
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_live[:, None], other=0.0,
                     cache_modifier=CACHE)
-    return tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-
-
-@triton.jit
-def _combine_head(part_out_ptr, part_lse_ptr, out_ptr, b, h, stride_ot, stride_oh, stride_od,
-                  NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
-    """``_combined_head`` of (b, h), stored to out[b, h]."""
-    o = _combined_head(part_out_ptr, part_lse_ptr, b, h, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, CACHE)
-    d = tl.arange(0, HEAD_DIM)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d * stride_od,
              o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _combine_group(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ot, stride_oh, stride_od,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   CACHE: tl.constexpr):
-    """``_combine_head`` of the GROUP heads of KV head kvh, with one store after every head's loads.
-    Storing head by head put each head's loads behind the store before it (the compiler cannot tell
-    the partials from ``out`` apart), one L2 round trip per head in the fused kernel's tail. Each
-    head's arithmetic is ``_combined_head``'s, so the bits are the combine kernel's."""
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    res = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for i in tl.static_range(GROUP):
-        o = _combined_head(part_out_ptr, part_lse_ptr, b, kvh * GROUP + i, NUM_HEADS, NUM_SPLITS, SPLITS_PAD,
-                           HEAD_DIM, CACHE)
-        res = tl.where(g[:, None] == i, o[None, :], res)  # a selection: the values pass unchanged
-    heads = kvh * GROUP + g
-    tl.store(out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
-             res.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
 
 
 @triton.jit
@@ -735,7 +706,7 @@ def _decode_fused_kernel(
     max_kv,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Grid (B, Hkv, NUM_SPLITS): ``_kv_write_kernel``, ``_decode_split_kernel`` and
     ``_decode_combine_kernel`` in one launch, with the same arithmetic in the same order.
@@ -748,13 +719,7 @@ def _decode_fused_kernel(
     Combine: with one split the program normalises its own partial as the combine would. Otherwise
     every split stores its partial and bumps the (b, kvh) arrival counter (acq_rel: its stores are
     visible before the bump, the last one's loads see everyone's); the last to arrive combines the
-    GROUP heads (``_combine_group``) and resets the counter to 0 for the next launch.
-
-    ``PDL`` (DECODE_PDL), as in the split kernel: wait for the kernel before, then let the next be
-    scheduled; the next one waits for this whole launch, counter resets included."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    GROUP heads and resets the counter to 0 for the next launch."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -782,9 +747,10 @@ def _decode_fused_kernel(
         counter = arrivals_ptr + b * (NUM_HEADS // GROUP) + kvh
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == NUM_SPLITS - 1:
-            # ".cg": read the partials from L2, never from this SM's L1
-            _combine_group(part_out_ptr, part_lse_ptr, out_ptr, b, kvh, stride_ot, stride_oh, stride_od,
-                           GROUP, GROUP_PAD, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, ".cg")
+            for g in tl.static_range(GROUP):
+                # ".cg": read the partials from L2, never from this SM's L1
+                _combine_head(part_out_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP + g,
+                              stride_ot, stride_oh, stride_od, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, ".cg")
             tl.atomic_xchg(counter, 0, sem="relaxed")  # the next launch starts from zero
 
 
@@ -820,7 +786,7 @@ def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)),
         MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **options, **pdl_launch(q.device, DECODE_PDL),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **options,
     )
 
 
