@@ -579,6 +579,10 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 # layers) at bs 1 / 8 / 32 / 64, while the two launches it saves per layer are worth about 1 us: a
 # net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
 # of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
+# Tried again on 2026-12-03 (bench/results/gpu-2026-12-03c/ call 2), launched with PDL like the split
+# and combine kernels and with the group's combine stored once after all its loads: llama-1b 0.951 ->
+# 0.995 ms at bs=1, 1.140 -> 1.170 at 8, 1.353 -> 1.373 at 32, 1.616 -> 1.609 at 64 (one machine), so
+# that version was not kept.
 FUSED_DECODE = env_flag("TSCOMPILE_FUSED_DECODE", False)
 # The default: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
 # stays a launch of its own, so a layer launches two kernels instead of three (one instead of two
