@@ -19,8 +19,9 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
                                  (decode only). Also reports load to first token.
 A mode or a batch size that fails becomes an error row; the others still run.
 
---kernel-table: after each row's timed runs (never inside them), a few steps of the same workload
-under torch.profiler: the top kernels per step (CPU ops on the CPU) with count, time and share.
+--kernel-table: after every timed row of a mode (never before one: a finished profiler session may
+slow what is timed after it), a few steps of each row's workload under torch.profiler: the top
+kernels per step (CPU ops on the CPU) with count, time and share.
 
 Correctness: each batch size's first request is decoded once by a float32 eager reference of the
 same weights; every row says whether its greedy tokens agree and, where not, the first diverging
@@ -155,7 +156,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the float32 reference run (no correctness "
                    "column; saves a float32 copy of the model on the device)")
     p.add_argument("--kernel-table", action="store_true",
-                   help="after each row's timed runs, profile a few steps of the same workload (torch.profiler) and "
+                   help="after every timed row of a mode, profile a few steps of the same workload (torch.profiler) and "
                         "add their top kernels (CPU ops on the CPU) with time and share per step to the JSON and "
                         "markdown")
     p.add_argument("--kernel-table-steps", type=int, default=kernel_table.DEFAULT_STEPS,

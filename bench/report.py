@@ -347,7 +347,7 @@ def kernels_markdown(result: dict) -> list[str]:
                for r in result["prefill"] if r.get("kernel_table")]
     if not blocks:
         return []
-    note = ("Per row, after its timed runs: the steps profiled with torch.profiler (decode: steps from the middle "
+    note = ("Per row, after every timed row of its mode: the steps profiled with torch.profiler (decode: steps from the middle "
             "of one more run of the row's batch; prefill: whole bs=1 prefills). On CUDA the device activities "
             "(kernels, copies, graph replays' kernels included); on the CPU the profiler's ops by self time, which "
             "leaves out the Python between them. % of step = share of the summed time. Decode GB/s in the heading "

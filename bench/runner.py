@@ -203,11 +203,28 @@ class Bench:
             # against the median step, the figure the table shows
             row["achieved_gbps"] = nbytes.total / (tpot["median"] / 1e3) / 1e9
             row["pct_of_roofline"] = 100.0 * row["roofline_ms"] / tpot["median"] if applies else None
-        if getattr(a, "kernel_table", False):  # after the timed runs and the row's figures: never inside them
-            row["kernel_table"] = self._guarded_table(lambda: self.decode_kernel_table(runner, prompts, row))
         return row
 
     # -- kernel tables (--kernel-table) -------------------------------------------------------------
+    def kernel_tables(self, mode: str, runner, bar) -> None:
+        """Every measured row of ``mode`` gets its kernel table, after all of the mode's timed rows: a
+        finished profiler session can leave the profiling library attached to the process, which may
+        slow the host work of what is timed after it (scripts/profiler_after_effect.py measures that),
+        so no timed row of a mode follows one of its profiles."""
+        a = self.args
+        for row in self.results:
+            if row["mode"] == mode and not row.get("error") and "kernel_table" not in row:
+                bar.set_postfix_str(f"{mode} kernels bs={row['batch_size']}")
+                prompts = _prompts(a.seed, row["batch_size"], a.input_len, self.cfg.vocab_size)
+                row["kernel_table"] = self._guarded_table(lambda: self.decode_kernel_table(runner, prompts, row))
+                self.on_row()
+        for row in self.prefill:
+            if row["mode"] == mode and not row.get("error") and "kernel_table" not in row:
+                bar.set_postfix_str(f"{mode} kernels prefill {row['prompt_len']}")
+                prompt = _prompts(a.seed, 1, row["prompt_len"], self.cfg.vocab_size)[0]
+                row["kernel_table"] = self._guarded_table(lambda: self.prefill_kernel_table(runner, prompt))
+                self.on_row()
+
     def _guarded_table(self, build) -> dict:
         """A profiling failure leaves the row's timed figures standing: the table carries the error."""
         try:
@@ -266,8 +283,6 @@ class Bench:
                 "prefill_flops": flops, "prefill_tflops": flops / secs / 1e12,
                 "mfu": roofline.mfu(flops, secs, self.peak_tflops), "timed_runs": steps,
                 "host_launch_ms": statistics.median(launches) * 1e3 if launches else None}
-        if getattr(a, "kernel_table", False):  # after the timed runs
-            row["kernel_table"] = self._guarded_table(lambda: self.prefill_kernel_table(runner, prompt))
         return row
 
     def run_mode(self, mode: str, bar) -> None:
@@ -326,6 +341,8 @@ class Bench:
             note_compiles()
             self.on_row()
             bar.update(1)
+        if getattr(a, "kernel_table", False) and runner is not None:
+            self.kernel_tables(mode, runner, bar)
         for key in ("compile_s", "capture_s"):
             vals = [r.get(key) for r in self.results if r["mode"] == mode and not r.get("error")]
             info[key] = sum(vals) if vals and None not in vals else None

@@ -86,15 +86,16 @@ def _decode_mm_bytes(bs: int, itemsize: int = 4) -> int:
     return itemsize * sum(bs * k + k * n for k, n in shapes)
 
 
-def test_kernel_table_runs_after_the_timed_runs_and_reaches_json_and_markdown(tmp_path, run_log):
+def test_kernel_tables_run_after_every_timed_row_of_the_mode_and_reach_json_and_markdown(tmp_path, run_log):
     result, md = _bench(tmp_path, "--kernel-table", "--kernel-table-top", "5", "--kernel-table-steps", "2")
-    # per decode row: the warm-up and timed batches, then one profiled batch; per prefill row: the
-    # warm-up and timed prefills, then the profiled ones (2 steps) inside one profiler
-    decode = lambda bs: [("batch", bs, "plain"), ("batch", bs, "plain"), ("batch", bs, "profiled"),
-                         ("profiler start",), ("profiler stop",)]
-    prefill = [("prefill", PREFILL_LEN)] * 2 + [("profiler start",)] + [("prefill", PREFILL_LEN)] * 2 \
-        + [("profiler stop",)]
-    assert run_log == decode(1) + decode(2) + prefill
+    # every row's warm-up and timed runs first (a finished profiler session may slow what follows it),
+    # then per decode row one profiled batch, per prefill row the profiled prefills (2 steps) inside
+    # one profiler
+    timed = lambda bs: [("batch", bs, "plain"), ("batch", bs, "plain")]
+    profiled = lambda bs: [("batch", bs, "profiled"), ("profiler start",), ("profiler stop",)]
+    prefill_profiled = [("profiler start",)] + [("prefill", PREFILL_LEN)] * 2 + [("profiler stop",)]
+    assert run_log == (timed(1) + timed(2) + [("prefill", PREFILL_LEN)] * 2
+                       + profiled(1) + profiled(2) + prefill_profiled)
 
     rows = result["results"] + result["prefill"]
     assert len(rows) == 3
