@@ -100,7 +100,6 @@ def kernel_paths() -> dict:
              "decode_gemv": decode_gemv,
              "prefill_gemv": prefill_gemv,
              "batch_gemv": batch_gemv,
-             "fused_decode": triton_attention.FUSED_DECODE,
              # TSCOMPILE_DECODE_PDL where it applies: the decode attention and every decode graph with PDL
              "decode_pdl": triton_attention.DECODE_PDL and triton_attention.pdl_available(),
              "decode_bs1_splits": triton_attention.DECODE_BS1_SPLITS,  # None: the occupancy rule

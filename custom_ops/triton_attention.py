@@ -5,8 +5,8 @@ and none of them reads a tensor value on the host. That makes every path CUDA-gr
 same launches replay correctly whatever ``seq_lens`` / ``qo_indptr`` / ``page_table`` hold.
 Decode runs the splits (the one holding a request's new position writes its K/V row first) and
 their combine as two launches (``DECODE_WRITE_IN_SPLIT``; off: the KV write as a third launch before
-them); ``FUSED_DECODE = True`` runs all of it as one kernel (``fused_decode``). All three give
-bitwise-identical results (GPU-tested on the H200 at 2 and 4 warps); the fused one measured slower (below).
+them). Both give bitwise-identical results (GPU-tested on the H200 at 2 and 4 warps). A third form,
+all of it in one kernel whose last-arriving split combined, was measured slower and removed (below).
 
 Layout (the op contract, see ``custom_ops/attention.py``):
     q:          [T, Hq, D]             float32 / bfloat16 / float16, any strides
@@ -67,7 +67,7 @@ DECODE_MIN_SPLIT_TOKENS = 64  # no split shorter than this (a whole number of ti
 DECODE_TARGET_PROGRAMS: int | None = None
 DECODE_MAX_SPLITS = 32
 # Keys per tile (split lengths are whole tiles) and the split kernel's warps / pipeline stages (the
-# warps are the combine kernel's too, so its sums match the fused kernel's). None:
+# warps are the combine kernel's too, so its sums match a one-split launch's in-kernel combine). None:
 # the measured choice per shape (``_decode_block_n``, ``_decode_launch_options``); a number overrides
 # it for every shape (tests shrink the tile; scripts/decode_attn_sweep.py times other settings).
 DECODE_BLOCK_N: int | None = None
@@ -115,8 +115,7 @@ DECODE_NUM_STAGES: int | None = None
 # on the H200 in bench/results/same-lease-ec654af/): its 64-key tile stays, and 2 warps beat Triton's
 # 4 from 64 programs (split + combine per layer, 4 warps -> 2: bs=8 9.41 -> 8.26 us, bs=32 16.75 ->
 # 16.20, bs=64 29.55 -> 26.57); at bs=1 (8 programs) 4 stay. Other head dims keep Triton's defaults
-# (head_dim 256 always takes 32-key tiles: registers, shared memory). The fused kernel launches with
-# the same options, so both paths reduce alike.
+# (head_dim 256 always takes 32-key tiles: registers, shared memory).
 #
 # head_dim 128 from 512 programs (bs >= 64 of 8 KV heads): one split (no combine launch) of 64-key
 # tiles at 4 warps and 3 stages. A second sweep (bench/results/gpu-2026-12-03b/call4/attn_d128/, us
@@ -400,7 +399,7 @@ def _decode_split_kernel(
     part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split);
     with one split, the output itself (``_store_one_split``: the combine's arithmetic, no combine launch).
 
-    WRITE_KV: first write request b's new K/V row (k, v at ``loc``) as the fused kernel does: the
+    WRITE_KV: first write request b's new K/V row (k, v at ``loc``): the
     ``_writer_split`` writes it, then waits for its whole program (a CTA barrier; every thread takes
     the same branch) before its tiles read that slot.
     """
@@ -517,7 +516,7 @@ def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int, 
 
 def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int, dict]:
     """(page size, KV heads, GQA group, max KV positions, keys per tile, splits, launch options) of a
-    decode launch: one answer for the unfused and the fused path, so both split and reduce alike."""
+    decode launch."""
     bs, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     max_kv = page_table.shape[1] * page_size
@@ -528,7 +527,7 @@ def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int
 
 def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=None) -> None:
     """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B].
-    The unfused path: split kernel, then combine kernel; with one split, the split kernel alone (it
+    Split kernel, then combine kernel; with one split, the split kernel alone (it
     writes ``out`` as the combine would). The K/V write is the caller's, or, with ``new_kv = (k, v,
     write_loc)``, the split kernel's (``DECODE_WRITE_IN_SPLIT``)."""
     bs, hq, d = q.shape
@@ -556,9 +555,9 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
     )
     if num_splits == 1:
         return
-    # The combine's sums over the splits follow the warp layout; the fused kernel runs them at the
-    # split's warps, so this launch takes the same count to stay bitwise equal to it (in float32 the
-    # 4-warp combine differed from the 2-warp fused one, H200 2026-12-01).
+    # The combine's sums over the splits follow the warp layout: this launch takes the split's warps,
+    # as a one-split launch's in-kernel combine does (in float32 a 4-warp combine differed from a
+    # 2-warp one, H200 2026-12-01).
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
@@ -568,29 +567,24 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 
 
 # ----------------------------------------------------------------------------------------------
-# b2. fused decode: the K/V write, the splits and the combine in one launch per layer
+# b2. decode switches
 
-
-# Fused decode (one kernel per layer) or the unfused path (KV write, split and combine kernels, one
-# launch each). Both give bitwise-identical outputs and caches; module-level so a GPU run can time
-# one against the other. Off by default: on the H200 (2026-12-01, tree d437502, kernel tables of
-# `tscompile bench`) the fused kernel took longer than the three kernels it replaces together, by
-# 14 / 54 / 5 / 12 us per step on llama-1b (16 layers) and 51 / 205 / 58 / 35 us on llama-8b (32
-# layers) at bs 1 / 8 / 32 / 64, while the two launches it saves per layer are worth about 1 us: a
-# net loss at bs=8 (~3%) and about even elsewhere. Its last-arriving program combines every split
-# of its GQA group alone, which is the likely cost; the launch saving is real once that is cheaper.
-# Tried again on 2026-12-03 (bench/results/gpu-2026-12-03c/ call 2), launched with PDL like the split
-# and combine kernels and with the group's combine stored once after all its loads: llama-1b 0.951 ->
-# 0.995 ms at bs=1, 1.140 -> 1.170 at 8, 1.353 -> 1.373 at 32, 1.616 -> 1.609 at 64 (one machine), so
-# that version was not kept.
-FUSED_DECODE = env_flag("TSCOMPILE_FUSED_DECODE", False)
-# The default: the split kernel writes the new K/V rows (as the fused kernel does) and the combine
+# A fused decode (the K/V write, the splits and the combine in one launch per layer, the last split of
+# each (request, KV head) to arrive combining its GQA group through an arrival counter) was opt-in
+# from 2026-12-01 to 2026-12-04 and is removed. It was slower in every engine measurement on the H200:
+# llama-1b 14 / 54 / 5 / 12 us per step more than the kernels it replaced at bs 1 / 8 / 32 / 64,
+# llama-8b 51 / 205 / 58 / 35 (bench/results/all-modes-d437502/); with PDL and a one-store group
+# combine, llama-1b TPOT 0.951 -> 0.995 ms at bs=1 and 1.353 -> 1.373 at 32
+# (bench/results/gpu-2026-12-03c/ call 2). And its CUDA-graph replay test failed in 2 of 4 runs on the
+# H200 on the same inputs while the two-launch path passed every time (bench/results/gpu-2026-12-04/):
+# its cross-program combine was not reliably ordered, which the two-launch path does not need.
+# The default: the split kernel writes the new K/V rows and the combine
 # stays a launch of its own, so a layer launches two kernels instead of three (one instead of two
 # with one split) and no program combines alone. It drops the KV-write kernel (37-41 us per llama-8b
 # step, 32 launches; the writes move into the writing splits). Measured on the H200 in one lease
 # (tree 008212b, bench/results/llama-8b-008212b/): llama-8b TPOT 4.630 / 5.553 ms at bs 1 / 32
 # against 4.700 / 5.678 for the three-kernel path, its GPU test bitwise equal to that path.
-# TSCOMPILE_DECODE_WRITE_IN_SPLIT=0 runs the three kernels. With FUSED_DECODE on, the fused kernel runs.
+# TSCOMPILE_DECODE_WRITE_IN_SPLIT=0 runs the three kernels.
 DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
 
 # TSCOMPILE_DECODE_PDL (on by default; =0 off): the unfused decode's split and combine kernels launch
@@ -636,46 +630,6 @@ def pdl_launch(device: torch.device, pdl: bool) -> dict:
     or unavailable)."""
     return {"PDL": True, "launch_pdl": True} if pdl and pdl_available(device) else {}
 
-# Arrival counters of the fused decode, one int32 per (request, KV head) of a launch, zero between
-# launches (the last program of each pair resets its own). One buffer per device: launches on one
-# device run one after another on its stream, so every layer, cache group and batch size can share
-# it. It must exist before a CUDA graph is captured (a buffer made during capture would live in the
-# graph's private pool): the triton attention backend reserves it in ``allocate_decode_buffers``;
-# other callers get one on their first (uncaptured) call, as a captured call's warm-up does.
-_ARRIVAL_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# Buffers a larger reservation replaced: never freed, since a graph captured earlier still points at them.
-_OUTGROWN_COUNTERS: list[torch.Tensor] = []
-_MIN_ARRIVAL_COUNTERS = 4096  # 16 KiB: 512 requests x 8 KV heads, so a lazily made buffer rarely grows
-
-
-def _counter_device(device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def reserve_decode_counters(device, count: int) -> torch.Tensor:
-    """The arrival-counter buffer of ``device`` with room for ``count`` (request, KV head) pairs;
-    made (zeros) or grown here, never during a CUDA graph capture."""
-    device = _counter_device(device)
-    have = _ARRIVAL_COUNTERS.get(device)
-    if have is not None and have.numel() >= count:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError(
-            f"tscompile: the fused triton decode needs {count} arrival counters on {device}, "
-            f"{0 if have is None else have.numel()} are reserved, and a CUDA graph is being captured (a "
-            "buffer made now would belong to the graph); call "
-            "triton_attention.reserve_decode_counters(device, batch * num_kv_heads) before capturing "
-            "(the triton attention backend's allocate_decode_buffers does)")
-    if have is not None:
-        _OUTGROWN_COUNTERS.append(have)
-    counters = torch.zeros(max(count, _MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
-    _ARRIVAL_COUNTERS[device] = counters
-    return counters
-
-
 @triton.jit
 def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
                   stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
@@ -695,103 +649,11 @@ def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
              v.to(v_cache_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _decode_fused_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, loc_ptr,
-    part_out_ptr, part_lse_ptr, out_ptr, arrivals_ptr,
-    scale_log2,
-    stride_qt, stride_qh, stride_qd,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcp, stride_kco, stride_kch, stride_kcd,
-    stride_vcp, stride_vco, stride_vch, stride_vcd,
-    stride_ptb, stride_ptp,
-    stride_ot, stride_oh, stride_od,
-    max_kv,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """Grid (B, Hkv, NUM_SPLITS): ``_kv_write_kernel``, ``_decode_split_kernel`` and
-    ``_decode_combine_kernel`` in one launch, with the same arithmetic in the same order.
-
-    KV write: the new row of request b sits at position kv_len - 1 (position 0 when kv_len is 0, a
-    padded row, which still writes its slot); the one split whose range holds that position writes
-    row b's K/V for its KV head, then waits for the whole program (a CTA barrier orders global
-    memory within it) before its own tiles read that slot. No other split reads it.
-
-    Combine: with one split the program normalises its own partial as the combine would. Otherwise
-    every split stores its partial and bumps the (b, kvh) arrival counter (acq_rel: its stores are
-    visible before the bump, the last one's loads see everyone's); the last to arrive combines the
-    GROUP heads and resets the counter to 0 for the next launch."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    kv_len, split_len, lo, hi = _split_range(seq_lens_ptr, b, split, max_kv, NUM_SPLITS, MIN_SPLIT, BLOCK_N)
-
-    if split == _writer_split(kv_len, split_len):
-        _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, b, kvh,
-                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-                      stride_kcp, stride_kco, stride_kch, stride_kcd, stride_vcp, stride_vco, stride_vch, stride_vcd,
-                      HEAD_DIM, PAGE_SIZE)
-        tl.debug_barrier()
-
-    o, lse = _decode_partial(
-        q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, b, kvh, lo, hi, scale_log2,
-        stride_qt, stride_qh, stride_qd, stride_kcp, stride_kco, stride_kch, stride_kcd,
-        stride_vcp, stride_vco, stride_vch, stride_vcd, stride_ptb, stride_ptp,
-        GROUP, GROUP_PAD, HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_FP32)
-
-    if NUM_SPLITS == 1:
-        _store_one_split(out_ptr, o, lse, b, kvh, stride_ot, stride_oh, stride_od, GROUP, GROUP_PAD, HEAD_DIM)
-    else:
-        _store_partial(part_out_ptr, part_lse_ptr, o, lse, b, kvh, split, GROUP, GROUP_PAD, HEAD_DIM,
-                       NUM_HEADS, NUM_SPLITS)
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        counter = arrivals_ptr + b * (NUM_HEADS // GROUP) + kvh
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            for g in tl.static_range(GROUP):
-                # ".cg": read the partials from L2, never from this SM's L1
-                _combine_head(part_out_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP + g,
-                              stride_ot, stride_oh, stride_od, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, ".cg")
-            tl.atomic_xchg(counter, 0, sem="relaxed")  # the next launch starts from zero
-
-
 def _check_one_row_per_request(bs: int, k, v, write_loc) -> None:
     for name, rows in (("k", k.shape[0]), ("v", v.shape[0]), ("write_loc", write_loc.shape[0])):
         if rows != bs:
             raise ValueError(f"tscompile: a triton decode that writes the new K/V rows in its attention kernel "
                              f"needs one row per request: {name} has {rows} rows, q has {bs}")
-
-
-def fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc, scale) -> None:
-    """``write_kv`` + ``paged_decode`` in one launch. q, out: [B, Hq, D]; k, v: [B, Hkv, D];
-    write_loc [B]; page_table [B, max_pages]; seq_lens [B]. Same split count, outputs and cache
-    contents as the unfused path."""
-    bs, hq, d = q.shape
-    _check_one_row_per_request(bs, k, v, write_loc)
-    if bs == 0:
-        return
-    page_size, hkv, group, max_kv, block_n, num_splits, options = _decode_launch(q, k_cache, page_table)
-    if num_splits > 1:
-        part_out = torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device)
-        arrivals = reserve_decode_counters(q.device, bs * hkv)
-    else:  # one split writes out directly: no partials, no counters (the kernel never touches these)
-        part_out = part_lse = out
-        arrivals = seq_lens
-    _decode_fused_kernel[(bs, hkv, num_splits)](
-        q, k, v, k_cache, v_cache, page_table, seq_lens, write_loc, part_out, part_lse, out, arrivals,
-        scale * 1.4426950408889634,  # scores in log2 units so the kernel can use exp2
-        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(),
-        *out.stride(),
-        max_kv,
-        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
-        NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)),
-        MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), **options,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -983,7 +845,7 @@ def register_dense_extend(fn) -> None:
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
                      scale, decode) -> None:
     """``tscompile::attention`` with Triton kernels: write the new K/V rows, then attend (decode:
-    split-KV + combine, fused into one launch with the write when ``FUSED_DECODE`` is on;
+    split-KV + combine, the splits writing the new rows unless ``DECODE_WRITE_IN_SPLIT`` is off;
     otherwise ragged causal extend, which also zeroes the rows past ``qo_indptr[-1]``). Never
     syncs with the host.
 
@@ -991,9 +853,7 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     from the cache), so that path launches one kernel per layer; the paged one reads them from the
     cache and needs ``write_kv`` first."""
     _check_inputs(q, k, v, k_cache, v_cache, out)
-    if decode and FUSED_DECODE:
-        fused_decode(q, k, v, k_cache, v_cache, out, page_table, seq_lens, write_loc, scale)
-    elif decode and DECODE_WRITE_IN_SPLIT:
+    if decode and DECODE_WRITE_IN_SPLIT:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc))
     elif decode:
         write_kv(k, v, k_cache, v_cache, write_loc)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_triton_fused_decode import SCALE, _bits, _poisoned_batch  # noqa: E402
+from test_triton_decode_write import SCALE, _bits, _poisoned_batch  # noqa: E402
 
 from tscompile.bench.graph_timing import capture_graph  # noqa: E402
 from tscompile.custom_ops import triton_attention as ta  # noqa: E402
@@ -43,7 +43,6 @@ def describe(name: str, got: torch.Tensor, want: torch.Tensor, bs: int) -> None:
 
 def main() -> None:
     dev = torch.device("cuda")
-    ta.FUSED_DECODE = False
     ta.DECODE_WRITE_IN_SPLIT = True
     for bs, longest in ((1, 48), (1, 2000), (33, 2000)):
         kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (bs - 1,),

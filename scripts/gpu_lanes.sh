@@ -48,8 +48,7 @@
 #                  (default all; e.g. "compile-reduce-overhead tscompile")
 #   prefill_modes  piecewise vs whole-step prefill graphs (scripts/prefill_modes.py)
 #   tests:NAME     one of the pytest selections in tests_for() below
-#   env:VAR=VALUE  export VAR for the lane's later jobs (TSCOMPILE_FUSED_DECODE=1: the fused decode attention;
-#                  TSCOMPILE_DECODE_WRITE_IN_SPLIT=0: the three-kernel decode; TSCOMPILE_EXTEND_CONFIG=128:128,64,8,3:
+#   env:VAR=VALUE  export VAR for the lane's later jobs (TSCOMPILE_DECODE_WRITE_IN_SPLIT=0: the three-kernel decode; TSCOMPILE_EXTEND_CONFIG=128:128,64,8,3:
 #                  another extend tile for head_dim 128)
 # FlashInfer's wheels are installed from .whl/ when carried.
 # Compile caches (scripts/gpu_cache.sh; its header has the lead's call sequence): GPU_CACHE_IN=.gpu_cache
@@ -100,26 +99,26 @@ tests_for() {
     merge_check) echo "tests/test_gpu_graphs.py tests/test_prefill_startup_capture.py -k prefill_graph_or_startup_capture_or_start_up_capture_or_compiled_graphs_equal_or_triton_equals_torch_or_replay_equals_eager" ;;
     final) echo "tests/test_triton_extend_fast.py tests/test_gpu_graphs.py -k gpu_new_kernel_or_gpu_float32_or_bs1_decode_or_whole-triton_or_llama-tiny-whole" ;;
     hostwork) echo "tests/test_gpu_graphs.py tests/test_prefill_startup_capture.py -k whole-triton_or_llama-tiny-whole_or_async_scheduling_or_compiled_graphs_equal_or_bs1_decode_or_padded_rows_write_or_start_up_capture" ;;
-    fused) echo "tests/test_triton_fused_decode.py tests/test_prefill_step_ops.py tests/test_triton_extend_fast.py tests/test_host_fast_paths.py" ;;
+    fused) echo "tests/test_triton_decode_write.py tests/test_prefill_step_ops.py tests/test_triton_extend_fast.py tests/test_host_fast_paths.py" ;;
     session7) echo "tests/test_gpu_graphs.py -k ladder_without_1_or_padded_rows_write_or_compiled_graphs_equal_or_synchronous_steps[triton]_or_triton_equals_torch_on_llama_1b_or_null_page_with_a_poisoned_pool[whole-triton]" ;;
-    session8) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py" ;;
-    session9) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py -k two_warp_or_gpu_decode_matches_torch" ;;
-    session10) echo "tests/test_triton_backend.py tests/test_triton_fused_decode.py -k two_warp_or_gpu_decode_matches_torch_or_write_in_split" ;;
-    session11) echo "tests/test_triton_fused_decode.py tests/test_triton_extend_fast.py -k self_writing_or_write_in_split_or_two_warp_or_gpu_float32" ;;
-    session12) echo "tests/test_triton_fused_decode.py tests/test_gpu_graphs.py tests/test_gpu_packages.py -k self_writing_or_triton_equals_torch_on_llama_1b_ragged_greedy_or_compiled_graphs_equal_or_cuda_graphs_decode_gives_or_narrowing_package_tokens" ;;  # the replay test fixed at 3753dab, the RoPE tables (083bb8d) through graphs and packages
+    session8) echo "tests/test_triton_backend.py tests/test_triton_decode_write.py" ;;
+    session9) echo "tests/test_triton_backend.py tests/test_triton_decode_write.py -k two_warp_or_gpu_decode_matches_torch" ;;
+    session10) echo "tests/test_triton_backend.py tests/test_triton_decode_write.py -k two_warp_or_gpu_decode_matches_torch_or_write_in_split" ;;
+    session11) echo "tests/test_triton_decode_write.py tests/test_triton_extend_fast.py -k self_writing_or_write_in_split_or_two_warp_or_gpu_float32" ;;
+    session12) echo "tests/test_triton_decode_write.py tests/test_gpu_graphs.py tests/test_gpu_packages.py -k self_writing_or_triton_equals_torch_on_llama_1b_ragged_greedy_or_compiled_graphs_equal_or_cuda_graphs_decode_gives_or_narrowing_package_tokens" ;;  # the replay test fixed at 3753dab, the RoPE tables (083bb8d) through graphs and packages
     session13) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k torch_gpu_or_new_x_gpu_or_decode_gemv_pass_or_prefill_gemv_pass" ;;  # the gemv "acc" mode, 32-row "dot" tiles, the decode and prefill GEMV passes
     session15) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k fused_norm_and_residual_llama_8b_or_decode_gemv_pass_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # the fused GEMV (TSCOMPILE_DECODE_GEMV_FUSE), the default decode GEMV table on the H200
     session16) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k pdl" ;;  # TSCOMPILE_GEMV_PDL: the kernel after a writer in a graph, the engine's tokens
     session19) echo "tests/test_triton_backend.py tests/test_gpu_graphs.py -k two_warp_launches_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # head_dim 64 decode at 2 warps from 64 programs (llama-1b bs >= 8)
     session20) echo "tests/test_bench_kernel_table.py -k kernel_table_on_cuda_or_cuda_kernel_times" ;;  # the device busy time and step span of the kernel tables
     session23) echo "tests/test_triton_gemv.py -k dot_sum" ;;  # "dot_sum" (split-K summed by the last program) against the two-kernel split
-    session26) echo "tests/test_triton_fused_decode.py -k replays_in_a_cuda_graph" ;;  # the self-writing decodes (fused, write-in-split) replayed in a CUDA graph against the three-kernel path
-    session25) echo "tests/test_triton_fused_decode.py tests/test_triton_backend.py -k large_batch_launches_or_each_measured_geometry_or_three_kernel_path_on_gpu_or_pdl_in_a_graph" ;;  # the head_dim-128 decode geometry (2 warps from 256 programs, one split of 64-key tiles at 4 warps from 512): oracle and bits
+    session26) echo "tests/test_triton_decode_write.py -k replays_in_a_cuda_graph" ;;  # the write-in-split decode replayed in a CUDA graph against the three-kernel path
+    session25) echo "tests/test_triton_decode_write.py tests/test_triton_backend.py -k large_batch_launches_or_each_measured_geometry_or_three_kernel_path_on_gpu_or_pdl_in_a_graph" ;;  # the head_dim-128 decode geometry (2 warps from 256 programs, one split of 64-key tiles at 4 warps from 512): oracle and bits
     session24) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k sums_equal_or_dot_sum_or_batch_gemv_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # the "_sum" modes, the few-row swap as the default
     session23_engine) echo "tests/test_gpu_graphs.py -k batch_gemv" ;;  # the few-row swap in the decode batch graphs, "dot_sum" included
     session21) echo "tests/test_gpu_graphs.py -k whole-triton_or_async_scheduling_or_padded_rows_write" ;;  # abea5c1 (allocator slices) and d6f6777 (idle schedule, extend metadata reuse, one copy event per whole-step bucket) through whole-step graphs
     session18) echo "tests/test_gpu_graphs.py tests/test_triton_extend_fast.py -k batch_gemv_or_prefill_gemv_pass_or_decode_gemv_pass_or_prefill_pdl" ;;  # TSCOMPILE_BATCH_GEMV (the few-row swap in the decode batch graphs, with and without PDL), TSCOMPILE_PREFILL_PDL (extend kernel and prefill pieces)
-    session17) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py tests/test_triton_extend_fast.py tests/test_triton_fused_decode.py -k pdl_or_llama8b_or_float32_fits_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # PDL on by default (GEMV), TSCOMPILE_DECODE_PDL (attention), head_dim 128 long-prompt extend tile
+    session17) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py tests/test_triton_extend_fast.py tests/test_triton_decode_write.py -k pdl_or_llama8b_or_float32_fits_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # PDL on by default (GEMV), TSCOMPILE_DECODE_PDL (attention), head_dim 128 long-prompt extend tile
     triton_graphs) echo "tests/test_gpu_graphs.py -k triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # with env: flags
     all) echo "tests" ;;
     *) echo "tests/test_$1.py" ;;
@@ -131,7 +130,7 @@ run_job() {  # lane job
   [ $left -lt 30 ] && { echo "== $job skipped: ${left}s left"; return; }
   echo "== $job (${left}s left, $(date +%T))"
   case $job in
-    env:*=*)  # env:VAR=VALUE exports VAR for the lane's later jobs (e.g. env:TSCOMPILE_FUSED_DECODE=1)
+    env:*=*)  # env:VAR=VALUE exports VAR for the lane's later jobs (e.g. env:TSCOMPILE_DECODE_PDL=0)
       # (the lists BENCH_BS and BENCH_PREFILL_LENS take commas for spaces: env:BENCH_PREFILL_LENS=32,2048)
       # (locals named so that no job's variable can be one of them: export would set the local)
       local _env_pair=${job#env:}; local _env_var=${_env_pair%%=*} _env_val=${_env_pair#*=}

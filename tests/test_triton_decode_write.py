@@ -1,12 +1,12 @@
-"""The fused Triton decode (KV write + split-KV + combine in one launch), and the split kernel that
-writes the new K/V rows itself (``DECODE_WRITE_IN_SPLIT``: two launches), against the three-launch path.
+"""The Triton decode whose split kernel writes the new K/V rows itself (``DECODE_WRITE_IN_SPLIT``,
+the default: two launches per layer) against the three-launch path (KV write, splits, combine) and
+the torch oracle.
 
-Both paths must agree bit for bit: the output and the whole K/V caches, NaN payloads included (the
-caches are poisoned around the live prefix, the new rows' slots too, so a program that read a slot
-before its new row landed, or read past a request's length, shows). The arrival counters must be
-all zeros after every call, or the next launch (the next layer, the next graph replay) would combine
-too early. Without CUDA the kernels run under the Triton interpreter, so shapes stay small; the
-``gpu`` test captures the fused decode in a CUDA graph and replays it with new inputs.
+The two paths must agree bit for bit: the output and the whole K/V caches, NaN payloads included
+(the caches are poisoned around the live prefix, the new rows' slots too, so a program that read a
+slot before its new row landed, or read past a request's length, shows). Without CUDA the kernels
+run under the Triton interpreter, so shapes stay small; the ``gpu`` tests run the compiled kernels
+at real sizes, in a captured CUDA graph and with PDL.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ import triton
 import triton.language as tl
 
 from helpers import LaunchSpy, assert_pdl_graph_gives_the_plain_bits, random_paged_batch
-from tscompile.attention.triton_backend import TritonAttentionBackend
 from tscompile.custom_ops import triton_attention as ta
-from tscompile.kv_cache.pool import KVCachePool
-from tscompile.kv_cache.spec import CacheGroupSpec
 
 SCALE = 0.25
 PAGE = 16
@@ -47,7 +44,7 @@ def many_splits(monkeypatch):
 
 @pytest.fixture
 def one_split(monkeypatch):
-    """Every request in one split however long: the fused kernel writes ``out`` without counters."""
+    """Every request in one split however long: the split kernel writes ``out`` itself, no combine."""
     monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
     monkeypatch.setattr(ta, "DECODE_MAX_SPLITS", 1)
 
@@ -72,10 +69,9 @@ def _poisoned_batch(kv_lens, pad_rows, device, **kw):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
-def _run(batch, fused: bool, monkeypatch, write_in_split: bool = False):
+def _run(batch, monkeypatch, write_in_split: bool = False):
     """One decode through ``triton_attention`` (the op's body) on fresh copies of the caches, ``out``
-    poisoned with NaN; neither flag set: the three-kernel path (KV write, splits, combine)."""
-    monkeypatch.setattr(ta, "FUSED_DECODE", fused)
+    poisoned with NaN; ``write_in_split`` off: the three-kernel path (KV write, splits, combine)."""
     monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", write_in_split)
     out = torch.full_like(batch["q"], float("nan"))
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
@@ -86,79 +82,6 @@ def _run(batch, fused: bool, monkeypatch, write_in_split: bool = False):
 
 def _num_splits(batch) -> int:
     return ta._decode_launch(batch["q"], batch["k_cache"], batch["page_table"])[5]
-
-
-def _assert_counters_clear(device):
-    counters = ta._ARRIVAL_COUNTERS.get(ta._counter_device(device))
-    assert counters is None or not counters.any(), "an arrival counter was left non-zero for the next launch"
-
-
-def _assert_fused_equals_unfused(batch, device, monkeypatch, splits, calls=1):
-    num_splits = _num_splits(batch)
-    assert (num_splits > 1) == (splits == "many_splits"), f"{splits} gave {num_splits} splits"
-    want = _run(batch, False, monkeypatch)
-    assert not want[0].isnan().any(), "the unfused path left an output row unwritten"
-    for call in range(calls):  # a second call runs on the counters the first one left behind
-        got = _run(batch, True, monkeypatch)
-        for name, g, w in zip(("out", "k_cache", "v_cache"), got, want):
-            assert _same_bits(g, w), f"call {call}: fused {name} differs from the three-kernel path"
-        _assert_counters_clear(device)
-
-
-# batch sizes 1 (no padding), 3 and 9 (padded rows) under the interpreter, which runs every program
-# in turn; the GPU sweep below covers the rest at real tile sizes
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bs", [1, 3, 9])
-def test_fused_decode_equals_unfused_over_batch_sizes(bs, dtype, splits, device, monkeypatch):
-    pad_rows = bs // 3  # from bs 3 on, the last rows are padding: seq_len 0, write slot 0
-    kv_lens = [LENGTHS[(bs + i) % len(LENGTHS)] for i in range(bs - pad_rows)]
-    batch = _poisoned_batch(kv_lens, pad_rows, device, num_kv_heads=1, group=4, head_dim=64, dtype=dtype,
-                            seed=100 + bs)
-    _assert_fused_equals_unfused(batch, device, monkeypatch, splits)
-
-
-# GQA groups 1 and 8 over both head_dims and dtypes (the interpreter takes ~12 s a case; the fused
-# path is opt-in, and the GPU sweep below covers group 4)
-@pytest.mark.parametrize("group,head_dim,dtype", [(1, 64, torch.float32), (8, 128, torch.bfloat16)])
-def test_fused_decode_equals_unfused_over_head_shapes(group, head_dim, dtype, splits, device, monkeypatch):
-    batch = _poisoned_batch([33, 1, 200, 16], 1, device, num_kv_heads=2, group=group, head_dim=head_dim,
-                            dtype=dtype, seed=group * 1000 + head_dim)
-    _assert_fused_equals_unfused(batch, device, monkeypatch, splits, calls=2)
-
-
-def test_fused_decode_of_only_padded_rows_writes_the_null_slot(device, monkeypatch, many_splits):
-    """An idle step (every row seq_len 0, as at capture): zeros out, every row's K/V still written."""
-    batch = _poisoned_batch([5], 3, device, seed=7)
-    batch["seq_lens"][0] = 0
-    got = _run(batch, True, monkeypatch)
-    want = _run(batch, False, monkeypatch)
-    assert torch.equal(got[0], torch.zeros_like(got[0]))
-    assert all(_same_bits(g, w) for g, w in zip(got[1:], want[1:]))
-    assert not got[1].view(-1, 2, 16)[batch["write_loc"][0]].isnan().any(), "row 0's K never reached its slot"
-    _assert_counters_clear(device)
-
-
-@pytest.mark.parametrize("splits_fixture", ["one_split", "many_splits"])
-def test_fused_decode_matches_torch_oracle(splits_fixture, device, monkeypatch, request):
-    request.getfixturevalue(splits_fixture)
-    batch = _poisoned_batch([1, 17, 200, 64, 33], 2, device, num_kv_heads=2, group=4, head_dim=64, seed=21)
-    out, k_cache, v_cache = _run(batch, True, monkeypatch)
-    ref_out = torch.full_like(batch["q"], float("nan"))
-    ref_k, ref_v = batch["k_cache"].clone(), batch["v_cache"].clone()
-    torch.ops.tscompile.attention(batch["q"], batch["k"], batch["v"], ref_k, ref_v, ref_out, batch["page_table"],
-                                  batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True, "torch")
-    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
-    assert torch.equal(out[5:], torch.zeros_like(out[5:]))  # padded rows: exact zeros
-    # page 0 is the null page every padded row writes: which of them lands last is the kernels' race
-    assert _same_bits(k_cache[1:], ref_k[1:]) and _same_bits(v_cache[1:], ref_v[1:])
-
-
-def test_fused_decode_refuses_rows_that_do_not_match_the_queries(device):
-    batch = _poisoned_batch([3, 4], 0, device, seed=3)
-    out = torch.empty_like(batch["q"])
-    with pytest.raises(ValueError, match=r"^tscompile: .*k has 1 rows, q has 2"):
-        ta.fused_decode(batch["q"], batch["k"][:1], batch["v"], batch["k_cache"], batch["v_cache"], out,
-                        batch["page_table"], batch["seq_lens"], batch["write_loc"], SCALE)
 
 
 # -- the K/V write inside the split kernel (DECODE_WRITE_IN_SPLIT) -------------------------------------
@@ -205,11 +128,11 @@ def test_exactly_one_split_writes_each_row_and_its_range_holds_the_row(num_split
 
 
 def _run_write_in_split(batch, monkeypatch):
-    return _run(batch, False, monkeypatch, write_in_split=True)
+    return _run(batch, monkeypatch, write_in_split=True)
 
 
 def _assert_write_in_split_equals_three_kernels(batch, monkeypatch, calls=1) -> dict:
-    want = _run(batch, False, monkeypatch)
+    want = _run(batch, monkeypatch)
     writes, split = LaunchSpy(ta._kv_write_kernel), LaunchSpy(ta._decode_split_kernel)
     monkeypatch.setattr(ta, "_kv_write_kernel", writes)
     monkeypatch.setattr(ta, "_decode_split_kernel", split)
@@ -235,21 +158,59 @@ def test_write_in_split_equals_the_three_kernel_path(dtype, splits, device, monk
     _assert_write_in_split_equals_three_kernels(batch, monkeypatch)
 
 
+# batch sizes 1 (no padding), 3 and 9 (padded rows) under the interpreter, which runs every program
+# in turn; the GPU tests below cover the rest at real tile sizes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [1, 3, 9])
+def test_write_in_split_equals_the_three_kernel_path_over_batch_sizes(bs, dtype, splits, device, monkeypatch):
+    pad_rows = bs // 3  # from bs 3 on, the last rows are padding: seq_len 0, write slot 0
+    kv_lens = [LENGTHS[(bs + i) % len(LENGTHS)] for i in range(bs - pad_rows)]
+    batch = _poisoned_batch(kv_lens, pad_rows, device, num_kv_heads=1, group=4, head_dim=64, dtype=dtype,
+                            seed=100 + bs)
+    assert (_num_splits(batch) > 1) == (splits == "many_splits")
+    _assert_write_in_split_equals_three_kernels(batch, monkeypatch)
+
+
+# GQA groups 1 and 8 over both head_dims and dtypes (the interpreter takes ~12 s a case)
+@pytest.mark.parametrize("group,head_dim,dtype", [(1, 64, torch.float32), (8, 128, torch.bfloat16)])
+def test_write_in_split_equals_the_three_kernel_path_over_head_shapes(group, head_dim, dtype, splits, device,
+                                                                      monkeypatch):
+    batch = _poisoned_batch([33, 1, 200, 16], 1, device, num_kv_heads=2, group=group, head_dim=head_dim,
+                            dtype=dtype, seed=group * 1000 + head_dim)
+    assert (_num_splits(batch) > 1) == (splits == "many_splits")
+    _assert_write_in_split_equals_three_kernels(batch, monkeypatch)
+
+
+@pytest.mark.parametrize("splits_fixture", ["one_split", "many_splits"])
+def test_write_in_split_matches_torch_oracle(splits_fixture, device, monkeypatch, request):
+    request.getfixturevalue(splits_fixture)
+    batch = _poisoned_batch([1, 17, 200, 64, 33], 2, device, num_kv_heads=2, group=4, head_dim=64, seed=21)
+    out, k_cache, v_cache = _run_write_in_split(batch, monkeypatch)
+    ref_out = torch.full_like(batch["q"], float("nan"))
+    ref_k, ref_v = batch["k_cache"].clone(), batch["v_cache"].clone()
+    torch.ops.tscompile.attention(batch["q"], batch["k"], batch["v"], ref_k, ref_v, ref_out, batch["page_table"],
+                                  batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True, "torch")
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))  # padded rows: exact zeros
+    # page 0 is the null page every padded row writes: which of them lands last is the kernels' race
+    assert _same_bits(k_cache[1:], ref_k[1:]) and _same_bits(v_cache[1:], ref_v[1:])
+
+
 def test_write_in_split_of_only_padded_rows_writes_their_slots(device, monkeypatch, many_splits):
     """An idle step (every row seq_len 0, as at capture): zeros out, and row 0's K/V still reaches its
     real slot (split 0 writes it, reading nothing)."""
     batch = _poisoned_batch([5], 3, device, seed=7)
     batch["seq_lens"][0] = 0
     got = _run_write_in_split(batch, monkeypatch)
-    want = _run(batch, False, monkeypatch)
+    want = _run(batch, monkeypatch)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
     assert all(_same_bits(g, w) for g, w in zip(got[1:], want[1:]))
     assert not got[1].view(-1, 2, 16)[batch["write_loc"][0]].isnan().any(), "row 0's K never reached its slot"
 
 
 def test_the_decode_path_switches_read_only_0_or_1(monkeypatch):
-    """TSCOMPILE_DECODE_WRITE_IN_SPLIT (default on) and TSCOMPILE_FUSED_DECODE (default off): unset or
-    empty gives the default, 0 / 1 the path, anything else a refusal naming the variable."""
+    """TSCOMPILE_DECODE_WRITE_IN_SPLIT (default on) and the other 0/1 switches: unset or empty gives the
+    default, 0 / 1 the path, anything else a refusal naming the variable."""
     name = "TSCOMPILE_TEST_SWITCH"
     monkeypatch.delenv(name, raising=False)
     assert ta.env_flag(name, True) is True and ta.env_flag(name, False) is False
@@ -286,45 +247,7 @@ def test_write_in_split_equals_the_three_kernel_path_on_gpu(bs, longest, dtype, 
         assert (launch["BLOCK_N"], launch.get("num_warps")) == (32, 2)
 
 
-# -- the arrival-counter buffer -----------------------------------------------------------------------
-
-
-def test_counter_buffer_grows_and_keeps_the_one_it_outgrew(monkeypatch):
-    monkeypatch.setattr(ta, "_ARRIVAL_COUNTERS", {})
-    monkeypatch.setattr(ta, "_OUTGROWN_COUNTERS", [])
-    first = ta.reserve_decode_counters("cpu", 10)
-    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
-    assert ta.reserve_decode_counters("cpu", 5) is first  # big enough: the same storage
-    bigger = ta.reserve_decode_counters("cpu", first.numel() + 1)
-    assert bigger.numel() > first.numel() and not bigger.any()
-    assert ta.reserve_decode_counters("cpu", 1) is bigger
-    assert ta._OUTGROWN_COUNTERS == [first]  # a graph captured with it may still use it
-
-
-def test_backend_reserves_counters_for_its_largest_batch_only_for_the_fused_decode(monkeypatch):
-    monkeypatch.setattr(ta, "_ARRIVAL_COUNTERS", {})
-    monkeypatch.setattr(ta, "_OUTGROWN_COUNTERS", [])
-    monkeypatch.setattr(ta, "_MIN_ARRIVAL_COUNTERS", 1)  # so the size shows what the backend asked for
-    monkeypatch.setattr(ta, "FUSED_DECODE", True)
-    specs = [CacheGroupSpec("full", (0,), num_kv_heads=2, head_dim=16)]
-    pool = KVCachePool.allocate(specs, [4], page_size=4, dtype=torch.float32, device="cpu")
-    leaf = TritonAttentionBackend(0, max_pages=4, device="cpu")
-    leaf.set_cache_pool(pool)
-    leaf.bind_query_heads(8)
-    assert leaf.decode_counters is None  # no batch bound yet
-    leaf.allocate_decode_buffers(6)
-    assert leaf.decode_counters is ta._ARRIVAL_COUNTERS[torch.device("cpu")]
-    assert leaf.decode_counters.numel() == 6 * 8 and not leaf.decode_counters.any()
-    monkeypatch.setattr(ta, "FUSED_DECODE", False)
-    monkeypatch.setattr(ta, "_ARRIVAL_COUNTERS", {})
-    unfused = TritonAttentionBackend(0, max_pages=4, device="cpu")
-    unfused.set_cache_pool(pool)
-    unfused.bind_query_heads(8)
-    unfused.allocate_decode_buffers(6)
-    assert unfused.decode_counters is None and not ta._ARRIVAL_COUNTERS
-
-
-# -- GPU: the fused decode inside a captured CUDA graph -----------------------------------------------
+# -- GPU: the write-in-split decode inside a captured CUDA graph -------------------------------------
 
 
 def _fill(dst: dict, src: dict) -> None:
@@ -333,16 +256,14 @@ def _fill(dst: dict, src: dict) -> None:
 
 
 def _set_path(monkeypatch, path: str) -> None:
-    """"fused": one kernel; "write_in_split": the default two; "three": KV write, splits, combine."""
-    monkeypatch.setattr(ta, "FUSED_DECODE", path == "fused")
+    """"write_in_split": the default two launches; "three": KV write, splits, combine."""
     monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", path == "write_in_split")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["fused", "write_in_split"])
-def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(path, monkeypatch):
-    """Capture one decode whose kernels write the new K/V rows themselves (the fused kernel, or the
-    split kernel of the default path; llama-1b's head layout, bf16, 16 splits), replay it twice with
+def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(monkeypatch):
+    """Capture one decode whose split kernel writes the new K/V rows itself (the default path;
+    llama-1b's head layout, bf16, 16 splits), replay it twice with
     new q/k/v/seq_lens/page tables; each replay must equal the three-kernel path run eagerly on the
     same cache, bit for bit (the null page apart: padded rows race to write it)."""
     device = torch.device("cuda")
@@ -367,11 +288,12 @@ def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(
         ta.triton_attention(static["q"], static["k"], static["v"], k_cache, v_cache, out, static["page_table"],
                             static["seq_lens"], static["qo_indptr"], static["write_loc"], SCALE, True)
 
+    path = "write_in_split"
     _set_path(monkeypatch, path)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # warm-up: compiles, and the counters exist before capture
+        step()  # warm-up: compiles before capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
@@ -391,58 +313,47 @@ def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(
         assert _same_bits(out, want_out), f"the replayed {path} decode differs from the three-kernel path"
         assert _same_bits(k_cache[1:], k_before[1:]) and _same_bits(v_cache[1:], v_before[1:])
         assert not out[3:].any()  # padded rows: zeros
-        _assert_counters_clear(device)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(8, 4, 64), (8, 1, 128), (4, 8, 128)])
 @pytest.mark.parametrize("longest", [48, 2000])  # a 64-token table (one split) and a 2032-token one
-def test_fused_decode_equals_unfused_on_gpu(num_kv_heads, group, head_dim, dtype, longest, monkeypatch):
-    """Compiled kernels at the real tile sizes: the fused decode must still match the three-kernel
-    path bit for bit (the interpreter cannot show what the GPU compiler does to either)."""
+def test_write_in_split_equals_the_three_kernel_path_on_gpu_over_head_shapes(num_kv_heads, group, head_dim, dtype,
+                                                                             longest, monkeypatch):
+    """Compiled kernels at the real tile sizes, two calls each: the write-in-split decode must still
+    match the three-kernel path bit for bit (the interpreter cannot show what the GPU compiler does to
+    either), over GQA groups 4, 1 and 8 and both head dims."""
     device = torch.device("cuda")
     for bs in (1, 9):
         kv_lens = [longest, 1, 16, 17, longest // 2, 33, 47, 2, 15][:bs]
         batch = _poisoned_batch(kv_lens, 1 if bs > 1 else 0, device, num_kv_heads=num_kv_heads, group=group,
                                 head_dim=head_dim, dtype=dtype, seed=bs)
         assert (_num_splits(batch) > 1) == (longest > 64)
-        want = _run(batch, False, monkeypatch)
-        for _ in range(2):
-            got = _run(batch, True, monkeypatch)
-            assert _same_bits(got[0], want[0]), f"bs {bs}: the fused output differs"
-            assert all(_same_bits(g[1:], w[1:]) for g, w in zip(got[1:], want[1:])), f"bs {bs}: caches differ"
-            _assert_counters_clear(device)
+        _assert_write_in_split_equals_three_kernels(batch, monkeypatch, calls=2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("longest", [48, 2000])
 @pytest.mark.parametrize("requests, block_n, warps", [(33, 32, 2), (64, 64, 4)])
-def test_fused_decode_equals_unfused_on_gpu_at_the_large_batch_launches(dtype, longest, requests, block_n, warps,
-                                                                   monkeypatch):
-    """33 requests x 8 KV heads of 128: both paths launch with the 2-warp, 32-key geometry (the same
-    launch options, so the same reductions; the combine kernel too) and still agree bit for bit;
-    64 requests: the one-split launch (64-key tiles, 4 warps, no combine). (Before the combine took
-    the split's warps, float32 at 2000 positions differed on the H200.)"""
+def test_write_in_split_equals_the_three_kernel_path_on_gpu_at_the_large_batch_launches(
+        dtype, longest, requests, block_n, warps, monkeypatch):
+    """33 requests x 8 KV heads of 128: the 2-warp, 32-key split launch, its combine at the split's
+    warps, bit for bit the three-kernel path; 64 requests: the one-split launch (64-key tiles, 4 warps,
+    no combine). (Before the combine took the split's warps, float32 at 2000 positions differed.)"""
     device = torch.device("cuda")
-    split_spy, fused_spy = LaunchSpy(ta._decode_split_kernel), LaunchSpy(ta._decode_fused_kernel)
     combine_spy = LaunchSpy(ta._decode_combine_kernel)
-    monkeypatch.setattr(ta, "_decode_split_kernel", split_spy)
-    monkeypatch.setattr(ta, "_decode_fused_kernel", fused_spy)
     monkeypatch.setattr(ta, "_decode_combine_kernel", combine_spy)
     kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (requests - 1,),
                                                           generator=torch.Generator().manual_seed(longest))]
     batch = _poisoned_batch(kv_lens, 0, device, num_kv_heads=8, group=4, head_dim=128, dtype=dtype, seed=33)
-    assert (_num_splits(batch) > 1) == (longest > 64 and requests < 64)
-    want = _run(batch, False, monkeypatch)
-    got = _run(batch, True, monkeypatch)
-    assert _same_bits(got[0], want[0]), "the fused output differs"
-    assert all(_same_bits(g[1:], w[1:]) for g, w in zip(got[1:], want[1:])), "caches differ"
-    _assert_counters_clear(device)
-    geometry = [(x["BLOCK_N"], x.get("num_warps")) for x in split_spy.launches + fused_spy.launches]
-    assert geometry == [(block_n, warps), (block_n, warps)]
-    assert [x.get("num_warps") for x in combine_spy.launches] == ([warps] if longest > 64 and requests < 64 else [])
+    several = longest > 64 and requests < 64
+    assert (_num_splits(batch) > 1) == several
+    launch = _assert_write_in_split_equals_three_kernels(batch, monkeypatch)
+    assert (launch["BLOCK_N"], launch.get("num_warps")) == (block_n, warps)
+    # the three-kernel reference and the write-in-split run each combine once when there are splits
+    assert [x.get("num_warps") for x in combine_spy.launches] == ([warps, warps] if several else [])
 
 
 # -- TSCOMPILE_DECODE_PDL: the split and combine kernels launched with PDL ---------------------------
@@ -463,7 +374,6 @@ def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(b
                                                           generator=torch.Generator().manual_seed(bs + longest))]
     batch = _poisoned_batch(kv_lens, 1, torch.device("cuda"), num_kv_heads=8, group=4, head_dim=128,
                             dtype=torch.bfloat16, seed=bs)
-    monkeypatch.setattr(ta, "FUSED_DECODE", False)
     monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", True)
 
     def decode(live):
