@@ -226,7 +226,18 @@ def _error(r: dict) -> str:
 
 
 DECODE_HEADER = ["mode", "bs", "TPOT ms (median)", "TPOT min-max", "decode tok/s", "TTFT ms (median)", "TTFT min-max",
-                 "peak GiB", "GB/s", "roofline ms", "% roofline", "vs f32 reference (req 0)", "error"]
+                 "peak GiB", "GB/s", "roofline ms", "% roofline", "SM MHz (min), power-capped", "vs f32 reference (req 0)",
+                 "error"]
+
+
+def clocks_cell(r: dict) -> str:
+    """The GPU's SM clock while the row's timed runs ran: median (min), and the share of samples the
+    power cap held down where any was; "-" where none was sampled (the CPU, an older run)."""
+    c = r.get("gpu_clocks")
+    if not c:
+        return "-"
+    cell = f"{c['sm_mhz_median']:.0f} ({c['sm_mhz_min']:.0f})"
+    return cell + (f", {100 * c['power_capped_share']:.0f}%" if c.get("power_capped_share") else "")
 
 
 def decode_table(rows: list[dict]) -> str:
@@ -240,7 +251,7 @@ def decode_table(rows: list[dict]) -> str:
             _fmt(r["batch_size"] / median * 1e3 if median else None, ".1f"),
             _fmt(r.get("ttft_ms_median"), ".2f"), _spread(r, "ttft_ms", ".2f"),
             _fmt(r.get("peak_memory_gib"), ".2f"), _fmt(r.get("achieved_gbps"), ".1f"),
-            _fmt(r.get("roofline_ms"), ".4f"), _fmt(r.get("pct_of_roofline"), ".1f"),
+            _fmt(r.get("roofline_ms"), ".4f"), _fmt(r.get("pct_of_roofline"), ".1f"), clocks_cell(r),
             describe(r.get("reference_check")) if not r.get("error") else "-", _error(r),
         ])
     return _table(DECODE_HEADER, out)
@@ -298,9 +309,10 @@ def prefill_table(rows: list[dict], mfu_title: str = "MFU") -> str:
         mfu = r.get("mfu")
         out.append([r["mode"], str(r["prompt_len"]), _fmt(r.get("prefill_ms"), ".2f"), _spread(r, "prefill_ms", ".2f"),
                     _fmt(r.get("host_launch_ms"), ".3f"), _fmt(r.get("prefill_tokens_per_s"), ".1f"),
-                    _fmt(r.get("prefill_tflops"), ".3g"), f"{100 * mfu:.1f}%" if mfu is not None else "-", _error(r)])
+                    _fmt(r.get("prefill_tflops"), ".3g"), f"{100 * mfu:.1f}%" if mfu is not None else "-",
+                    clocks_cell(r), _error(r)])
     return _table(["mode", "prompt len (bs=1)", "prefill ms (median)", "min-max", "host until launch ms",
-                   "prefill tok/s", "TFLOP/s", mfu_title, "error"], out)
+                   "prefill tok/s", "TFLOP/s", mfu_title, "SM MHz (min), power-capped", "error"], out)
 
 
 KERNEL_NAME_CHARS = 100  # cuBLAS and CUTLASS template names run to hundreds of characters; the JSON keeps them
@@ -451,7 +463,11 @@ def markdown(result: dict) -> str:
              "", "MFU = prefill FLOPs (2 x linear weights x tokens, the output projection for the last token, causal "
              "attention 4 x L(L+1)/2 x heads x head_dim per layer) / median prefill time / the matmul peak. "
              "Host until launch (the engine's modes) = median host time from the submit until the step that "
-             "launched the prefill returned: the host's work before the device's."]
+             "launched the prefill returned: the host's work before the device's.",
+             "", "SM MHz (CUDA) = the GPU's SM clock sampled by nvidia-smi every 20 ms during the row's timed runs: "
+             "median (min), and the share of samples held down by the power cap where any were. Back-to-back "
+             "long prefills of a large model can run power-capped: a figure compares with another run's only at "
+             "similar clocks."]
     if any(r.get("roofline_note") and r.get("pct_of_roofline") is None for r in result["results"]):
         notes += ["", "% roofline \"-\": the step's bytes stay in cache (on the CPU always, see "
                   "`roofline.roofline_applies`), so the copy-bandwidth roofline does not bound it."]

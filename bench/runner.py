@@ -16,7 +16,7 @@ import torch
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import autotune_record, compile_stats, kernel_table, reference, report, roofline, workloads
+from . import autotune_record, compile_stats, gpu_clocks, kernel_table, reference, report, roofline, workloads
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -161,7 +161,8 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         warm = [runner.run_batch(prompts, a.output_len, per_call=(i == 0)) for i in range(a.num_iters_warmup)]
         before, compiled_before = dict(counters), compile_stats.snapshot()
-        runs = [runner.run_batch(prompts, a.output_len) for _ in range(a.num_iters)]
+        with gpu_clocks.ClockSampler(self.device) as clocks:
+            runs = [runner.run_batch(prompts, a.output_len) for _ in range(a.num_iters)]
         timed = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
         # a compile inside the timed runs would inflate them: Dynamo's side of that, beside the engine's
         compiled = compile_stats.since(compiled_before)
@@ -178,7 +179,7 @@ class Bench:
                "decode_tokens_per_s": bs / tpot_s if tpot_s else None, "decode_steps_per_iter": steps // len(runs),
                "non_decode_steps": sum(r.other_steps for r in runs), "tokens_req0": runs[-1].tokens[0],
                "tpot_ms_median": tpot["median"], "tpot_ms_min": tpot["min"], "tpot_ms_max": tpot["max"],
-               "timed_runs": timed}
+               "timed_runs": timed, "gpu_clocks": clocks.summary}
         if isinstance(runner, workloads.StaticCacheRunner):
             if warm:
                 row["compile_s"], row["capture_s"] = workloads.compile_excess(warm[0], ttft_s, tpot_s or 0.0,
@@ -268,10 +269,11 @@ class Bench:
             runner.run_prefill(prompt)
         before = dict(counters)
         times, launches = [], []
-        for _ in range(a.num_iters):
-            times.append(runner.run_prefill(prompt))
-            if getattr(runner, "host_launch_s", None) is not None:  # the engine's runner: its host share
-                launches.append(runner.host_launch_s)
+        with gpu_clocks.ClockSampler(self.device) as clocks:
+            for _ in range(a.num_iters):
+                times.append(runner.run_prefill(prompt))
+                if getattr(runner, "host_launch_s", None) is not None:  # the engine's runner: its host share
+                    launches.append(runner.host_launch_s)
         times.sort()
         # what the timed runs did: graphed or not, and whether anything was captured or compiled in them
         steps = {k: counters[k] - before.get(k, 0) for k in TIMED_COUNTERS}
@@ -282,7 +284,8 @@ class Bench:
                 "prefill_ms_mean": sum(times) / len(times) * 1e3, "prefill_tokens_per_s": length / secs,
                 "prefill_flops": flops, "prefill_tflops": flops / secs / 1e12,
                 "mfu": roofline.mfu(flops, secs, self.peak_tflops), "timed_runs": steps,
-                "host_launch_ms": statistics.median(launches) * 1e3 if launches else None}
+                "host_launch_ms": statistics.median(launches) * 1e3 if launches else None,
+                "gpu_clocks": clocks.summary}
         return row
 
     def run_mode(self, mode: str, bar) -> None:

@@ -100,12 +100,13 @@ def test_default_modes_follow_the_device(monkeypatch):
 REQUIRED_ROW_KEYS = {"mode", "batch_size", "error", "ttft_ms", "tpot_ms", "decode_tokens_per_s", "compile_s",
                      "capture_s", "peak_memory_gib", "step_bytes", "roofline_ms", "achieved_gbps", "pct_of_roofline",
                      "ttft_ms_median", "ttft_ms_min", "ttft_ms_max", "tpot_ms_median", "tpot_ms_min", "tpot_ms_max",
-                     "reference_check"}
+                     "reference_check", "gpu_clocks"}
 COMPILE_KEYS = {"recompiles", "graph_breaks", "graphs_compiled", *compile_stats.FX_CACHE_KEYS,
                 *compile_stats.AOT_CACHE_KEYS, *compile_stats.TSCOMPILE_KEYS}
 NEW_MARKDOWN_COLUMNS = ("| mode | bs | TPOT ms (median) | TPOT min-max | decode tok/s | TTFT ms (median) | TTFT min-max |",
                         "vs f32 reference (req 0) |", "| dynamo graphs | recompiles | graph breaks | FX cache hit/miss/bypass | AOT cache hit/miss/bypass | tscompile graphs |",
-                        "| prefill tok/s | TFLOP/s | MFU | error |")
+                        "| prefill tok/s | TFLOP/s | MFU | SM MHz (min), power-capped | error |",
+                        "| % roofline | SM MHz (min), power-capped | vs f32 reference")
 
 
 def test_bench_cli_cpu_smoke(tmp_path, capsys):
@@ -134,7 +135,7 @@ def test_bench_cli_cpu_smoke(tmp_path, capsys):
         assert r["error"] is None, r["error"]
         assert REQUIRED_ROW_KEYS <= set(r), REQUIRED_ROW_KEYS - set(r)
         assert r["tpot_ms"] > 0 and r["decode_steps_per_iter"] == 3 and r["non_decode_steps"] == 0
-        assert r["peak_memory_gib"] is None  # cpu
+        assert r["peak_memory_gib"] is None and r["gpu_clocks"] is None  # cpu: no memory peak, no clocks
         # same weights, float32: the compiled static-cache baseline decodes eager's tokens, and both
         # decode the float32 reference's
         assert r["match_eager"] == f"{r['batch_size']}/{r['batch_size']}"
