@@ -112,6 +112,7 @@ tests_for() {
     session19) echo "tests/test_triton_backend.py tests/test_gpu_graphs.py -k two_warp_launches_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # head_dim 64 decode at 2 warps from 64 programs (llama-1b bs >= 8)
     session20) echo "tests/test_bench_kernel_table.py -k kernel_table_on_cuda_or_cuda_kernel_times" ;;  # the device busy time and step span of the kernel tables
     session23) echo "tests/test_triton_gemv.py -k dot_sum" ;;  # "dot_sum" (split-K summed by the last program) against the two-kernel split
+    session27) echo "tests/test_triton_decode_write.py" ;;  # the write-in-split decode's GPU tests after the fused decode's removal (head shapes, large-batch launches, graph replay, PDL)
     session26) echo "tests/test_triton_decode_write.py -k replays_in_a_cuda_graph" ;;  # the write-in-split decode replayed in a CUDA graph against the three-kernel path
     session25) echo "tests/test_triton_decode_write.py tests/test_triton_backend.py -k large_batch_launches_or_each_measured_geometry_or_three_kernel_path_on_gpu_or_pdl_in_a_graph" ;;  # the head_dim-128 decode geometry (2 warps from 256 programs, one split of 64-key tiles at 4 warps from 512): oracle and bits
     session24) echo "tests/test_triton_gemv.py tests/test_gpu_graphs.py -k sums_equal_or_dot_sum_or_batch_gemv_or_triton_equals_torch_on_llama_1b_ragged_greedy" ;;  # the "_sum" modes, the few-row swap as the default
