@@ -265,3 +265,34 @@ def compile_excess(warm: BatchTiming, ttft_steady_s: float, tpot_steady_s: float
     excess = [max(prefill - ttft_steady_s, 0.0)] + [max(d - tpot_steady_s, 0.0) for d in decodes]
     capture = excess[2] if cudagraphs and len(excess) > 2 else 0.0
     return sum(excess) - capture, capture
+
+
+def bench_engine(model_name: str, device: torch.device | str = "cuda", *, backend: str = "triton",
+                 max_num_seqs: int = 32, num_pages: int | None = None) -> "EngineRunner":
+    """The compiled engine the scripts/ diagnostics measure: ``model_name``'s seeded random weights
+    (bf16 on CUDA, float32 elsewhere) under ``backend``, pages of 16 and 2064-token requests, as
+    ``tscompile bench`` builds its engine modes. ``num_pages`` fixes the KV pool (no memory sizing,
+    so two engines fit one device)."""
+    from tscompile.models import build_model
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(model_name, dtype=dtype, device=device, seed=0)
+    return EngineRunner(model, attention_backend=backend, enforce_eager=False, device=device, dtype=dtype,
+                        max_num_seqs=max_num_seqs, max_model_len=2064, page_size=16, max_num_batched_tokens=16384,
+                        num_pages=num_pages, seed=0)
+
+
+def time_method(obj, name: str, record) -> None:
+    """Replace ``obj.name`` by a wrapper that calls ``record(seconds)`` after every call (a
+    microsecond or so of its own): how the diagnostics split a step's host time into phases."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - start)
+
+    setattr(obj, name, wrapper)

@@ -1,5 +1,5 @@
 """Why does an extend step not run the compiled pieces? Prints Dynamo's graph breaks and counters."""
-import logging, sys
+import sys
 import torch
 import tscompile
 from tscompile import SamplingParams

@@ -18,15 +18,6 @@ import statistics
 import torch
 
 from tscompile.bench import workloads
-from tscompile.models import build_model
-
-
-def build(model_name: str, device: torch.device, dtype: torch.dtype, backend: str):
-    model = build_model(model_name, dtype=dtype, device=device, seed=0)
-    # num_pages fixed: no memory sizing, so two engines fit one device (32 requests of 2064 tokens)
-    return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=False, device=device, dtype=dtype,
-                                  max_num_seqs=32, max_model_len=2064, page_size=16, max_num_batched_tokens=16384,
-                                  num_pages=32 * 129, seed=0)
 
 
 def main() -> None:
@@ -45,11 +36,11 @@ def main() -> None:
     if not hasattr(module, attr):
         raise SystemExit(f"tscompile: {a.toggle} is not an attribute of tscompile.custom_ops.{mod_name}")
     device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     engines = {}
     for value in (False, True):
         setattr(module, attr, value)
-        engines[value] = build(a.model, device, dtype, a.backend)
+        # num_pages fixed: no memory sizing, so two engines fit one device (32 requests of 2064 tokens)
+        engines[value] = workloads.bench_engine(a.model, device, backend=a.backend, num_pages=32 * 129)
     prompts = {n: [(7 * i) % 500 + 1 for i in range(n)] for n in a.lens}
     decode_prompt = [(3 * i) % 500 + 1 for i in range(512 if device.type == "cuda" else 64)]
     for runner in engines.values():  # captures and warm-up

@@ -24,7 +24,6 @@ import time
 import torch
 
 from tscompile.bench import workloads
-from tscompile.models import build_model
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 GC_RUNS = collections.Counter()
@@ -32,16 +31,7 @@ GC_SECONDS = [0.0, 0.0]  # total, and the start time of the collection under way
 
 
 def _timed(obj, name: str, label: str) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TIMES[label].append(time.perf_counter() - start)
-
-    setattr(obj, name, wrapper)
+    workloads.time_method(obj, name, TIMES[label].append)
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -110,11 +100,7 @@ def main() -> None:
     p.add_argument("--backend", default="triton")
     a = p.parse_args()
     device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(a.model, dtype=dtype, device=device, seed=0)
-    runner = workloads.EngineRunner(model, attention_backend=a.backend, enforce_eager=False, device=device,
-                                    dtype=dtype, max_num_seqs=32, max_model_len=2064, page_size=16,
-                                    max_num_batched_tokens=16384, seed=0)
+    runner = workloads.bench_engine(a.model, device, backend=a.backend)
     llm = runner.llm
     prompt = [(7 * i) % 1000 + 1 for i in range(a.len)]
     for _ in range(10):

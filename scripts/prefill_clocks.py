@@ -23,7 +23,6 @@ import time
 import torch
 
 from tscompile.bench import workloads
-from tscompile.models import build_model
 
 REPLAYS: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -103,10 +102,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     device = torch.device("cuda")
-    model = build_model(a.model, dtype=torch.bfloat16, device=device, seed=0)
-    runner = workloads.EngineRunner(model, attention_backend="triton", enforce_eager=False, device=device,
-                                    dtype=torch.bfloat16, max_num_seqs=64, max_model_len=2064, page_size=16,
-                                    max_num_batched_tokens=16384, seed=0)
+    runner = workloads.bench_engine(a.model, device, max_num_seqs=64)
     prompt = [(7 * i) % 1000 + 1 for i in range(a.len)]
     for _ in range(3):
         runner.run_prefill(prompt)

@@ -12,27 +12,19 @@ The wrappers add about a microsecond each."""
 import argparse
 import collections
 import json
-import time
 
 import torch
 
 from tscompile.bench import workloads
-from tscompile.models import build_model
 
 TIMES: dict[str, float] = collections.defaultdict(float)
 
 
 def _timed(obj, name: str, label: str) -> None:
-    fn = getattr(obj, name)
+    def record(seconds: float) -> None:
+        TIMES[label] += seconds
 
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TIMES[label] += time.perf_counter() - start
-
-    setattr(obj, name, wrapper)
+    workloads.time_method(obj, name, record)
 
 
 def main() -> None:
@@ -41,10 +33,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    model = build_model("llama-1b", dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
-    runner = workloads.EngineRunner(model, attention_backend="triton", enforce_eager=False, device=torch.device("cuda"),
-                                    dtype=torch.bfloat16, max_num_seqs=32, max_model_len=2064, page_size=16,
-                                    max_num_batched_tokens=16384, seed=0)
+    runner = workloads.bench_engine("llama-1b", "cuda")
     llm = runner.llm
     out = {}
     for length in a.lens:

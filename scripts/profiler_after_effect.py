@@ -15,7 +15,6 @@ import statistics
 import torch
 
 from tscompile.bench import kernel_table, workloads
-from tscompile.models import build_model
 
 
 def _measure(runner, prompts: dict[int, list[int]], iters: int, decode_prompt: list[int]) -> dict:
@@ -45,11 +44,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
     device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(a.model, dtype=dtype, device=device, seed=0)
-    runner = workloads.EngineRunner(model, attention_backend="triton", enforce_eager=False, device=device,
-                                    dtype=dtype, max_num_seqs=32, max_model_len=2064, page_size=16,
-                                    max_num_batched_tokens=16384, seed=0)
+    runner = workloads.bench_engine(a.model, device)
     prompts = {n: [(7 * i) % 1000 + 1 for i in range(n)] for n in a.lens}
     decode_prompt = [(3 * i) % 1000 + 1 for i in range(512 if device.type == "cuda" else 64)]
     for prompt in prompts.values():  # captures and warm-up
