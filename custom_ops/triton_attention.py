@@ -463,22 +463,20 @@ def _store_one_split(out_ptr, o, lse, b, kvh, stride_ot, stride_oh, stride_od, G
 @triton.jit
 def _combine_head(part_out_ptr, part_lse_ptr, out_ptr, b, h, stride_ot, stride_oh, stride_od,
                   NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+                  HEAD_DIM: tl.constexpr):
     """out[b, h] = sum_s w_s * part_out[b, h, s] / sum_s w_s, w_s = 2^(lse_s - max lse).
 
-    A request with no KV at all (seq_len 0, a padded row) has every lse = -inf: it gets exact zeros.
-    CACHE: the partials' load cache modifier (".cg" when other programs wrote them in this launch)."""
+    A request with no KV at all (seq_len 0, a padded row) has every lse = -inf: it gets exact zeros."""
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     s_live = s < NUM_SPLITS
     row = (b * NUM_HEADS + h).to(tl.int64) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + row, mask=s_live, other=float("-inf"), cache_modifier=CACHE)
+    lse = tl.load(part_lse_ptr + row, mask=s_live, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all empty: every weight below is 2^-inf = 0
     w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_live[:, None], other=0.0,
-                    cache_modifier=CACHE)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_live[:, None], other=0.0)
     o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d * stride_od,
              o.to(out_ptr.dtype.element_ty))
@@ -496,7 +494,7 @@ def _decode_combine_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     _combine_head(part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
-                  stride_ot, stride_oh, stride_od, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, "")
+                  stride_ot, stride_oh, stride_od, NUM_HEADS, NUM_SPLITS, SPLITS_PAD, HEAD_DIM)
 
 
 def _min_split(block_n: int) -> int:

@@ -31,7 +31,8 @@ GC_SECONDS = [0.0, 0.0]  # total, and the start time of the collection under way
 
 
 def _timed(obj, name: str, label: str) -> None:
-    workloads.time_method(obj, name, TIMES[label].append)
+    # looked up per call: ``measure`` clears TIMES, so a bound list's append would record into a dropped list
+    workloads.time_method(obj, name, lambda seconds: TIMES[label].append(seconds))
 
 
 def _on_gc(phase: str, info: dict) -> None:
