@@ -232,6 +232,50 @@ def test_old_transformers_is_refused(checkpoints, monkeypatch):
         engine(checkpoints["phi3"][0])
 
 
+# -- the command line -----------------------------------------------------------------------------------------
+
+def test_generate_cli_takes_model_impl(checkpoints, capsys):
+    from tscompile.cli import main
+
+    path, hf = checkpoints["llama"]
+    prompt = PROMPTS[2]
+    argv = ["generate", "--model", str(path), "--device", "cpu", "--attention-backend", "torch", "--enforce-eager",
+            "--max-model-len", "64", "--prompt-ids", " ".join(map(str, prompt)), "--max-new-tokens", "6",
+            "--ignore-eos", "--json"]
+    assert main(argv + ["--model-impl", "transformers"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["outputs"][0]["token_ids"] == hf_greedy(hf, prompt, 6)
+    assert main(["generate", "--model", "llama-tiny", "--device", "cpu", "--model-impl", "transformers",
+                 "--prompt-ids", "1 2"]) == 2
+    assert "needs a checkpoint directory" in capsys.readouterr().err
+
+
+def test_bench_model_impl_transformers_runs_the_presets_weights_through_transformers(tmp_path, monkeypatch):
+    """``tscompile bench --model-impl transformers`` on a preset: the engine mode loads a transformers
+    checkpoint of the same seeded weights, so it decodes the native float32 reference's tokens."""
+    from tscompile.cli import main
+
+    built = []
+    real = tscompile.LLM.__init__
+
+    def spy(self, model, **kw):
+        real(self, model, **kw)
+        built.append(self.model)
+
+    monkeypatch.setattr(tscompile.LLM, "__init__", spy)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--batch-size", "2", "--input-len", "8",
+            "--output-len", "4", "--prefill-lens", "8", "--num-iters", "1", "--modes", "eager", "--model-impl",
+            "transformers", "--output-json", str(out_json), "--no-progress", "--bandwidth-mib", "16"]
+    assert main(argv) == 0
+    result = json.loads(out_json.read_text())
+    assert result["args"]["model_impl"] == "transformers"
+    assert built and all(isinstance(m, TransformersModel) for m in built)
+    rows = result["results"]
+    assert rows and all(r["error"] is None for r in rows), rows
+    assert all(r["reference_check"] == {"agrees": True, "compared_tokens": 4} for r in rows), rows
+
+
 # -- GPU: graphs on --------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
