@@ -153,9 +153,18 @@ def test_requests_one_at_a_time_equal_the_batch(checkpoints):
 def test_compiled_engine_gives_transformers_tokens(checkpoints):
     """Decode compiled whole and prefill piecewise (split at the attention op), as for a native
     model; Phi3's fused qkv and gate/up projections run through the compiled pieces."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    from tscompile.counters import counters
+
     path, hf = checkpoints["phi3"]
+    breaks_before, graph_breaks_before = counters["breaks"], sum(dynamo_counters["graph_break"].values())
     llm = engine(path, enforce_eager=False)
     assert generate(llm, PROMPTS[:3]) == [hf_greedy(hf, p) for p in PROMPTS[:3]]
+    # the modeling code traces whole (no Dynamo graph break), and the prefill step is split at
+    # each layer's attention op, as a native model's
+    assert sum(dynamo_counters["graph_break"].values()) == graph_breaks_before
+    assert counters["breaks"] - breaks_before == TINY["num_hidden_layers"]
 
 
 def test_text_prompts_use_the_checkpoints_tokenizer(checkpoints, tmp_path):
