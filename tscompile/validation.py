@@ -82,11 +82,10 @@ def check_model(value) -> None:
         raise _refuse("model", "a preset name (str), a ModelConfig or a Transformer", value)
 
 
-MODEL_IMPLS = ("auto", "native", "transformers")  # tscompile/models/hf_transformers.py
-
-
 def check_model_impl(value) -> None:
-    if value not in MODEL_IMPLS:
+    from tscompile.models.hf_transformers import MODEL_IMPLS
+
+    if not isinstance(value, str) or value not in MODEL_IMPLS:
         raise _refuse("model_impl", f"one of {', '.join(map(repr, MODEL_IMPLS))}", value)
 
 

@@ -76,7 +76,7 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     the kernel would have to apply."""
     if _recorded is not None:
         _recorded.append(_record(module, query, key, value, attention_mask, scaling, dropout, kwargs))
-        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+        return _causal_attention(query, key, value, scaling), None
     ctx = get_forward_context()
     q = query[0].transpose(0, 1).contiguous()  # [T, n_heads, head_dim]
     k = key[0].transpose(0, 1).contiguous()
@@ -86,6 +86,15 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     ctx.attention.forward(module.layer_idx, ctx.attention_mode, q, k, v, module.tscompile_k_cache,
                           module.tscompile_v_cache, out, scale)
     return out[None], None
+
+
+def _causal_attention(query, key, value, scaling) -> torch.Tensor:
+    """Plain causal attention of one sequence, ``[1, T, n_heads, head_dim]``: what a probe forward
+    computes (nothing on the ``meta`` device)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2)
 
 
 def _record(module, query, key, value, attention_mask, scaling, dropout, kwargs) -> AttentionCall:
@@ -139,6 +148,19 @@ def probe_attention_calls(hf_model: nn.Module, rows: int = 3) -> list[AttentionC
     with recording() as calls, torch.no_grad():
         hf_model(input_ids=ids, position_ids=ids.clone(), use_cache=False)
     return list(calls)
+
+
+def reads_position_ids(hf_model: nn.Module, rows: int = 4) -> bool:
+    """Whether the model's output depends on ``position_ids``: the same tokens at positions
+    ``0..rows-1`` and all at position 0, with plain causal attention. A model that numbers its
+    tokens itself (from the mask or the sequence) would number packed rows of several requests as
+    one sequence."""
+    device = next(hf_model.parameters()).device
+    ids = (torch.arange(rows, device=device)[None] * 7 + 3) % hf_model.get_input_embeddings().weight.shape[0]
+    with recording(), torch.no_grad():
+        counted = hf_model(input_ids=ids, position_ids=torch.arange(rows, device=device)[None], use_cache=False)
+        same = hf_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+    return not torch.equal(counted.logits, same.logits)
 
 
 @dataclass(frozen=True)

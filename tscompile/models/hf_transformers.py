@@ -33,11 +33,12 @@ from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models.checkpoint import CheckpointInfo, _checkpoint_root
 from tscompile.models.hf_attention import (ATTENTION_NAME, check_attention_calls, probe_attention_calls,
-                                           register_attention)
+                                           reads_position_ids, register_attention, transformers_version)
 from tscompile.models.hf_config import ARCHITECTURES, checkpoint_dtype, eos_token_ids
-from tscompile.validation import MODEL_IMPLS
 
 log = logging.getLogger(__name__)
+
+MODEL_IMPLS = ("auto", "native", "transformers")  # tscompile.LLM's model_impl
 
 PROBE_ROWS = 3
 # RoPE types whose frequencies depend on the longest position in the call: on packed rows one
@@ -157,15 +158,18 @@ def check_config(raw: dict, text_config, model: str) -> None:
             refuse(f"it has {kind!r} layers", "only attention layers are supported")
 
 
-def _build(hf_config, *, meta: bool, **kwargs) -> nn.Module:
+def _build(hf_config, root: Path | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model on the ``meta`` device (``root`` None: nothing is read) or with the weights of the
+    checkpoint at ``root`` in ``dtype``, on the CPU."""
     import transformers
 
     auto = transformers.AutoModelForCausalLM
-    if meta:
+    if root is None:
         with torch.device("meta"):
-            return auto.from_config(hf_config, attn_implementation=ATTENTION_NAME, **kwargs).eval()
-    return auto.from_pretrained(hf_config.name_or_path, config=hf_config, attn_implementation=ATTENTION_NAME,
-                                local_files_only=True, **kwargs).eval()
+            return auto.from_config(hf_config, attn_implementation=ATTENTION_NAME).eval()
+    dtype_kwarg = {"dtype": dtype} if transformers_version() >= (4, 56) else {"torch_dtype": dtype}  # renamed in 4.56
+    return auto.from_pretrained(root, config=hf_config, attn_implementation=ATTENTION_NAME, local_files_only=True,
+                                **dtype_kwarg).eval()
 
 
 def load_transformers_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -200,7 +204,7 @@ def load_transformers_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype 
                          "longest position the model supports")
     limit = max_position if max_model_len is None else max_model_len
 
-    probe_model = _build(hf_config, meta=True)
+    probe_model = _build(hf_config)
     calls = probe_attention_calls(probe_model, PROBE_ROWS)
     shape = check_attention_calls(calls, model=name, n_layers=int(text.num_hidden_layers), rows=PROBE_ROWS,
                                   max_model_len=limit)
@@ -215,10 +219,15 @@ def load_transformers_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype 
     stored = checkpoint_dtype(raw) or checkpoint_dtype(raw.get("text_config") or {}) or torch.float32
     dtype = dtype or (stored if device.type == "cuda" else torch.float32)
     start = time.perf_counter()
-    hf_model = _build(hf_config, meta=False, dtype=dtype).to(device)
+    hf_model = _build(hf_config, root, dtype).to(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    if not reads_position_ids(hf_model):
+        raise ValueError(f"tscompile: {name} cannot run on the transformers backend: its output does not depend on "
+                         "position_ids (it numbers tokens itself, or has no position encoding), so packed rows of "
+                         "several requests would be numbered as one sequence; use model_impl='native' where it "
+                         "exists")
     # the modules that called attention in the probe, by layer index (the loaded model's names are the same)
     attention_modules = [hf_model.get_submodule(n) for n in attention_names]
     head = hf_model.get_output_embeddings()
