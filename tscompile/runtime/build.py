@@ -19,7 +19,7 @@ from tscompile.config import TscompileConfig
 from tscompile.counters import counters
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
-from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, build_model, load_model
+from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, load_model
 from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
                                       measure_activation_peak, measure_device_memory, pages_for_requests,
                                       prefill_graph_bytes)
@@ -205,9 +205,9 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     if isinstance(model, Transformer):
         built = model
     elif isinstance(model, ModelConfig) or model in PRESETS:
-        if model_impl == "transformers":
-            load_model(model, model_impl=model_impl)  # refuses: a preset has no transformers code
-        built = build_model(model, dtype=resolve_dtype(dtype, device), device=device, seed=seed)
+        # load_model refuses model_impl="transformers" here: a preset has no transformers code
+        built, _ = load_model(model, dtype=resolve_dtype(dtype, device), device=device, seed=seed,
+                              model_impl=model_impl)
     else:
         built, checkpoint = load_model(model, dtype=dtype if dtype is None else resolve_dtype(dtype, device),
                                        device=device, max_model_len=max_model_len, model_impl=model_impl)
