@@ -137,6 +137,11 @@ def add_parser(sub) -> None:
     p.add_argument("--package-cuda-graphs", action="store_true",
                    help="the package mode loads its package with cuda_graphs=True: decode steps replay CUDA graphs "
                         "(CUDA only)")
+    p.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                   help="the code the eager and tscompile-* modes run (tscompile.LLM's model_impl): transformers runs "
+                        "transformers' modeling code with the paged attention; a preset's seeded weights are then "
+                        "written once as a transformers checkpoint in a temporary directory (default auto: native "
+                        "where it exists)")
     p.add_argument("--tscompile-options", type=_json_object, default=None, metavar="JSON",
                    help="compile options of the compiled tscompile modes (TscompileConfig's fields), e.g. "
                         "'{\"decode_ladder\": [2, 4, 8]}': a variant measured against the defaults of another run")
@@ -205,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
         if args.tscompile_options is not None:
             raise ValueError("tscompile: --tscompile-options sets the engine modes' compile options; the "
                              "--hf-model bench compiles a transformers model with its own --hf-modes")
+        if getattr(args, "model_impl", "auto") != "auto":
+            raise ValueError("tscompile: --model-impl picks the engine modes' model code; the --hf-model bench "
+                             "runs no engine mode")
         return hf_model.run(args)
     hf_model.check_hf_flags_unused(args)
     if args.package_cuda_graphs and not (args.package or package_mode.PACKAGE_MODE in (args.modes or ())):

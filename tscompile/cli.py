@@ -61,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a local Hugging Face checkpoint directory, or a preset name (llama-tiny, narrow-tiny, "
                         "llama-1b, llama-8b: random weights)")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                   help="a checkpoint's code: the engine's own model (native: Llama, Mistral, Qwen2, Qwen3), its "
+                        "transformers modeling code with the paged attention (transformers: any decoder), or native "
+                        "where it exists (auto)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--max-num-seqs", type=int, default=8)
@@ -74,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
-                enforce_eager=args.enforce_eager, seed=args.seed)
+                enforce_eager=args.enforce_eager, seed=args.seed, model_impl=args.model_impl)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
