@@ -19,7 +19,7 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
                                  (decode only). Also reports load to first token.
 A mode or a batch size that fails becomes an error row; the others still run.
 
---kernel-table: after every timed row of a mode (never before one: a finished profiler session may
+--kernel-table: after every timed row of a mode (never before one: a finished profiler run may
 slow what is timed after it), a few steps of each row's workload under torch.profiler: the top
 kernels per step (CPU ops on the CPU) with count, time and share.
 
@@ -166,7 +166,7 @@ def add_parser(sub) -> None:
                    help=f"kernels listed per row (default {kernel_table.DEFAULT_TOP})")
     p.add_argument("--merge", nargs="+", default=None, metavar="RUN.json",
                    help="no run: one table from these bench JSONs of the same workload and machine kind, each mode "
-                        "from one of them (an all-mode table whose modes did not fit in one GPU call); "
+                        "from one of them (an all-mode table whose modes ran in separate processes); "
                         "RUN.json:MODE,MODE takes only those modes of a run")
     p.add_argument("--output-json", default=None, metavar="PATH", help="the run's JSON here")
     p.add_argument("--output-md", default=None, metavar="PATH", help="the run's markdown tables here")
