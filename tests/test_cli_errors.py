@@ -135,3 +135,12 @@ def test_help_texts_say_what_each_command_takes(capsys):
     assert "with --show-ids, its token ids after it" in _help(capsys, ["generate"])
     assert "package path, ending in .pt2" in _help(capsys, ["export"])
     assert "git ignores" in _help(capsys, ["bench"])  # where a run writes by default
+
+
+def test_the_model_is_given_as_an_argument_or_with_model_not_both(capsys):
+    _refused(capsys, ["generate", "llama-tiny", "--model", "llama-1b", "--device", "mps"],
+             "two models given, 'llama-tiny' and --model 'llama-1b'")
+    # one model, given either way, goes on to the engine's own checks (here: the device)
+    for argv in (["generate", "llama-tiny", "--device", "mps"], ["generate", "--model", "llama-tiny", "--device", "mps"],
+                 ["generate", "llama-tiny", "--model", "llama-tiny", "--device", "mps"]):
+        _refused(capsys, argv, "mps")

@@ -208,7 +208,7 @@ def test_cli_stream_with_show_ids_prints_ids_for_a_model_without_a_tokenizer(cap
     expect = tscompile.LLM("llama-tiny", device="cpu", enforce_eager=True, attention_backend="torch",
                            max_model_len=64, max_num_seqs=2).generate([prompt], SamplingParams(max_new_tokens=5))
     ids = " ".join(map(str, expect[0].outputs[0].token_ids))
-    assert main(["generate", "--model", "llama-tiny", "--device", "cpu", "--enforce-eager", "--attention-backend",
+    assert main(["generate", "llama-tiny", "--device", "cpu", "--enforce-eager", "--attention-backend",
                  "torch", "--max-model-len", "64", "--max-num-seqs", "2", "--prompt-ids", "1,15,27,3",
                  "--max-new-tokens", "5", "--stream", "--show-ids"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -56,10 +56,16 @@ def check_sampling_args(args: argparse.Namespace) -> None:
         check_seed("--sampling-seed", args.sampling_seed)
 
 
+DEFAULT_MODEL = "llama-tiny"
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-tiny",
-                   help="a local Hugging Face checkpoint directory, or a preset name (llama-tiny, narrow-tiny, "
-                        "llama-1b, llama-8b: random weights)")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (give it here or as --model)")
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face checkpoint directory, a named model (smollm2-135m-instruct), or a "
+                        f"preset name (llama-tiny, narrow-tiny, llama-1b, llama-8b: random weights); default "
+                        f"{DEFAULT_MODEL}")
     p.add_argument("--attention-backend", default="auto",
                    help="auto (triton on CUDA, torch on the CPU), torch, triton or flashinfer")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -70,6 +76,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     p.add_argument("--enforce-eager", action="store_true", help="run the model without compiling (no graphs)")
     p.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """``args.model`` from the positional MODEL or ``--model`` (the default when neither is given)."""
+    positional = getattr(args, "model_arg", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"tscompile: two models given, {positional!r} and --model {args.model!r}; give one of them")
+    args.model = positional or args.model or DEFAULT_MODEL
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

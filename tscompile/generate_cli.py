@@ -9,7 +9,7 @@ import sys
 import time
 
 from tscompile.cli import (add_engine_args, add_generation_args, check_sampling_args, engine_kwargs, print_outputs,
-                           prompts_from_args, sampling_params_from_args)
+                           prompts_from_args, resolve_model_arg, sampling_params_from_args)
 
 
 def add_parser(sub) -> None:
@@ -41,6 +41,7 @@ def _build(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_model_arg(args)
     if args.command == "chat":
         return _chat(args)
     prompts = prompts_from_args(args)
