@@ -156,7 +156,7 @@ def add_parser(sub) -> None:
                         "than this many logits is flagged suspicious (default 0.5)")
     p.add_argument("--no-reference", action="store_true", help="skip the float32 reference run (no correctness "
                    "column; saves a float32 copy of the model on the device)")
-    p.add_argument("--kernel-table", action="store_true",
+    p.add_argument("--kernel-table", "--profile", dest="kernel_table", action="store_true",
                    help="after every timed row of a mode, profile a few steps of the same workload (torch.profiler) and "
                         "add their top kernels (CPU ops on the CPU) with time and share per step to the JSON and "
                         "markdown")

@@ -135,6 +135,7 @@ def test_help_texts_say_what_each_command_takes(capsys):
     assert "with --show-ids, its token ids after it" in _help(capsys, ["generate"])
     assert "package path, ending in .pt2" in _help(capsys, ["export"])
     assert "git ignores" in _help(capsys, ["bench"])  # where a run writes by default
+    assert "--kernel-table, --profile" in _help(capsys, ["bench"])
 
 
 def test_the_model_is_given_as_an_argument_or_with_model_not_both(capsys):
