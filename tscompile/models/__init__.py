@@ -49,9 +49,7 @@ def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | N
 def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
     """The native config of a preset, a ``ModelConfig`` or a checkpoint directory (its config.json
     only: no weight is read)."""
-    import json
-
-    from tscompile.models.hf_config import model_config_from_hf
+    from tscompile.models.hf_config import model_config_from_hf, read_json_object
 
     if isinstance(model, ModelConfig):
         return model
@@ -62,7 +60,7 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
     path = Path(model) / "config.json"
     if not path.is_file():
         raise ValueError(f"tscompile: checkpoint directory {str(model)!r} has no config.json")
-    return model_config_from_hf(json.loads(path.read_text()))
+    return model_config_from_hf(read_json_object(path))
 
 
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> Transformer:
