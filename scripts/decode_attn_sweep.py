@@ -6,7 +6,7 @@ Why: on llama-8b at bs=32 the tuned stock baseline's cuDNN flash decode (SDPA, e
 640-position cache) read its cache at about 3.4 TB/s while tscompile's split-KV Triton kernel read the
 paged cache at about 2.97 TB/s plus a combine kernel (bench/results/llama-8b-b964437/). This script
 times `triton_attention.paged_decode` (the split and combine kernels, what a decode step launches per
-layer; the split kernel writing the new K/V rows too, as the default ``DECODE_WRITE_IN_SPLIT`` runs it) on the llama-8b decode shape of the bench (32 query / 8 KV heads of 128, pages of 16, a table of
+layer; the split kernel writing the new K/V rows too, as the op runs it) on the llama-8b decode shape of the bench (32 query / 8 KV heads of 128, pages of 16, a table of
 2064 positions, every request at the bench's mean decode context of 576) for each setting of
 DECODE_BLOCK_N x DECODE_NUM_WARPS x DECODE_NUM_STAGES at the default split target, then the split
 target (DECODE_TARGET_PROGRAMS) for the three fastest, and SDPA the way the tuned baseline calls it.
@@ -69,9 +69,9 @@ def make_layers(bs: int, ctx: int, max_kv: int, hq: int, hkv: int, d: int, page:
 
 def decode(layer: dict, scale: float) -> None:
     """One layer's decode attention as the engine's step runs it: the split kernel writing the new
-    K/V rows too when ``DECODE_WRITE_IN_SPLIT`` is on (the default), else the caller having written them."""
+    K/V rows too, as the op runs it."""
     ta.paged_decode(layer["q"], layer["k_cache"], layer["v_cache"], layer["out"], layer["page_table"],
-                    layer["seq_lens"], scale, new_kv=layer["new_kv"] if ta.DECODE_WRITE_IN_SPLIT else None)
+                    layer["seq_lens"], scale, new_kv=layer["new_kv"])
 
 
 def static_view(layer: dict, bs: int, ctx: int, static_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
               **{k: getattr(a, k) for k in ("hq", "hkv", "d", "page", "ctx", "max_kv", "static_len", "layers", "reps")},
-              "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT, "per_bs": []}
+              "per_bs": []}
     os.makedirs(a.out, exist_ok=True)
     if a.min_split_tokens is not None:
         ta.DECODE_MIN_SPLIT_TOKENS = a.min_split_tokens

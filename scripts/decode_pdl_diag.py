@@ -43,7 +43,6 @@ def describe(name: str, got: torch.Tensor, want: torch.Tensor, bs: int) -> None:
 
 def main() -> None:
     dev = torch.device("cuda")
-    ta.DECODE_WRITE_IN_SPLIT = True
     for bs, longest in ((1, 48), (1, 2000), (33, 2000)):
         kv_lens = [longest] + [int(x) for x in torch.randint(1, min(longest, 700), (bs - 1,),
                                                               generator=torch.Generator().manual_seed(bs + longest))]
@@ -53,7 +52,6 @@ def main() -> None:
         print(f"== bs {bs}, longest {longest}, splits {ta._decode_launch(batch['q'], batch['k_cache'], batch['page_table'])[5]}")
 
         def setup(pdl: bool):
-            ta.DECODE_PDL = pdl
             live = {n: torch.empty_like(t) for n, t in sources.items()}
             k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
             out = torch.empty_like(batch["q"])
@@ -62,7 +60,8 @@ def main() -> None:
                 for n in live:
                     torch.mul(sources[n], 1.0, out=live[n])
                 ta.triton_attention(live["q"], live["k"], live["v"], k_cache, v_cache, out, batch["page_table"],
-                                    batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True)
+                                    batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True,
+                                    decode_pdl=pdl)
             return step, out, k_cache, (live, v_cache)
 
         # eager: no graph, fresh caches per call
@@ -92,7 +91,6 @@ def main() -> None:
                 torch.cuda.synchronize()
                 res[name] = (out.clone(), k_cache.clone())
             # eager reference of the same sources
-            ta.DECODE_PDL = False
             step, out, k_cache, _ = setup(False)
             out.fill_(float("nan"))
             step()

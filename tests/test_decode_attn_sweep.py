@@ -41,14 +41,11 @@ def test_sweep_checks_each_setting_times_it_and_restores_the_defaults(tmp_path, 
     assert by_what["splits"]["DECODE_TARGET_PROGRAMS"] == 4 and by_what["splits"]["splits"] == 1
     assert {k: getattr(ta, k) for k in sweep.KNOBS} == defaults
     assert "### bs=3" in (tmp_path / "decode_attn_sweep.md").read_text()
-    assert result["decode_write_in_split"] is ta.DECODE_WRITE_IN_SPLIT
 
 
-@pytest.mark.parametrize("write_in_split", [True, False])
-def test_the_sweep_times_the_engines_decode_path(write_in_split, tmp_path, restore_min_split, monkeypatch):
-    """With the write in the split kernel (the default) every timed launch carries the new K/V rows
-    (the same values the cache holds, so the oracle still applies); without it none does."""
-    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", write_in_split)
+def test_the_sweep_times_the_engines_decode_path(tmp_path, restore_min_split, monkeypatch):
+    """As the engine's op runs it, every timed launch carries the new K/V rows (the same values the
+    cache holds, so the oracle still applies)."""
     seen = []
     real = ta.paged_decode
 
@@ -60,7 +57,7 @@ def test_the_sweep_times_the_engines_decode_path(write_in_split, tmp_path, resto
     assert sweep.main([*TINY, "--bs", "3", "--targets", "4", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "decode_attn_sweep.json").read_text())["per_bs"][0]["rows"]
     assert rows and all(r["error"] is None for r in rows)
-    assert seen and set(seen) == {write_in_split}
+    assert seen and set(seen) == {True}
 
 
 def test_a_setting_off_the_oracle_is_listed_with_its_error_and_not_timed(tmp_path, restore_min_split):
