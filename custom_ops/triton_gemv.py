@@ -77,9 +77,6 @@ DEFAULT_TILES: dict[int, tuple[int, int, int, int, str]] = {
     1: (8, 512, 4, 2, "fma"), 2: (8, 512, 4, 2, "fma"), 4: (16, 256, 4, 2, "fma"),
     8: (64, 128, 4, 4, "dot"), 16: (64, 128, 4, 4, "dot"), 32: (64, 128, 4, 4, "dot"),
 }
-# Full configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, mode) for one weight shape
-# (N, K), taking precedence over DEFAULT_TILES and the automatic split; filled from the sweep.
-SHAPE_CONFIGS: dict[tuple[int, int], tuple] = {}
 
 
 @triton.jit
@@ -298,10 +295,8 @@ def check_config(config) -> tuple[int, int, int, int, int, str]:
 
 
 def default_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, str]:
-    """SHAPE_CONFIGS[(n, k)] if present, else DEFAULT_TILES for M's power-of-two bucket with the
-    automatic split-K."""
-    if (n, k) in SHAPE_CONFIGS:
-        return check_config(SHAPE_CONFIGS[(n, k)])
+    """DEFAULT_TILES for M's power-of-two bucket with the automatic split-K (the passes' calls run
+    at their tables' launches instead)."""
     block_n, block_k, warps, stages, mode = DEFAULT_TILES[min(_next_pow2(max(m, 1)), MAX_ROWS)]
     return block_n, block_k, auto_split(n, k, block_n, block_k), warps, stages, mode
 

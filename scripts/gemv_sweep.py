@@ -27,7 +27,7 @@ tile at split-K 1 and at the automatic split (`triton_gemv.auto_split`: enough p
 GPU when N's column blocks alone are too few), plus the module's current default. Before timing,
 every output (cuBLAS's too) is compared with `x.float() @ w.float().T`; a Triton config off by more
 than MAX_DIFF is reported and never picked. Prints one line per (shape, M) and per shape the config
-with the best mean ratio to each row's best (the candidate for `triton_gemv.SHAPE_CONFIGS`);
+with the best mean ratio to each row's best (a candidate launch for that shape);
 writes everything to one JSON."""
 import itertools, json, os, time
 
@@ -248,7 +248,7 @@ def main(out_path):
                                           "cublas_m1_us": one.get("cublas_us"), "speedup_m1": one.get("speedup")}
             shown = " ".join(f"M={m}:{s:.2f}x" for m, s in speedups.items() if s)
             print(f"{model}/{proj}: best config over M {best} (mean ratio to per-row best "
-                  f"{score.get(best, float('nan')):.3f}) -> SHAPE_CONFIGS[({n}, {k})] candidate; vs cuBLAS {shown}",
+                  f"{score.get(best, float('nan')):.3f}) -> the candidate for ({n}, {k}); vs cuBLAS {shown}",
                   flush=True)
             rows += mine
             write_json(out_path, rows, summary, time.time() - t0)

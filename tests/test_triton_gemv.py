@@ -171,12 +171,6 @@ def test_gemv_default_config_allocates_out(device, monkeypatch):
     assert tg.gemv(torch.randn(0, 8, device=device), torch.randn(4, 8, device=device)).shape == (0, 4)
 
 
-def test_shape_configs_take_precedence(monkeypatch):
-    monkeypatch.setattr(tg, "SHAPE_CONFIGS", {(48, 64): DOT_SPLIT})
-    assert tg.default_config(2, 48, 64) == (32, 16, 2, 4, 1, "dot")
-    assert tg.default_config(2, 48, 96) != tg.default_config(2, 48, 64)
-
-
 def test_split_layout_covers_k_with_whole_chunks():
     for k, block_k, split in ((72, 32, 3), (64, 32, 8), (2048, 256, 5), (1, 16, 4), (14336, 512, 9)):
         splits, per = tg.split_layout(k, block_k, split)
