@@ -163,6 +163,7 @@ assert not heavy, heavy
 import tscompile
 assert "tscompile.runtime.engine" not in sys.modules and "LLM" in dir(tscompile)
 assert tscompile.LLM.__module__ == "tscompile.runtime.engine" and "tscompile.runtime.engine" in sys.modules
+assert tscompile.package.load_package is tscompile.load_package
 print("ok")
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -175,3 +176,4 @@ def test_an_unknown_attribute_of_the_package_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'Engine'"):
         tscompile.Engine  # noqa: B018
     assert set(tscompile.__all__) <= set(dir(tscompile))
+    assert tscompile.models.build_config is not None  # a subpackage read as an attribute imports it

@@ -9,6 +9,7 @@ attributes resolved on first use.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from tscompile import custom_ops  # noqa: F401  (registers the tscompile:: ops)
 from tscompile.version import __version__
@@ -29,9 +30,12 @@ __all__ = ["KernelPolicy", "LLM", "SamplingParams", "TscompileConfig", "__versio
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"tscompile.{name}") is not None:
+        value = importlib.import_module(f"tscompile.{name}")  # a subpackage: ``tscompile.models`` and the like
+    else:
         raise AttributeError(f"module 'tscompile' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # read once: later lookups find it without this function
     return value
 
