@@ -121,11 +121,11 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
 def our_post_grad_passes(policy: KernelPolicy, static: bool, split_piece: bool, engine: bool, kernel_pdl: bool,
                          device_name: str) -> list:
     """The passes a CUDA graph gets: in a split piece the residual-addmm unfusing (passes/residual_addmm.py:
-    two device copies per layer fewer); in a static graph
-    that is not a piece (the bs=1 decode step) the decode GEMV swap (``policy.decode_gemv``); in the
-    engine's dynamic-batch decode graph the few-row swap (``policy.batch_gemv``); either swap only on
-    a GPU named ``device_name`` that its tables were timed on. ``kernel_pdl``: the swapped GEMV kernels
-    launch with PDL (the graph's Inductor kernels do)."""
+    two device copies per layer fewer); in a static graph that is not a piece (the bs=1 decode step)
+    the decode GEMV swap (``policy.decode_gemv``); in the engine's dynamic-batch decode graph the
+    few-row swap (``policy.batch_gemv``); either swap only on a GPU named ``device_name`` that its
+    tables were timed on. ``kernel_pdl``: the swapped GEMV kernels launch with PDL (the graph's
+    Inductor kernels do)."""
     from tscompile.custom_ops.triton_gemv import gemv_tables_apply
 
     passes = []
