@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from tscompile.custom_ops.triton_attention import (
-    FAST_EXTEND_HEAD_DIMS, _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows,
+    _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows,
     check_supported, pdl_launch, register_dense_extend, write_kv,
 )
 
