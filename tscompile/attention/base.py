@@ -32,6 +32,7 @@ import torch
 from tscompile.attention.support import CudaGraphSupport
 from tscompile.custom_ops.metadata import run_refresh
 from tscompile.forward_context import ForwardMode
+from tscompile.kernel_policy import KernelPolicy
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.step_plan import GroupPlan
 
@@ -117,6 +118,10 @@ class PagedAttentionBackend(AttentionBackend):
 
     def bind_query_heads(self, num_q_heads: int) -> None:
         self.num_q_heads = num_q_heads
+
+    def use_kernel_policy(self, policy: KernelPolicy) -> None:
+        """Once, when the engine is built: the engine's kernel choices, for a leaf whose kernels have
+        any (the Triton leaf's PDL launches); the others ignore it."""
 
     def _publish_cache_pool(self, pool: KVCachePool) -> None:
         geo = pool.geometry(self.group_id)

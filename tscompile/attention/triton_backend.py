@@ -12,13 +12,18 @@ from __future__ import annotations
 from tscompile.attention.base import PagedAttentionBackend
 from tscompile.attention.support import CudaGraphSupport
 from tscompile.custom_ops import triton_attention, triton_extend, triton_metadata  # noqa: F401  (register impl="triton")
+from tscompile.kernel_policy import KernelPolicy
 from tscompile.kv_cache.pool import KVCachePool
 
 
 class TritonAttentionBackend(PagedAttentionBackend):
-    impl = "triton"
+    impl = "triton"  # the default policy's; ``use_kernel_policy`` gives an instance its own
     refresh_impl = "triton"
     cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True)
+
+    def use_kernel_policy(self, policy: KernelPolicy) -> None:
+        """The op's impl name carries the policy's PDL choices to the kernels (``attention_impl_name``)."""
+        self.impl = triton_attention.attention_impl_name(policy.decode_pdl, policy.prefill_pdl)
 
     def validate_cache_pool(self, pool: KVCachePool) -> None:
         """Refuse a cache group whose head_dim or dtype the kernels cannot serve."""

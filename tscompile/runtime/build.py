@@ -230,7 +230,8 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                          "a smaller max_model_len")
     specs = built.cache_groups()
     attention = create_attention_router(attention_backend, specs, max_model_len=max_model_len, page_size=page_size,
-                                        pages_per_block=pages_per_block, device=device)
+                                        pages_per_block=pages_per_block, device=device,
+                                        kernels=compile_config.kernels if compile_config is not None else None)
     graph_support = resolve_cuda_graph_support(attention)
     memory = None
     if num_pages is None and device.type == "cuda":

@@ -1,13 +1,13 @@
-"""passes/prefill_gemv.py and ``tscompile::skinny_mm``: the prefill pieces' listed projections choose
+"""passes/batch_gemv.py and ``tscompile::skinny_mm``: the decode batch graph's listed projections choose
 the Triton kernel or cuBLAS at run time, by the step's row count.
 
-The pass acts on CUDA graphs only, and only with TSCOMPILE_PREFILL_GEMV=1; here it runs on CPU graphs
-by naming the CPU device (the kernel runs under the interpreter, which conftest turns on)."""
+The pass acts on the engine's CUDA decode batch graph only, with ``KernelPolicy.batch_gemv`` (on by
+default); here it runs on CPU graphs by naming the CPU device (the kernel runs under the interpreter,
+which conftest turns on)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -16,9 +16,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import tscompile
 import tscompile.piece_compiler as piece_compiler
 from tscompile.config import TscompileConfig
+from tscompile.custom_ops import triton_attention as ta
 from tscompile.custom_ops import triton_gemv as tg
 from tscompile.passes.pass_chain import PassChain
-from tscompile.passes.prefill_gemv import PrefillGemv, swap_prefill_matmuls
+from tscompile.kernel_policy import KernelPolicy
+from tscompile.passes.batch_gemv import BatchGemv, swap_batch_matmuls
 from tscompile.passes.residual_addmm import UnfuseResidualAddmm
 
 from helpers import PROMPTS, ids, small_llm
@@ -42,7 +44,7 @@ def _counting_gemv(monkeypatch, pdl_calls: list | None = None) -> list:
 
 
 def test_skinny_mm_takes_the_kernel_only_at_a_listed_row_count(monkeypatch):
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(4, 24, 48): DOT})
     calls = _counting_gemv(monkeypatch)
     g = torch.Generator().manual_seed(7)
     w = torch.randn(24, 48, generator=g)
@@ -53,7 +55,7 @@ def test_skinny_mm_takes_the_kernel_only_at_a_listed_row_count(monkeypatch):
     assert calls == [(4, 24, 48, DOT)]  # rows 3 and 5 are not listed: x @ w.T
 
 
-def test_the_prefill_table_takes_each_row_counts_pick_that_beat_cublas():
+def test_the_batch_table_takes_each_row_counts_pick_that_beat_cublas():
     """From a sweep's ``best_by_m``: row counts above 1 whose launch beat cuBLAS by the margin; M = 1
     is the decode table's."""
     summary = {"m/qkv": {"n": 6144, "k": 4096, "best_by_m": {
@@ -62,7 +64,7 @@ def test_the_prefill_table_takes_each_row_counts_pick_that_beat_cublas():
         "32": {"best": [128, 128, 2, 8, 3, "dot"], "speedup": 1.1},
         "64": {"best": [128, 128, 2, 8, 3, "dot"], "speedup": 1.2},   # past the kernel's MAX_ROWS
     }}, "m/o": {"n": 4096, "k": 4096, "best_by_m": {"32": {"best": None, "speedup": None}}}}
-    assert tg.prefill_table_from_sweep({"summary": summary}) == {(32, 6144, 4096): (128, 128, 2, 8, 3, "dot")}
+    assert tg.batch_table_from_sweep({"summary": summary}) == {(32, 6144, 4096): (128, 128, 2, 8, 3, "dot")}
 
 
 def _projections(x, w_listed, w_other, r):
@@ -81,15 +83,15 @@ def _inputs(rows):
 
 
 def test_the_pass_swaps_the_listed_weights_at_any_row_count(monkeypatch):
-    """Exported with a symbolic row count (as the pieces are compiled): the listed weight's matmul and
+    """Exported with a symbolic row count (as the decode batch graph is compiled): the listed weight's matmul and
     its residual addmm become ``skinny_mm`` (the residual added after it), the other stays; the graph
     then gives the matmuls' values at a listed row count (the kernel) and at another (cuBLAS)."""
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(4, 24, 48): DOT})
     calls = _counting_gemv(monkeypatch)
     rows = torch.export.Dim("rows", min=2, max=64)
     ep = torch.export.export(_Projections(), _inputs(4), dynamic_shapes=({0: rows}, None, None, {0: rows}))
     gm = ep.run_decompositions().graph_module
-    assert swap_prefill_matmuls(gm.graph, devices=("cpu",)) == 2
+    assert swap_batch_matmuls(gm.graph, devices=("cpu",)) == 2
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.tscompile.skinny_mm.default) == 2
@@ -106,49 +108,41 @@ def test_the_pass_swaps_the_listed_weights_at_any_row_count(monkeypatch):
 
 def test_nothing_is_swapped_on_other_devices_or_with_an_empty_table(monkeypatch):
     gm = make_fx(_projections)(*_inputs(4))
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {})
-    assert swap_prefill_matmuls(gm.graph, devices=("cpu",)) == 0
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
-    assert swap_prefill_matmuls(gm.graph) == 0  # CUDA only by default
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {})
+    assert swap_batch_matmuls(gm.graph, devices=("cpu",)) == 0
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    assert swap_batch_matmuls(gm.graph) == 0  # CUDA only by default
 
 
-def test_split_cuda_pieces_get_the_swap_before_the_residual_addmm_pass(monkeypatch):
-    def post_pass(flag, split_piece=True, device="cuda", options=None, gpu="NVIDIA H200"):
-        monkeypatch.setattr(tg, "PREFILL_GEMV", flag)
-        monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: gpu)
-        config = TscompileConfig(inductor_options=options or {})
-        return piece_compiler.piece_inductor_patches(config, False, device_type=device, split_piece=split_piece,
-                                                     cudagraph_trees=False).get("post_grad_custom_post_pass")
-
-    chain = post_pass(True)
-    assert isinstance(chain, PassChain) and [type(p) for p in chain.passes] == [PrefillGemv, UnfuseResidualAddmm]
-    assert isinstance(post_pass(False), UnfuseResidualAddmm)  # off by default
-    assert post_pass(True, split_piece=False) is None  # a graph without breaks is no prefill piece
-    assert post_pass(True, device="cpu") is None
-    assert isinstance(post_pass(True, gpu="NVIDIA A100-SXM4-80GB"), UnfuseResidualAddmm)  # not where the table was timed
-    assert post_pass(True, options={"post_grad_custom_post_pass": "mine"}) == "mine"  # the user's pass wins
+def test_split_cuda_pieces_get_only_the_residual_addmm_pass(monkeypatch):
+    """The prefill pieces get no GEMV swap (it was measured within 1% either way), whatever the policy."""
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
+    with piece_compiler.engine_graphs():
+        got = piece_compiler.piece_inductor_patches(TscompileConfig(), False, device_type="cuda", split_piece=True,
+                                                    cudagraph_trees=False)
+    assert isinstance(got["post_grad_custom_post_pass"], UnfuseResidualAddmm)
 
 
 def test_the_inductor_cache_key_follows_the_table(monkeypatch):
-    empty = PrefillGemv().uuid()
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
-    assert PrefillGemv().uuid() != empty
-    chain = PassChain([PrefillGemv(), UnfuseResidualAddmm()])
-    assert chain.uuid() == PassChain([PrefillGemv(), UnfuseResidualAddmm()]).uuid() != UnfuseResidualAddmm().uuid()
+    empty = BatchGemv().uuid()
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    assert BatchGemv().uuid() != empty
+    chain = PassChain([BatchGemv(), UnfuseResidualAddmm()])
+    assert chain.uuid() == PassChain([BatchGemv(), UnfuseResidualAddmm()]).uuid() != UnfuseResidualAddmm().uuid()
 
 
 def _engine_with_the_cpu_pass(monkeypatch, graphs, num_prompts: int, decode_ladder) -> tuple[list, list]:
     """The compiled CPU engine (llama-tiny, float32) with the swap (on CPU graphs) in the graphs that
     ``graphs(static, split_piece)`` picks, the qkv weight listed at every row count the kernel takes:
     asserts the eager engine's greedy tokens; returns (swaps per compiled graph, kernel calls)."""
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, 512, 256): DOT for m in range(2, tg.MAX_ROWS + 1)})
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(m, 512, 256): DOT for m in range(2, tg.MAX_ROWS + 1)})
     params = tscompile.SamplingParams(max_new_tokens=3)
     prompts = [p for p in PROMPTS if len(p) > 1][:num_prompts]
     want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(prompts, params))
 
-    class CpuPass(PrefillGemv):
+    class CpuPass(BatchGemv):
         def __call__(self, graph):
-            swapped.append(swap_prefill_matmuls(graph, devices=("cpu",), pdl=self.pdl))
+            swapped.append(swap_batch_matmuls(graph, devices=("cpu",), pdl=self.pdl))
 
     swapped = []
     real_patches = piece_compiler.piece_inductor_patches
@@ -166,25 +160,14 @@ def _engine_with_the_cpu_pass(monkeypatch, graphs, num_prompts: int, decode_ladd
     return swapped, calls
 
 
-def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_kernel_at_listed_rows(monkeypatch):
-    """The pass in the prefill pieces: the eager engine's tokens, and the kernel ran for the listed
-    shape only, at listed row counts."""
-    swapped, calls = _engine_with_the_cpu_pass(monkeypatch, lambda static, split_piece: split_piece, 2, (1,))
-    assert swapped and sum(swapped) >= 2  # the qkv projection of each layer's piece
-    assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256)}
-    assert all(config == DOT and 1 < m <= tg.MAX_ROWS for m, _, _, config in calls)
-
-
-# -- TSCOMPILE_BATCH_GEMV: the same swap in the dynamic-batch decode graph ----------------------------
-
 def test_the_swap_with_pdl_asks_the_kernel_for_pdl(monkeypatch):
     """``pdl=True`` (a decode graph whose Inductor kernels launch with PDL): the swapped ``skinny_mm``
     calls carry it and pass it to the kernel; cuBLAS still runs at an unlisted row count."""
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(4, 24, 48): DOT})
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(4, 24, 48): DOT})
     pdl_calls = []
     calls = _counting_gemv(monkeypatch, pdl_calls)
     gm = make_fx(_projections)(*_inputs(4))
-    assert swap_prefill_matmuls(gm.graph, devices=("cpu",), pdl=True) == 2
+    assert swap_batch_matmuls(gm.graph, devices=("cpu",), pdl=True) == 2
     gm.recompile()
     swapped = [n for n in gm.graph.nodes if n.target is torch.ops.tscompile.skinny_mm.default]
     assert len(swapped) == 2 and all(n.kwargs == {"pdl": True} for n in swapped)
@@ -198,29 +181,26 @@ def test_the_swap_with_pdl_asks_the_kernel_for_pdl(monkeypatch):
     assert torch.equal(torch.ops.tscompile.skinny_mm(x, w, pdl=True), x @ w.T) and not calls  # 3 rows: unlisted
 
 
-@pytest.mark.parametrize("flag, static, split_piece, graph_pdl, gemv_pdl, engine, wanted", [
-    (True, False, False, True, True, True, PrefillGemv(pdl=True)),     # the engine's decode batch graph with PDL
-    (True, False, False, False, True, True, PrefillGemv(pdl=False)),   # ... without Inductor's PDL: nor the kernel
-    (True, False, False, True, False, True, PrefillGemv(pdl=False)),   # TSCOMPILE_GEMV_PDL=0
-    (False, False, False, True, True, True, None),                     # off by default
-    (True, False, False, True, True, False, None),                     # a torch.compile user's dynamic graph
-    (True, True, False, True, True, True, "DecodeGemv"),               # the bs=1 graph keeps the one-row pass
-    (True, False, True, True, True, True, UnfuseResidualAddmm),        # a prefill piece: TSCOMPILE_PREFILL_GEMV's
+@pytest.mark.parametrize("batch_gemv, static, split_piece, pdl, engine, gpu, wanted", [
+    (True, False, False, True, True, "NVIDIA H200", BatchGemv(pdl=True)),    # the default: the engine's decode batch graph
+    (True, False, False, False, True, "NVIDIA H200", BatchGemv(pdl=False)),  # decode_pdl=False: nor the kernel
+    (False, False, False, True, True, "NVIDIA H200", None),                  # batch_gemv=False
+    (True, False, False, True, True, "NVIDIA H100 80GB HBM3", None),          # not where the table was timed
+    (True, False, False, True, False, "NVIDIA H200", None),                  # a torch.compile user's dynamic graph
+    (True, True, False, True, True, "NVIDIA H200", "DecodeGemv"),            # the bs=1 graph keeps the one-row pass
+    (True, False, True, True, True, "NVIDIA H200", UnfuseResidualAddmm),     # a prefill piece
 ])
-def test_dynamic_decode_graphs_get_the_few_row_swap_with_batch_gemv(monkeypatch, flag, static, split_piece, graph_pdl,
-                                                                    gemv_pdl, engine, wanted):
-    monkeypatch.setattr(tg, "BATCH_GEMV", flag)
-    monkeypatch.setattr(tg, "PREFILL_GEMV", False)
-    monkeypatch.setattr(tg, "GEMV_PDL", gemv_pdl)
-    monkeypatch.setattr(tg, "DECODE_GEMV", True)
-    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
-    monkeypatch.setattr(piece_compiler, "graph_pdl_on", lambda static, split_piece, engine=True: graph_pdl and engine)
+def test_dynamic_decode_graphs_get_the_few_row_swap_with_batch_gemv(monkeypatch, batch_gemv, static, split_piece, pdl,
+                                                                    engine, gpu, wanted):
+    monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: gpu)
+    monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": True)
+    config = TscompileConfig(kernels=KernelPolicy(batch_gemv=batch_gemv, decode_pdl=pdl))
     with piece_compiler.engine_graphs() if engine else contextlib.nullcontext():
-        got = piece_compiler.piece_inductor_patches(TscompileConfig(), static, device_type="cuda",
+        got = piece_compiler.piece_inductor_patches(config, static, device_type="cuda",
                                                     split_piece=split_piece, cudagraph_trees=False)
     got = got.get("post_grad_custom_post_pass")
-    if isinstance(wanted, PrefillGemv):
-        assert isinstance(got, PrefillGemv) and got.pdl is wanted.pdl
+    if isinstance(wanted, BatchGemv):
+        assert isinstance(got, BatchGemv) and got.pdl is wanted.pdl
     elif wanted == "DecodeGemv":
         assert type(got).__name__ == "DecodeGemv"
     elif wanted is None:
@@ -230,7 +210,7 @@ def test_dynamic_decode_graphs_get_the_few_row_swap_with_batch_gemv(monkeypatch,
 
 
 def test_the_cache_key_follows_pdl():
-    assert PrefillGemv(pdl=True).uuid() != PrefillGemv(pdl=False).uuid() == PrefillGemv().uuid()
+    assert BatchGemv(pdl=True).uuid() != BatchGemv(pdl=False).uuid() == BatchGemv().uuid()
 
 
 def test_an_engine_with_batch_gemv_gives_the_eager_tokens_and_runs_the_kernel_at_the_batch_sizes(monkeypatch):
@@ -247,26 +227,11 @@ def test_an_engine_with_batch_gemv_gives_the_eager_tokens_and_runs_the_kernel_at
 def test_the_shipped_few_row_table_holds_checked_launches_at_the_kernels_row_counts():
     """The table the decode batch graphs take by default (H200 sweep): every launch one the kernel
     accepts, every row count one it takes (2..MAX_ROWS), each weight shape a llama projection's."""
-    assert tg.PREFILL_GEMV_CONFIGS
-    for (m, n, k), launch in tg.PREFILL_GEMV_CONFIGS.items():
+    assert tg.BATCH_GEMV_CONFIGS
+    for (m, n, k), launch in tg.BATCH_GEMV_CONFIGS.items():
         assert 1 < m <= tg.MAX_ROWS
         assert tg.check_config(launch) == tuple(launch)
         assert (n, k) in {(2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336)}  # o and down of llama-1b and -8b
-
-
-def test_the_batch_swap_is_on_by_default_only_where_the_table_was_timed(monkeypatch):
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSCOMPILE_")}
-    code = "from tscompile.custom_ops import triton_gemv as tg; print(tg.BATCH_GEMV, tg.PREFILL_GEMV)"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0 and run.stdout.split() == ["True", "False"], run.stderr[-2000:]
-    monkeypatch.setattr(tg, "BATCH_GEMV", True)
-    monkeypatch.setattr(tg, "GEMV_TABLE_FILE", "")
-    for gpu, on in (("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False), ("", False)):
-        monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda gpu=gpu: gpu)
-        assert piece_compiler.batch_gemv_on() is on, gpu
 
 
 def test_the_shipped_few_row_table_is_the_recorded_sweeps_picks():
@@ -279,7 +244,7 @@ def test_the_shipped_few_row_table_is_the_recorded_sweeps_picks():
     results = pathlib.Path(__file__).parents[1] / "bench/results/gemv-few-row-sweeps-h200"
     picks = {}
     for sweep in ("rows-8-32.json", "rows-1-2-4-16-24.json"):
-        table = tg.prefill_table_from_sweep(json.loads((results / sweep).read_text()))
+        table = tg.batch_table_from_sweep(json.loads((results / sweep).read_text()))
         assert table and not picks.keys() & table.keys(), f"{sweep}: no picks, or rows another sweep timed"
         picks |= table
-    assert picks == tg.PREFILL_GEMV_CONFIGS
+    assert picks == tg.BATCH_GEMV_CONFIGS
