@@ -851,7 +851,12 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     from the cache), so that path launches one kernel per layer; the paged one reads them from the
     cache and needs ``write_kv`` first."""
     _check_inputs(q, k, v, k_cache, v_cache, out)
-    if decode and DECODE_WRITE_IN_SPLIT:
+    if decode and q.shape[0] != page_table.shape[0]:  # a verify window: N > 1 rows per request
+        from tscompile.custom_ops.triton_verify import paged_verify  # builds on this module
+
+        write_kv(k, v, k_cache, v_cache, write_loc)
+        paged_verify(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+    elif decode and DECODE_WRITE_IN_SPLIT:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc))
     elif decode:
         write_kv(k, v, k_cache, v_cache, write_loc)
