@@ -7,7 +7,9 @@ per-request offsets (a uniform window of width N is ``draft_indptr = arange(B + 
 
     target_logits: [R, V] float    request b's rows are draft_indptr[b] + b .. draft_indptr[b + 1] + b
                                    (its n_b drafts + 1); rows past the last request's are ignored
-    draft_tokens:  [D] int64       request b's drafts are draft_tokens[draft_indptr[b] : draft_indptr[b + 1]]
+    draft_tokens:  [D] int64       request b's drafts are draft_tokens[draft_indptr[b] : draft_indptr[b + 1]];
+                                   an id < 0 is no draft: the run stops before it (it pads a uniform
+                                   window whose drafter proposed fewer than N - 1 tokens)
     draft_indptr:  [B + 1] int32   cumulative draft counts; n_b = draft_indptr[b + 1] - draft_indptr[b]
                                    must be <= K (a request with no drafts emits one token: plain decode)
     out_tokens:    [B, K + 1] int64  mutated: the emitted tokens of each request (its accepted drafts,
@@ -102,7 +104,7 @@ def greedy_accept(target_logits, draft_tokens, draft_indptr, out_tokens, out_acc
     argmax = torch.argmax(target_logits, dim=-1)[rows]  # [B, K + 1]: the target's token after row j
     drafts = draft_tokens[didx] if draft_tokens.shape[0] else torch.zeros_like(argmax)
     j = torch.arange(width, device=out_tokens.device)[None, :]
-    ok = (drafts == argmax) & (j < n[:, None])
+    ok = (drafts == argmax) & (j < n[:, None])  # a -1 pad never equals an argmax
     accepted = _leading_run(ok[:, : width - 1]) if width > 1 else torch.zeros_like(n)
     last = argmax.gather(1, accepted[:, None])[:, 0]
     _emit(drafts, last, accepted, out_tokens, out_accepted)
@@ -134,9 +136,9 @@ def rejection_accept(target_logits, draft_tokens, draft_probs, draft_indptr, tem
     p = filtered_probs(target_logits[rows.reshape(-1)], per_row(temperature), per_row(top_k),
                        per_row(top_p)).view(bs, width, vocab)
     drafts = draft_tokens[didx] if draft_tokens.shape[0] else torch.zeros_like(rows)
-    drafts = drafts.clamp(0, vocab - 1)
     j = torch.arange(width, device=out_tokens.device)[None, :]
-    has_draft = j < n[:, None]  # [B, K + 1]
+    has_draft = (j < n[:, None]) & (drafts >= 0)  # [B, K + 1]
+    drafts = drafts.clamp(0, vocab - 1)
     if draft_probs.shape[0]:
         q = draft_probs[didx].double()  # [B, K + 1, V]
     else:

@@ -834,6 +834,16 @@ FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 _dense_extend = None  # set by register_dense_extend (triton_extend builds on this module's helpers)
 
 
+_verify_attention = None  # set by register_verify_attention (triton_verify builds on this module's helpers)
+
+
+def register_verify_attention(fn) -> None:
+    """Called by custom_ops/triton_verify.py on import: the kernel of a decode with N > 1 rows per
+    request (a speculative verify window)."""
+    global _verify_attention
+    _verify_attention = fn
+
+
 def register_dense_extend(fn) -> None:
     """Called by custom_ops/triton_extend.py on import: the kernel FAST_EXTEND_HEAD_DIMS selects."""
     global _dense_extend
@@ -852,10 +862,11 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     cache and needs ``write_kv`` first."""
     _check_inputs(q, k, v, k_cache, v_cache, out)
     if decode and q.shape[0] != page_table.shape[0]:  # a verify window: N > 1 rows per request
-        from tscompile.custom_ops.triton_verify import paged_verify  # builds on this module
-
+        if _verify_attention is None:
+            raise RuntimeError("tscompile: a decode with several rows per request needs the verify kernel, but "
+                               "tscompile.custom_ops.triton_verify was never imported")
         write_kv(k, v, k_cache, v_cache, write_loc)
-        paged_verify(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+        _verify_attention(q, k_cache, v_cache, out, page_table, seq_lens, scale)
     elif decode and DECODE_WRITE_IN_SPLIT:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc))
     elif decode:

@@ -134,3 +134,6 @@ def paged_verify(q, k_cache, v_cache, out, page_table, seq_lens, scale: float, *
             part_out, part_lse, out, *out.stride(),
             NUM_HEADS=hq, NUM_SPLITS=splits, SPLITS_PAD=max(2, ta._next_pow2(splits)), HEAD_DIM=d,
         )
+
+
+ta.register_verify_attention(paged_verify)

@@ -207,3 +207,28 @@ def test_rejection_is_deterministic_per_seed_and_independent_of_batching():
                                              torch.zeros(0, v), (torch.arange(2) * k).to(torch.int32),
                                              *(a[b:b + 1] for a in args), one, one_acc)
         assert one.tolist()[0] == out.tolist()[b] and one_acc.tolist()[0] == acc.tolist()[b]
+
+
+@pytest.mark.parametrize("op", ["greedy", "rejection"])
+def test_a_negative_draft_pads_the_window_and_stops_the_run(op):
+    """A uniform window whose drafter proposed fewer tokens: -1 pads; the token after the last real
+    draft comes from the target row there (the bonus), never from a pad."""
+    g = torch.Generator().manual_seed(8)
+    bs, k, v = 4, 3, 6
+    logits = torch.randn(bs * (k + 1), v, generator=g)
+    argmax = logits.argmax(-1).view(bs, k + 1)
+    drafts = argmax[:, :k].clone()
+    drafts[0, 1:] = -1  # one real draft
+    drafts[1, :] = -1  # none
+    drafts[2, 2] = -1  # two
+    indptr = (torch.arange(bs + 1) * k).to(torch.int32)
+    out, acc = _outputs(bs, k)
+    if op == "greedy":
+        torch.ops.tscompile.accept_greedy(logits, drafts.reshape(-1), indptr, out, acc)
+    else:  # greedy rows of the rejection op: temperature 0
+        torch.ops.tscompile.accept_rejection(logits, drafts.reshape(-1), torch.zeros(0, v), indptr, torch.zeros(bs),
+                                             torch.zeros(bs, dtype=torch.int32), torch.ones(bs), torch.arange(bs),
+                                             torch.zeros(bs, dtype=torch.int64), out, acc)
+    assert acc.tolist() == [1, 0, 2, 3]
+    a = argmax.tolist()
+    assert out.tolist() == [a[0][:2] + [-1, -1], a[1][:1] + [-1] * 3, a[2][:3] + [-1], a[3]]
