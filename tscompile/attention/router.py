@@ -59,8 +59,8 @@ class AttentionRouter(AttentionBackend):
         self.layer_group = {lid: gid for gid, s in enumerate(specs) for lid in s.layer_ids}
         self.geometry: dict[int, CacheGeometry] | None = None
         self.pool: KVCachePool | None = None
-        self._write_loc_stack: torch.Tensor | None = None  # [G, max_decode_bs] int64
-        self._decode_write_locs_by_bs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._write_loc_stack: torch.Tensor | None = None  # [G, max_decode_bs * max_width] int64
+        self._decode_write_locs_by_bs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (bs, width)
         self._idle_inputs: DecodeInputs | None = None
         self.decode_write_locations: tuple[torch.Tensor, ...] | None = None
         self.extend_write_locations: tuple[torch.Tensor, ...] | None = None
@@ -103,10 +103,12 @@ class AttentionRouter(AttentionBackend):
             leaf.bind_query_heads(num_q_heads)
 
     # -- decode ----------------------------------------------------------------------------------
-    def allocate_decode_buffers(self, max_decode_bs: int) -> None:
+    def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
         """The persistent decode buffers of every leaf and the write locations, used with or
-        without graphs; plus the placeholder inputs of the idle refresh (no live rows)."""
-        self._write_loc_stack = torch.zeros(len(self.specs), max_decode_bs, dtype=torch.int64, device=self.device)
+        without graphs; plus the placeholder inputs of the idle refresh (no live rows).
+        ``max_width``: the widest verify window (query rows per request) any step will use."""
+        self._write_loc_stack = torch.zeros(len(self.specs), max_decode_bs * max_width, dtype=torch.int64,
+                                            device=self.device)
         self._decode_write_locs_by_bs = {}
         empty_table = torch.zeros(0, self.max_blocks, dtype=torch.int32, device=self.device)
         empty_lens = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -116,18 +118,26 @@ class AttentionRouter(AttentionBackend):
                                          (np.zeros((0, self.max_blocks), dtype=np.int32),) * groups,
                                          (np.zeros(0, dtype=np.int32),) * groups)
         for leaf in self.leaves:
-            leaf.allocate_decode_buffers(max_decode_bs)
+            if max_width == 1:  # a leaf that predates verify windows keeps its one-argument form
+                leaf.allocate_decode_buffers(max_decode_bs)
+            else:
+                leaf.allocate_decode_buffers(max_decode_bs, max_width)
 
-    def _decode_write_locs(self, bs: int) -> tuple[torch.Tensor, ...]:
-        views = self._decode_write_locs_by_bs.get(bs)
+    def _decode_write_locs(self, bs: int, width: int = 1) -> tuple[torch.Tensor, ...]:
+        views = self._decode_write_locs_by_bs.get((bs, width))
         if views is None:
-            views = tuple(self._write_loc_stack[g, :bs] for g in range(len(self.specs)))
-            self._decode_write_locs_by_bs[bs] = views
+            if bs * width > self._write_loc_stack.shape[1]:
+                raise ValueError(f"tscompile: a decode of {bs} requests x {width} rows needs {bs * width} write "
+                                 f"slots; allocate_decode_buffers made {self._write_loc_stack.shape[1]}")
+            views = tuple(self._write_loc_stack[g, : bs * width] for g in range(len(self.specs)))
+            self._decode_write_locs_by_bs[(bs, width)] = views
         return views
 
-    def refresh_decode_metadata(self, bs: int, inputs: DecodeInputs) -> None:
-        """Rewrite every group's decode metadata for ``bs`` rows in place: ``inputs`` holds the
+    def refresh_decode_metadata(self, bs: int, inputs: DecodeInputs, width: int = 1) -> None:
+        """Rewrite every group's decode metadata for ``bs`` requests in place: ``inputs`` holds the
         ``n <= bs`` live rows; rows ``[n, bs)`` are padding and resolve to the null page 0.
+        ``width``: query rows per request (N; 1 is plain decode, N > 1 a verify window whose
+        lengths in ``inputs`` count the whole window); ``bs * N`` write slots are published.
         Never allocates storage."""
         if self._write_loc_stack is None:
             raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
@@ -136,18 +146,21 @@ class AttentionRouter(AttentionBackend):
                (inputs.block_tables, inputs.seq_lens, inputs.host_block_tables, inputs.host_seq_lens)):
             raise ValueError(f"tscompile: decode inputs for {len(inputs.seq_lens)} cache groups, the model has "
                              f"{groups}; every group must be delivered")
-        write_locs = self._decode_write_locs(bs)
+        write_locs = self._decode_write_locs(bs, width)
         host_tables, host_lens = inputs.host_block_tables, inputs.host_seq_lens
         for gid, leaf in enumerate(self.leaves):
-            leaf.refresh_decode_metadata(bs, inputs.block_tables[gid], inputs.seq_lens[gid], write_locs[gid],
-                                         None if host_tables is None else host_tables[gid],
-                                         None if host_lens is None else host_lens[gid])
+            args = (bs, inputs.block_tables[gid], inputs.seq_lens[gid], write_locs[gid],
+                    None if host_tables is None else host_tables[gid], None if host_lens is None else host_lens[gid])
+            if width == 1:  # the plain decode call, as every leaf has always taken it
+                leaf.refresh_decode_metadata(*args)
+            else:
+                leaf.refresh_decode_metadata(*args, width=width)
         self.decode_write_locations = write_locs
 
-    def refresh_idle_decode_metadata(self, bs: int) -> None:
+    def refresh_idle_decode_metadata(self, bs: int, width: int = 1) -> None:
         """The refresh a graph capture runs: every row padding, over placeholder tables. It is the
         decode refresh itself, so capture needs no metadata path of its own."""
-        self.refresh_decode_metadata(bs, self._idle_inputs)
+        self.refresh_decode_metadata(bs, self._idle_inputs, width)
 
     # -- extend / mixed --------------------------------------------------------------------------
     def init_forward_metadata(self, plan: StepPlan, pad_rows: Mapping[int, int]) -> None:
