@@ -56,8 +56,8 @@ def _window_step(router, pool, kv_lens, width, bs, *, seed, device, forward=None
         dense.append((keys, vals))
     lens = np.asarray(kv_lens, dtype=np.int32)
     inputs = DecodeInputs((torch.from_numpy(tables).to(device),), (torch.from_numpy(lens).to(device),),
-                          (tables,), (lens,))
-    router.refresh_decode_metadata(bs, inputs, width)
+                          (tables,), (lens,))  # width 1 here: with_width below sets N
+    router.refresh_decode_metadata(bs, inputs.with_width(width))
     rows = bs * width
     q = torch.randn(rows, hq, d, generator=g, dtype=torch.float64)
     k = torch.randn(rows, hkv, d, generator=g, dtype=torch.float64)

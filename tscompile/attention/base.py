@@ -85,6 +85,15 @@ class AttentionBackend:
         """This node's own binding work; runs only after the whole tree validated."""
 
 
+def decode_width(bs: int, write_loc_out: torch.Tensor) -> int:
+    """N, the query rows per request of a decode refresh, from its write slots' length ``bs * N``."""
+    rows = write_loc_out.shape[0]
+    if bs <= 0 or rows % bs or rows == 0:
+        raise ValueError(f"tscompile: a decode refresh of {bs} requests got {rows} write slots; it needs bs * N "
+                         "(N query rows per request)")
+    return rows // bs
+
+
 def reject_decode_init(mode: ForwardMode) -> None:
     if mode is ForwardMode.DECODE:
         raise ValueError(
@@ -114,7 +123,8 @@ class PagedAttentionBackend(AttentionBackend):
         self.page_table_buf: torch.Tensor | None = None  # [max_decode_bs, max_pages] int32
         self.seq_lens_buf: torch.Tensor | None = None  # [max_decode_bs] int32
         self.qo_indptr_buf: torch.Tensor | None = None  # [max_width, max_decode_bs + 1] int32, row w-1: arange * w
-        self._decode_views_by_bs: dict[tuple[int, int], AttentionMetadata] = {}  # keyed by (bs, width)
+        self._decode_views_by_bs: dict[int, AttentionMetadata] = {}  # plain decode (width 1), by bs
+        self._window_views: dict[tuple[int, int], AttentionMetadata] = {}  # verify windows, by (bs, width)
         self.forward_decode_metadata: AttentionMetadata | None = None
         self.forward_extend_metadata: AttentionMetadata | None = None
         self.num_q_heads: int | None = None
@@ -138,6 +148,7 @@ class PagedAttentionBackend(AttentionBackend):
         widths = torch.arange(1, max_width + 1, dtype=torch.int32, device=self.device)
         self.qo_indptr_buf = widths[:, None] * torch.arange(max_decode_bs + 1, dtype=torch.int32, device=self.device)
         self._decode_views_by_bs = {}
+        self._window_views = {}
 
     @property
     def max_decode_width(self) -> int:
@@ -153,7 +164,9 @@ class PagedAttentionBackend(AttentionBackend):
 
     def decode_views(self, bs: int, width: int = 1) -> AttentionMetadata:
         """The one per-(bs, width) builder shared by capture and refresh; views never move once built."""
-        views = self._decode_views_by_bs.get((bs, width))
+        built = self._decode_views_by_bs if width == 1 else self._window_views
+        key = bs if width == 1 else (bs, width)
+        views = built.get(key)
         if views is None:
             if not 0 < bs <= self.max_decode_bs:
                 raise ValueError(f"tscompile: decode batch {bs} outside [1, max_decode_bs={self.max_decode_bs}]")
@@ -162,18 +175,20 @@ class PagedAttentionBackend(AttentionBackend):
                                  "allocate_decode_buffers sets the widest verify window")
             views = AttentionMetadata(self.page_table_buf[:bs], self.seq_lens_buf[:bs],
                                       self.qo_indptr_buf[width - 1, : bs + 1], True)
-            self._decode_views_by_bs[(bs, width)] = views
+            built[key] = views
         return views
 
     def refresh_decode_metadata(self, bs: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                                 write_loc_out: torch.Tensor, host_block_table: np.ndarray | None,
-                                host_seq_lens: np.ndarray | None, width: int = 1) -> None:
-        """Rewrite this group's decode buffers for ``bs`` requests of ``width`` rows each, in place.
+                                host_seq_lens: np.ndarray | None) -> None:
+        """Rewrite this group's decode buffers for ``bs`` requests in place.
 
         block_table: [n, max_blocks] int32 and seq_lens: [n] int32 of the n live rows (n <= bs; rows
         past them are padding, resolved to the null page; seq_lens count the whole window);
-        write_loc_out: [bs * width] int64, mutated. host_block_table / host_seq_lens: the same rows
-        on the host (numpy), for host planners."""
+        write_loc_out: [bs * N] int64, mutated: its length says the window width N (query rows per
+        request; bs: plain decode). host_block_table / host_seq_lens: the same rows on the host
+        (numpy), for host planners."""
+        width = decode_width(bs, write_loc_out)
         views = self.decode_views(bs, width)
         # the op when traced (graphs, export); its body directly when run eagerly (the usual case)
         refresh = torch.ops.tscompile.refresh_decode_metadata if torch.compiler.is_compiling() else run_refresh

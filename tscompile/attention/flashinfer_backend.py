@@ -78,7 +78,7 @@ import numpy as np
 import torch
 from flashinfer.jit import env as jit_env
 
-from tscompile.attention.base import AttentionMetadata, PagedAttentionBackend
+from tscompile.attention.base import AttentionMetadata, PagedAttentionBackend, decode_width
 from tscompile.attention.flashinfer_host import FLASHINFER_NEEDS, flashinfer_geometry_problem, paged_kv_arrays
 from tscompile.attention.support import CudaGraphSupport
 from tscompile.counters import counters
@@ -237,15 +237,15 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
 
     def refresh_decode_metadata(self, bs: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                                 write_loc_out: torch.Tensor, host_block_table: np.ndarray | None,
-                                host_seq_lens: np.ndarray | None, width: int = 1) -> None:
+                                host_seq_lens: np.ndarray | None) -> None:
         if torch.compiler.is_compiling():
             raise ValueError("tscompile: attention_backend='flashinfer' plans decode on the host; its refresh "
                              "cannot run inside a traced program (exported packages refuse this backend)")
         if host_block_table is None or host_seq_lens is None:
             raise ValueError("tscompile: attention_backend='flashinfer' plans decode on the host: the decode "
                              "refresh needs the live rows' host block tables and lengths (DecodeInputs.host_*)")
-        super().refresh_decode_metadata(bs, block_table, seq_lens, write_loc_out, host_block_table, host_seq_lens,
-                                        width)
+        super().refresh_decode_metadata(bs, block_table, seq_lens, write_loc_out, host_block_table, host_seq_lens)
+        width = decode_width(bs, write_loc_out)
         if width == 1:
             self.plan_decode(bs, host_block_table, host_seq_lens)
         else:

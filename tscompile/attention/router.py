@@ -30,12 +30,16 @@ class DecodeInputs:
 
     host_block_tables / host_seq_lens: the same rows on the host (numpy, same shapes), or None
     where the caller has no host copy. Leaves that plan on the host (FlashInfer) need them; the
-    device refresh never reads them."""
+    device refresh never reads them.
+
+    width: N, the query rows per request (1: plain decode; N > 1: a speculative verify window of
+    positions seq_len - N .. seq_len - 1, ``seq_lens`` counting the whole window)."""
 
     block_tables: tuple[torch.Tensor, ...]
     seq_lens: tuple[torch.Tensor, ...]
     host_block_tables: tuple[np.ndarray, ...] | None = None
     host_seq_lens: tuple[np.ndarray, ...] | None = None
+    width: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -43,7 +47,11 @@ class DecodeInputs:
 
     def with_host_rows(self, block_tables: tuple[np.ndarray, ...], seq_lens: tuple[np.ndarray, ...]) -> "DecodeInputs":
         """These device views with the step's host arrays (the device views are reused, not copied)."""
-        return DecodeInputs(self.block_tables, self.seq_lens, tuple(block_tables), tuple(seq_lens))
+        return DecodeInputs(self.block_tables, self.seq_lens, tuple(block_tables), tuple(seq_lens), self.width)
+
+    def with_width(self, width: int) -> "DecodeInputs":
+        """The same rows as a verify window of ``width`` query rows per request."""
+        return DecodeInputs(self.block_tables, self.seq_lens, self.host_block_tables, self.host_seq_lens, width)
 
 
 class AttentionRouter(AttentionBackend):
@@ -60,7 +68,7 @@ class AttentionRouter(AttentionBackend):
         self.geometry: dict[int, CacheGeometry] | None = None
         self.pool: KVCachePool | None = None
         self._write_loc_stack: torch.Tensor | None = None  # [G, max_decode_bs * max_width] int64
-        self._decode_write_locs_by_bs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (bs, width)
+        self._decode_write_locs_by_bs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # by (bs, width)
         self._idle_inputs: DecodeInputs | None = None
         self.decode_write_locations: tuple[torch.Tensor, ...] | None = None
         self.extend_write_locations: tuple[torch.Tensor, ...] | None = None
@@ -133,12 +141,12 @@ class AttentionRouter(AttentionBackend):
             self._decode_write_locs_by_bs[(bs, width)] = views
         return views
 
-    def refresh_decode_metadata(self, bs: int, inputs: DecodeInputs, width: int = 1) -> None:
+    def refresh_decode_metadata(self, bs: int, inputs: DecodeInputs) -> None:
         """Rewrite every group's decode metadata for ``bs`` requests in place: ``inputs`` holds the
         ``n <= bs`` live rows; rows ``[n, bs)`` are padding and resolve to the null page 0.
-        ``width``: query rows per request (N; 1 is plain decode, N > 1 a verify window whose
-        lengths in ``inputs`` count the whole window); ``bs * N`` write slots are published.
-        Never allocates storage."""
+        ``inputs.width``: query rows per request (N; 1 is plain decode, N > 1 a verify window whose
+        lengths count the whole window); ``bs * N`` write slots are published, and each leaf reads
+        N from their length. Never allocates storage."""
         if self._write_loc_stack is None:
             raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
         groups = len(self.specs)
@@ -146,21 +154,18 @@ class AttentionRouter(AttentionBackend):
                (inputs.block_tables, inputs.seq_lens, inputs.host_block_tables, inputs.host_seq_lens)):
             raise ValueError(f"tscompile: decode inputs for {len(inputs.seq_lens)} cache groups, the model has "
                              f"{groups}; every group must be delivered")
-        write_locs = self._decode_write_locs(bs, width)
+        write_locs = self._decode_write_locs(bs, inputs.width)
         host_tables, host_lens = inputs.host_block_tables, inputs.host_seq_lens
         for gid, leaf in enumerate(self.leaves):
-            args = (bs, inputs.block_tables[gid], inputs.seq_lens[gid], write_locs[gid],
-                    None if host_tables is None else host_tables[gid], None if host_lens is None else host_lens[gid])
-            if width == 1:  # the plain decode call, as every leaf has always taken it
-                leaf.refresh_decode_metadata(*args)
-            else:
-                leaf.refresh_decode_metadata(*args, width=width)
+            leaf.refresh_decode_metadata(bs, inputs.block_tables[gid], inputs.seq_lens[gid], write_locs[gid],
+                                         None if host_tables is None else host_tables[gid],
+                                         None if host_lens is None else host_lens[gid])
         self.decode_write_locations = write_locs
 
     def refresh_idle_decode_metadata(self, bs: int, width: int = 1) -> None:
         """The refresh a graph capture runs: every row padding, over placeholder tables. It is the
         decode refresh itself, so capture needs no metadata path of its own."""
-        self.refresh_decode_metadata(bs, self._idle_inputs, width)
+        self.refresh_decode_metadata(bs, self._idle_inputs.with_width(width))
 
     # -- extend / mixed --------------------------------------------------------------------------
     def init_forward_metadata(self, plan: StepPlan, pad_rows: Mapping[int, int]) -> None:
