@@ -211,3 +211,39 @@ def test_draft_model_sampled_drafts_report_their_distribution():
         chosen = torch.as_tensor(drafts.tokens[:, step])
         assert (q.gather(1, chosen[:, None]) > 0).all()  # drawn from the support
         prev = chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# committing a verify step
+
+
+def _plain_decode_tokens(params, eos, stream):
+    """What plain decode keeps from the same token stream: one append per step until finished."""
+    from tscompile.text import CompletionState
+    state = CompletionState(params, eos)
+    for t in stream:
+        if state.finished:
+            break
+        state.append(t)
+    return state.token_ids, state.finish_reason
+
+
+@pytest.mark.parametrize("params,stream,runs", [
+    (SamplingParams(max_new_tokens=20, stop_token_ids=[9]), [1, 2, 3, 9, 4, 5], [[1, 2], [3, 9, 4], [5]]),
+    (SamplingParams(max_new_tokens=4), [1, 2, 3, 4, 5, 6], [[1, 2, 3], [4, 5, 6]]),
+    (SamplingParams(max_new_tokens=10), [7, 1, 2], [[7, 1, 2]]),  # eos 7 first
+    (SamplingParams(max_new_tokens=10, ignore_eos=True), [7, 1, 2, 3], [[7, 1], [2, 3]]),
+])
+def test_commit_stops_inside_an_accepted_run_like_plain_decode(params, stream, runs):
+    from tscompile.spec_decode import commit_emitted, kv_len_after
+    from tscompile.text import CompletionState
+    state = CompletionState(params, eos_ids=(7,))
+    context = 5  # prompt tokens
+    for run in runs:
+        if state.finished:
+            break
+        kept = commit_emitted(state, run)
+        assert kv_len_after(context, kept) == context + kept - 1
+        context += kept
+    tokens, reason = _plain_decode_tokens(params, (7,), stream)
+    assert state.token_ids == tokens and state.finish_reason == reason
