@@ -783,6 +783,16 @@ FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 _dense_extend = None  # set by register_dense_extend (triton_extend builds on this module's helpers)
 
 
+_verify_attention = None  # set by register_verify_attention (triton_verify builds on this module's helpers)
+
+
+def register_verify_attention(fn) -> None:
+    """Called by custom_ops/triton_verify.py on import: the kernel of a decode with N > 1 rows per
+    request (a speculative verify window)."""
+    global _verify_attention
+    _verify_attention = fn
+
+
 def register_dense_extend(fn) -> None:
     """Called by custom_ops/triton_extend.py on import: the kernel FAST_EXTEND_HEAD_DIMS selects."""
     global _dense_extend
@@ -800,7 +810,13 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
     from the cache), so that path launches one kernel per layer; the paged one reads them from the
     cache and needs ``write_kv`` first."""
     _check_inputs(q, k, v, k_cache, v_cache, out)
-    if decode:
+    if decode and q.shape[0] != page_table.shape[0]:  # a verify window: N > 1 rows per request
+        if _verify_attention is None:
+            raise RuntimeError("tscompile: a decode with several rows per request needs the verify kernel, but "
+                               "tscompile.custom_ops.triton_verify was never imported")
+        write_kv(k, v, k_cache, v_cache, write_loc)
+        _verify_attention(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+    elif decode:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc), pdl=decode_pdl)
     elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
         if _dense_extend is None:
