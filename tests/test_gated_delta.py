@@ -17,6 +17,12 @@ from tscompile.custom_ops.gated_delta import chunked_reference, recurrent_refere
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 IMPLS = ["torch", "triton"]
+# transformers renamed its conv helpers across 5.x releases
+_conv_update = getattr(qwen3_next, "causal_conv1d_update", None) or getattr(qwen3_next, "torch_causal_conv1d_update")
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
 
 
 def _inputs(gen, length, hk, hv, dk, dv):
@@ -68,12 +74,14 @@ def _packed_case(seed, lengths, fresh, hk=2, hv=4, dk=16, dv=16, num_slots=8):
 @pytest.mark.parametrize("lengths,fresh", [([1, 1, 1], [False, False, False]),  # a decode step
                                            ([5, 1, 12], [True, False, False]),  # mixed: a fresh prompt, decode, chunk
                                            ([3, 20], [True, True])])
-def test_gated_delta_op_continues_each_slot_like_transformers(impl, lengths, fresh):
+def test_gated_delta_op_continues_each_slot_like_transformers(impl, lengths, fresh, device):
     seed = sum(lengths) * 7 + len(impl)
     q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(seed, lengths, fresh)
     before = pool.clone()
     out = torch.full_like(v, float("nan"))
-    torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool, slots, cu, has_state, out, impl, True, 8)
+    args = _on(device, q, k, v, g, beta, pool, slots, cu, has_state, out)
+    torch.ops.tscompile.gated_delta_rule(*args, impl, True, 8)
+    pool, out = args[5].cpu(), args[9].cpu()
     bounds = cu.tolist()
     for r, slot in enumerate(slots.tolist()):
         lo, hi = bounds[r], bounds[r + 1]
@@ -86,25 +94,25 @@ def test_gated_delta_op_continues_each_slot_like_transformers(impl, lengths, fre
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_gated_delta_state_split_across_calls_equals_one_call():
+def test_gated_delta_state_split_across_calls_equals_one_call(device):
     """A prompt prefilled in two chunks and then decoded continues exactly as one long sequence."""
-    q, k, v, g, beta, pool, slots, cu, _ = _packed_case(11, [30], [True])
+    q, k, v, g, beta, pool, slots, cu = _on(device, *_packed_case(11, [30], [True])[:8])
     whole_out = torch.empty_like(v)
     pool_whole = pool.clone()
-    torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool_whole, slots, cu, torch.tensor([False]), whole_out,
-                                         "torch", True, 8)
+    torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool_whole, slots, cu, torch.tensor([False], device=device),
+                                         whole_out, "torch", True, 8)
     parts_out = torch.full_like(v, float("nan"))
     for lo, hi, keep in ((0, 13, False), (13, 29, True), (29, 30, True)):
         torch.ops.tscompile.gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], pool, slots,
-                                             torch.tensor([0, hi - lo], dtype=torch.int32), torch.tensor([keep]),
-                                             parts_out[lo:hi], "triton", True, 8)
+                                             torch.tensor([0, hi - lo], dtype=torch.int32, device=device),
+                                             torch.tensor([keep], device=device), parts_out[lo:hi], "triton", True, 8)
     torch.testing.assert_close(parts_out, whole_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool[slots], pool_whole[slots], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bias", [True, False])
-def test_causal_conv1d_op_equals_transformers(impl, bias):
+def test_causal_conv1d_op_equals_transformers(impl, bias, device):
     gen = torch.Generator().manual_seed(5 + bias)
     channels, width, num_slots = 24, 4, 6
     lengths, fresh = [1, 2, 9, 1], [False, True, False, True]
@@ -116,33 +124,37 @@ def test_causal_conv1d_op_equals_transformers(impl, bias):
     cu = torch.tensor([0] + lengths).cumsum(0)
     before = pool.clone()
     out = torch.full_like(x, float("nan"))
-    torch.ops.tscompile.causal_conv1d(x, weight, b, pool, slots, cu, torch.tensor([not f for f in fresh]), out, impl,
-                                      "silu")
+    args = _on(device, x, weight, b, pool, slots, cu, torch.tensor([not f for f in fresh]), out)
+    torch.ops.tscompile.causal_conv1d(*args, impl, "silu")
+    pool, out = args[3].cpu(), args[7].cpu()
     bounds = cu.tolist()
     for r, slot in enumerate(slots.tolist()):
         lo, hi = bounds[r], bounds[r + 1]
         # transformers keeps a window of `width` inputs; its oldest entry never reaches an output
         window = torch.zeros(1, channels, width) if fresh[r] else torch.cat(
             [torch.zeros(1, channels, 1), before[slot][None]], dim=-1)
-        want = qwen3_next.causal_conv1d_update(x[lo:hi].t()[None].clone(), window, weight, b, activation="silu")
+        want = _conv_update(x[lo:hi].t()[None].clone(), window, weight, b, activation="silu")
         torch.testing.assert_close(out[lo:hi], want[0].t(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pool[slot], window[0, :, 1:], rtol=1e-6, atol=1e-6)
     assert torch.equal(pool[[0, 4]], before[[0, 4]])
 
 
-def test_causal_conv1d_over_chunks_equals_whole_sequence():
+def test_causal_conv1d_over_chunks_equals_whole_sequence(device):
     gen = torch.Generator().manual_seed(3)
     channels, width = 8, 4
     x = torch.randn(11, channels, generator=gen)
     weight = torch.randn(channels, width, generator=gen)
-    want = qwen3_next.causal_conv1d_fn(x.t()[None], weight, None, activation="silu")[0].t()
+    # the whole sequence in one causal convolution (left zero padding), then SiLU
+    want = torch.nn.functional.silu(torch.nn.functional.conv1d(x.t()[None], weight[:, None, :], padding=width - 1,
+                                                               groups=channels)[0, :, :x.shape[0]].t())
     pool = torch.randn(2, channels, width - 1, generator=gen)
-    out = torch.full_like(x, float("nan"))
-    slot = torch.tensor([1])
+    xd, weight, pool = _on(device, x, weight, pool)
+    out = torch.full_like(xd, float("nan"))
+    slot = torch.tensor([1], device=device)
     for lo, hi, keep in ((0, 2, False), (2, 3, True), (3, 11, True)):
-        torch.ops.tscompile.causal_conv1d(x[lo:hi], weight, None, pool, slot, torch.tensor([0, hi - lo]),
-                                          torch.tensor([keep]), out[lo:hi], "triton", "silu")
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.ops.tscompile.causal_conv1d(xd[lo:hi], weight, None, pool, slot, torch.tensor([0, hi - lo], device=device),
+                                          torch.tensor([keep], device=device), out[lo:hi], "triton", "silu")
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_opcheck_state_ops():
