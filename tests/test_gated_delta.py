@@ -35,7 +35,10 @@ def _inputs(gen, length, hk, hv, dk, dv):
 
 
 def _hf(fn, q, k, v, g, beta, state, **kwargs):
-    """transformers' reference over one request (batch of one, its [B, T, H, D] layout)."""
+    """transformers' reference over one request (batch of one, its [B, T, H, D] layout). Query/key
+    heads are repeated to the value heads first: not every transformers 5.x release does it inside."""
+    group = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     out, final = fn(q[None], k[None], v[None], g[None], beta[None], initial_state=None if state is None else state[None],
                     output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs)
     return out[0], final[0]

@@ -46,7 +46,7 @@ def test_two_routers_in_one_process_carry_their_own_policy_to_their_leaves():
 @pytest.mark.parametrize("impl, decode_pdl, prefill_pdl", [
     ("triton", True, False), ("triton/decode_pdl=0", False, False), ("triton/prefill_pdl=1", True, True),
 ])
-def test_the_impl_name_decides_which_launches_ask_for_pdl(impl, decode_pdl, prefill_pdl, monkeypatch):
+def test_the_impl_name_decides_which_launches_ask_for_pdl(impl, decode_pdl, prefill_pdl, monkeypatch, device):
     """Through the op's body: a decode asks ``pdl_launch`` for the split and combine kernels with the
     name's ``decode_pdl``, an extend (the dense kernel) with its ``prefill_pdl``; the outputs match the
     torch oracle (fresh random inputs; outputs NaN-poisoned by ``run_attention``)."""
@@ -59,6 +59,7 @@ def test_the_impl_name_decides_which_launches_ask_for_pdl(impl, decode_pdl, pref
         monkeypatch.setattr(module, "pdl_launch", lambda device, pdl, real=real: asked.append(pdl) or real(device, pdl))
     for decode, q_lens, kv_lens in ((True, [1, 1], [40, 9]), (False, [5, 3], [9, 3])):
         batch = random_paged_batch(q_lens, kv_lens, page_size=4, num_kv_heads=2, group=2, head_dim=16, seed=len(asked))
+        batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
         asked.clear()
         out, k_cache, v_cache = run_attention(batch, impl, decode=decode, scale=SCALE)
         ref, k_ref, v_ref = run_attention(batch, "torch", decode=decode, scale=SCALE)

@@ -213,7 +213,8 @@ def test_write_in_split_of_only_padded_rows_writes_their_slots(device, monkeypat
     got = _run_write_in_split(batch, monkeypatch)
     want = _run(batch, monkeypatch)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
-    assert all(_same_bits(g, w) for g, w in zip(got[1:], want[1:]))
+    # page 0 is the null page the padded rows race to write; every other page must match
+    assert all(_same_bits(g[1:], w[1:]) for g, w in zip(got[1:], want[1:]))
     assert not got[1].view(-1, 2, 16)[batch["write_loc"][0]].isnan().any(), "row 0's K never reached its slot"
 
 

@@ -211,7 +211,7 @@ def test_triton_window_matches_torch(width, kv_lens, page_size, hkv, group, pad,
                      num_splits=splits, block_n=16)
     assert not out.isnan().any(), "some output row was never written"
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert torch.equal(k_cache[1:], ref_k[1:]) and torch.equal(v_cache[1:], ref_v[1:])  # page 0: null page
 
 
 def test_triton_op_dispatches_windows_to_the_verify_kernel(device):
@@ -219,7 +219,8 @@ def test_triton_op_dispatches_windows_to_the_verify_kernel(device):
     ref, ref_k, _ = _run(batch, "torch")
     out, k_cache, _ = _run(batch, "triton")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(k_cache, ref_k)
+    # page 0 is the null page every padding row writes: which write lands last is the kernels' race
+    assert torch.equal(k_cache[1:], ref_k[1:])
 
 
 @pytest.mark.gpu
@@ -237,4 +238,4 @@ def test_gpu_triton_window_llama8b_shape(bs, width, dtype):
     assert not out.isnan().any()
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    assert torch.equal(k_cache, ref_k)
+    assert torch.equal(k_cache[1:], ref_k[1:])  # all but the null page, which padding rows race to write
