@@ -9,6 +9,12 @@ depend only on a request's seed and position). A model whose cache keeps rows by
 narrowing model's tail group) cannot be recomputed exactly: it reserves a request's every block at
 admission instead and is never preempted. A refused request never touches anyone's cache.
 
+With prefix caching (``set_prefix_caching``, a model of one un-narrowed cache group), a new or
+preempted request first takes its longest cached run of full blocks (``kv_cache/prefix_cache.py``)
+and computes only the rest, as the extend with a prefix that chunked prefill runs; its full blocks
+are published to the cache as their KV becomes final, and a request whose next block a running
+prefill is computing right now waits for it instead of computing it too.
+
 ``schedule()`` decides who runs and returns the step's ``StepPlan`` (``build_step_plan``, a pure
 function of the scheduled batch); ``update(plan)`` advances the requests past it. Runners get the
 plan and never the scheduler.
@@ -26,11 +32,13 @@ import numpy as np
 
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
+from tscompile.kv_cache.prefix_cache import BlockChain, PrefixCache
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
 from tscompile.utils import cdiv
 
+NEVER = 1 << 62  # a request's publish_at without prefix caching: no token count reaches it
 MAX_STOP_IDS_BANNED = 8  # stop_token_ids a request may ban (before min_tokens) besides the model's eos ids
 
 
@@ -56,6 +64,10 @@ class Request:
     resumed: int = 0  # generated tokens folded back into the prompt by a preemption (recomputed)
     group_lens: list[int] = field(default_factory=list)  # KV length per cache group
     blocks: list[list[int]] = field(default_factory=list)  # reserved block ids per cache group
+    chain: BlockChain | None = None  # its full blocks' hashes, with prefix caching
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
+    publish_at: int = NEVER  # num_computed from which a next full block may be published
+    computing: int | None = None  # hash of the next block its prefill publishes (others wait for it)
     _prompt_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -238,11 +250,12 @@ def _last_layer_group(specs: list[CacheGroupSpec]) -> int:
 class Scheduler:
     def __init__(self, specs: list[CacheGroupSpec], num_blocks: list[int], *, block_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), limit_note: str = ""):
+                 eos_token_ids: tuple[int, ...] = (), limit_note: str = "", enable_prefix_caching: bool = False):
         """``max_blocks``: the block-table width (default: enough for ``max_model_len``; a package
         keeps the width its programs were exported with). ``eos_token_ids``: the model's end-of-sequence
         ids (banned, with a request's stop ids, until it has ``min_tokens`` tokens). ``limit_note``
-        follows ``max_model_len`` in refusals (a package names its bound)."""
+        follows ``max_model_len`` in refusals (a package names its bound). ``enable_prefix_caching``:
+        see ``set_prefix_caching``."""
         self.specs = specs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -263,6 +276,79 @@ class Scheduler:
         # the narrowing model's tail group keeps rows by chunk boundary: no recompute, so reserve
         self.reserve_at_admission = any(spec.narrowed for spec in specs)
         self.num_preemptions = 0
+        self.prefix_cache: PrefixCache | None = None
+        self.set_prefix_caching(enable_prefix_caching)
+
+    # -- prefix caching --------------------------------------------------------------------------
+    @property
+    def prefix_caching_supported(self) -> bool:
+        """One cache group that keeps every position: a narrowed group keeps rows by chunk boundary,
+        so its KV depends on how a prompt was chunked, not only on its tokens."""
+        return len(self.specs) == 1 and not self.specs[0].narrowed
+
+    def set_prefix_caching(self, enabled: bool) -> bool:
+        """Turn prefix caching on or off (off forgets every cached block) while no request is queued
+        or running; returns whether it is on (never for a model ``prefix_caching_supported`` refuses)."""
+        if self.running or self.waiting:
+            raise RuntimeError("tscompile: prefix caching is switched only while no request is queued or running")
+        enabled = bool(enabled) and self.prefix_caching_supported
+        if not enabled and self.prefix_cache is not None:
+            self.allocators[0].reset_cache()
+            self.prefix_cache = None
+        elif enabled and self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(self.allocators[0], self.block_size)
+        return enabled
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the blocks held by running requests stay theirs)."""
+        if self.prefix_cache is not None:
+            self.allocators[0].reset_cache()
+            for r in self.running:
+                if r.chain is not None:
+                    r.chain.broken = True  # its published serials are gone: caching it further would orphan
+                    r.publish_at = NEVER
+
+    def _publish(self, r: Request) -> None:
+        """Publish ``r``'s full blocks whose KV is final and whose token ids the host knows, and
+        register the next block its prefill computes."""
+        cache, chain = self.prefix_cache, r.chain
+        final = min(r.num_computed, len(r.prompt) + len(r.output))  # a token still on the device is not known
+        cache.publish(chain, r.blocks[0], r.prefill_tokens, final)
+        r.publish_at = NEVER if chain.broken else (chain.num_cached + 1) * self.block_size
+        self._mark_computing(r)
+
+    def _mark_computing(self, r: Request) -> None:
+        cache = self.prefix_cache
+        cache.unmark(r.computing)
+        r.computing = None
+        if r.num_computed < r.prefill_len:
+            r.computing = cache.mark_computing(r.chain, r.prefill_tokens, r.prefill_len)
+
+    def _admit_cached(self, req: Request, need: int) -> bool:
+        """``_try_admit`` with prefix caching: the cached run of the request's full blocks is shared,
+        the rest allocated; False (nothing changed) when the pool is short or when the block after
+        the hit is one a running prefill computes now."""
+        cache, alloc = self.prefix_cache, self.allocators[0]
+        if req.chain is None:
+            req.chain = cache.new_chain()
+        hit = cache.match(req.chain, req.prefill_tokens, req.prefill_len)
+        if cache.would_wait(req.chain, req.prefill_len):
+            return False
+        unheld = sum(1 for b in hit if alloc.ref_count(b) == 0)  # these leave num_free once shared
+        if alloc.num_free - unheld < need - len(hit):
+            return False
+        req.slot = self.free_slots.pop()
+        alloc.share(hit)
+        req.blocks = [hit + alloc.allocate(need - len(hit))]
+        cached = len(hit) * self.block_size
+        cache.count(req.prefill_len, cached)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+        req.num_computed = cached
+        req.group_lens = [cached]
+        req.publish_at = (len(hit) + 1) * self.block_size
+        self._mark_computing(req)
+        return True
 
     # -- admission -------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -302,11 +388,17 @@ class Scheduler:
         # the prompt (and a recomputed request's tokens) plus the first new token; or everything
         tokens = req.max_len if self.reserve_at_admission else req.prefill_len + 1
         need = cdiv(min(tokens, req.max_len), self.block_size)
-        if not self.free_slots or any(a.num_free < need for a in self.allocators):
+        if not self.free_slots:
             return False
-        req.slot = self.free_slots.pop()
-        req.blocks = [a.allocate(need) for a in self.allocators]
-        req.group_lens = [0] * len(self.specs)
+        if self.prefix_cache is not None:
+            if not self._admit_cached(req, need):
+                return False
+        else:
+            if any(a.num_free < need for a in self.allocators):
+                return False
+            req.slot = self.free_slots.pop()
+            req.blocks = [a.allocate(need) for a in self.allocators]
+            req.group_lens = [0] * len(self.specs)
         for table, blocks in zip(self.block_tables, req.blocks):
             table[req.slot, :] = 0
             table[req.slot, : len(blocks)] = blocks
@@ -361,6 +453,12 @@ class Scheduler:
             self.waiting.remove(req)
 
     def release(self, req: Request) -> None:
+        if self.prefix_cache is not None and req.chain is not None:
+            if req.num_computed >= req.publish_at:
+                self._publish(req)  # what became final since the last update (a stop read back)
+            self.prefix_cache.unmark(req.computing)
+            req.computing, req.publish_at = None, NEVER
+            req.chain.rewind()
         for alloc, table, blocks in zip(self.allocators, self.block_tables, req.blocks):
             alloc.free(blocks)
             table[req.slot, :] = 0
@@ -420,6 +518,8 @@ class Scheduler:
             for g, lens in enumerate(group_lens):
                 r.group_lens[g] = lens[i]
             r.num_computed += rows
+            if r.num_computed >= r.publish_at:  # a full block more (never without prefix caching)
+                self._publish(r)
             if emits:  # an open chunk's sample is discarded
                 r.num_generated += 1
             if r.finished:
