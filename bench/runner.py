@@ -152,7 +152,8 @@ class Bench:
         return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=mode == "eager",
                                       device=self.device, dtype=self.dtype, max_num_seqs=max(a.batch_size),
                                       max_model_len=self.max_model_len, page_size=a.page_size,
-                                      max_num_batched_tokens=budget, seed=a.seed, compile_options=options)
+                                      max_num_batched_tokens=budget, seed=a.seed, compile_options=options,
+                                      enable_prefix_caching=not getattr(a, "no_prefix_caching", False))
 
     def decode_row(self, mode: str, runner, bs: int, prev: dict) -> dict:
         a = self.args
