@@ -33,12 +33,12 @@ import numpy as np
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.prefix_cache import BlockChain, PrefixCache
+from tscompile.runtime.cached_admission import NEVER, CachedAdmission
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
 from tscompile.utils import cdiv
 
-NEVER = 1 << 62  # a request's publish_at without prefix caching: no token count reaches it
 MAX_STOP_IDS_BANNED = 8  # stop_token_ids a request may ban (before min_tokens) besides the model's eos ids
 
 
@@ -276,7 +276,7 @@ class Scheduler:
         # the narrowing model's tail group keeps rows by chunk boundary: no recompute, so reserve
         self.reserve_at_admission = any(spec.narrowed for spec in specs)
         self.num_preemptions = 0
-        self.prefix_cache: PrefixCache | None = None
+        self.prefix_cache: CachedAdmission | None = None
         self.set_prefix_caching(enable_prefix_caching)
 
     # -- prefix caching --------------------------------------------------------------------------
@@ -296,59 +296,13 @@ class Scheduler:
             self.allocators[0].reset_cache()
             self.prefix_cache = None
         elif enabled and self.prefix_cache is None:
-            self.prefix_cache = PrefixCache(self.allocators[0], self.block_size)
+            self.prefix_cache = CachedAdmission(PrefixCache(self.allocators[0], self.block_size))
         return enabled
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (the blocks held by running requests stay theirs)."""
         if self.prefix_cache is not None:
-            self.allocators[0].reset_cache()
-            for r in self.running:
-                if r.chain is not None:
-                    r.chain.broken = True  # its published serials are gone: caching it further would orphan
-                    r.publish_at = NEVER
-
-    def _publish(self, r: Request) -> None:
-        """Publish ``r``'s full blocks whose KV is final and whose token ids the host knows, and
-        register the next block its prefill computes."""
-        cache, chain = self.prefix_cache, r.chain
-        final = min(r.num_computed, len(r.prompt) + len(r.output))  # a token still on the device is not known
-        cache.publish(chain, r.blocks[0], r.prefill_tokens, final)
-        r.publish_at = NEVER if chain.broken else (chain.num_cached + 1) * self.block_size
-        self._mark_computing(r)
-
-    def _mark_computing(self, r: Request) -> None:
-        cache = self.prefix_cache
-        cache.unmark(r.computing)
-        r.computing = None
-        if r.num_computed < r.prefill_len:
-            r.computing = cache.mark_computing(r.chain, r.prefill_tokens, r.prefill_len)
-
-    def _admit_cached(self, req: Request, need: int) -> bool:
-        """``_try_admit`` with prefix caching: the cached run of the request's full blocks is shared,
-        the rest allocated; False (nothing changed) when the pool is short or when the block after
-        the hit is one a running prefill computes now."""
-        cache, alloc = self.prefix_cache, self.allocators[0]
-        if req.chain is None:
-            req.chain = cache.new_chain()
-        hit = cache.match(req.chain, req.prefill_tokens, req.prefill_len)
-        if cache.would_wait(req.chain, req.prefill_len):
-            return False
-        unheld = sum(1 for b in hit if alloc.ref_count(b) == 0)  # these leave num_free once shared
-        if alloc.num_free - unheld < need - len(hit):
-            return False
-        req.slot = self.free_slots.pop()
-        alloc.share(hit)
-        req.blocks = [hit + alloc.allocate(need - len(hit))]
-        cached = len(hit) * self.block_size
-        cache.count(req.prefill_len, cached)
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = cached
-        req.num_computed = cached
-        req.group_lens = [cached]
-        req.publish_at = (len(hit) + 1) * self.block_size
-        self._mark_computing(req)
-        return True
+            self.prefix_cache.reset(self.running)
 
     # -- admission -------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -391,7 +345,7 @@ class Scheduler:
         if not self.free_slots:
             return False
         if self.prefix_cache is not None:
-            if not self._admit_cached(req, need):
+            if not self.prefix_cache.admit(req, need, self.free_slots):
                 return False
         else:
             if any(a.num_free < need for a in self.allocators):
@@ -453,12 +407,8 @@ class Scheduler:
             self.waiting.remove(req)
 
     def release(self, req: Request) -> None:
-        if self.prefix_cache is not None and req.chain is not None:
-            if req.num_computed >= req.publish_at:
-                self._publish(req)  # what became final since the last update (a stop read back)
-            self.prefix_cache.unmark(req.computing)
-            req.computing, req.publish_at = None, NEVER
-            req.chain.rewind()
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req)
         for alloc, table, blocks in zip(self.allocators, self.block_tables, req.blocks):
             alloc.free(blocks)
             table[req.slot, :] = 0
@@ -519,7 +469,7 @@ class Scheduler:
                 r.group_lens[g] = lens[i]
             r.num_computed += rows
             if r.num_computed >= r.publish_at:  # a full block more (never without prefix caching)
-                self._publish(r)
+                self.prefix_cache.publish(r)
             if emits:  # an open chunk's sample is discarded
                 r.num_generated += 1
             if r.finished:
