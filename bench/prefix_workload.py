@@ -50,12 +50,11 @@ def chat_user_turns(seed: int, vocab: int, num_chats: int, turns: int, system_le
 
 
 def _fill_defaults(args: argparse.Namespace, gpu: bool) -> None:
-    args.prefix_requests = args.prefix_requests or (32 if gpu else 4)
-    args.prefix_len = args.prefix_len or (2048 if gpu else 64)
-    args.prefix_suffix_len = args.prefix_suffix_len or (64 if gpu else 8)
-    args.chat_turns = args.chat_turns or (4 if gpu else 2)
-    args.output_len = args.output_len or (64 if gpu else 4)
-    for name in ("prefix_requests", "prefix_len", "prefix_suffix_len", "chat_turns", "output_len"):
+    defaults = {"prefix_requests": (32, 4), "prefix_len": (2048, 64), "prefix_suffix_len": (64, 8),
+                "chat_turns": (4, 2), "output_len": (64, 4)}
+    for name, (on_gpu, on_cpu) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, on_gpu if gpu else on_cpu)
         if getattr(args, name) < 1:
             raise ValueError(f"tscompile: --{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
 
