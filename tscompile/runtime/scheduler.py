@@ -33,8 +33,8 @@ import numpy as np
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.prefix_cache import BlockChain, PrefixCache
-from tscompile.runtime.cached_admission import NEVER, CachedAdmission
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
+from tscompile.runtime.cached_admission import NEVER, CachedAdmission
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
 from tscompile.utils import cdiv
