@@ -173,6 +173,18 @@ def add_parser(sub) -> None:
                    help="no run: one table from these bench JSONs of the same workload and machine kind, each mode "
                         "from one of them (an all-mode table whose modes ran in separate processes); "
                         "RUN.json:MODE,MODE takes only those modes of a run")
+    px = p.add_argument_group("prefix caching (bench/prefix_workload.py)")
+    px.add_argument("--no-prefix-caching", action="store_true",
+                    help="the engine modes run without prefix caching (every run starts from an empty cache either way)")
+    px.add_argument("--prefix-workload", choices=["shared", "chat"], default=None,
+                    help="instead of the modes: requests sharing a long prefix (shared) or a multi-turn chat replay "
+                         "(chat), measured with prefix caching off and on: TTFT, prefill time, throughput, hit rate")
+    px.add_argument("--prefix-requests", type=int, default=None, help="requests (chats) of --prefix-workload "
+                                                                        "(default 32 cuda, 4 cpu)")
+    px.add_argument("--prefix-len", type=int, default=None, help="shared prefix tokens (default 2048 cuda, 64 cpu)")
+    px.add_argument("--prefix-suffix-len", type=int, default=None,
+                    help="each request's own tokens (per chat turn) (default 64 cuda, 8 cpu)")
+    px.add_argument("--chat-turns", type=int, default=None, help="turns of the chat workload (default 4 cuda, 2 cpu)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="the run's JSON here")
     p.add_argument("--output-md", default=None, metavar="PATH", help="the run's markdown tables here")
     p.add_argument("--output-dir", default=report.DEFAULT_OUTPUT_DIR, metavar="DIR",
@@ -225,6 +237,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                              "--hf-model, --modes, --package or --tscompile-options")
         _default_outputs(args)
         return merge.run(args)
+    if args.prefix_workload:
+        from . import prefix_workload
+
+        return prefix_workload.run(args)
     if args.hf_model:
         if args.tscompile_options is not None:
             raise ValueError("tscompile: --tscompile-options sets the engine modes' compile options; the "

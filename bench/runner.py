@@ -155,7 +155,8 @@ class Bench:
                                       enforce_eager=mode == "eager", device=self.device, dtype=self.dtype,
                                       max_num_seqs=max(a.batch_size), max_model_len=self.max_model_len,
                                       page_size=a.page_size, max_num_batched_tokens=budget, seed=a.seed,
-                                      compile_options=options, model_impl=impl)
+                                      compile_options=options, model_impl=impl,
+                                      enable_prefix_caching=not getattr(a, "no_prefix_caching", False))
 
     def engine_model(self, model, model_impl: str):
         """What an engine mode builds its ``tscompile.LLM`` from: the mode's native model, or under

@@ -174,12 +174,15 @@ class StaticCacheRunner:
 
 # -- tscompile.LLM (eager and compiled) ------------------------------------------------------------
 class EngineRunner:
-    """``tscompile.LLM`` driven through ``add_request`` + ``step``; ``eager`` is ``enforce_eager=True``."""
+    """``tscompile.LLM`` driven through ``add_request`` + ``step``; ``eager`` is ``enforce_eager=True``.
+    Each run starts with an empty prefix cache (``reset_prefix_cache``): the runs repeat their
+    prompts, and a row measures computing them (with caching on, its host cost included)."""
 
     def __init__(self, model, *, attention_backend: str, enforce_eager: bool, device: torch.device,
                  dtype: torch.dtype, max_num_seqs: int, max_model_len: int, page_size: int,
                  max_num_batched_tokens: int, num_pages: int | None = None, seed: int = 0,
-                 compile_options: dict | None = None, model_impl: str = "auto"):
+                 compile_options: dict | None = None, model_impl: str = "auto",
+                 enable_prefix_caching: bool = True):
         import tscompile
 
         self.device = torch.device(device)
@@ -187,7 +190,8 @@ class EngineRunner:
                                  device=self.device, dtype=dtype, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, page_size=page_size, num_pages=num_pages,
                                  max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                                 compile_options=compile_options, model_impl=model_impl)
+                                 compile_options=compile_options, model_impl=model_impl,
+                                 enable_prefix_caching=enable_prefix_caching)
         self._params = tscompile.SamplingParams
 
     @property
@@ -214,6 +218,7 @@ class EngineRunner:
                   window=None) -> BatchTiming:
         if self.llm.has_unfinished():
             raise RuntimeError("tscompile: the engine still holds requests from an earlier run")
+        self.llm.reset_prefix_cache()
         # every mode generates output_len tokens: the static-cache loops never stop at an eos id
         params = self._params(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
         calls: list[float] | None = [] if per_call else None
@@ -242,6 +247,7 @@ class EngineRunner:
         """One prompt to its first token; its wall time. ``host_launch_s`` keeps the host's time from
         the submit until the step that launched the prefill returned: the host work before the device's."""
         params = self._params(max_new_tokens=1, temperature=0.0)
+        self.llm.reset_prefix_cache()
         with Timer(self.device) as t:
             start = time.perf_counter()
             req = self.llm.add_request(prompt, params)

@@ -190,7 +190,8 @@ def assert_idle(llm: tscompile.LLM, where: str) -> None:
     if sorted(sched.free_slots) != list(range(sched.max_num_seqs)):
         problems.append(f"free slots {sorted(sched.free_slots)} of {sched.max_num_seqs}")
     for alloc, table in zip(sched.allocators, sched.block_tables):
-        free = sorted(alloc._free)  # sorted ids, not a count: a double free must not hide a leak
+        alloc.check()  # every block held, free or cached-free exactly once
+        free = alloc.free_block_ids()  # sorted ids (free or cached), not a count: a double free must not hide a leak
         if free != list(range(1, alloc.num_blocks)):
             problems.append(f"group {alloc.group_name!r}: free blocks {free} of 1..{alloc.num_blocks - 1}")
         if table.any():

@@ -20,6 +20,7 @@ RAGGED = [[(5 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate([3, 9,
 
 
 def _graphed_llm(model, **kw):
+    kw.setdefault("enable_prefix_caching", False)  # the buckets of whole prompts, rerun: no prefix hits
     llm = small_llm(model, dtype=torch.float32, compile_options=LADDER, **kw)
     llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
     return llm
@@ -279,8 +280,9 @@ WHOLE = {"token_ladder": (4, 8, 16), "prefill_graph_max_tokens": 16, "decode_lad
 @pytest.fixture(scope="module")
 def whole_llm():
     """One compiled engine for the whole-step tests (each leaves it with nothing queued)."""
+    # the tests rerun their prompts and count the buckets of whole prompts: no prefix hits shortening them
     llm = small_llm("llama-tiny", dtype=torch.float32, compile_options=WHOLE, max_num_batched_tokens=20,
-                    max_num_seqs=5)
+                    max_num_seqs=5, enable_prefix_caching=False)
     llm.runner.enable_whole_step_prefill(host_replay=True)
     return llm
 

@@ -53,7 +53,7 @@ def test_num_pages_must_fill_whole_blocks():
     validate_engine_args(num_pages=None)
 
 
-@pytest.mark.parametrize("name", ["enforce_eager", "async_scheduling"])
+@pytest.mark.parametrize("name", ["enforce_eager", "async_scheduling", "enable_prefix_caching"])
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_flags_must_be_bool(name, value):
     with _refused(name, value, "True or False"):

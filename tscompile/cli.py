@@ -80,6 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     p.add_argument("--enforce-eager", action="store_true", help="run the model without compiling (no graphs)")
     p.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt whole (default: reuse the cached KV of a prompt's shared prefix)")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -93,7 +95,8 @@ def resolve_model_arg(args: argparse.Namespace) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
-                enforce_eager=args.enforce_eager, seed=args.seed, model_impl=args.model_impl)
+                enforce_eager=args.enforce_eager, seed=args.seed, model_impl=args.model_impl,
+                enable_prefix_caching=not args.no_prefix_caching)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

@@ -33,10 +33,31 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its completions (one: only ``n=1`` is supported)."""
+    """A request's prompt and its completions (one: only ``n=1`` is supported). ``num_cached_tokens``:
+    prompt tokens whose KV the prefix cache held when the request was first scheduled (not computed)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """``LLM.stats()``: counters since the engine was built, so the difference of two snapshots
+    gives any interval's figures. ``prefix_cache_queries``: prompt tokens looked up in the prefix
+    cache (each admission, again after a preemption); ``prefix_cache_hits``: of them, tokens found
+    cached; ``num_cached_blocks``, ``num_free_blocks``: the pool now (a cached block nobody holds
+    counts as free too: it is evicted when needed)."""
+
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_cached_blocks: int
+    num_free_blocks: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

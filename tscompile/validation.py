@@ -117,6 +117,7 @@ _ENGINE_CHECKS: dict[str, Callable] = {
     "seed": lambda v: check_seed("seed", v),
     "async_scheduling": lambda v: check_bool("async_scheduling", v),
     "gpu_memory_utilization": lambda v: check_fraction("gpu_memory_utilization", v),
+    "enable_prefix_caching": lambda v: check_bool("enable_prefix_caching", v),
 }
 ENGINE_ARGS = tuple(_ENGINE_CHECKS)
 

@@ -1,9 +1,10 @@
-"""The paged KV storage and its block allocator.
+"""The paged KV storage.
 
 ``KVCachePool`` owns the tensors: per cache group, per layer, ``k`` and ``v`` of shape
-``[num_pages, page_size, num_kv_heads, head_dim]``. ``BlockAllocator`` hands out block ids; block 0
-(pages ``0 .. pages_per_block - 1``) is the null block, reserved at construction and never handed
-out, so padded requests and empty table entries can point at it without touching a live request.
+``[num_pages, page_size, num_kv_heads, head_dim]``. ``BlockAllocator`` (``allocator.py``, imported
+here too) hands out block ids; block 0 (pages ``0 .. pages_per_block - 1``) is the null block,
+reserved at construction and never handed out, so padded requests and empty table entries can point
+at it without touching a live request.
 """
 
 from __future__ import annotations
@@ -12,41 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tscompile.kv_cache.allocator import BlockAllocator
 from tscompile.kv_cache.spec import CacheGeometry, CacheGroupSpec
 
-
-class BlockAllocator:
-    """Free-list of block ids ``1 .. num_blocks - 1`` (block 0 is the reserved null block)."""
-
-    def __init__(self, num_blocks: int, group_name: str = "full"):
-        if num_blocks < 2:
-            raise ValueError(f"tscompile: a cache group needs at least 2 blocks (1 reserved), got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.group_name = group_name
-        self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise ValueError(
-                f"tscompile: page pool exhausted in cache group {self.group_name!r}: need {n} blocks, "
-                f"{len(self._free)} free of {self.num_blocks - 1}; raise num_pages or lower max_num_seqs"
-            )
-        # the ids ``n`` pops would give, in their order, as one slice (a prompt takes many blocks)
-        at = len(self._free) - n
-        blocks = self._free[at:]
-        blocks.reverse()
-        del self._free[at:]
-        return blocks
-
-    def free(self, blocks: list[int]) -> None:
-        # min and max run in C; the message's loop runs only on a failure
-        assert not blocks or (0 < min(blocks) and max(blocks) < self.num_blocks), \
-            f"freeing block {next(b for b in blocks if not 0 < b < self.num_blocks)} outside the pool"
-        self._free.extend(reversed(blocks))
+__all__ = ["BlockAllocator", "GroupStorage", "KVCachePool"]
 
 
 @dataclass

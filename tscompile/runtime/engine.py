@@ -17,7 +17,7 @@ import torch
 from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
 from tscompile.models import ModelConfig, Transformer
-from tscompile.outputs import RequestOutput
+from tscompile.outputs import EngineStats, RequestOutput
 from tscompile.prompts import Prompt, parse_prompts
 from tscompile.runtime.build import EngineParts, build_model_engine
 from tscompile.runtime.readback import PendingTokens
@@ -102,7 +102,12 @@ class LLM:
     previous step still runs: a token the host has not read yet is gathered on the device, and a
     stop the host reads one step late drops the one token sampled after it (the outputs equal those
     of synchronous steps). ``step()`` returns the requests finished and read back, which can be one
-    step after the step that sampled their last token; ``sync()`` waits for the step in flight."""
+    step after the step that sampled their last token; ``sync()`` waits for the step in flight.
+
+    ``enable_prefix_caching`` (default on): a prompt's full KV blocks already in the cache (from an
+    earlier request with the same prefix) are reused rather than computed
+    (``docs/prefix_caching.md``); ``RequestOutput.num_cached_tokens`` and ``stats()`` tell the hits.
+    A model whose cache keeps rows by chunk boundary (the narrowing model) runs without it."""
 
     def __init__(
         self,
@@ -123,13 +128,15 @@ class LLM:
         async_scheduling: bool = True,
         gpu_memory_utilization: float = 0.9,
         model_impl: str = "auto",
+        enable_prefix_caching: bool = True,
     ):
         validate_engine_args(
             model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
             compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
-            gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl)
+            gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
+            enable_prefix_caching=enable_prefix_caching)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
         if compile_config is not None:
@@ -140,21 +147,25 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
             compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             model_impl=model_impl)
-        self._assemble(parts, seed=seed, async_scheduling=async_scheduling)
+        self._assemble(parts, seed=seed, async_scheduling=async_scheduling,
+                       enable_prefix_caching=enable_prefix_caching)
 
     @classmethod
-    def from_parts(cls, parts: EngineParts, *, seed: int = 0, async_scheduling: bool = True) -> "LLM":
+    def from_parts(cls, parts: EngineParts, *, seed: int = 0, async_scheduling: bool = True,
+                   enable_prefix_caching: bool = True) -> "LLM":
         """An engine over parts built elsewhere (a loaded package)."""
         llm = cls.__new__(cls)
-        llm._assemble(parts, seed=seed, async_scheduling=async_scheduling)
+        llm._assemble(parts, seed=seed, async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching)
         return llm
 
-    def _assemble(self, parts: EngineParts, *, seed: int, async_scheduling: bool) -> None:
+    def _assemble(self, parts: EngineParts, *, seed: int, async_scheduling: bool,
+                  enable_prefix_caching: bool = True) -> None:
         self.parts = parts
         self.config, self.device, self.dtype = parts.config, parts.device, parts.dtype
         self.model, self.attention, self.pool = parts.model, parts.attention, parts.pool
         self.scheduler, self.runner = parts.scheduler, parts.runner
         self.async_scheduling = async_scheduling
+        self.scheduler.set_prefix_caching(enable_prefix_caching)
         self._ids = itertools.count()
         self._rng = random.Random(seed)
         self._requests: dict[int, Request] = {}  # unfinished, or finished and not read back yet
@@ -197,6 +208,26 @@ class LLM:
         self._ready = []
         for rid in list(self._requests):
             self.abort(rid)
+
+    # -- prefix caching --------------------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (asked for, and the model's cache supports it)."""
+        return self.scheduler.prefix_cache is not None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: later prompts are computed whole until their blocks are cached
+        again (benchmarks use it between runs of the same prompts)."""
+        self.scheduler.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        """Counters since the engine was built (prefix-cache lookups and hits in tokens, preemptions)."""
+        cache = self.scheduler.prefix_cache
+        alloc = self.scheduler.allocators[0]
+        return EngineStats(prefix_cache_queries=cache.stats.queries if cache else 0,
+                           prefix_cache_hits=cache.stats.hits if cache else 0,
+                           num_preemptions=self.scheduler.num_preemptions,
+                           num_cached_blocks=alloc.num_cached, num_free_blocks=alloc.num_free)
 
     @property
     def is_dead(self) -> bool:
@@ -381,7 +412,7 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(str(r.rid), r.text_prompt, list(r.prompt), [r.completion.output()],
-                             r.completion.finished)
+                             r.completion.finished, r.num_cached_tokens or 0)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

@@ -9,6 +9,12 @@ depend only on a request's seed and position). A model whose cache keeps rows by
 narrowing model's tail group) cannot be recomputed exactly: it reserves a request's every block at
 admission instead and is never preempted. A refused request never touches anyone's cache.
 
+With prefix caching (``set_prefix_caching``, a model of one un-narrowed cache group), a new or
+preempted request first takes its longest cached run of full blocks (``kv_cache/prefix_cache.py``)
+and computes only the rest, as the extend with a prefix that chunked prefill runs; its full blocks
+are published to the cache as their KV becomes final, and a request whose next block a running
+prefill is computing right now waits for it instead of computing it too.
+
 ``schedule()`` decides who runs and returns the step's ``StepPlan`` (``build_step_plan``, a pure
 function of the scheduled batch); ``update(plan)`` advances the requests past it. Runners get the
 plan and never the scheduler.
@@ -26,7 +32,9 @@ import numpy as np
 
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.pool import BlockAllocator
+from tscompile.kv_cache.prefix_cache import BlockChain, PrefixCache
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
+from tscompile.runtime.cached_admission import NEVER, CachedAdmission
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
 from tscompile.utils import cdiv
@@ -56,6 +64,10 @@ class Request:
     resumed: int = 0  # generated tokens folded back into the prompt by a preemption (recomputed)
     group_lens: list[int] = field(default_factory=list)  # KV length per cache group
     blocks: list[list[int]] = field(default_factory=list)  # reserved block ids per cache group
+    chain: BlockChain | None = None  # its full blocks' hashes, with prefix caching
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
+    publish_at: int = NEVER  # num_computed from which a next full block may be published
+    computing: int | None = None  # hash of the next block its prefill publishes (others wait for it)
     _prompt_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -238,11 +250,12 @@ def _last_layer_group(specs: list[CacheGroupSpec]) -> int:
 class Scheduler:
     def __init__(self, specs: list[CacheGroupSpec], num_blocks: list[int], *, block_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), limit_note: str = ""):
+                 eos_token_ids: tuple[int, ...] = (), limit_note: str = "", enable_prefix_caching: bool = False):
         """``max_blocks``: the block-table width (default: enough for ``max_model_len``; a package
         keeps the width its programs were exported with). ``eos_token_ids``: the model's end-of-sequence
         ids (banned, with a request's stop ids, until it has ``min_tokens`` tokens). ``limit_note``
-        follows ``max_model_len`` in refusals (a package names its bound)."""
+        follows ``max_model_len`` in refusals (a package names its bound). ``enable_prefix_caching``:
+        see ``set_prefix_caching``."""
         self.specs = specs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -263,6 +276,33 @@ class Scheduler:
         # the narrowing model's tail group keeps rows by chunk boundary: no recompute, so reserve
         self.reserve_at_admission = any(spec.narrowed for spec in specs)
         self.num_preemptions = 0
+        self.prefix_cache: CachedAdmission | None = None
+        self.set_prefix_caching(enable_prefix_caching)
+
+    # -- prefix caching --------------------------------------------------------------------------
+    @property
+    def prefix_caching_supported(self) -> bool:
+        """One cache group that keeps every position: a narrowed group keeps rows by chunk boundary,
+        so its KV depends on how a prompt was chunked, not only on its tokens."""
+        return len(self.specs) == 1 and not self.specs[0].narrowed
+
+    def set_prefix_caching(self, enabled: bool) -> bool:
+        """Turn prefix caching on or off (off forgets every cached block) while no request is queued
+        or running; returns whether it is on (never for a model ``prefix_caching_supported`` refuses)."""
+        if self.running or self.waiting:
+            raise RuntimeError("tscompile: prefix caching is switched only while no request is queued or running")
+        enabled = bool(enabled) and self.prefix_caching_supported
+        if not enabled and self.prefix_cache is not None:
+            self.allocators[0].reset_cache()
+            self.prefix_cache = None
+        elif enabled and self.prefix_cache is None:
+            self.prefix_cache = CachedAdmission(PrefixCache(self.allocators[0], self.block_size))
+        return enabled
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the blocks held by running requests stay theirs)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset(self.running)
 
     # -- admission -------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -302,11 +342,17 @@ class Scheduler:
         # the prompt (and a recomputed request's tokens) plus the first new token; or everything
         tokens = req.max_len if self.reserve_at_admission else req.prefill_len + 1
         need = cdiv(min(tokens, req.max_len), self.block_size)
-        if not self.free_slots or any(a.num_free < need for a in self.allocators):
+        if not self.free_slots:
             return False
-        req.slot = self.free_slots.pop()
-        req.blocks = [a.allocate(need) for a in self.allocators]
-        req.group_lens = [0] * len(self.specs)
+        if self.prefix_cache is not None:
+            if not self.prefix_cache.admit(req, need, self.free_slots):
+                return False
+        else:
+            if any(a.num_free < need for a in self.allocators):
+                return False
+            req.slot = self.free_slots.pop()
+            req.blocks = [a.allocate(need) for a in self.allocators]
+            req.group_lens = [0] * len(self.specs)
         for table, blocks in zip(self.block_tables, req.blocks):
             table[req.slot, :] = 0
             table[req.slot, : len(blocks)] = blocks
@@ -361,6 +407,8 @@ class Scheduler:
             self.waiting.remove(req)
 
     def release(self, req: Request) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req)
         for alloc, table, blocks in zip(self.allocators, self.block_tables, req.blocks):
             alloc.free(blocks)
             table[req.slot, :] = 0
@@ -420,6 +468,8 @@ class Scheduler:
             for g, lens in enumerate(group_lens):
                 r.group_lens[g] = lens[i]
             r.num_computed += rows
+            if r.num_computed >= r.publish_at:  # a full block more (never without prefix caching)
+                self.prefix_cache.publish(r)
             if emits:  # an open chunk's sample is discarded
                 r.num_generated += 1
             if r.finished:
