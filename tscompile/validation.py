@@ -109,6 +109,7 @@ _ENGINE_CHECKS: dict[str, Callable] = {
     "seed": lambda v: check_seed("seed", v),
     "async_scheduling": lambda v: check_bool("async_scheduling", v),
     "gpu_memory_utilization": lambda v: check_fraction("gpu_memory_utilization", v),
+    "tensor_parallel_size": lambda v: check_int("tensor_parallel_size", v, 1),
 }
 ENGINE_ARGS = tuple(_ENGINE_CHECKS)
 

@@ -97,7 +97,11 @@ class LLM:
     previous step still runs: a token the host has not read yet is gathered on the device, and a
     stop the host reads one step late drops the one token sampled after it (the outputs equal those
     of synchronous steps). ``step()`` returns the requests finished and read back, which can be one
-    step after the step that sampled their last token; ``sync()`` waits for the step in flight."""
+    step after the step that sampled their last token; ``sync()`` waits for the step in flight.
+
+    ``tensor_parallel_size`` > 1 splits the model over that many processes (one per GPU on CUDA,
+    gloo on the CPU): this process is rank 0 and starts the others, or, under ``torchrun``, each
+    process is the rank it was started as (``docs/tensor_parallel.md``). ``close()`` stops them."""
 
     def __init__(
         self,
@@ -117,22 +121,29 @@ class LLM:
         seed: int = 0,
         async_scheduling: bool = True,
         gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
     ):
         validate_engine_args(
             model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
             compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
         if compile_config is not None:
             check_piece_compiler_importable(compile_config)  # refused here, not inside the first compile
-        parts = build_model_engine(
-            model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        build_kwargs = dict(
+            attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
             compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+        if tensor_parallel_size > 1:
+            from tscompile.distributed import build_tensor_parallel_engine
+
+            parts = build_tensor_parallel_engine(model, tensor_parallel_size, build_kwargs)
+        else:
+            parts = build_model_engine(model, **build_kwargs)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling)
 
     @classmethod
@@ -156,6 +167,13 @@ class LLM:
         self._dead: str | None = None  # set by a CUDA fault: why every later call is refused
 
     # -- request level ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop what the engine started besides this process (a tensor-parallel engine's other ranks;
+        also done at interpreter exit). Idempotent; an engine on one device has nothing to stop."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     @property
     def tokenizer(self):
         """The checkpoint's tokenizer (transformers'), or None: token ids in and out only."""
