@@ -149,10 +149,12 @@ class Bench:
             if not ok:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
         options = None if mode == "eager" else getattr(a, "tscompile_options", None)
-        return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=mode == "eager",
-                                      device=self.device, dtype=self.dtype, max_num_seqs=max(a.batch_size),
-                                      max_model_len=self.max_model_len, page_size=a.page_size,
-                                      max_num_batched_tokens=budget, seed=a.seed, compile_options=options)
+        tp = getattr(a, "tensor_parallel_size", 1)
+        return workloads.EngineRunner(model if tp == 1 else a.model, attention_backend=backend,
+                                      enforce_eager=mode == "eager", device=self.device, dtype=self.dtype,
+                                      max_num_seqs=max(a.batch_size), max_model_len=self.max_model_len,
+                                      page_size=a.page_size, max_num_batched_tokens=budget, seed=a.seed,
+                                      compile_options=options, tensor_parallel_size=tp)
 
     def decode_row(self, mode: str, runner, bs: int, prev: dict) -> dict:
         a = self.args
@@ -307,7 +309,8 @@ class Bench:
         runner = model = None
         try:
             t0 = time.perf_counter()
-            if mode != PACKAGE_MODE:  # a package brings its own weights (exported from the same seed)
+            sharded = getattr(a, "tensor_parallel_size", 1) > 1 and mode not in workloads.STATIC_MODES
+            if mode != PACKAGE_MODE and not sharded:  # a package brings its own weights; ranks build their shards
                 model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
                 info["weights_fingerprint"] = _fingerprint(model)
             runner = self.make_runner(mode, model)

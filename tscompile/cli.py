@@ -69,12 +69,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes the model is split over (one GPU each on cuda; gloo on cpu)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
-                enforce_eager=args.enforce_eager, seed=args.seed)
+                enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
