@@ -23,10 +23,19 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
+# set while an engine of this process owns the default process group it made for its spawned workers
+_ENGINE_GROUP: list[bool] = [False]
+
+
 def launched_externally() -> bool:
-    """Whether this process is one rank of a group started outside the engine: a process group is
-    initialised already, or torchrun's variables are set (``torch.distributed``'s env:// convention)."""
-    return (dist.is_available() and dist.is_initialized()) or all(v in os.environ for v in TORCHRUN_VARIABLES)
+    """Whether this process is one rank of a group started outside the engine: a process group the
+    caller initialised, or torchrun's variables (``torch.distributed``'s env:// convention)."""
+    if dist.is_available() and dist.is_initialized():
+        if _ENGINE_GROUP[0]:
+            raise ValueError("tscompile: another tensor-parallel engine of this process still holds its ranks; "
+                             "call close() on it before building a new one (one at a time per process)")
+        return True
+    return all(v in os.environ for v in TORCHRUN_VARIABLES)
 
 
 def collective_backend(device: torch.device) -> str:
@@ -64,6 +73,9 @@ class RankGroup:
                 dist.destroy_process_group()
         except (RuntimeError, ValueError):  # a peer died or the group is gone already: nothing left to free
             pass
+        finally:
+            if self.owns_default_group:
+                _ENGINE_GROUP[0] = False
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -93,6 +105,7 @@ def join_group(*, rank: int, size: int, device: torch.device, local_rank: int,
             dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
         else:
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        _ENGINE_GROUP[0] = True
     world = dist.get_world_size()
     if world != size:
         raise ValueError(f"tscompile: tensor_parallel_size {size}, but the process group has {world} processes; "

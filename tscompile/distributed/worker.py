@@ -98,7 +98,7 @@ class WorkerProcesses:
         or after they all ended cleanly. Waits up to ``timeout`` s for a failing worker to end."""
         try:
             self.context.join(timeout)
-        except mp.ProcessException as exc:  # a worker raised or was killed (the others are terminated)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # raised or killed (others terminated)
             return str(exc).strip()
         return None
 
@@ -106,7 +106,7 @@ class WorkerProcesses:
         """Wait for the workers to end (after ``stop`` was sent), then terminate any still running."""
         try:
             self.context.join(timeout)
-        except mp.ProcessException:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
             pass  # already reported, or a worker killed on the way down: nothing left to wait for
         for process in self.context.processes:
             if process.is_alive():
