@@ -139,7 +139,7 @@ def _inductor_layers(rank: int, port: int, results) -> None:
     from tscompile.models.parallel import ShardLayout, TensorParallel, embedding, lm_head, row_linear
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)  # the test process holds the store
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         cfg = tscompile.models.build_config("llama-tiny", vocab_size=301)
@@ -180,9 +180,14 @@ def test_the_collectives_compile_with_inductor_under_gloo():
         workers = [ctx.Process(target=_inductor_layers, args=(rank, store.port, results)) for rank in (0, 1)]
         for w in workers:
             w.start()
-        for w in workers:
-            w.join(600)
-        assert [w.exitcode for w in workers] == [0, 0]
+        try:
+            for w in workers:
+                w.join(600)
+            assert [w.exitcode for w in workers] == [0, 0]
+        finally:
+            for w in workers:
+                if w.is_alive():
+                    w.kill()
         results = dict(results)
     for rank in (0, 1):
         compiled, eager, whole = results[rank]

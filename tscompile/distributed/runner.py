@@ -66,8 +66,8 @@ class TensorParallelRunner:
         except BaseException as exc:
             worker_error = self.workers.failure() if self.workers is not None else None
             summary = worker_error or f"{type(exc).__name__} on rank 0: {str(exc).strip()[:500]}"
-            self._stopped = (f"tscompile: the tensor-parallel engine stopped after a failed step ({summary.splitlines()[0]}"
-                             "); create a new LLM")
+            self._stopped = (f"tscompile: the tensor-parallel engine stopped after a failed step "
+                             f"({summary.splitlines()[0]}); create a new LLM")
             self._shut_down(clean=False)
             if worker_error is not None:
                 raise RuntimeError(f"tscompile: a tensor-parallel worker failed during a step on rank 0:\n"

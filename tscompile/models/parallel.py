@@ -235,12 +235,14 @@ class ParallelLMHead(nn.Linear):
 
 # -- what the model builds: plain layers without tensor parallelism --------------------------------------
 def column_linear(in_features: int, out_local: int, bias: bool, tp: TensorParallel | None) -> nn.Linear:
-    return nn.Linear(in_features, out_local, bias=bias) if tp is None else ColumnParallelLinear(in_features, out_local,
-                                                                                                   bias=bias)
+    cls = nn.Linear if tp is None else ColumnParallelLinear
+    return cls(in_features, out_local, bias=bias)
 
 
 def row_linear(in_local: int, out_features: int, tp: TensorParallel | None) -> nn.Linear:
-    return nn.Linear(in_local, out_features, bias=False) if tp is None else RowParallelLinear(in_local, out_features, tp)
+    if tp is None:
+        return nn.Linear(in_local, out_features, bias=False)
+    return RowParallelLinear(in_local, out_features, tp)
 
 
 def embedding(cfg: "ModelConfig", tp: TensorParallel | None) -> nn.Embedding:
