@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from tscompile.distributed.group import RankGroup, join_group, launched_externally, torchrun_local_rank
 from tscompile.distributed.runner import TensorParallelRunner
-from tscompile.distributed.worker import WorkerProcesses, WorkerSpec, format_exception, serve
+from tscompile.distributed.rank import build_rank, exchange_build_errors
+from tscompile.distributed.worker import WorkerProcesses, WorkerSpec, serve
 from tscompile.distributed.channel import CommandChannel
-from tscompile.runtime.build import EngineParts, build_model_engine
+from tscompile.runtime.build import EngineParts
 
 
 def check_tensor_parallel_model(model, size: int, device: torch.device) -> None:
@@ -36,21 +37,6 @@ def check_tensor_parallel_model(model, size: int, device: torch.device) -> None:
         raise ValueError(f"tscompile: tensor_parallel_size {size} needs {size} GPUs, {torch.cuda.device_count()} "
                          "are visible; use a smaller tensor_parallel_size")
     check_tensor_parallel(model_config(model), size)
-
-
-def build_rank(model, build_kwargs: dict, group: RankGroup) -> tuple[EngineParts | None, Exception | None]:
-    """This rank's parts, or the error that stopped it (for ``exchange_build_errors``)."""
-    try:
-        return build_model_engine(model, **{**build_kwargs, "device": group.device}, tensor_parallel=group.tp), None
-    except Exception as exc:  # noqa: BLE001 - every rank learns of it (exchange_build_errors); rank 0 raises it
-        return None, exc
-
-
-def exchange_build_errors(group: RankGroup, error: Exception | None) -> list[str]:
-    """Every rank's build error, as ``"rank r: traceback"`` (empty when all built): no rank serves a
-    group one of whose ranks has no engine."""
-    text = None if error is None else f"rank {group.rank}: {format_exception(error)}"
-    return [e for e in group.exchange(text) if e is not None]
 
 
 def build_tensor_parallel_engine(model, size: int, build_kwargs: dict) -> EngineParts:

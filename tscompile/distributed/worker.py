@@ -7,7 +7,6 @@ the entry point of a process the engine starts (``torch.multiprocessing``, spawn
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tscompile.distributed.channel import CAPTURE_DECODE, CAPTURE_PREFILL, LAUNCH, STOP, CommandChannel
+from tscompile.distributed.group import join_group
+from tscompile.distributed.rank import build_rank, exchange_build_errors
 
 JOIN_SECONDS = 30.0  # how long a clean stop waits for the workers before terminating them
 
@@ -51,14 +52,10 @@ class WorkerSpec:
 def spawned_worker(index: int, spec: WorkerSpec) -> None:
     """Entry point of worker ``index`` (rank ``index + 1``), started by ``WorkerProcesses.start``.
     An exception ends the process; torch.multiprocessing hands its traceback to rank 0."""
-    from tscompile.distributed.engine import build_rank, exchange_build_errors
-
     torch.set_num_threads(spec.num_threads)
     rank = index + 1
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False)
     store.set(_started_key(rank), "1")
-    from tscompile.distributed.group import join_group
-
     group = join_group(rank=rank, size=spec.size, device=spec.build_kwargs["device"], local_rank=rank, store=store)
     try:
         parts, error = build_rank(spec.model, spec.build_kwargs, group)
@@ -121,7 +118,3 @@ class WorkerProcesses:
 
 def _started_key(rank: int) -> str:
     return f"tscompile/worker-started/{rank}"
-
-
-def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).strip()
