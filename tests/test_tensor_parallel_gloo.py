@@ -121,7 +121,7 @@ def test_qwen3_two_ranks_share_one_kv_head_and_give_the_one_process_tokens_then_
 def test_compiled_two_ranks_with_a_replicated_kv_head_give_the_one_process_tokens(checkpoints, references):
     """Dynamo traces the collectives into the engine's steps and the FX split keeps them in the pieces
     (``piece_compiler="eager"`` runs the traced pieces; Inductor's lowering of the same collectives is
-    tested below, on the layers, where it compiles in seconds)."""
+    tested below, on the layers alone, a far smaller compile)."""
     llm = tscompile.LLM(checkpoints["qwen3"], tensor_parallel_size=2, compile_options={"piece_compiler": "eager"},
                         **ENGINE)
     try:
