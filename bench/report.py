@@ -87,44 +87,22 @@ def content_tree(root: Path | None = None) -> str | None:
     return out.stdout.strip()[:12] or None
 
 
-def kernel_paths() -> dict:
-    """The environment switches of the Triton kernels (attention, extend, decode and prefill GEMV), as
-    this process runs them (an A/B run sets one; two runs of one mode then differ in them, and a merged
-    table says so per run)."""
-    from tscompile.custom_ops import triton_attention, triton_extend, triton_gemv
-    from tscompile.piece_compiler import batch_gemv_on, decode_gemv_on, decode_pdl_on, graph_pdl_on, prefill_gemv_on
+def kernel_paths(policy=None) -> dict:
+    """The kernel choices the engine's graphs run with on this machine (``KernelPolicy``, default the
+    engine's default): each as it applies here (a GEMV swap only on a GPU its tables were timed on, PDL
+    only where the GPU has it), with the launch tables of the swaps that apply."""
+    from tscompile.custom_ops import triton_gemv
+    from tscompile.kernel_policy import KernelPolicy
+    from tscompile.piece_compiler import applied_kernel_policy, cuda_device_name
 
-    # each GEMV swap as it applies: the flag, and this GPU is one its table was timed on
-    decode_gemv, prefill_gemv, batch_gemv = decode_gemv_on(), prefill_gemv_on(), batch_gemv_on()
-    paths = {"decode_write_in_split": triton_attention.DECODE_WRITE_IN_SPLIT,
-             "decode_gemv": decode_gemv,
-             "prefill_gemv": prefill_gemv,
-             "batch_gemv": batch_gemv,
-             # TSCOMPILE_DECODE_PDL where it applies: the decode attention and every decode graph with PDL
-             "decode_pdl": triton_attention.DECODE_PDL and triton_attention.pdl_available(),
-             "decode_bs1_splits": triton_attention.DECODE_BS1_SPLITS,  # None: the occupancy rule
-             "decode_d128_one_split": triton_attention.DECODE_D128_ONE_SPLIT,
-             "prefill_pdl": triton_attention.PREFILL_PDL and triton_attention.pdl_available(),
-             "extend_config_overrides": {str(d): list(c) for d, c in triton_extend.EXTEND_CONFIG_OVERRIDES.items()}}
-    if decode_gemv:  # which projections left cuBLAS, at which launches, with the norms fused or not, from where
-        paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.decode_gemv_configs().items()}
-        paths["decode_gemv_fuse"] = triton_gemv.DECODE_GEMV_FUSE
+    paths = applied_kernel_policy(policy or KernelPolicy(), cuda_device_name())
+    if paths["decode_gemv"]:  # which projections left cuBLAS, at which launches
+        paths["decode_gemv_configs"] = {f"{n}x{k}": list(c) for (n, k), c in triton_gemv.DECODE_GEMV_CONFIGS.items()}
         # what a coordinate-descent-tuned bs=1 graph puts back in place of Inductor's reductions
-        paths["decode_tuned_matmuls"] = {f"{n}x{k}": c for (n, k), c in triton_gemv.decode_tuned_matmuls().items()}
-        if triton_gemv.DECODE_GEMV_FUSE:  # a fused call's own launches, and the fused sweep they came from
-            paths["decode_gemv_fused_configs"] = {f"{n}x{k}": list(c)
-                                                  for (n, k), c in triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()}
-            paths["gemv_fused_table_file"] = triton_gemv.GEMV_FUSED_TABLE_FILE or None
-    few_rows = prefill_gemv or batch_gemv
-    if batch_gemv:  # the decode batch graphs' swapped calls launch with PDL where those graphs do
-        paths["batch_gemv_pdl"] = triton_gemv.GEMV_PDL and graph_pdl_on(False, False)
-    if few_rows:  # one few-row table for the prefill pieces and the decode batches
-        paths["prefill_gemv_configs"] = {f"{m}x{n}x{k}": list(c)
-                                         for (m, n, k), c in triton_gemv.PREFILL_GEMV_CONFIGS.items()}
-    if decode_gemv or few_rows:
-        paths["gemv_table_file"] = triton_gemv.GEMV_TABLE_FILE or None
-        paths["gemv_pdl"] = decode_pdl_on()  # the bs=1 decode calls and their graph's kernels launch with PDL
-        paths["gemv_peel"] = triton_gemv.GEMV_PEEL
+        paths["decode_tuned_matmuls"] = {f"{n}x{k}": c for (n, k), c in triton_gemv.DECODE_TUNED_MATMULS.items()}
+    if paths["batch_gemv"]:
+        paths["batch_gemv_configs"] = {f"{m}x{n}x{k}": list(c)
+                                       for (m, n, k), c in triton_gemv.BATCH_GEMV_CONFIGS.items()}
     return paths
 
 
@@ -166,6 +144,26 @@ def write_json(result: dict, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2, default=str)
         f.write("\n")
+
+
+DEFAULT_OUTPUT_DIR = "bench_out"  # git-ignored: a run leaves the checkout's status clean
+
+
+def default_output_paths(args, output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR) -> tuple[Path, Path]:
+    """Where a run writes its JSON and markdown when neither ``--output-json`` nor ``--output-md`` is
+    given: ``<output_dir>/<model>-<device>-<local time>.json`` and ``.md`` (a model directory by its
+    last component), a free name (``-2``, ``-3``, ...) where one run already took it."""
+    model = getattr(args, "hf_model", None) or getattr(args, "model", None) or "merge"
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(str(model)).name) or "model"
+    device = str(getattr(args, "device", None) or "auto").replace(":", "")
+    stem = f"{slug}-{device}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    name, n = stem, 1
+    while (folder / f"{name}.json").exists() or (folder / f"{name}.md").exists():
+        n += 1
+        name = f"{stem}-{n}"
+    return folder / f"{name}.json", folder / f"{name}.md"
 
 
 def write_outputs(result: dict, md: str, args) -> None:
@@ -373,11 +371,11 @@ def kernels_markdown(result: dict) -> list[str]:
             "calls the row's wall time less the span is host work. A bs=1 prefill's staging copies and its graph "
             "can fall into separate bursts: then no span, and host until launch plus busy time tell the same.")
     paths = result.get("env", {}).get("kernel_paths", {})
-    if any(paths.get(k) for k in ("decode_pdl", "gemv_pdl", "prefill_pdl")):
+    if any(paths.get(k) for k in ("decode_pdl", "gemv_pdl", "prefill_pdl")):  # gemv_pdl: older runs
         note += (" **PDL was on** (" + ", ".join(k for k in ("decode_pdl", "gemv_pdl", "prefill_pdl") if paths.get(k))
                  + "): a kernel launched with it starts before the one before it ends and waits, and the profiler "
                  "counts the wait, so kernel times overlap and their sum exceeds the step; per-kernel figures "
-                 "need a run with PDL off (TSCOMPILE_DECODE_PDL=0 TSCOMPILE_GEMV_PDL=0 TSCOMPILE_PREFILL_PDL=0).")
+                 "need a run with PDL off (compile_options={\"kernels\": {\"decode_pdl\": False, \"prefill_pdl\": False}}).")
     return ["### Kernels", "", note, "", *[b + "\n" for b in blocks]]
 
 

@@ -13,8 +13,9 @@ Layout (one layer, one cache group):
     seq_lens:   [B] int32             KV length of each request after this forward's writes
     qo_indptr:  [B + 1] int32         query rows of request b are qo_indptr[b]:qo_indptr[b + 1]
     write_loc:  [T] int64             cache slot (page * P + offset) of each new row
-    decode:     every request has exactly one query row (qo_indptr == arange); kernels may take a
-                graph-safe path that never reads the host
+    decode:     every request has the same number N = T / B of query rows (qo_indptr == arange * N):
+                N = 1 is plain decode, N > 1 a speculative verify window; kernels may take a
+                graph-safe path that never reads the host (N comes from the static shapes)
     impl:       which registered kernel runs ("torch", "triton", ...)
 
 Query row ``i`` of request ``b`` sits at position ``seq_lens[b] - q_len_b + i`` and attends causally
@@ -51,6 +52,18 @@ def attention_impls() -> list[str]:
     return sorted(_IMPLS)
 
 
+def decode_width(q: torch.Tensor, page_table: torch.Tensor) -> int:
+    """N, the query rows per request of a decode (verify window) call: ``T / B`` from static shapes.
+    Refuses a row count that is not a whole number of windows."""
+    rows, requests = q.shape[0], page_table.shape[0]
+    if requests == 0:
+        return 1
+    if rows % requests:
+        raise ValueError(f"tscompile: a decode attention call has {rows} query rows for {requests} requests; "
+                         f"every request needs the same window width, so rows must be a multiple of {requests}")
+    return max(rows // requests, 1)
+
+
 def run_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale: float,
                   decode: bool, impl: str) -> None:
     """The op's body, callable without the dispatcher: eager callers (the runtime's attention breaks)
@@ -58,6 +71,8 @@ def run_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indpt
     fn = _IMPLS.get(impl)
     if fn is None:
         raise ValueError(f"tscompile: unknown attention impl {impl!r}; known: {attention_impls()}")
+    if decode:
+        decode_width(q, page_table)
     fn(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode)
     if not decode and q.shape[0] > 0 and impl not in _ZEROES_PADDING:
         # rows past qo_indptr[-1] pad a token bucket: zero them on the device, without a host read
@@ -86,6 +101,8 @@ def attention(
 
 @attention.register_fake
 def _(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, scale, decode, impl):
+    if decode:
+        decode_width(q, page_table)
     return None
 
 
@@ -107,22 +124,31 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _torch_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale) -> None:
-    bs, hq, d = q.shape
+    """Every request has N = T / B query rows (N = 1: plain decode; N > 1: a verify window): row
+    ``i`` of request ``b`` sits at position ``seq_lens[b] - N + i`` and sees positions up to it."""
+    bs = page_table.shape[0]
+    if bs == 0 or q.shape[0] == 0:
+        return
+    t, hq, d = q.shape
+    width = t // bs
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     acc = _acc_dtype(q)
     slots = (page_table.long()[:, :, None] * page_size + torch.arange(page_size, device=q.device))
     slots = slots.reshape(bs, -1)  # [B, S]
     keys = k_cache.view(-1, hkv, d)[slots].to(acc)  # [B, S, Hkv, D]
     vals = v_cache.view(-1, hkv, d)[slots].to(acc)
-    qg = q.to(acc).view(bs, hkv, hq // hkv, d)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys) * scale
-    live = torch.arange(slots.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
-    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    qg = q.to(acc).view(bs, width, hkv, hq // hkv, d)
+    scores = torch.einsum("bnhgd,bshd->bnhgs", qg, keys) * scale
+    positions = torch.arange(slots.shape[1], device=q.device)  # [S]
+    in_len = positions[None, :] < seq_lens[:, None]  # [B, S]
+    q_pos = seq_lens[:, None].long() - width + torch.arange(width, device=q.device)  # [B, N]
+    visible = in_len[:, None, :] & (positions[None, None, :] <= q_pos[:, :, None])  # [B, N, S]
+    scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # seq_len 0 rows: all -inf -> zeros
     # slots past seq_len hold whatever the pool held (maybe NaN): 0 * NaN would leak, so zero them
-    vals = vals.masked_fill(~live[:, :, None, None], 0.0)
-    o = torch.einsum("bhgs,bshd->bhgd", probs, vals)
-    out.copy_(o.reshape(bs, hq, d).to(out.dtype))
+    vals = vals.masked_fill(~in_len[:, :, None, None], 0.0)
+    o = torch.einsum("bnhgs,bshd->bnhgd", probs, vals)
+    out.copy_(o.reshape(t, hq, d).to(out.dtype))
 
 
 def _torch_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale) -> None:

@@ -4,9 +4,10 @@ Three kernels (plus a split combiner), all launched with grids that depend only 
 and none of them reads a tensor value on the host. That makes every path CUDA-graph safe: the
 same launches replay correctly whatever ``seq_lens`` / ``qo_indptr`` / ``page_table`` hold.
 Decode runs the splits (the one holding a request's new position writes its K/V row first) and
-their combine as two launches (``DECODE_WRITE_IN_SPLIT``; off: the KV write as a third launch before
-them). Both give bitwise-identical results (GPU-tested on the H200 at 2 and 4 warps). A third form,
-all of it in one kernel whose last-arriving split combined, was measured slower and removed (below).
+their combine as two launches; ``paged_decode`` without ``new_kv`` (the KV write as a launch of its
+own before them) gives bitwise-identical results (GPU-tested on the H200 at 2 and 4 warps) and is
+what the tests compare against. A third form, all of it in one kernel whose last-arriving split
+combined, was measured slower and removed (below).
 
 Layout (the op contract, see ``custom_ops/attention.py``):
     q:          [T, Hq, D]             float32 / bfloat16 / float16, any strides
@@ -43,15 +44,6 @@ from tscompile.custom_ops.attention import register_attention_impl
 from tscompile.utils import cdiv
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """A 0/1 switch from the environment (A/B runs in fresh processes; unset or empty: the default);
-    anything else is refused, so a typo cannot silently run the other path."""
-    value = os.environ.get(name, "").strip() or ("1" if default else "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"tscompile: {name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -73,36 +65,7 @@ DECODE_MAX_SPLITS = 32
 DECODE_BLOCK_N: int | None = None
 
 
-def decode_warps_override(text: str) -> int | None:
-    """``TSCOMPILE_DECODE_NUM_WARPS``: every decode launch at that many warps (1, 2, 4 or 8), so a
-    GPU bench can A/B the per-shape choice below in the engine; unset or empty: the choice."""
-    text = text.strip()
-    if not text:
-        return None
-    if text not in ("1", "2", "4", "8"):
-        raise ValueError(f"tscompile: TSCOMPILE_DECODE_NUM_WARPS must be 1, 2, 4 or 8, got {text!r}")
-    return int(text)
-
-
-DECODE_NUM_WARPS: int | None = decode_warps_override(os.environ.get("TSCOMPILE_DECODE_NUM_WARPS", ""))
-
-
-def decode_bs1_splits_override(text: str) -> int | None:
-    """``TSCOMPILE_DECODE_BS1_SPLITS``: at most that many splits in a one-request decode launch (1: the
-    split kernel alone writes the output, no combine), so a GPU bench can A/B fewer splits at bs=1;
-    unset or empty: the occupancy rule. Measured on the H200 at 2 splits: slower (llama-8b bs=1
-    4.197 -> 4.389 ms, llama-1b 0.939 -> 1.024; bench/results/gpu-2026-12-03/ call 1), so it is only
-    an A/B switch."""
-    text = text.strip()
-    if not text:
-        return None
-    if not text.isdigit() or not 1 <= int(text) <= DECODE_MAX_SPLITS:
-        raise ValueError(f"tscompile: TSCOMPILE_DECODE_BS1_SPLITS must be a whole number from 1 to "
-                         f"{DECODE_MAX_SPLITS}, got {text!r}")
-    return int(text)
-
-
-DECODE_BS1_SPLITS: int | None = decode_bs1_splits_override(os.environ.get("TSCOMPILE_DECODE_BS1_SPLITS", ""))
+DECODE_NUM_WARPS: int | None = None
 DECODE_NUM_STAGES: int | None = None
 # From the H200 (llama-8b's decode shape: 32 query / 8 KV heads of 128, 576-token contexts in a
 # 2064-position table; bench/results/llama-8b-0d6d148/README.md): scripts/decode_attn_sweep.py found
@@ -123,9 +86,7 @@ DECODE_NUM_STAGES: int | None = None
 # back-to-back processes (call5/), llama-8b bs=64 TPOT went 6.358 -> 6.233 ms. The same sweep's
 # picks below 512 programs (2 warps + 2 stages at bs=8: 13.00 -> 11.73 us; 4 warps + two splits at
 # bs=32: 28.14 -> 26.76) were slower in the engine (bs=8 4.743 -> 4.776 ms, bs=32 5.425 -> 5.468),
-# so the first sweep's launch stays there. TSCOMPILE_DECODE_D128_ONE_SPLIT=0: that launch from 512
-# programs too, for an A/B.
-DECODE_D128_ONE_SPLIT = env_flag("TSCOMPILE_DECODE_D128_ONE_SPLIT", True)
+# so the first sweep's launch stays there.
 DECODE_SHORT_TILE_FROM_PROGRAMS = 64
 DECODE_WARPS_2_FROM_PROGRAMS = 256
 DECODE_WARPS_2_FROM_PROGRAMS_D64 = 64
@@ -134,7 +95,7 @@ DECODE_DEFAULT_TARGET_PROGRAMS = 1024
 
 
 def _one_split_launch(head_dim: int | None, programs: int) -> bool:
-    return head_dim == 128 and DECODE_D128_ONE_SPLIT and programs >= DECODE_ONE_SPLIT_FROM_PROGRAMS_D128
+    return head_dim == 128 and programs >= DECODE_ONE_SPLIT_FROM_PROGRAMS_D128
 
 
 def _decode_block_n(head_dim: int, programs: int) -> int:
@@ -403,7 +364,7 @@ def _decode_split_kernel(
     ``_writer_split`` writes it, then waits for its whole program (a CTA barrier; every thread takes
     the same branch) before its tiles read that slot.
     """
-    if PDL:  # DECODE_PDL: everything below may depend on the kernel before
+    if PDL:  # KernelPolicy.decode_pdl: everything below may depend on the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -507,8 +468,6 @@ def decode_num_splits(max_kv: int, batch: int, num_kv_heads: int, block_n: int, 
     by_length = cdiv(max_kv, _min_split(block_n))
     programs = max(batch * num_kv_heads, 1)
     by_occupancy = cdiv(_decode_target_programs(head_dim, programs), programs)
-    if batch == 1 and DECODE_BS1_SPLITS is not None:
-        by_occupancy = DECODE_BS1_SPLITS
     return max(1, min(by_length, by_occupancy, DECODE_MAX_SPLITS))
 
 
@@ -523,11 +482,12 @@ def _decode_launch(q, k_cache, page_table) -> tuple[int, int, int, int, int, int
             _decode_launch_options(bs, hkv, d))
 
 
-def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=None) -> None:
+def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=None, pdl: bool = False) -> None:
     """One query row per request. q, out: [B, Hq, D]; page_table [B, max_pages]; seq_lens [B].
     Split kernel, then combine kernel; with one split, the split kernel alone (it
     writes ``out`` as the combine would). The K/V write is the caller's, or, with ``new_kv = (k, v,
-    write_loc)``, the split kernel's (``DECODE_WRITE_IN_SPLIT``)."""
+    write_loc)``, the split kernel's. ``pdl``: both launch with programmatic dependent launch where
+    the device has it (``KernelPolicy.decode_pdl``)."""
     bs, hq, d = q.shape
     if new_kv is not None:
         _check_one_row_per_request(bs, *new_kv)
@@ -549,7 +509,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=d, PAGE_SIZE=page_size,
         NUM_HEADS=hq, NUM_SPLITS=num_splits, MIN_SPLIT=_min_split(block_n), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype), WRITE_KV=new_kv is not None,
-        **options, **pdl_launch(q.device, DECODE_PDL),
+        **options, **pdl_launch(q.device, pdl),
     )
     if num_splits == 1:
         return
@@ -560,50 +520,39 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
         **({"num_warps": options["num_warps"]} if "num_warps" in options else {}),
-        **pdl_launch(q.device, DECODE_PDL),
+        **pdl_launch(q.device, pdl),
     )
 
 
 # ----------------------------------------------------------------------------------------------
-# b2. decode switches
+# b2. removed decode forms, and PDL
 
 # A fused decode (the K/V write, the splits and the combine in one launch per layer, the last split of
-# each (request, KV head) to arrive combining its GQA group through an arrival counter) was opt-in
-# from 2026-12-01 to 2026-12-04 and is removed. It was slower in every engine measurement on the H200:
-# llama-1b 14 / 54 / 5 / 12 us per step more than the kernels it replaced at bs 1 / 8 / 32 / 64,
-# llama-8b 51 / 205 / 58 / 35 (bench/results/all-modes-d437502/); with PDL and a one-store group
-# combine, llama-1b TPOT 0.951 -> 0.995 ms at bs=1 and 1.353 -> 1.373 at 32
-# (bench/results/gpu-2026-12-03c/ call 2). And its CUDA-graph replay test failed in 2 of 4 runs on the
-# H200 on the same inputs while the two-launch path passed every time (bench/results/gpu-2026-12-04/):
-# its cross-program combine was not reliably ordered, which the two-launch path does not need.
-# The default: the split kernel writes the new K/V rows and the combine
-# stays a launch of its own, so a layer launches two kernels instead of three (one instead of two
-# with one split) and no program combines alone. It drops the KV-write kernel (37-41 us per llama-8b
-# step, 32 launches; the writes move into the writing splits). Measured on the H200 in one lease
-# (tree 008212b, bench/results/llama-8b-008212b/): llama-8b TPOT 4.630 / 5.553 ms at bs 1 / 32
-# against 4.700 / 5.678 for the three-kernel path, its GPU test bitwise equal to that path.
-# TSCOMPILE_DECODE_WRITE_IN_SPLIT=0 runs the three kernels.
-DECODE_WRITE_IN_SPLIT = env_flag("TSCOMPILE_DECODE_WRITE_IN_SPLIT", True)
-
-# TSCOMPILE_DECODE_PDL (on by default; =0 off): the unfused decode's split and combine kernels launch
-# with programmatic dependent launch, and every CUDA decode graph (every batch size, not only the bs=1
-# graph that TSCOMPILE_GEMV_PDL covers) gets Inductor's ``triton.enable_pdl``
-# (tscompile/piece_compiler.py). Each kernel waits (``gdc_wait``) before it reads or writes anything and
-# lets the next kernel be scheduled (``gdc_launch_dependents``) right after: these launches are a few
-# dozen programs, so the next kernel's programs can be resident and waiting while they run. On one
+# each (request, KV head) to arrive combining its GQA group through an arrival counter) was slower in
+# every engine measurement on the H200: llama-1b 14 / 54 / 5 / 12 us per step more than the kernels it
+# replaced at bs 1 / 8 / 32 / 64, llama-8b 51 / 205 / 58 / 35 (bench/results/all-modes-d437502/); and
+# its CUDA-graph replay test failed in 2 of 4 runs on the H200 on the same inputs while the two-launch
+# path passed every time (bench/results/gpu-2026-12-04/). So the split kernel writes the new K/V rows
+# and the combine stays a launch of its own: two kernels per layer instead of three (one with one
+# split). The three-launch form (the KV write first) measured slower too: llama-8b TPOT 4.700 / 5.678
+# ms at bs 1 / 32 against 4.630 / 5.553 (bench/results/llama-8b-008212b/); it remains only as
+# ``paged_decode`` without ``new_kv``, the tests' reference. Capping a one-request launch's splits
+# measured slower as well (llama-8b bs=1 4.197 -> 4.389 ms at 2 splits, bench/results/gpu-2026-12-03/).
+#
+# PDL (``KernelPolicy.decode_pdl``, on by default): the split and combine kernels launch with
+# programmatic dependent launch, and every CUDA decode graph gets Inductor's ``triton.enable_pdl``
+# (tscompile/piece_compiler.py). Each kernel waits (``gdc_wait``) before it reads or writes anything
+# and lets the next kernel be scheduled (``gdc_launch_dependents``) right after: these launches are a
+# few dozen programs, so the next kernel's programs can be resident and waiting while they run. On one
 # H200 machine in one lease (bench/results/same-lease-8285f4f/): llama-8b TPOT 4.299 -> 4.182 ms at
 # bs=1 and 5.627 -> 5.444 at bs=32; llama-1b 0.974 -> 0.948 (bs 1), 1.191 -> 1.181 (8),
 # 1.398 -> 1.383 (32), 1.676 -> 1.673 (64); its GPU test bitwise equal to the plain launches.
 # Kernel tables profiled under PDL count a waiting kernel's time too, so their sums exceed the step.
-DECODE_PDL = env_flag("TSCOMPILE_DECODE_PDL", True)
-# TSCOMPILE_PREFILL_PDL=1 (opt-in; on the H200 correct but no faster: llama-1b 1.40 vs 1.40 ms at 32
-# tokens, 1.58 vs 1.54 at 128, bench/results/same-lease-ec654af/): the same for prefill steps: the
-# dense extend kernel launches with PDL and the pieces of a split (prefill) graph get Inductor's PDL,
-# so most of a 32-token step's ~170 (llama-1b) to ~360 (llama-8b) kernels may be scheduled while the
-# one before ends. cuBLAS and the other kernels between pieces (the KV write of other head dims, FlashInfer's)
-# launch without it, which is safe: a PDL kernel waits for the whole kernel before it, whatever
-# launched that one.
-PREFILL_PDL = env_flag("TSCOMPILE_PREFILL_PDL", False)
+# ``KernelPolicy.prefill_pdl`` (off by default; on the H200 correct but no faster: llama-1b 1.40 vs
+# 1.40 ms at 32 tokens, 1.58 vs 1.54 at 128, bench/results/same-lease-ec654af/) does the same for
+# prefill steps: the dense extend kernel launches with PDL and the pieces of a split (prefill) graph
+# get Inductor's PDL. cuBLAS and the other kernels between pieces launch without it, which is safe: a
+# PDL kernel waits for the whole kernel before it, whatever launched that one.
 
 
 @functools.lru_cache(maxsize=None)
@@ -834,6 +783,16 @@ FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 _dense_extend = None  # set by register_dense_extend (triton_extend builds on this module's helpers)
 
 
+_verify_attention = None  # set by register_verify_attention (triton_verify builds on this module's helpers)
+
+
+def register_verify_attention(fn) -> None:
+    """Called by custom_ops/triton_verify.py on import: the kernel of a decode with N > 1 rows per
+    request (a speculative verify window)."""
+    global _verify_attention
+    _verify_attention = fn
+
+
 def register_dense_extend(fn) -> None:
     """Called by custom_ops/triton_extend.py on import: the kernel FAST_EXTEND_HEAD_DIMS selects."""
     global _dense_extend
@@ -841,31 +800,48 @@ def register_dense_extend(fn) -> None:
 
 
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
-                     scale, decode) -> None:
+                     scale, decode, *, decode_pdl: bool = True, prefill_pdl: bool = False) -> None:
     """``tscompile::attention`` with Triton kernels: write the new K/V rows, then attend (decode:
-    split-KV + combine, the splits writing the new rows unless ``DECODE_WRITE_IN_SPLIT`` is off;
-    otherwise ragged causal extend, which also zeroes the rows past ``qo_indptr[-1]``). Never
-    syncs with the host.
+    split-KV + combine, the splits writing the new rows; otherwise ragged causal extend, which also
+    zeroes the rows past ``qo_indptr[-1]``). Never syncs with the host. ``decode_pdl`` /
+    ``prefill_pdl``: the decode / dense extend kernels launch with PDL (``attention_impl_name``).
 
     The dense extend kernel writes the new K/V rows itself (it reads them from ``k``/``v``, never
     from the cache), so that path launches one kernel per layer; the paged one reads them from the
     cache and needs ``write_kv`` first."""
     _check_inputs(q, k, v, k_cache, v_cache, out)
-    if decode and DECODE_WRITE_IN_SPLIT:
-        paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc))
-    elif decode:
+    if decode and q.shape[0] != page_table.shape[0]:  # a verify window: N > 1 rows per request
+        if _verify_attention is None:
+            raise RuntimeError("tscompile: a decode with several rows per request needs the verify kernel, but "
+                               "tscompile.custom_ops.triton_verify was never imported")
         write_kv(k, v, k_cache, v_cache, write_loc)
-        paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+        _verify_attention(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+    elif decode:
+        paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc), pdl=decode_pdl)
     elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
         if _dense_extend is None:
             raise RuntimeError("tscompile: FAST_EXTEND_HEAD_DIMS selects the dense extend kernel, but "
                                "tscompile.custom_ops.triton_extend was never imported")
         _dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale,
-                      write_loc=write_loc, zero_padding=True)
+                      write_loc=write_loc, zero_padding=True, pdl=prefill_pdl)
     else:
         write_kv(k, v, k_cache, v_cache, write_loc)
         paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, zero_padding=True)
 
 
+def attention_impl_name(decode_pdl: bool = True, prefill_pdl: bool = False) -> str:
+    """The ``tscompile::attention`` impl that runs these kernels with PDL as asked (``KernelPolicy``'s
+    ``decode_pdl`` / ``prefill_pdl``): "triton" for the defaults, else "triton/" and the fields that
+    differ ("triton/decode_pdl=0,prefill_pdl=1"). The name is the op's argument, so a graph or an
+    exported program records which launches it makes; every name is registered on import."""
+    changed = [f"{name}={int(value)}" for name, value, default in
+               (("decode_pdl", decode_pdl, True), ("prefill_pdl", prefill_pdl, False)) if value != default]
+    return "triton" + ("/" + ",".join(changed) if changed else "")
+
+
 # the extend kernels zero the padding rows themselves: run_attention adds no masked_fill_
-register_attention_impl("triton", triton_attention, zeroes_padding=True)
+for _decode_pdl in (True, False):
+    for _prefill_pdl in (True, False):
+        register_attention_impl(attention_impl_name(_decode_pdl, _prefill_pdl),
+                                functools.partial(triton_attention, decode_pdl=_decode_pdl, prefill_pdl=_prefill_pdl),
+                                zeroes_padding=True)

@@ -35,14 +35,11 @@ this one for the head dims measured faster on the H200 (64 and 128), the paged o
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from tscompile.custom_ops import triton_attention
 from tscompile.custom_ops.triton_attention import (
-    FAST_EXTEND_HEAD_DIMS, _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows,
+    _attend_paged_tile, _dot_fp32, _dot_precision, _extend_block, _next_pow2, _padding_rows,
     check_supported, pdl_launch, register_dense_extend, write_kv,
 )
 
@@ -142,7 +139,7 @@ def _extend_dense_kernel(
 ):
     """Grid ((cdiv(T, BLOCK_M) + B) * Hkv,): program pid handles query block pid // Hkv of the
     concatenated requests for KV head pid % Hkv, or, past the last query block, BLOCK_M padding
-    rows (``_extend_block``). See the module docstring. ``PDL`` (TSCOMPILE_PREFILL_PDL): wait for the
+    rows (``_extend_block``). See the module docstring. ``PDL`` (``KernelPolicy.prefill_pdl``): wait for the
     kernel before this one before reading anything, then let the next one be scheduled."""
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -260,33 +257,6 @@ def _check_config(config, head_dim: int) -> None:
         )
 
 
-def parse_config_overrides(text: str) -> dict[int, tuple[int, int, int, int]]:
-    """``TSCOMPILE_EXTEND_CONFIG``: "HEAD_DIM:rows,keys,warps,stages", several joined by ";" (e.g.
-    "128:128,64,8,3"), each replacing that head_dim's configuration for every step shape. It exists so
-    that a GPU bench can A/B a launch configuration inside the engine, where the kernel's time differs
-    from the sweeps' (bench/results/llama-8b-008212b/: 130.7 us per llama-8b layer in the engine,
-    113.6 among MLP matmuls in scripts/extend_in_context.py)."""
-    overrides: dict[int, tuple[int, int, int, int]] = {}
-    for item in filter(None, (part.strip() for part in text.split(";"))):
-        head, sep, values = item.partition(":")
-        try:
-            head_dim, config = int(head), tuple(int(v) for v in values.split(","))
-        except ValueError:
-            config = ()
-        if not sep or len(config) != 4:
-            raise ValueError(f"tscompile: TSCOMPILE_EXTEND_CONFIG entry {item!r} is not "
-                             "HEAD_DIM:rows,keys,warps,stages (e.g. 128:128,64,8,3)")
-        if head_dim not in FAST_EXTEND_HEAD_DIMS:  # the paged kernel runs those: the entry would do nothing
-            raise ValueError(f"tscompile: TSCOMPILE_EXTEND_CONFIG entry {item!r}: head_dim {head_dim} does not run "
-                             f"the dense extend kernel (it runs for head_dim {sorted(FAST_EXTEND_HEAD_DIMS)})")
-        _check_config(config, head_dim)
-        overrides[head_dim] = config
-    return overrides
-
-
-EXTEND_CONFIG_OVERRIDES = parse_config_overrides(os.environ.get("TSCOMPILE_EXTEND_CONFIG", ""))
-
-
 def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: bool = False,
                         tokens: int = 0, requests: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M query positions, BLOCK_N keys, warps, stages); ``config`` overrides the tables, which
@@ -296,7 +266,7 @@ def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: b
     tile sides and keep at most 2 stages, so the doubled bytes still fit in shared memory (a 128 x
     128 tile at head_dim 128 with 3 stages would need ~450 KB in float32)."""
     if config is None:
-        config = EXTEND_CONFIG_OVERRIDES.get(head_dim) or EXTEND_DENSE_SHAPE_CONFIGS.get(
+        config = EXTEND_DENSE_SHAPE_CONFIGS.get(
             (head_dim, extend_shape(tokens, requests)), EXTEND_DENSE_CONFIGS[head_dim])
     config = tuple(config)
     _check_config(config, head_dim)
@@ -307,7 +277,7 @@ def extend_dense_config(head_dim: int, group_pad: int, config=None, four_byte: b
 
 
 def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, config=None, *,
-                 write_loc=None, zero_padding: bool = False) -> None:
+                 write_loc=None, zero_padding: bool = False, pdl: bool = False) -> None:
     """Ragged causal attention of ``q [T, Hq, D]`` into ``out``: each request's cached prefix from
     the paged cache, its new rows from ``k``/``v [T, Hkv, D]`` (any strides). The new rows need not
     be in the cache yet. ``config`` = (rows, block_n, warps, stages) overrides
@@ -315,7 +285,8 @@ def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr
 
     ``write_loc [T] int64``: also write every new row (padding rows included) to its cache slot, as
     ``triton_attention.write_kv`` would, inside this one launch. ``zero_padding``: rows past
-    ``qo_indptr[-1]`` get zeros; without it they are not written."""
+    ``qo_indptr[-1]`` get zeros; without it they are not written. ``pdl``: launch with programmatic
+    dependent launch where the device has it (``KernelPolicy.prefill_pdl``)."""
     t, hq, d = q.shape
     b = page_table.shape[0]
     if t == 0 or b == 0:
@@ -348,7 +319,7 @@ def dense_extend(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr
         BLOCK_M=block_m, ROWS=block_m * group_pad, BLOCK_N=block_n, REQS_PAD=max(_next_pow2(b), 2),
         DOT_PRECISION=_dot_precision(q.dtype), DOT_FP32=_dot_fp32(q.dtype),
         WRITE_KV=write_loc is not None, ZERO_PADDING=zero_padding,
-        num_warps=warps, num_stages=stages, **pdl_launch(q.device, triton_attention.PREFILL_PDL),
+        num_warps=warps, num_stages=stages, **pdl_launch(q.device, pdl),
     )
 
 

@@ -35,31 +35,24 @@ stores it ([N, K], K contiguous):
       gained (bench/results/same-lease-ec654af/call1/gemv_sweep.json). The counters are one buffer
       per device: calls on two streams at once must not both use it (the engine runs one stream).
 
-Fusions for the bs=1 decode step (``gemv``'s keywords, TSCOMPILE_DECODE_GEMV_FUSE): an RMSNorm
-prologue (the products use x * norm weight, and the sum is scaled once by the row's rsqrt(mean(x^2)
-+ eps), whose sum of squares comes from the x loads the kernel makes anyway), a SiLU-mul prologue (x
-is [gate | up]) and a residual epilogue. They remove the small Inductor kernels between projections.
-
 Graph-safe: the grid and the split layout come from shapes only, nothing reads device memory on
 the host, and the partial buffer is an ordinary allocation (from the graph's pool when captured).
 Accumulation is float32 for every input dtype; float32 inputs use IEEE products.
 
-Wired into the model by ``TSCOMPILE_DECODE_GEMV`` (on by default, on the GPUs its table was timed
-on) and the opt-in ``TSCOMPILE_PREFILL_GEMV`` (below, and passes/decode_gemv.py,
-passes/prefill_gemv.py); ``scripts/gemv_sweep.py`` times it against cuBLAS.
+Wired into the model by the decode GEMV pass (``KernelPolicy.decode_gemv``, passes/decode_gemv.py)
+and the few-row swap of the decode batch graphs (``KernelPolicy.batch_gemv``, passes/batch_gemv.py),
+each acting only on the GPUs its launch table was timed on (``gemv_tables_apply``);
+``scripts/gemv_sweep.py`` times it against cuBLAS.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, env_flag, pdl_launch
+from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, pdl_launch
 
 # Beyond this a step is a GEMM, not a skinny matmul: the weight tile's reuse across rows pays for a
 # real GEMM's tiling. 17-32 rows run the "dot" mode with a [BLOCK_N, 32] accumulator: the 32-token
@@ -84,18 +77,6 @@ DEFAULT_TILES: dict[int, tuple[int, int, int, int, str]] = {
     1: (8, 512, 4, 2, "fma"), 2: (8, 512, 4, 2, "fma"), 4: (16, 256, 4, 2, "fma"),
     8: (64, 128, 4, 4, "dot"), 16: (64, 128, 4, 4, "dot"), 32: (64, 128, 4, 4, "dot"),
 }
-# Full configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, mode) for one weight shape
-# (N, K), taking precedence over DEFAULT_TILES and the automatic split; filled from the sweep.
-SHAPE_CONFIGS: dict[tuple[int, int], tuple] = {}
-
-
-@triton.jit
-def _swiglu(gate, up):
-    """silu(gate) * up as the model computes ``F.silu(gate) * up`` in gate's dtype: silu in float32,
-    rounded, times up, rounded (no rounding at all in float32)."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
@@ -109,48 +90,30 @@ def _acc_weights(w_rows, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _acc_chunk(acc3, ss, w, x_rows, g_ptr, k, K, EVEN_K: tl.constexpr, RMS: tl.constexpr,
-               SWIGLU: tl.constexpr):
-    """One K chunk of the "acc" mode: x's [M_PAD, 1, BLOCK_K] chunk (through the fused prologues)
-    times the loaded weights, added elementwise into the float32 products ``acc3``."""
+def _acc_chunk(acc3, w, x_rows, k, K, EVEN_K: tl.constexpr):
+    """One K chunk of the "acc" mode: x's [M_PAD, 1, BLOCK_K] chunk times the loaded weights, added
+    elementwise into the float32 products ``acc3``."""
     x_ptrs = x_rows[:, None, None] + k[None, None, :]
     if EVEN_K:
         x = tl.load(x_ptrs, eviction_policy="evict_last")
-        if SWIGLU:
-            x = _swiglu(x, tl.load(x_ptrs + K, eviction_policy="evict_last"))
     else:
         x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0, eviction_policy="evict_last")
-        if SWIGLU:
-            x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, None, :], other=0.0,
-                                   eviction_policy="evict_last"))
-    xf = x.to(tl.float32)
-    if RMS:
-        ss += tl.sum(xf * xf, axis=2)
-        xf = xf * tl.load(g_ptr + k[None, None, :], mask=(k < K)[None, None, :], other=0.0).to(tl.float32)
-    return acc3 + xf * w.to(tl.float32), ss
+    return acc3 + x.to(tl.float32) * w.to(tl.float32)
 
 
 # M is not specialised: M == 1 would otherwise compile its own variant of every "dot" config
 # (which pads M to 16 anyway) and double the sweep's compiles for no gain.
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, g_ptr, r_ptr, M, N, K, k_per_split, eps,
-    stride_xm, stride_wn, stride_os, stride_om, stride_on, stride_rm, stride_rn,
+    x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_os, stride_om, stride_on,
     fin_ptr, count_ptr, stride_fm, stride_fn,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC: tl.constexpr,
-    RMS: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    PEEL: tl.constexpr = False, PDL: tl.constexpr = False, LAST_SUMS: tl.constexpr = False,
+    PDL: tl.constexpr = False, LAST_SUMS: tl.constexpr = False,
 ):
     """Program (column block, K range): the float32 sum over its K range for its BLOCK_N columns
     and all M rows, stored to ``out`` at split ``program_id(1)`` (stride_os = 0 without split).
-
-    RMS (one K range per program): x is RMS-normalised first, times the norm weight ``g``: the
-    products use ``x * g`` and the sum is scaled once at the end by rsqrt(mean(x^2) + eps), whose
-    sum of squares is gathered from the same x loads. RESIDUAL (one K range): ``r`` is added to the
-    rounded product before the store (the model's rounding: the product, then the sum). SWIGLU: x
-    holds [gate | up], 2K wide, and the products use silu(gate) * up, rounded as the model rounds
-    them (``_swiglu``).
 
     LAST_SUMS (the "_sum" modes, split K): after storing its partial, each program counts itself in at
     ``count_ptr[pid_n]``; the last of the column block's splits to arrive sums the partials in split
@@ -169,25 +132,13 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-        ss = tl.zeros([M_PAD], dtype=tl.float32)
     elif ACC:  # products of every chunk summed elementwise, reduced across K once after the loop
         acc3 = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        ss = tl.zeros([M_PAD, 1], dtype=tl.float32)
     else:
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-        ss = tl.zeros([M_PAD, 1], dtype=tl.float32)
-    k_start = k_lo
-    if ACC and PEEL:
-        # The first chunk's weights do not depend on the kernel before this one: with PDL this
-        # program may start while that kernel still runs, so their loads go out before the wait.
-        w = _acc_weights(w_rows, k_lo + kk, K, EVEN_K)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # what the kernel before wrote (x, the residual) is visible now
-        acc3, ss = _acc_chunk(acc3, ss, w, x_rows, g_ptr, k_lo + kk, K, EVEN_K, RMS, SWIGLU)
-        k_start = k_lo + BLOCK_K
-    elif PDL:
-        tl.extra.cuda.gdc_wait()
-    for k0 in range(k_start, k_hi, BLOCK_K):
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # what the kernel before wrote (x) is visible from here on
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         if USE_DOT:
             w_ptrs = w_rows[:, None] + k[None, :]  # [BLOCK_N, BLOCK_K]
@@ -195,25 +146,15 @@ def _gemv_kernel(
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 x = tl.load(x_ptrs)
-                if SWIGLU:
-                    x = _swiglu(x, tl.load(x_ptrs + K))
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=(k < K)[None, :], other=0.0)
-                if SWIGLU:
-                    x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, :], other=0.0))
-            if RMS:
-                xf = x.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
-                g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                x = (xf * g[None, :]).to(x.dtype)
             if DOT_FP32:
                 w = w.to(tl.float32)
                 x = x.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         elif ACC:
-            w = _acc_weights(w_rows, k, K, EVEN_K)
-            acc3, ss = _acc_chunk(acc3, ss, w, x_rows, g_ptr, k, K, EVEN_K, RMS, SWIGLU)
+            acc3 = _acc_chunk(acc3, _acc_weights(w_rows, k, K, EVEN_K), x_rows, k, K, EVEN_K)
         else:
             # 3-D pointers pin the layout: a thread's weight elements meet every row of x it
             # needs inside the thread, so the M products per weight element need no shuffles.
@@ -222,44 +163,26 @@ def _gemv_kernel(
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 x = tl.load(x_ptrs)
-                if SWIGLU:
-                    x = _swiglu(x, tl.load(x_ptrs + K))
             else:
                 w = tl.load(w_ptrs, mask=(k < K)[None, None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=(k < K)[None, None, :], other=0.0)
-                if SWIGLU:
-                    x = _swiglu(x, tl.load(x_ptrs + K, mask=(k < K)[None, None, :], other=0.0))
-            xf = x.to(tl.float32)
-            if RMS:
-                ss += tl.sum(xf * xf, axis=2)
-                xf = xf * tl.load(g_ptr + k[None, None, :], mask=(k < K)[None, None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(xf * w.to(tl.float32), axis=2)
+            acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # every load is issued: the next kernel may start
     if ACC:
         acc = tl.sum(acc3, axis=2)
     out_base = out_ptr + pid_k * stride_os
     if USE_DOT:
-        if RMS:
-            acc = acc * tl.rsqrt(ss / K + eps)[None, :]
         live = (m < M)[None, :] & (n < N)[:, None]
-        val = acc.to(out_ptr.dtype.element_ty)
-        if RESIDUAL:
-            r = tl.load(r_ptr + m[None, :] * stride_rm + n[:, None] * stride_rn, mask=live, other=0.0)
-            val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_base + m[None, :] * stride_om + n[:, None] * stride_on, val, mask=live)
+        tl.store(out_base + m[None, :] * stride_om + n[:, None] * stride_on, acc.to(out_ptr.dtype.element_ty),
+                 mask=live)
         if LAST_SUMS:  # out is the float32 partials here
             _sum_if_last(out_ptr, fin_ptr, count_ptr + pid_n, m[None, :] * stride_om + n[:, None] * stride_on,
                          m[None, :] * stride_fm + n[:, None] * stride_fn, live, stride_os)
     else:
-        if RMS:
-            acc = acc * tl.rsqrt(ss / K + eps)
         live = (m < M)[:, None] & (n < N)[None, :]
-        val = acc.to(out_ptr.dtype.element_ty)
-        if RESIDUAL:
-            r = tl.load(r_ptr + m[:, None] * stride_rm + n[None, :] * stride_rn, mask=live, other=0.0)
-            val = (val.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_base + m[:, None] * stride_om + n[None, :] * stride_on, val, mask=live)
+        tl.store(out_base + m[:, None] * stride_om + n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+                 mask=live)
         if LAST_SUMS:
             _sum_if_last(out_ptr, fin_ptr, count_ptr + pid_n, m[:, None] * stride_om + n[None, :] * stride_on,
                          m[:, None] * stride_fm + n[None, :] * stride_fn, live, stride_os)
@@ -372,10 +295,8 @@ def check_config(config) -> tuple[int, int, int, int, int, str]:
 
 
 def default_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, str]:
-    """SHAPE_CONFIGS[(n, k)] if present, else DEFAULT_TILES for M's power-of-two bucket with the
-    automatic split-K."""
-    if (n, k) in SHAPE_CONFIGS:
-        return check_config(SHAPE_CONFIGS[(n, k)])
+    """DEFAULT_TILES for M's power-of-two bucket with the automatic split-K (the passes' calls run
+    at their tables' launches instead)."""
     block_n, block_k, warps, stages, mode = DEFAULT_TILES[min(_next_pow2(max(m, 1)), MAX_ROWS)]
     return block_n, block_k, auto_split(n, k, block_n, block_k), warps, stages, mode
 
@@ -408,78 +329,22 @@ def _check_inputs(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) ->
             raise ValueError(f"tscompile: gemv out must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
 
 
-def _check_fusions(x: torch.Tensor, k: int, n: int, norm_weight: torch.Tensor | None, eps: float,
-                   residual: torch.Tensor | None) -> None:
-    m = x.shape[0]
-    if norm_weight is not None:
-        if not isinstance(norm_weight, torch.Tensor) or norm_weight.dim() != 1 or norm_weight.shape[0] != k \
-                or not norm_weight.is_floating_point() or norm_weight.device != x.device:
-            got = (tuple(norm_weight.shape), norm_weight.dtype) if isinstance(norm_weight, torch.Tensor) else norm_weight
-            raise ValueError(f"tscompile: gemv norm_weight must be a 1-D floating tensor of K = {k} entries on "
-                             f"{x.device}; got {got}")
-        if norm_weight.stride(0) != 1 and k > 1:
-            raise ValueError("tscompile: gemv norm_weight must be contiguous")
-        if not (isinstance(eps, float) and eps >= 0.0):
-            raise ValueError(f"tscompile: gemv eps must be a float >= 0; got {eps!r}")
-    if residual is not None:
-        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (m, n) or residual.dtype != x.dtype \
-                or residual.device != x.device:
-            got = (tuple(residual.shape), residual.dtype) if isinstance(residual, torch.Tensor) else residual
-            raise ValueError(f"tscompile: gemv residual must be a {(m, n)} {x.dtype} tensor on {x.device}; got {got}")
-
-
-# TSCOMPILE_GEMV_PDL (on by default; =0 off): the GEMV passes' calls launch the kernel with
-# programmatic dependent launch on Hopper and later wherever their graph's Inductor kernels have
-# ``triton.enable_pdl``, and the engine's bs=1 decode graph gets it (tscompile/piece_compiler.py), so
-# each kernel of the step may be scheduled while the one before it finishes and waits (``gdc_wait``)
-# only before it touches what that one wrote. Measured on the H200, both on, one machine, bs=1 TPOT:
-# llama-8b 4.362 -> 4.325 ms, llama-1b 0.999 -> 0.971 (bench/results/same-lease-6acce99/); either one
-# alone was slower.
-GEMV_PDL = env_flag("TSCOMPILE_GEMV_PDL", True)
-# TSCOMPILE_GEMV_PEEL=1: the "acc" mode's first weight chunk is loaded before the PDL wait (it does not
-# depend on the kernel before). Off: it made llama-8b's bs=1 step slower (4.420 ms with PDL against
-# 4.325 without the peel, same machine), llama-1b's no faster (0.968 against 0.971).
-GEMV_PEEL = env_flag("TSCOMPILE_GEMV_PEEL", False)
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, config=None, *,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
+         pdl: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T`` into ``out [M, N]`` (allocated if None; any strides) and return it.
 
     M <= MAX_ROWS; x and w of one dtype among bf16/fp16/fp32, contiguous along K. ``config`` =
     (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, mode]) overrides ``default_config`` (for the
-    sweep); SPLIT_K is reduced where K has fewer BLOCK_K chunks than splits.
-
-    Fused, for the decode step's projections: ``norm_weight`` [K] (with ``eps``) computes
-    ``rms_norm(x) * norm_weight @ w.T`` (the RMSNorm in float32, never rounded to x's dtype before
-    the products); ``residual`` [M, N] computes ``round(x @ w.T) + residual``; ``swiglu``: x is
-    [M, 2K], gate then up, and the product is ``(silu(gate) * up) @ w.T`` (the down projection's
-    input, never written). A norm or a residual runs the whole K in one program (SPLIT_K 1): the
-    norm needs every x of a row, and a split's partials would need the residual in the reduce.
-    ``pdl``: launch with programmatic dependent launch where available (``GEMV_PDL``)."""
-    if swiglu:
-        if norm_weight is not None:
-            raise ValueError("tscompile: gemv takes a norm_weight or swiglu, not both")
-        if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
-            if x.shape[1] != 2 * w.shape[1]:
-                raise ValueError(f"tscompile: gemv swiglu needs x [M, 2K] = [gate | up] for w [N, K]; got x "
-                                 f"{tuple(x.shape)}, w {tuple(w.shape)}")
-            _check_inputs(x[:, :w.shape[1]], w, out)  # the gate half: the same rules as a plain x
-        else:
-            _check_inputs(x, w, out)
-    else:
-        _check_inputs(x, w, out)
+    sweep); SPLIT_K is reduced where K has fewer BLOCK_K chunks than splits. ``pdl``: launch with
+    programmatic dependent launch where available (a graph whose Inductor kernels launch with it)."""
+    _check_inputs(x, w, out)
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    _check_fusions(x, k, n, norm_weight, eps, residual)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     block_n, block_k, split_k, warps, stages, mode = (
         default_config(m, n, k) if config is None else check_config(config))
-    if norm_weight is not None or residual is not None:
-        split_k = 1
     splits, per_split = split_layout(k, block_k, split_k)
     mode, sums_in_kernel = mode.removesuffix("_sum"), mode.endswith("_sum")
     use_dot = mode == "dot"
@@ -490,17 +355,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
     precision = "ieee" if x.dtype == torch.float32 or dot_fp32 else "tf32"  # ignored for 16-bit
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     stride_os, stride_om, stride_on = (0, *out.stride()) if splits == 1 else target.stride()
-    stride_rm, stride_rn = residual.stride() if residual is not None else (0, 0)
     _gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        x, w, target, x if norm_weight is None else norm_weight, x if residual is None else residual,
-        m, n, k, per_split, float(eps),
-        x.stride(0), w.stride(0), stride_os, stride_om, stride_on, stride_rm, stride_rn,
+        x, w, target, m, n, k, per_split,
+        x.stride(0), w.stride(0), stride_os, stride_om, stride_on,
         out, x if counters is None else counters, *(out.stride() if counters is not None else (0, 0)),
         M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         USE_DOT=use_dot, DOT_FP32=dot_fp32, DOT_PRECISION=precision, ACC=mode == "acc",
-        RMS=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=bool(swiglu),
-        PEEL=GEMV_PEEL and mode == "acc", LAST_SUMS=counters is not None,
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
+        LAST_SUMS=counters is not None, num_warps=warps, num_stages=stages, **pdl_launch(x.device, pdl),
     )
     if splits > 1 and counters is None:
         _sum_splits_kernel[(triton.cdiv(n, SUM_BLOCK), m)](
@@ -510,33 +371,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 
 
 # -- the decode graph's one-row projections -------------------------------------------------------
-# On by default (TSCOMPILE_DECODE_GEMV=0 turns it off): the engine's bs=1 decode graph on CUDA runs
-# the one-row matmuls whose weight shape has an entry below through ``tscompile::gemv``
+# With ``KernelPolicy.decode_gemv`` (on by default) the engine's bs=1 decode graph on CUDA runs the
+# one-row matmuls whose weight shape has an entry below through ``tscompile::gemv``
 # (passes/decode_gemv.py) instead of cuBLAS; other shapes stay cuBLAS. The launches are the picks of
 # one sweep on the H200 (scripts/gemv_sweep.py, bench/results/same-lease-ada2650/call1/gemv_sweep.json:
 # each beat cuBLAS's best by TABLE_MIN_SPEEDUP or more at M = 1), so the pass acts only on a GPU named
-# in DECODE_GEMV_DEVICES; elsewhere it swaps nothing unless TSCOMPILE_GEMV_TABLE names a sweep made on
-# that GPU. In the engine, same lease, bf16, bs=1 TPOT: llama-8b 4.542 -> 4.316 ms, llama-1b 1.100 ->
-# 0.993 ms (bench/results/same-lease-ada2650/). The launches are for one row (the accumulator holds
-# M x BLOCK_N x BLOCK_K products): the pass swaps one-row matmuls only. With coordinate-descent
-# tuning on, Inductor turns one-row matmuls into its own reductions before the pass runs, so the
-# pass then finds none.
-
-# TSCOMPILE_GEMV_TABLE=sweep.json (with TSCOMPILE_DECODE_GEMV, TSCOMPILE_PREFILL_GEMV or TSCOMPILE_BATCH_GEMV on) replaces
-# the tables with a sweep's picks (``decode_table_from_sweep``, ``prefill_table_from_sweep``), so one GPU
-# call can sweep and then run the engine on what it found, on any GPU.
-
-DECODE_GEMV = env_flag("TSCOMPILE_DECODE_GEMV", True)
-# TSCOMPILE_DECODE_GEMV_FUSE=1 (opt-in): the pass also moves the residual add before each RMSNorm into
-# the previous projection's kernel (epilogue), the RMSNorm into the next projection's (prologue: the
-# products use x * weight, scaled once by the row's rsqrt(mean(x^2) + eps)) and the SiLU-mul into the
-# down projection's, so the small kernels between projections go. Each is fused only into a listed
-# projection. Measured slower on the H200 (bs=1 TPOT llama-8b 4.317 -> 5.075 ms, llama-1b 0.996 ->
+# in DECODE_GEMV_DEVICES. In the engine, same lease, bf16, bs=1 TPOT: llama-8b 4.542 -> 4.316 ms,
+# llama-1b 1.100 -> 0.993 ms (bench/results/same-lease-ada2650/). The launches are for one row (the
+# accumulator holds M x BLOCK_N x BLOCK_K products): the pass swaps one-row matmuls only. With
+# coordinate-descent tuning on, Inductor turns one-row matmuls into its own reductions before the
+# pass runs, so the pass then finds none.
+#
+# Removed: moving the RMSNorm, the SiLU-mul and the residual add into the kernel (prologues and an
+# epilogue). Measured slower on the H200 (bs=1 TPOT llama-8b 4.317 -> 5.075 ms, llama-1b 0.996 ->
 # 1.035; bench/results/same-lease-6acce99/): the norm prologue's extra loads cost the kernel more than
-# the norm kernel it removes (llama-8b gate/up 56.2 -> 73.3 us, LM head 234 -> 314), and the residual
-# add it moves was already fused into Inductor's norm kernel, so it removed no kernel.
-DECODE_GEMV_FUSE = env_flag("TSCOMPILE_DECODE_GEMV_FUSE", False)
-DECODE_GEMV_DEVICES = ("NVIDIA H200",)  # torch.cuda.get_device_name() of the GPUs the table was timed on
+# the norm kernel it removed. Likewise loading the "acc" mode's first weight chunk before the PDL wait
+# (llama-8b bs=1 4.325 -> 4.420 ms).
+DECODE_GEMV_DEVICES = ("NVIDIA H200",)  # torch.cuda.get_device_name() of the GPUs the tables were timed on
 DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per call, this kernel / cuBLAS
     (3072, 2048): (1, 2048, 1, 8, 1, "acc"),     # llama-1b fused qkv: 6.0 / 6.4
     (2048, 2048): (1, 2048, 1, 8, 1, "acc"),     # llama-1b output: 4.7 / 6.1
@@ -572,70 +423,28 @@ DECODE_TUNED_MATMULS: dict[tuple[int, int], str] = {  # (N, K): "gemv" or "cubla
 TUNED_CHOICES = ("gemv", "cublas")
 
 
-def decode_tuned_matmuls() -> dict[tuple[int, int], str]:
-    """``DECODE_TUNED_MATMULS``, or nothing with TSCOMPILE_GEMV_TABLE: the choices were measured
-    against Inductor's kernels on the H200, and another GPU's sweep says nothing about those there."""
-    return {} if GEMV_TABLE_FILE else DECODE_TUNED_MATMULS
-
-
-# Listed only with TSCOMPILE_DECODE_GEMV_FUSE: a launch at parity with cuBLAS on its own, which the
-# fusion makes worth it (it takes the norm kernel before the projection away).
-DECODE_GEMV_FUSE_ONLY: dict[tuple[int, int], tuple] = {
-    (28672, 4096): (1, 2048, 1, 8, 1, "acc"),    # llama-8b fused gate/up: 54.4 / 54.8
-}
-
-
-def decode_gemv_configs(fuse: bool | None = None) -> dict[tuple[int, int], tuple]:
-    """The decode pass's launch table: ``DECODE_GEMV_CONFIGS``, plus ``DECODE_GEMV_FUSE_ONLY`` with
-    the fusion on (``fuse``, default ``DECODE_GEMV_FUSE``)."""
-    fuse = DECODE_GEMV_FUSE if fuse is None else fuse
-    return {**DECODE_GEMV_FUSE_ONLY, **DECODE_GEMV_CONFIGS} if fuse else DECODE_GEMV_CONFIGS
-
-
-# A fused call's own launch per shape, where it differs from the plain one: empty (the plain launch)
-# until scripts/gemv_fused_sweep.py has timed the fused kernels; TSCOMPILE_GEMV_FUSED_TABLE=its JSON
-# (with the fusion on) takes each shape's best fused launch from it.
-DECODE_GEMV_FUSED_CONFIGS: dict[tuple[int, int], tuple] = {}
-
-
-def decode_gemv_config(shape: tuple[int, int], fused: bool = False) -> tuple | None:
-    """The launch for a one-row matmul of this weight shape: a fused call's own (``fused``) if listed,
-    else ``decode_gemv_configs()[shape]``, without building the merged table (the op asks every call)."""
-    if fused and shape in DECODE_GEMV_FUSED_CONFIGS:
-        return DECODE_GEMV_FUSED_CONFIGS[shape]
-    config = DECODE_GEMV_CONFIGS.get(shape)
-    return DECODE_GEMV_FUSE_ONLY.get(shape) if config is None and DECODE_GEMV_FUSE else config
-
-
-def fused_table_from_sweep(result: dict) -> dict[tuple[int, int], tuple]:
-    """``DECODE_GEMV_FUSED_CONFIGS`` from scripts/gemv_fused_sweep.py's JSON: each shape's best
-    correct fused launch."""
-    return {(int(r["n"]), int(r["k"])): check_config(_launch_of(r["best_fused"]))
-            for r in result["rows"] if r.get("best_fused")}
-
-
-def _launch_of(key: str) -> tuple:
-    """A launch as the sweeps key it, "1,2048,1,8,1,acc", back to (1, 2048, 1, 8, 1, "acc")."""
-    *ints, mode = key.split(",")
-    return (*(int(v) for v in ints), mode)
-
-
-# -- the few-row projections: the decode batch graphs (on) and the prefill pieces (opt-in) ---------
-# One table of launches keyed (M, N, K) serves both swaps (passes/prefill_gemv.py): a matmul whose
-# weight shape is listed runs through ``tscompile::skinny_mm``, which takes this kernel at the listed
-# launch when the step's row count M is listed with the shape, cuBLAS otherwise. Like the decode
-# table, it applies only on a GPU named in DECODE_GEMV_DEVICES, or with TSCOMPILE_GEMV_TABLE (a
-# sweep's picks replace it).
+# -- the few-row projections of the decode batch graphs -------------------------------------------
+# With ``KernelPolicy.batch_gemv`` (on by default) the engine's dynamic-batch decode graph (batch sizes
+# 2..MAX_ROWS; the CUDA graph of each batch size makes the choice once, at capture) runs the matmuls
+# whose weight shape is listed here through ``tscompile::skinny_mm`` (passes/batch_gemv.py), which
+# takes this kernel at the listed launch when the step's row count M is listed with the shape, cuBLAS
+# otherwise. Like the decode table, it applies only on a GPU named in DECODE_GEMV_DEVICES. On the
+# H200, one machine, back-to-back processes, TPOT without -> with (bench/results/gpu-2026-12-03/call3/):
+# llama-1b bs 8 / 32 1.186 -> 1.139 / 1.389 -> 1.355 ms, llama-8b 4.933 -> 4.757 / 5.552 -> 5.469;
+# llama-1b 1.119 -> 1.068 / 1.261 -> 1.214 / 1.324 -> 1.302 at bs 2 / 16 / 24 (gpu-2026-12-03b/ call
+# 4), llama-8b 5.174 -> 5.023 / 5.438 -> 5.380 at bs 16 / 24 (bench/results/gpu-2026-12-03c/call1/).
 #
 # The entries: scripts/gemv_sweep.py on the H200, each the best launch that beat cuBLAS by
-# TABLE_MIN_SPEEDUP or more. At 8 and 32 rows (GEMV_SWEEP_ROWS=8,32, the bench's decode batch sizes
-# and the 32-token prefill; bench/results/gpu-2026-12-03/call3/gemv_sweep.json) every pick is
-# "dot_sum": the two-kernel split lost to split 1, the in-kernel sum wins. At the ladder's other
-# batch sizes 2, 4, 16 and 24 (bench/results/gpu-2026-12-03b/call3/gemv_sweep_rows.json): "dot_sum"
-# again at 16 and 24, the CUDA-core "acc" forms at 2 rows, nothing at 4 (cuBLAS won every shape).
-# Other row counts and shapes (qkv, gate/up, the LM head, llama-1b's o from 4 rows: cuBLAS was as
-# fast or faster) stay cuBLAS.
-PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {  # us per call, this kernel / cuBLAS
+# TABLE_MIN_SPEEDUP or more. At 8 and 32 rows (GEMV_SWEEP_ROWS=8,32, the bench's decode batch sizes;
+# bench/results/gpu-2026-12-03/call3/gemv_sweep.json) every pick is "dot_sum": the two-kernel split
+# lost to split 1, the in-kernel sum wins. At the ladder's other batch sizes 2, 4, 16 and 24
+# (bench/results/gpu-2026-12-03b/call3/gemv_sweep_rows.json): "dot_sum" again at 16 and 24, the
+# CUDA-core "acc" forms at 2 rows, nothing at 4 (cuBLAS won every shape). Other row counts and shapes
+# (qkv, gate/up, the LM head, llama-1b's o from 4 rows: cuBLAS was as fast or faster) stay cuBLAS.
+#
+# Removed: the same swap in the prefill pieces. Its kernels took less device time at 32 tokens, but
+# the step's wall time came out within 1% either way on both models (not shown to pay).
+BATCH_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {  # us per call, this kernel / cuBLAS
     (2, 2048, 2048): (1, 2048, 8, 8, 1, "acc_sum"),    # llama-1b output: 5.9 / 6.0
     (2, 2048, 8192): (1, 2048, 1, 8, 1, "acc"),        # llama-1b down: 12.4 / 13.5
     (8, 2048, 8192): (64, 256, 4, 4, 3, "dot_sum"),    # llama-1b down: 11.9 / 13.6
@@ -651,24 +460,6 @@ PREFILL_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {  # us per call, this
     (32, 4096, 14336): (64, 128, 2, 4, 4, "dot_sum"),  # llama-8b down: 32.9 / 33.6
 }
 
-# TSCOMPILE_BATCH_GEMV (on by default; =0 off): the engine's dynamic-batch decode graph (batch sizes
-# 2..MAX_ROWS; the CUDA graph of each batch size makes the choice once, at capture) takes the table,
-# its kernel launched with PDL where that graph's Inductor kernels are (``GEMV_PDL``). On the H200,
-# one machine, back-to-back processes, TPOT without -> with (bench/results/gpu-2026-12-03/call3/):
-# llama-1b bs 8 / 32 1.186 -> 1.139 / 1.389 -> 1.355 ms, llama-8b 4.933 -> 4.757 / 5.552 -> 5.469.
-# (The earlier "dot" picks gained 0.3-0.5%: same-lease-ec654af/.) The default with the table in the
-# code: the same figures (gpu-2026-12-03b/ call 1), llama-1b 1.119 -> 1.068 / 1.261 -> 1.214 /
-# 1.324 -> 1.302 at bs 2 / 16 / 24 (its call 4), llama-8b 5.174 -> 5.023 / 5.438 -> 5.380 at bs 16 / 24
-# (bench/results/gpu-2026-12-03c/call1/).
-BATCH_GEMV = env_flag("TSCOMPILE_BATCH_GEMV", True)
-# TSCOMPILE_PREFILL_GEMV=1 (opt-in): the pieces of a split (prefill) graph on CUDA take the table too.
-# They are compiled once for every token count (M is symbolic), hence the choice at run time; in a
-# captured whole-step graph it is made once, at capture. With the table above the 32-token prefill's
-# kernels took less device time (llama-8b 4.617 -> 4.559 ms busy, llama-1b 1.050 -> 1.032), but its
-# wall time moved with the host's pre-launch time, which varies by 0.3 ms between processes (llama-8b
-# 5.30 -> 5.47 ms, llama-1b 1.66 -> 1.58; same call): not shown to pay, so it stays opt-in.
-PREFILL_GEMV = env_flag("TSCOMPILE_PREFILL_GEMV", False)
-
 TABLE_MIN_SPEEDUP = 1.02  # a smaller margin over cuBLAS is within run-to-run spread: not worth leaving it
 
 
@@ -682,8 +473,8 @@ def decode_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP
     return table
 
 
-def prefill_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP) -> dict[tuple[int, int, int], tuple]:
-    """``PREFILL_GEMV_CONFIGS`` from a sweep's JSON: per shape and row count 1 < M <= MAX_ROWS
+def batch_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP) -> dict[tuple[int, int, int], tuple]:
+    """``BATCH_GEMV_CONFIGS`` from a sweep's JSON: per shape and row count 1 < M <= MAX_ROWS
     (``best_by_m``), the best correct launch where it beat cuBLAS by ``min_speedup`` or more."""
     table = {}
     for s in result["summary"].values():
@@ -693,46 +484,10 @@ def prefill_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDU
     return table
 
 
-def gemv_tables_from_file(path: str) -> tuple[dict, dict, dict]:
-    """(decode table, its fuse-only additions: the launches at parity with cuBLAS or better, prefill
-    table) of a sweep's JSON, or ValueError('tscompile: ...')."""
-    try:
-        with open(path) as f:
-            result = json.load(f)
-        decode = decode_table_from_sweep(result)
-        at_parity = decode_table_from_sweep(result, min_speedup=1.0)
-        return decode, {k: v for k, v in at_parity.items() if k not in decode}, prefill_table_from_sweep(result)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"tscompile: TSCOMPILE_GEMV_TABLE={path!r} is not a readable scripts/gemv_sweep.py "
-                         f"JSON ({type(e).__name__}: {e})") from None
-
-
-GEMV_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_TABLE", "") if DECODE_GEMV or PREFILL_GEMV or BATCH_GEMV else ""
-if GEMV_TABLE_FILE:  # read only with a pass on: a process that never swaps needs no sweep file
-    DECODE_GEMV_CONFIGS, DECODE_GEMV_FUSE_ONLY, PREFILL_GEMV_CONFIGS = gemv_tables_from_file(GEMV_TABLE_FILE)
-
-
-def fused_table_from_file(path: str) -> dict[tuple[int, int], tuple]:
-    """``fused_table_from_sweep`` of a JSON file, or ValueError('tscompile: ...')."""
-    try:
-        with open(path) as f:
-            return fused_table_from_sweep(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"tscompile: TSCOMPILE_GEMV_FUSED_TABLE={path!r} is not a readable "
-                         f"scripts/gemv_fused_sweep.py JSON ({type(e).__name__}: {e})") from None
-
-
-GEMV_FUSED_TABLE_FILE = os.environ.get("TSCOMPILE_GEMV_FUSED_TABLE", "") if DECODE_GEMV and DECODE_GEMV_FUSE else ""
-if GEMV_FUSED_TABLE_FILE:  # read only with the fusion on, as above
-    DECODE_GEMV_FUSED_CONFIGS = fused_table_from_file(GEMV_FUSED_TABLE_FILE)
-
-
-def gemv_swap_applies(flag: bool, device_name: str) -> bool:
-    """Whether a GEMV swap whose switch is ``flag`` (DECODE_GEMV, BATCH_GEMV or PREFILL_GEMV) acts on a
-    GPU of this ``torch.cuda.get_device_name()``: the switch on, and the tables timed on that GPU or
-    read from a sweep (TSCOMPILE_GEMV_TABLE). A launch tuned on one GPU can lose to cuBLAS on another,
-    so no other GPU gets it unasked."""
-    return flag and (bool(GEMV_TABLE_FILE) or device_name in DECODE_GEMV_DEVICES)
+def gemv_tables_apply(device_name: str) -> bool:
+    """Whether the GEMV launch tables hold for a GPU of this ``torch.cuda.get_device_name()``: they were
+    timed on it. A launch tuned on one GPU can lose to cuBLAS on another, so no other GPU gets them."""
+    return device_name in DECODE_GEMV_DEVICES
 
 
 def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -741,34 +496,29 @@ def _k_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("tscompile::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-            residual: Optional[torch.Tensor] = None, swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T`` through ``gemv`` with ``decode_gemv_configs()``' launch for w's shape
-    (the default one for a shape without an entry); ``norm_weight`` / ``swiglu`` / ``residual``:
-    ``gemv``'s fused RMSNorm or SiLU-mul prologue and residual epilogue; ``pdl``: launched with PDL
-    (the decode pass sets it where the graph's Inductor kernels have it)."""
-    fused = norm_weight is not None or residual is not None or swiglu
-    return gemv(_k_contiguous(x), w, config=decode_gemv_config(tuple(w.shape), fused), norm_weight=norm_weight,
-                eps=eps, residual=residual, swiglu=swiglu, pdl=pdl)
+def gemv_op(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``x [M, K] @ w[N, K].T`` through ``gemv`` at ``DECODE_GEMV_CONFIGS``' launch for w's shape (the
+    default one for a shape without an entry); ``pdl``: launched with PDL (the decode pass sets it
+    where the graph's Inductor kernels have it)."""
+    return gemv(_k_contiguous(x), w, config=DECODE_GEMV_CONFIGS.get(tuple(w.shape)), pdl=pdl)
 
 
 @gemv_op.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0,
-      residual: Optional[torch.Tensor] = None, swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
+def _(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def prefill_gemv_weights() -> set[tuple[int, int]]:
-    """The (N, K) weight shapes ``PREFILL_GEMV_CONFIGS`` lists at some row count."""
-    return {(n, k) for _, n, k in PREFILL_GEMV_CONFIGS}
+def batch_gemv_weights() -> set[tuple[int, int]]:
+    """The (N, K) weight shapes ``BATCH_GEMV_CONFIGS`` lists at some row count."""
+    return {(n, k) for _, n, k in BATCH_GEMV_CONFIGS}
 
 
 @torch.library.custom_op("tscompile::skinny_mm", mutates_args=())
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T``: through ``gemv`` at ``PREFILL_GEMV_CONFIGS``' launch when (M, N, K) is
+    """``x [M, K] @ w[N, K].T``: through ``gemv`` at ``BATCH_GEMV_CONFIGS``' launch when (M, N, K) is
     listed, else ``x @ w.T`` (cuBLAS on CUDA); M is known only now (the graph is compiled for every
-    token or batch count). ``pdl``: the kernel launches with PDL (a graph whose Inductor kernels do)."""
-    config = PREFILL_GEMV_CONFIGS.get((x.shape[0], *w.shape))
+    batch size). ``pdl``: the kernel launches with PDL (a graph whose Inductor kernels do)."""
+    config = BATCH_GEMV_CONFIGS.get((x.shape[0], *w.shape))
     if config is None:
         return x @ w.T
     return gemv(_k_contiguous(x), w, config=config, pdl=pdl)
@@ -777,4 +527,3 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tens
 @skinny_mm.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
-

@@ -9,7 +9,9 @@ static shapes, so it never reads the host and replays the same under a CUDA grap
     page_table_out: [bs, max_pages] int32   mutated; block b -> pages b*r .. b*r+r-1, null block -> 0,
                                             rows >= n -> 0
     seq_lens_out:   [bs] int32              mutated; rows >= n -> 0
-    write_loc_out:  [bs] int64              mutated; slot of position seq_len - 1 (padded rows -> 0)
+    write_loc_out:  [bs * N] int64          mutated; row i * N + j: slot of position seq_len_i - N + j
+                                            (clamped at 0; padded rows -> 0)
+    width:          N, the verify window's query rows per request (1: plain decode)
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ def _refresh_kernel(
     block_tables_ptr, seq_lens_ptr, page_table_out_ptr, seq_lens_out_ptr, write_loc_out_ptr,
     stride_btr, stride_btc, stride_ptr, stride_ptc,
     n, bs, pages_per_block, page_size, max_pages, max_blocks,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, WIDTH: tl.constexpr,
 ):
-    """Grid (cdiv(bs, BLOCK_ROWS),): each program rewrites BLOCK_ROWS rows of all three outputs."""
+    """Grid (cdiv(bs, BLOCK_ROWS),): each program rewrites BLOCK_ROWS requests of all three outputs
+    (WIDTH write slots per request)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_out = rows < bs  # rows that exist in the outputs
     live = rows < n  # rows backed by a live request; the rest are padding
@@ -52,19 +55,21 @@ def _refresh_kernel(
                  page.to(page_table_out_ptr.dtype.element_ty),
                  mask=in_out[:, None] & (cols < max_pages)[None, :])
 
-    # Write slot of the newest token, straight from the block table (same expansion rule).
-    pos = tl.maximum(seq - 1, 0)
-    pcol = pos // page_size
-    bcol = pcol // pages_per_block
-    has_block = live & (bcol < max_blocks) & (pcol < max_pages)
-    block = tl.load(bt_rows + bcol * stride_btc, mask=has_block, other=0)
-    page = tl.where(block > 0, block * pages_per_block + pcol % pages_per_block, 0).to(tl.int64)
-    slot = tl.where(live, page * page_size + pos % page_size, 0)
-    tl.store(write_loc_out_ptr + rows, slot.to(write_loc_out_ptr.dtype.element_ty), mask=in_out)
+    # Write slots of the window's WIDTH tokens, straight from the block table (same expansion rule).
+    for j in range(WIDTH):
+        pos = tl.maximum(seq - WIDTH + j, 0)
+        pcol = pos // page_size
+        bcol = pcol // pages_per_block
+        has_block = live & (bcol < max_blocks) & (pcol < max_pages)
+        block = tl.load(bt_rows + bcol * stride_btc, mask=has_block, other=0)
+        page = tl.where(block > 0, block * pages_per_block + pcol % pages_per_block, 0).to(tl.int64)
+        slot = tl.where(live, page * page_size + pos % page_size, 0)
+        tl.store(write_loc_out_ptr + rows.to(tl.int64) * WIDTH + j, slot.to(write_loc_out_ptr.dtype.element_ty),
+                 mask=in_out)
 
 
 def triton_refresh(block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out, pages_per_block,
-                   page_size) -> None:
+                   page_size, width: int = 1) -> None:
     """Same contract and results as ``torch_refresh``, in one launch."""
     bs, max_pages = page_table_out.shape
     if bs == 0:
@@ -74,7 +79,7 @@ def triton_refresh(block_tables, seq_lens, page_table_out, seq_lens_out, write_l
         block_tables, seq_lens, page_table_out, seq_lens_out, write_loc_out,
         block_tables.stride(0), block_tables.stride(1), page_table_out.stride(0), page_table_out.stride(1),
         n, bs, pages_per_block, page_size, max_pages, block_tables.shape[1],
-        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS,
+        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, WIDTH=width,
     )
 
 

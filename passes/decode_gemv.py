@@ -15,7 +15,7 @@ back, per weight shape, the kernel that beat Inductor's tuned one in the same ru
 fuses into them, to Inductor (``swap_decomposed_matmuls``).
 
 On by default on the GPUs that table was timed on (``piece_compiler`` adds the pass to static CUDA
-graphs only; ``TSCOMPILE_DECODE_GEMV=0`` turns it off). Numerics: float32 accumulation rounded once
+graphs only; ``KernelPolicy.decode_gemv=False`` turns it off). Numerics: float32 accumulation rounded once
 to the output dtype, as cuBLAS does, in another summation order.
 """
 
@@ -28,43 +28,34 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from tscompile.custom_ops import triton_gemv
-from tscompile.passes import matmul_nodes, rms_norm_nodes, silu_mul_nodes
-from tscompile.passes.matmul_nodes import (decomposed_matmul, erase_unused, is_call, swap_matmuls,
-                                          transposed_weight, val_of)
-from tscompile.passes.rms_norm_nodes import match_rms_norm
-from tscompile.passes.silu_mul_nodes import match_silu_mul
+from tscompile.passes import matmul_nodes
+from tscompile.passes.matmul_nodes import decomposed_matmul, erase_unused, swap_matmuls, transposed_weight, val_of
 
 aten = torch.ops.aten
 
 
-def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), fuse: bool | None = None,
-                      pdl: bool = False) -> int:
-    """Replace every one-row ``mm(x, permute(w))`` whose weight shape has a ``decode_gemv_configs``
+def swap_decode_gemvs(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), pdl: bool = False) -> int:
+    """Replace every one-row ``mm(x, permute(w))`` whose weight shape has a ``DECODE_GEMV_CONFIGS``
     entry by ``tscompile::gemv(x, w)``, and a residual ``addmm(r, x, permute(w))`` by
     ``r + tscompile::gemv(x, w)`` (the eager model's rounding: the product, then the sum); returns
-    how many. ``fuse`` (default ``DECODE_GEMV_FUSE``): the residual goes into the kernel's epilogue
-    instead, and an x that is the model's RMSNorm output (or rows of it) or its SiLU-mul, read by
-    this matmul alone, is computed in the kernel from its input (``fuse_replace``). ``pdl``: the calls
-    launch the kernel with PDL (``tscompile::gemv(..., pdl=True)``: a graph whose Inductor kernels do)."""
-    fuse = triton_gemv.DECODE_GEMV_FUSE if fuse is None else fuse
+    how many. ``pdl``: the calls launch the kernel with PDL (``tscompile::gemv(..., pdl=True)``: a
+    graph whose Inductor kernels do)."""
     # one row: DECODE_GEMV_CONFIGS' launches hold M x BLOCK_N x BLOCK_K float32 products per program
-    table = triton_gemv.decode_gemv_configs(fuse)
+    table = triton_gemv.DECODE_GEMV_CONFIGS
     swapped = swap_matmuls(graph, devices, lambda x, shape: x.shape[0] == 1 and shape in table,
                            torch.ops.tscompile.gemv.default,
-                           replace=functools.partial(fuse_replace if fuse else matmul_nodes.replace_matmul,
+                           replace=functools.partial(matmul_nodes.replace_matmul,
                                                      kwargs={"pdl": True} if pdl else None))
     return swapped + swap_decomposed_matmuls(graph, devices, pdl=pdl)
 
 
 def swap_decomposed_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cuda",), pdl: bool = False) -> int:
     """With coordinate-descent tuning on, Inductor has already turned each one-row matmul into its own
-    reduction (``matmul_nodes.decomposed_matmul``). Where ``decode_tuned_matmuls`` names the weight's
+    reduction (``matmul_nodes.decomposed_matmul``). Where ``DECODE_TUNED_MATMULS`` names the weight's
     shape, the reduction goes back to ``tscompile::gemv(x, w)`` ("gemv", if the launch table has the
     shape) or to ``mm(x, wt)`` for cuBLAS ("cublas"); elsewhere Inductor keeps it, with the norm it
     fuses into it. Returns how many went."""
-    policy = triton_gemv.decode_tuned_matmuls()
-    if not policy:
-        return 0
+    policy = triton_gemv.DECODE_TUNED_MATMULS
     count = 0
     for node in list(graph.nodes):
         found = decomposed_matmul(node)
@@ -79,8 +70,8 @@ def swap_decomposed_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("
             continue
         shape = tuple(wval.shape)
         choice = policy.get(shape) if all(type(d) is int for d in shape) else None
-        if choice == "gemv" and triton_gemv.decode_gemv_config(shape) is None:
-            choice = None  # a sweep's table without this shape: no launch to run it at
+        if choice == "gemv" and shape not in triton_gemv.DECODE_GEMV_CONFIGS:
+            choice = None  # no launch to run it at
         if choice is None:
             continue
         end = chain[0]
@@ -96,43 +87,6 @@ def swap_decomposed_matmuls(graph: torch.fx.Graph, devices: tuple[str, ...] = ("
     return count
 
 
-def fuse_replace(graph: torch.fx.Graph, node: torch.fx.Node, residual, x, transposed, w, target,
-                 kwargs: dict | None = None) -> None:
-    """``node`` becomes ``target(x', w, ...)``: the residual (or None) as the kernel's epilogue, and
-    x' = the RMSNorm's input (``norm_weight``, ``eps``) where x is that norm's output, directly or
-    through a row ``index``, or x' = the [gate | up] projection output (``swiglu``) where x is the
-    model's SiLU-mul of it; in either case only where x has no other reader. The matched nodes that
-    nothing reads any more are erased, so the Inductor kernel that computed them (a norm with the
-    residual add before it, a SiLU-mul) is gone from the step. ``kwargs``: the call's other keywords."""
-    kwargs, dead = dict(kwargs or {}), []
-    rows = None
-    source = x
-    if is_call(source, aten.index.Tensor) and len(source.users) == 1 and len(source.args[1]) == 1:
-        rows, source = source, source.args[0]  # the LM head's rows: the norm is per row, so index first
-    norm = match_rms_norm(source) if len(source.users) == 1 else None
-    silu_mul = match_silu_mul(x) if norm is None and len(x.users) == 1 else None
-    with graph.inserting_before(node):
-        if norm is not None:
-            x = norm.x
-            if rows is not None:
-                x = graph.call_function(aten.index.Tensor, (norm.x, rows.args[1]))
-                x.meta.update(rows.meta)  # the same rows of a tensor of the same shape and dtype
-                dead.append(rows)
-            kwargs.update(norm_weight=norm.weight, eps=norm.eps)
-            dead += norm.nodes
-        elif silu_mul is not None:
-            x, silu_nodes = silu_mul
-            kwargs["swiglu"] = True
-            dead += silu_nodes
-        if residual is not None:
-            kwargs["residual"] = residual
-        op = graph.call_function(target, (x, w), kwargs)
-    op.meta.update(node.meta)
-    node.replace_all_uses_with(op)
-    graph.erase_node(node)
-    erase_unused(graph, [transposed, *dead])
-
-
 class DecodeGemv(CustomGraphPass):
     """The pass as Inductor's ``post_grad_custom_post_pass``; the uuid keys Inductor's cache by this
     file, the kernel's, the launch table as it is now (a process may change the table) and ``pdl``."""
@@ -144,8 +98,7 @@ class DecodeGemv(CustomGraphPass):
         swap_decode_gemvs(graph, pdl=self.pdl)
 
     def uuid(self) -> bytes:
-        table = repr((triton_gemv.DECODE_GEMV_FUSE, sorted(triton_gemv.decode_gemv_configs().items()),
-                      sorted(triton_gemv.DECODE_GEMV_FUSED_CONFIGS.items()),
-                      sorted(triton_gemv.decode_tuned_matmuls().items()), self.pdl)).encode()
-        files = (__file__, matmul_nodes.__file__, rms_norm_nodes.__file__, silu_mul_nodes.__file__, triton_gemv.__file__)
+        table = repr((sorted(triton_gemv.DECODE_GEMV_CONFIGS.items()), sorted(triton_gemv.DECODE_TUNED_MATMULS.items()),
+                      self.pdl)).encode()
+        files = (__file__, matmul_nodes.__file__, triton_gemv.__file__)
         return get_hash_for_files(files) + table

@@ -200,21 +200,16 @@ def test_each_run_names_its_source_tree_in_the_merged_table(eager_run):
 
 
 def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_names_them(eager_run):
-    """A run's env says which decode/extend path its process ran (an A/B run sets a switch), and a
-    merged table names each run's switches; a run written before the record says nothing."""
-    from tscompile.custom_ops import triton_attention as ta
-    from tscompile.custom_ops import triton_extend as te
+    """A run's env says which kernel choices its engine ran with as they apply on its machine, and a
+    merged table names each run's; a run written before the record says nothing."""
     from tscompile import piece_compiler
+    from tscompile.kernel_policy import KernelPolicy
 
-    assert eager_run["env"]["kernel_paths"] == {
-        "decode_write_in_split": ta.DECODE_WRITE_IN_SPLIT,
-        "decode_gemv": piece_compiler.decode_gemv_on(), "prefill_gemv": piece_compiler.prefill_gemv_on(),
-        "batch_gemv": piece_compiler.batch_gemv_on(),
-        "decode_pdl": ta.DECODE_PDL and ta.pdl_available(), "prefill_pdl": ta.PREFILL_PDL and ta.pdl_available(),
-        "decode_bs1_splits": ta.DECODE_BS1_SPLITS, "decode_d128_one_split": ta.DECODE_D128_ONE_SPLIT,
-        "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
+    paths = eager_run["env"]["kernel_paths"]
+    applied = piece_compiler.applied_kernel_policy(KernelPolicy(), piece_compiler.cuda_device_name())
+    assert {k: paths[k] for k in applied} == applied
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
-    # a run of an older tree: it recorded a switch that no longer exists (the removed fused decode)
+    # a run of other code: it recorded a switch this code does not have
     other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,
                                     "extend_config_overrides": {"128": [128, 64, 8, 3]}}
     older = _as_mode(eager_run, "compile-reduce-overhead", bandwidth=1.0)
@@ -223,7 +218,7 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     line_b = next(line for line in md.splitlines() if line.startswith("- `b.json`"))
     assert ('kernel switches `{"decode_write_in_split": false, "extend_config_overrides": {"128": '
             '[128, 64, 8, 3]}, "fused_decode": false}`') in line_b
-    assert "kernel switches `{\"batch_gemv\": false, \"decode_bs1_splits\": null, \"decode_d128_one_split\": true, " in \
+    assert "kernel switches `{\"batch_gemv\": false, \"decode_gemv\": false, \"decode_pdl\": false, " in \
         next(line for line in md.splitlines() if line.startswith("- `a.json`"))
     assert "kernel switches" not in next(line for line in md.splitlines() if line.startswith("- `c.json`"))
 

@@ -87,3 +87,49 @@ def test_static_graphs_and_split_pieces_on_cuda_get_combo_kernels_unless_the_use
     assert patches(off, False, "cuda", split_piece=True) == {"combo_kernels": False, "triton.cudagraphs": False}
     on = TscompileConfig(inductor_options={"combo_kernels": True})
     assert patches(on, False, "cuda") == {"combo_kernels": True, "triton.cudagraphs": False}
+
+
+# -- kernels: the KernelPolicy -----------------------------------------------------------------------
+
+
+def test_kernels_option_becomes_a_frozen_kernel_policy_in_the_hash():
+    from tscompile.kernel_policy import KernelPolicy
+
+    config = TscompileConfig.from_options({"kernels": {"decode_pdl": False, "prefill_pdl": True}})
+    assert config.kernels == KernelPolicy(decode_pdl=False, prefill_pdl=True)
+    assert TscompileConfig.from_options({"kernels": KernelPolicy(decode_pdl=False, prefill_pdl=True)}) == config
+    with pytest.raises(Exception):  # frozen
+        config.kernels.decode_pdl = True
+    hashes = {TscompileConfig().compute_hash(), config.compute_hash(),
+              TscompileConfig.from_options({"kernels": {"batch_gemv": False}}).compute_hash()}
+    assert len(hashes) == 3  # a graph compiled under one policy is not another's
+    assert TscompileConfig.from_options({"kernels": {}}).compute_hash() == TscompileConfig().compute_hash()
+
+
+def test_unknown_kernels_keys_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"^tscompile: unknown kernels option\(s\) \['gemv_fuse'\]; known kernels "
+                                         r"options: \['decode_gemv', 'batch_gemv', 'decode_pdl', 'prefill_pdl'\]"):
+        TscompileConfig.from_options({"kernels": {"gemv_fuse": True}})
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_kernels_fields_must_be_booleans(value):
+    with pytest.raises(ValueError, match=r"^tscompile: kernels.decode_gemv must be True or False"):
+        TscompileConfig.from_options({"kernels": {"decode_gemv": value}})
+    with pytest.raises(ValueError, match=r"^tscompile: kernels must be a dict of KernelPolicy fields"):
+        TscompileConfig.from_options({"kernels": [("decode_gemv", True)]})
+
+
+def test_no_environment_variable_switches_a_kernel_or_pass():
+    """Only the documented debugging aids read the environment in the backend, the passes and the ops:
+    TSCOMPILE_DEBUG_DIR (debug_dir's default) and TSCOMPILE_GRAPH_DEBUG; TRITON_INTERPRET says whether
+    the Triton kernels run under the CPU interpreter."""
+    root = Path(__file__).resolve().parents[1]
+    reads = []
+    for folder in ("tscompile", "custom_ops", "passes"):
+        for path in (root / folder).rglob("*.py"):
+            for line in path.read_text().splitlines():
+                if re.search(r"os\.environ|getenv", line):
+                    reads.append((path.relative_to(root).as_posix(), line.strip()))
+    names = {m for _, line in reads for m in re.findall(r"[\"']([A-Z][A-Z0-9_]+)[\"']", line)}
+    assert names <= {"TSCOMPILE_DEBUG_DIR", "TSCOMPILE_GRAPH_DEBUG", "TRITON_INTERPRET", "CXX"}, reads

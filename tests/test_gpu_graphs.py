@@ -166,46 +166,47 @@ def test_bs1_decode_runs_its_matmuls_as_gemv_reductions_and_bs2_through_cublas()
     assert [k for k in two if cublas.search(k)], two
 
 
-@pytest.mark.parametrize("fuse, pdl", [(False, False), (True, False), (False, True)], ids=["plain", "fuse", "pdl"])
-def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_gives_eager_tokens(monkeypatch, fuse, pdl):
-    """TSCOMPILE_DECODE_GEMV (passes/decode_gemv.py) with llama-tiny's qkv, output and gate/up shapes in
-    the launch table (a 640-id vocabulary, so the LM head's shape is no projection's): one bs=1 step
-    runs ``_gemv_kernel`` three times per layer and cuBLAS for the down projections and the LM head
-    only; the dynamic bs=2 graph is untouched; tokens as eager's (float32). ``fuse``
-    (TSCOMPILE_DECODE_GEMV_FUSE): the norms before qkv and gate/up run inside the kernel, so the only
-    Inductor kernel left with an rsqrt is the final norm's (the LM head is not listed). ``pdl``
-    (TSCOMPILE_GEMV_PDL, on by default, off in the other cases): the kernel and the graph's Inductor
-    kernels (``triton.enable_pdl``) launch with PDL, each may start before the one before it ends;
-    still eager's tokens."""
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_decode_gemv_pass_runs_the_listed_projections_in_the_gemv_kernel_and_gives_eager_tokens(monkeypatch, pdl):
+    """``KernelPolicy.decode_gemv`` (passes/decode_gemv.py) with llama-tiny's qkv, output and gate/up
+    shapes in the launch table (a 640-id vocabulary, so the LM head's shape is no projection's): one
+    bs=1 step runs ``_gemv_kernel`` three times per layer and cuBLAS for the down projections and the
+    LM head only; the dynamic bs=2 graph is untouched; tokens as eager's (float32). ``pdl``
+    (``KernelPolicy.decode_pdl``, on by default): the kernel and the graph's Inductor kernels
+    (``triton.enable_pdl``) launch with PDL; without it neither does; eager's tokens either way. An
+    engine with ``decode_gemv=False`` in the same process runs no ``_gemv_kernel``."""
     import re
 
     from tscompile.custom_ops import triton_gemv as tg
 
-    monkeypatch.setattr(tg, "DECODE_GEMV", True)
-    monkeypatch.setattr(tg, "DECODE_GEMV_FUSE", fuse)
-    monkeypatch.setattr(tg, "GEMV_PDL", pdl)
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
     monkeypatch.setattr(tg, "DECODE_GEMV_DEVICES", (torch.cuda.get_device_name(),))  # any GPU: the table is llama-tiny's
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {
         (512, 256): (1, 256, 1, 4, 1, "acc"), (256, 256): (2, 256, 1, 4, 1, "acc"), (1024, 256): (4, 128, 1, 8, 1, "acc")})
-    from tscompile import piece_compiler
+    pdl_calls, real = [], tg.gemv
 
-    assert piece_compiler.decode_pdl_on() is pdl  # the bs=1 graph and its GEMV calls get PDL only in the pdl case
+    def counting(x, w, out=None, config=None, **kw):
+        pdl_calls.append(kw.get("pdl", False))
+        return real(x, w, out, config, **kw)
+
+    monkeypatch.setattr(tg, "gemv", counting)
     model = tscompile.models.build_config("llama-tiny", vocab_size=640)
     cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
     params = SamplingParams(max_new_tokens=6)
     eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:1], params))
-    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2)})
+    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2), "kernels": {"decode_pdl": pdl}})
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
+    assert pdl_calls and set(pdl_calls) == {pdl}
     one, two = _decode_kernels(llm.runner, 1), _decode_kernels(llm.runner, 2)
     layers = model.n_layers
     assert sum(k == "_gemv_kernel" for k in one) == 3 * layers, one
     # the down projections and the LM head: one cuBLAS GEMV each, or two with a split-K reduce
     assert layers + 1 <= len([k for k in one if cublas.search(k) and k != "_gemv_kernel"]) <= 2 * (layers + 1), one
     assert "_gemv_kernel" not in two, two
-    norms = [k for k in one if "rsqrt" in k]
-    assert len(norms) == 1 if fuse else len(norms) >= 2 * layers, norms
+    off = make(model, backend="triton", compile_options={"decode_ladder": (1, 2), "kernels": {"decode_gemv": False}})
+    assert ids(off.generate(PROMPTS[:1], params)) == eager
+    assert "_gemv_kernel" not in _decode_kernels(off.runner, 1)
 
 
 def test_tuned_decode_graph_puts_the_policys_kernels_back_and_gives_eager_tokens(monkeypatch):
@@ -217,7 +218,6 @@ def test_tuned_decode_graph_puts_the_policys_kernels_back_and_gives_eager_tokens
 
     from tscompile.custom_ops import triton_gemv as tg
 
-    monkeypatch.setattr(tg, "DECODE_GEMV", True)
     monkeypatch.setattr(tg, "DECODE_GEMV_DEVICES", (torch.cuda.get_device_name(),))
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {(512, 256): (1, 256, 1, 4, 1, "acc")})
     monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
@@ -237,26 +237,24 @@ def test_tuned_decode_graph_puts_the_policys_kernels_back_and_gives_eager_tokens
                                          (True, (64, 128, 2, 4, 4, "dot_sum")), (True, (1, 128, 2, 4, 1, "acc_sum"))],
                          ids=["plain", "pdl", "pdl-dot_sum", "pdl-acc_sum"])
 def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_tokens(monkeypatch, pdl, launch):
-    """TSCOMPILE_BATCH_GEMV with llama-tiny's qkv and gate/up weights listed at every row count the
+    """``KernelPolicy.batch_gemv`` with llama-tiny's qkv and gate/up weights listed at every row count the
     kernel takes: one bs=4 decode step of the dynamic-batch graph runs ``_gemv_kernel`` twice per layer
     (at capture the row count is 4: listed) and cuBLAS for o, down and the LM head; tokens as eager's
     (float32, three requests padded to the 4-row graph). ``pdl``: the graph's Inductor kernels and
-    the kernel launch with PDL (TSCOMPILE_DECODE_PDL and TSCOMPILE_GEMV_PDL). "dot_sum" and "acc_sum"
+    the kernel launch with PDL (``KernelPolicy.decode_pdl``). "dot_sum" and "acc_sum"
     (K split in two, summed by the last program; the table's 2-row pick is "acc_sum"): still no second
     kernel in the step."""
     import re
 
     from tscompile import piece_compiler
-    from tscompile.custom_ops import triton_attention as ta
     from tscompile.custom_ops import triton_gemv as tg
+    from tscompile.kernel_policy import KernelPolicy
 
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
-    monkeypatch.setattr(tg, "BATCH_GEMV", True)
-    monkeypatch.setattr(ta, "DECODE_PDL", pdl)
-    monkeypatch.setattr(tg, "GEMV_PDL", pdl)
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): launch for m in range(2, tg.MAX_ROWS + 1)
-                                                     for n in (512, 1024)})
+    monkeypatch.setattr(tg, "DECODE_GEMV_DEVICES", (torch.cuda.get_device_name(),))  # any GPU: the table is llama-tiny's
+    monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(m, n, 256): launch for m in range(2, tg.MAX_ROWS + 1)
+                                                   for n in (512, 1024)})
     pdl_calls, real = [], tg.gemv
 
     def counting(x, w, out=None, config=None, **kw):
@@ -264,11 +262,11 @@ def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_t
         return real(x, w, out, config, **kw)
 
     monkeypatch.setattr(tg, "gemv", counting)
-    assert piece_compiler.graph_pdl_on(False, False) is pdl
+    assert piece_compiler.graph_pdl_on(KernelPolicy(decode_pdl=pdl), False, False) is pdl
     model = tscompile.models.build_config("llama-tiny", vocab_size=640)  # the LM head is no listed shape
     params = SamplingParams(max_new_tokens=6)
     eager = ids(make(model, backend="triton", enforce_eager=True).generate(PROMPTS[:3], params))
-    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2, 4)})
+    llm = make(model, backend="triton", compile_options={"decode_ladder": (1, 2, 4), "kernels": {"decode_pdl": pdl}})
     assert ids(llm.generate(PROMPTS[:3], params)) == eager
     assert pdl_calls and set(pdl_calls) == {pdl}
     four = _decode_kernels(llm.runner, 4)
@@ -277,39 +275,6 @@ def test_batch_gemv_runs_the_kernel_in_the_decode_batch_graphs_and_gives_eager_t
     assert "_sum_splits_kernel" not in four, four
     cublas = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK", re.IGNORECASE)
     assert len([k for k in four if cublas.search(k) and k != "_gemv_kernel"]) >= 2 * layers + 1, four
-
-
-def test_prefill_gemv_pass_runs_the_kernel_inside_whole_step_graphs_and_gives_eager_tokens(monkeypatch):
-    """TSCOMPILE_PREFILL_GEMV (passes/prefill_gemv.py) with llama-tiny's qkv and gate/up weights listed at
-    every row count the kernel takes (up to 32): whole-step prefill graphs of the Triton backend call
-    the kernel (at capture; a replay repeats what was captured) only for those shapes and at the
-    step's padded row count, cuBLAS at the 64-token bucket, and give the eager tokens (float32, a
-    64-token chunk and a mixed 16-token step)."""
-    from tscompile.counters import counters
-    from tscompile.custom_ops import triton_gemv as tg
-
-    dot = (64, 128, 1, 4, 4, "dot")
-    monkeypatch.setattr(tg, "PREFILL_GEMV", True)
-    # listed at every row count the kernel takes: the 16-token bucket runs it, the 64-token one cuBLAS
-    monkeypatch.setattr(tg, "PREFILL_GEMV_CONFIGS", {(m, n, 256): dot for m in range(2, tg.MAX_ROWS + 1)
-                                                     for n in (512, 1024)})
-    calls, real = [], tg.gemv
-
-    def counting(x, w, out=None, config=None, **kw):
-        calls.append((x.shape[0], *w.shape, config))
-        return real(x, w, out, config, **kw)
-
-    monkeypatch.setattr(tg, "gemv", counting)
-    model = tscompile.models.build_config("llama-tiny", vocab_size=640)  # the LM head is no listed shape
-    prompts, params = PROMPTS[:4], SamplingParams(max_new_tokens=4)
-    eager = ids(make(model, "triton", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params))
-    llm = make(model, "triton", compile_options=_ladder("whole"), max_num_batched_tokens=64)
-    counters.clear()
-    assert ids(llm.generate(prompts, params)) == eager
-    assert counters["prefill_graphed"] > 0
-    assert calls and {(n, k) for _, n, k, _ in calls} == {(512, 256), (1024, 256)}
-    assert all(config == dot and m in PREFILL_LADDER["token_ladder"] and m <= tg.MAX_ROWS
-               for m, _, _, config in calls), calls
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
@@ -372,20 +337,22 @@ def _prefill_runtime(llm):
 
 @pytest.mark.parametrize("model, mode", MODEL_MODES)
 def test_prefill_pdl_gives_the_eager_tokens_in_whole_step_and_piecewise_graphs(monkeypatch, model, mode):
-    """TSCOMPILE_PREFILL_PDL on Hopper: the prefill pieces compile with Inductor's PDL and the extend
-    kernel launches with it; prefill graphs (whole-step and per piece, the narrowing model's too) give
-    the eager tokens (float32, Triton, a 64-token chunk and mixed steps)."""
+    """``KernelPolicy.prefill_pdl`` on Hopper: the prefill pieces compile with Inductor's PDL and the
+    extend kernel launches with it (the attention leaves' impl carries it); prefill graphs (whole-step
+    and per piece, the narrowing model's too) give the eager tokens (float32, Triton, a 64-token chunk
+    and mixed steps)."""
     from tscompile import piece_compiler
     from tscompile.counters import counters
-    from tscompile.custom_ops import triton_attention as ta
+    from tscompile.kernel_policy import KernelPolicy
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
-    monkeypatch.setattr(ta, "PREFILL_PDL", True)
-    assert piece_compiler.graph_pdl_on(False, True)  # the pieces really get it
+    assert piece_compiler.graph_pdl_on(KernelPolicy(prefill_pdl=True), False, True)  # the pieces really get it
     prompts, params = PROMPTS[:4], SamplingParams(max_new_tokens=4)
     eager = ids(make(model, "triton", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params))
-    llm = make(model, "triton", compile_options=_ladder(mode), max_num_batched_tokens=64)
+    llm = make(model, "triton", compile_options={**_ladder(mode), "kernels": {"prefill_pdl": True}},
+               max_num_batched_tokens=64)
+    assert {leaf.impl for leaf in llm.attention.child_backends()} == {"triton/prefill_pdl=1"}
     counters.clear()
     assert ids(llm.generate(prompts, params)) == eager
     assert counters["prefill_graphed"] > 0

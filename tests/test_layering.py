@@ -104,3 +104,76 @@ def test_lower_layers_never_import_upper_ones(lower, upper):
         if m == lower or m.startswith(lower + "."):
             bad = sorted(d for d in GRAPH[m] if d == upper or d.startswith(upper + "."))
             assert not bad, f"{m} imports {bad}"
+
+
+def _reach(src: str) -> set[str]:
+    """Every module ``src`` imports, directly or through others (function-local imports included)."""
+    seen, stack = set(), [src]
+    while stack:
+        for nxt in GRAPH.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+LEAVES = {"tscompile.utils", "tscompile.kernel_policy", "tscompile.kv_cache", "tscompile.kv_cache.slots",
+          "tscompile.kv_cache.pool", "tscompile.kv_cache.spec"}
+
+
+def test_the_custom_ops_are_the_lowest_layer():
+    """The ops import torch, triton, each other and small leaf modules only (function-local imports
+    included): nothing they reach imports back up."""
+    ops = [m for m in MODULES if m == "tscompile.custom_ops" or m.startswith("tscompile.custom_ops.")]
+    for m in ops:
+        above = sorted(d for d in _reach(m) if not d.startswith("tscompile.custom_ops") and d not in LEAVES)
+        assert not above, f"{m} reaches {above}"
+
+
+def test_the_package_init_and_the_backend_reach_neither_engine_nor_models_nor_packages():
+    """``import tscompile`` imports the ops (and the version); the backend, its compiler and its passes
+    never reach the engine, the models, packages, the bench or the attention backends. The one runtime
+    module below the backend is the piece-graph capture helper the torch.compile users' graphs use."""
+    assert _reach("tscompile") <= {"tscompile.version", *LEAVES, *(m for m in MODULES if m.startswith("tscompile.custom_ops"))}
+    upper = ("tscompile.runtime", "tscompile.models", "tscompile.package", "tscompile.bench", "tscompile.attention",
+             "tscompile.export", "tscompile.sampling")
+    for m in ["tscompile.backend", "tscompile.piece_compiler", "tscompile.config",
+              *(m for m in MODULES if m.startswith("tscompile.passes"))]:
+        bad = sorted(d for d in _reach(m) if d.startswith(upper) and d != "tscompile.runtime.piece_graphs")
+        assert not bad, f"{m} reaches {bad}"
+
+
+def test_torch_compile_with_the_backend_loads_no_engine_module():
+    """In a fresh process: ``torch.compile(nn.Linear(4, 4), backend="tscompile")`` runs (found through
+    the entry point, its output equal to eager's) and leaves the engine, models, packages and bench out
+    of ``sys.modules``; ``tscompile.LLM`` is then a lazy attribute that loads the engine."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import torch
+model = torch.nn.Linear(4, 4)
+x = torch.randn(3, 4)
+out = torch.compile(model, backend="tscompile")(x)
+torch.testing.assert_close(out, model(x))
+heavy = sorted(m for m in sys.modules if m.split(".")[:2] in (["tscompile", "runtime"], ["tscompile", "models"],
+                                                             ["tscompile", "package"], ["tscompile", "bench"]))
+assert not heavy, heavy
+import tscompile
+assert "tscompile.runtime.engine" not in sys.modules and "LLM" in dir(tscompile)
+assert tscompile.LLM.__module__ == "tscompile.runtime.engine" and "tscompile.runtime.engine" in sys.modules
+assert tscompile.package.load_package is tscompile.load_package
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_an_unknown_attribute_of_the_package_is_an_attribute_error():
+    import tscompile
+
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        tscompile.Engine  # noqa: B018
+    assert set(tscompile.__all__) <= set(dir(tscompile))
+    assert tscompile.models.build_config is not None  # a subpackage read as an attribute imports it

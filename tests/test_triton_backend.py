@@ -172,8 +172,7 @@ def test_one_split_writes_the_output_without_a_combine_launch(split, device, req
 
 def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     """head_dim 128 (measured on the H200) gets 32-key tiles from 64 (request, KV head) programs and
-    2 warps from 256, and from 512 one split of 64-key tiles at 4 warps and 3 stages (unless
-    TSCOMPILE_DECODE_D128_ONE_SPLIT=0); head_dim 64 keeps 64-key tiles and gets 2 warps from 64
+    2 warps from 256, and from 512 one split of 64-key tiles at 4 warps and 3 stages; head_dim 64 keeps 64-key tiles and gets 2 warps from 64
     programs; 256 its 32-key tile and Triton's defaults; the module knobs override all of it."""
     assert [ta._decode_block_n(d, 64) for d in (64, 128, 256)] == [64, 32, 32]
     assert [ta._decode_block_n(d, 63) for d in (64, 128, 256)] == [64, 64, 32]  # bs=1 of 8 KV heads: 64
@@ -186,11 +185,6 @@ def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     assert [ta.decode_num_splits(2064, bs, 8, ta._decode_block_n(128, bs * 8), 128) for bs in (8, 32, 63, 64, 200)] \
         == [16, 4, 3, 1, 1]
     assert ta.decode_num_splits(2064, 64, 8, 64, 64) == 2  # head_dim 64 keeps 1024
-    monkeypatch.setattr(ta, "DECODE_D128_ONE_SPLIT", False)
-    assert ta._decode_block_n(128, 512) == 32
-    assert ta._decode_launch_options(64, 8, 128) == {"num_warps": 2}
-    assert ta.decode_num_splits(2064, 64, 8, 32, 128) == 2
-    monkeypatch.setattr(ta, "DECODE_D128_ONE_SPLIT", True)
     assert ta._decode_launch_options(8, 8, 64) == {"num_warps": 2}  # llama-1b bs=8: 64 programs
     assert ta._decode_launch_options(7, 8, 64) == {}
     assert ta._decode_launch_options(1, 8, 64) == {}  # llama-1b bs=1: Triton's 4 warps
@@ -206,47 +200,11 @@ def test_decode_geometry_follows_the_measured_choice_per_head_dim(monkeypatch):
     assert ta.decode_num_splits(2064, 64, 8, 16, 128) == 4
 
 
-@pytest.mark.parametrize("text, want", [("", None), (" ", None), ("4", 4), ("2", 2), (" 8 ", 8)])
-def test_the_decode_warps_override_reads_the_environment_value(text, want):
-    assert ta.decode_warps_override(text) == want
-
-
-@pytest.mark.parametrize("text", ["3", "16", "four", "0", "-2"])
-def test_a_bad_decode_warps_override_is_refused(text):
-    with pytest.raises(ValueError, match="^tscompile: TSCOMPILE_DECODE_NUM_WARPS"):
-        ta.decode_warps_override(text)
-
-
-@pytest.mark.parametrize("text, want", [("", None), (" ", None), ("1", 1), (" 4 ", 4), ("32", 32)])
-def test_the_decode_bs1_splits_override_reads_the_environment_value(text, want):
-    assert ta.decode_bs1_splits_override(text) == want
-
-
-@pytest.mark.parametrize("text", ["0", "33", "two", "-1", "1.5"])
-def test_a_bad_decode_bs1_splits_override_is_refused(text):
-    with pytest.raises(ValueError, match="^tscompile: TSCOMPILE_DECODE_BS1_SPLITS"):
-        ta.decode_bs1_splits_override(text)
-
-
-def test_the_bs1_splits_override_caps_one_request_launches_only(monkeypatch):
-    """llama-1b's decode table (2064 positions, 8 KV heads, 64-key tiles): 32 splits at bs=1 by the
-    occupancy rule, the override's count with it (never more than the table's minimum-length
-    splits), and other batch sizes untouched."""
-    assert ta.decode_num_splits(2064, 1, 8, 64) == 32
-    default_bs8 = ta.decode_num_splits(2064, 8, 8, 64)
-    monkeypatch.setattr(ta, "DECODE_BS1_SPLITS", 4)
-    assert ta.decode_num_splits(2064, 1, 8, 64) == 4
-    assert ta.decode_num_splits(100, 1, 8, 64) == 2  # 100 positions hold two 64-key splits at most
-    assert ta.decode_num_splits(2064, 8, 8, 64) == default_bs8
-    monkeypatch.setattr(ta, "DECODE_BS1_SPLITS", 1)
-    assert ta.decode_num_splits(2064, 1, 8, 64) == 1
-
-
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_a_one_request_decode_with_few_splits_matches_torch(device, monkeypatch, splits):
-    """The override's launches against the float32 oracle, output poisoned first: 1 split (the split
+    """One request's launches against the float32 oracle, output poisoned first: 1 split (the split
     kernel writes the output alone), 2 and 3 (an odd count, padded to 4 in the combine)."""
-    monkeypatch.setattr(ta, "DECODE_BS1_SPLITS", splits)
+    monkeypatch.setattr(ta, "DECODE_TARGET_PROGRAMS", 2 * splits)  # 2 KV heads: that many splits
     monkeypatch.setattr(ta, "DECODE_MIN_SPLIT_TOKENS", 16)
     monkeypatch.setattr(ta, "DECODE_BLOCK_N", 16)
     combine = LaunchSpy(ta._decode_combine_kernel)

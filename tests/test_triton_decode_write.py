@@ -1,5 +1,5 @@
-"""The Triton decode whose split kernel writes the new K/V rows itself (``DECODE_WRITE_IN_SPLIT``,
-the default: two launches per layer) against the three-launch path (KV write, splits, combine) and
+"""The Triton decode whose split kernel writes the new K/V rows itself (the op's path: two launches
+per layer) against the three-launch path (KV write, splits, combine) and
 the torch oracle.
 
 The two paths must agree bit for bit: the output and the whole K/V caches, NaN payloads included
@@ -69,14 +69,23 @@ def _poisoned_batch(kv_lens, pad_rows, device, **kw):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def _decode(path: str, q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc) -> None:
+    """One decode: "write_in_split" through ``triton_attention`` (the op's body: the split kernel writes
+    the new K/V rows); "three": the KV write as a launch of its own, then the splits and the combine."""
+    if path == "three":
+        ta.write_kv(k, v, k_cache, v_cache, write_loc)
+        ta.paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, SCALE)
+    else:
+        ta.triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc, SCALE, True)
+
+
 def _run(batch, monkeypatch, write_in_split: bool = False):
-    """One decode through ``triton_attention`` (the op's body) on fresh copies of the caches, ``out``
-    poisoned with NaN; ``write_in_split`` off: the three-kernel path (KV write, splits, combine)."""
-    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", write_in_split)
+    """One decode on fresh copies of the caches, ``out`` poisoned with NaN; ``write_in_split`` off: the
+    three-kernel path (KV write, splits, combine)."""
     out = torch.full_like(batch["q"], float("nan"))
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
-    ta.triton_attention(batch["q"], batch["k"], batch["v"], k_cache, v_cache, out, batch["page_table"],
-                        batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True)
+    _decode("write_in_split" if write_in_split else "three", batch["q"], batch["k"], batch["v"], k_cache, v_cache,
+            out, batch["page_table"], batch["seq_lens"], batch["qo_indptr"], batch["write_loc"])
     return out, k_cache, v_cache
 
 
@@ -84,7 +93,7 @@ def _num_splits(batch) -> int:
     return ta._decode_launch(batch["q"], batch["k_cache"], batch["page_table"])[5]
 
 
-# -- the K/V write inside the split kernel (DECODE_WRITE_IN_SPLIT) -------------------------------------
+# -- the K/V write inside the split kernel ----------------------------------------------------------
 
 
 def _differences(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -208,21 +217,6 @@ def test_write_in_split_of_only_padded_rows_writes_their_slots(device, monkeypat
     assert not got[1].view(-1, 2, 16)[batch["write_loc"][0]].isnan().any(), "row 0's K never reached its slot"
 
 
-def test_the_decode_path_switches_read_only_0_or_1(monkeypatch):
-    """TSCOMPILE_DECODE_WRITE_IN_SPLIT (default on) and the other 0/1 switches: unset or empty gives the
-    default, 0 / 1 the path, anything else a refusal naming the variable."""
-    name = "TSCOMPILE_TEST_SWITCH"
-    monkeypatch.delenv(name, raising=False)
-    assert ta.env_flag(name, True) is True and ta.env_flag(name, False) is False
-    for value, want in [("0", False), ("1", True), (" 1 ", True), ("", True)]:
-        monkeypatch.setenv(name, value)
-        assert ta.env_flag(name, True) is want, value
-    for value in ["yes", "false", "2"]:
-        monkeypatch.setenv(name, value)
-        with pytest.raises(ValueError, match=rf"^tscompile: {name} must be 0 or 1, got '{value}'"):
-            ta.env_flag(name, True)
-
-
 def test_write_in_split_refuses_rows_that_do_not_match_the_queries(device):
     batch = _poisoned_batch([3, 4], 0, device, seed=3)
     out = torch.empty_like(batch["q"])
@@ -255,11 +249,6 @@ def _fill(dst: dict, src: dict) -> None:
         dst[name].copy_(src[name])
 
 
-def _set_path(monkeypatch, path: str) -> None:
-    """"write_in_split": the default two launches; "three": KV write, splits, combine."""
-    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", path == "write_in_split")
-
-
 @pytest.mark.gpu
 def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(monkeypatch):
     """Capture one decode whose split kernel writes the new K/V rows itself (the default path;
@@ -289,7 +278,6 @@ def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(
                             static["seq_lens"], static["qo_indptr"], static["write_loc"], SCALE, True)
 
     path = "write_in_split"
-    _set_path(monkeypatch, path)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -303,12 +291,9 @@ def test_self_writing_decode_replays_in_a_cuda_graph_like_the_three_kernel_path(
         k_before, v_before = k_cache.clone(), v_cache.clone()
         out.fill_(float("nan"))
         graph.replay()
-        _set_path(monkeypatch, "three")
         want_out = torch.full_like(out, float("nan"))
-        ta.triton_attention(static["q"], static["k"], static["v"], k_before, v_before, want_out,
-                            static["page_table"], static["seq_lens"], static["qo_indptr"], static["write_loc"],
-                            SCALE, True)
-        _set_path(monkeypatch, path)
+        _decode("three", static["q"], static["k"], static["v"], k_before, v_before, want_out, static["page_table"],
+                static["seq_lens"], static["qo_indptr"], static["write_loc"])
         torch.cuda.synchronize()
         assert _same_bits(out, want_out), f"the replayed {path} decode differs from the three-kernel path"
         assert _same_bits(k_cache[1:], k_before[1:]) and _same_bits(v_cache[1:], v_before[1:])
@@ -356,13 +341,13 @@ def test_write_in_split_equals_the_three_kernel_path_on_gpu_at_the_large_batch_l
     assert [x.get("num_warps") for x in combine_spy.launches] == ([warps, warps] if several else [])
 
 
-# -- TSCOMPILE_DECODE_PDL: the split and combine kernels launched with PDL ---------------------------
+# -- KernelPolicy.decode_pdl: the split and combine kernels launched with PDL -----------------------
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs,longest", [(1, 48), (1, 2000), (33, 2000)])
 def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(bs, longest, monkeypatch):
-    """TSCOMPILE_DECODE_PDL on Hopper: the write-in-split decode captured in a CUDA graph right after a
+    """``decode_pdl`` on Hopper: the write-in-split decode captured in a CUDA graph right after a
     kernel that writes its q and its new K/V rows, replayed with new sources. A split or combine program
     that touched q, the cache or the partials before its ``gdc_wait`` would see the previous replay's
     values; every replay gives the bits of the same graph captured without PDL (one split, several, and
@@ -374,18 +359,20 @@ def test_decode_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits_gpu(b
                                                           generator=torch.Generator().manual_seed(bs + longest))]
     batch = _poisoned_batch(kv_lens, 1, torch.device("cuda"), num_kv_heads=8, group=4, head_dim=128,
                             dtype=torch.bfloat16, seed=bs)
-    monkeypatch.setattr(ta, "DECODE_WRITE_IN_SPLIT", True)
+    pdl = {"on": False}
 
     def decode(live):
         k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
         out = torch.empty_like(batch["q"])
+        on = pdl["on"]
 
         def op():
             ta.triton_attention(live["q"], live["k"], live["v"], k_cache, v_cache, out, batch["page_table"],
-                                batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True)
+                                batch["seq_lens"], batch["qo_indptr"], batch["write_loc"], SCALE, True,
+                                decode_pdl=on)
         return op, (out, k_cache, v_cache), None
 
     sources = {n: batch[n].clone() for n in ("q", "k", "v")}
     for out, _, _ in assert_pdl_graph_gives_the_plain_bits(
-            sources, lambda pdl: monkeypatch.setattr(ta, "DECODE_PDL", pdl), decode):
+            sources, lambda on: pdl.update(on=on), decode):
         assert not out[:bs].isnan().any()

@@ -147,7 +147,7 @@ def test_default_config_through_the_op(device, monkeypatch):
 
 @pytest.mark.parametrize("head_dim, dense", [(64, True), (128, True), (16, False)])
 def test_the_op_runs_the_dense_kernel_only_for_the_head_dims_measured_faster(head_dim, dense, device, monkeypatch):
-    """Measured on the H200 (scripts/extend_sweep.py): the dense kernel for head_dim 64 and 128, the
+    """Measured faster on the H200: the dense kernel for head_dim 64 and 128, the
     paged one elsewhere; either way the op matches the torch impl."""
     assert ta.FAST_EXTEND_HEAD_DIMS == frozenset({64, 128})
     assert ta._dense_extend is te.dense_extend  # importing triton_extend registered it
@@ -164,7 +164,6 @@ def test_the_launch_follows_the_step_shape(monkeypatch):
     """head_dim 64: small tiles for a short step, 4-warp 128-row tiles for a few long prompts (a
     whole-step graph pads one request to two), 8 warps for many prompts; head_dim 128: 8-warp
     128-row tiles for a few long prompts, the default tile otherwise."""
-    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})  # the shipped tables, whatever the environment says
     assert [te.extend_shape(t, b) for t, b in [(512, 1), (1024, 1), (2048, 1), (2048, 2), (16384, 32), (4096, 8)]] \
         == ["short", "short", "long", "long", "many", "many"]
     pick = lambda d, t, b: te.extend_dense_config(d, 4, tokens=t, requests=b)  # noqa: E731  (GQA group 4)
@@ -174,31 +173,6 @@ def test_the_launch_follows_the_step_shape(monkeypatch):
     assert pick(128, 512, 1) == pick(128, 16384, 32) == (64 // 4, 64, 4, 2)
     assert pick(128, 2048, 1) == pick(128, 4096, 2) == (128 // 4, 64, 8, 3)
     assert te.extend_dense_config(64, 4, (16, 16, 4, 1), tokens=2048) == (4, 16, 4, 1)  # an explicit config wins
-
-
-def test_the_config_override_replaces_one_head_dims_launch_for_every_shape(monkeypatch):
-    """TSCOMPILE_EXTEND_CONFIG (parsed at import into EXTEND_CONFIG_OVERRIDES): head_dim 128's launch
-    is the override at every step shape, head_dim 64 keeps its per-shape tables, an explicit config
-    still wins; malformed entries are refused with the entry named."""
-    overrides = te.parse_config_overrides(" 128:128,64,8,3 ; ")
-    assert overrides == {128: (128, 64, 8, 3)}
-    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})
-    before_64 = [te.extend_dense_config(64, 4, tokens=t, requests=b) for t, b in [(512, 1), (2048, 1), (16384, 32)]]
-    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", overrides)
-    pick = lambda d, t, b: te.extend_dense_config(d, 4, tokens=t, requests=b)  # noqa: E731  (GQA group 4)
-    assert pick(128, 512, 1) == pick(128, 2048, 1) == pick(128, 16384, 32) == (128 // 4, 64, 8, 3)
-    assert [pick(64, t, b) for t, b in [(512, 1), (2048, 1), (16384, 32)]] == before_64
-    assert te.extend_dense_config(128, 4, (16, 16, 4, 1), tokens=2048) == (4, 16, 4, 1)
-    for bad, named in [("128", "'128'"), ("128:64,64,4", "'128:64,64,4'"), ("d:64,64,4,2", "'d:64,64,4,2'")]:
-        with pytest.raises(ValueError, match=rf"^tscompile: TSCOMPILE_EXTEND_CONFIG entry {named}"):
-            te.parse_config_overrides(bad)
-    with pytest.raises(ValueError, match=r"^tscompile: dense extend config \(96, 64, 4, 2\) for head_dim 128"):
-        te.parse_config_overrides("128:96,64,4,2")
-    with pytest.raises(ValueError, match=r"^tscompile: TSCOMPILE_EXTEND_CONFIG entry '32:64,64,4,2': head_dim 32 does "
-                                         r"not run the dense extend kernel"):
-        te.parse_config_overrides("32:64,64,4,2")
-    # float32 still halves the override's tiles to fit shared memory
-    assert te.extend_dense_config(128, 4, four_byte=True, tokens=2048) == (64 // 4, 32, 8, 2)
 
 
 @pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3)])
@@ -224,8 +198,7 @@ def test_bad_launch_configs_are_refused(config):
         _dense_extend(batch, config=config)
 
 
-def test_float32_configs_shrink_to_fit_shared_memory(monkeypatch):
-    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})  # the shipped tables, whatever the environment says
+def test_float32_configs_shrink_to_fit_shared_memory():
     rows, block_n, warps, stages = te.EXTEND_DENSE_CONFIGS[128]
     assert te.extend_dense_config(128, 4, four_byte=False) == (rows // 4, block_n, warps, stages)
     assert te.extend_dense_config(128, 4, four_byte=True) == (rows // 8, block_n // 2, warps, min(stages, 2))
@@ -298,11 +271,12 @@ def test_gpu_new_kernel_replays_under_cuda_graph_with_other_lengths(monkeypatch)
         torch.testing.assert_close(out.float(), _oracle(batch).float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("flag", [False, True])
-def test_the_extend_launch_asks_for_pdl_with_prefill_pdl(monkeypatch, flag, device):
-    """TSCOMPILE_PREFILL_PDL: the launch asks ``pdl_launch`` for PDL (which grants it on a Hopper GPU,
-    never under the interpreter); the output still matches the oracle."""
-    monkeypatch.setattr(ta, "PREFILL_PDL", flag)
+@pytest.mark.parametrize("impl, flag", [("triton", False), ("triton/prefill_pdl=1", True)])
+def test_the_extend_launch_asks_for_pdl_with_prefill_pdl(monkeypatch, impl, flag, device):
+    """``KernelPolicy.prefill_pdl`` through the op's impl name: the launch asks ``pdl_launch`` for PDL
+    (which grants it on a Hopper GPU, never under the interpreter) only with it; the output still
+    matches the oracle."""
+    monkeypatch.setattr(ta, "FAST_EXTEND_HEAD_DIMS", frozenset({16}))  # the dense kernel at a tiny head_dim
     asked, real = [], te.pdl_launch
 
     def recording(device, pdl):
@@ -311,14 +285,15 @@ def test_the_extend_launch_asks_for_pdl_with_prefill_pdl(monkeypatch, flag, devi
 
     monkeypatch.setattr(te, "pdl_launch", recording)
     batch = _batch([5, 3], [9, 3], device, page_size=4, num_kv_heads=2, group=2, head_dim=16, seed=3)
-    _assert_matches_oracle(batch, _dense_extend(batch))
+    out, _, _ = run_attention(batch, impl, decode=False, scale=SCALE)
+    torch.testing.assert_close(out, _oracle(batch), atol=1e-5, rtol=1e-5)
     assert asked == [flag]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_lens,kv_lens", [([32], [32]), ([300, 1, 129, 64], [300, 1500, 129, 2000])])
-def test_gpu_prefill_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits(q_lens, kv_lens, monkeypatch):
-    """TSCOMPILE_PREFILL_PDL on Hopper: the extend kernel (writing the new K/V rows itself) captured in a
+def test_gpu_prefill_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits(q_lens, kv_lens):
+    """``prefill_pdl`` on Hopper: the extend kernel (writing the new K/V rows itself) captured in a
     CUDA graph right after a kernel that writes its q, k and v, replayed with new sources. A program
     that read them (or the cache) before its ``gdc_wait`` would see the previous replay's values; every
     replay gives the bits of the same graph captured without PDL, output and caches."""
@@ -326,61 +301,19 @@ def test_gpu_prefill_pdl_in_a_graph_after_a_writer_gives_the_plain_launchs_bits(
         pytest.skip("PDL needs Hopper or later")
     assert ta.pdl_launch(torch.device("cuda"), True) == {"PDL": True, "launch_pdl": True}  # PDL really on
     batch = _llama8b_batch(q_lens, kv_lens, seed=len(q_lens))
+    pdl = {"on": False}
 
     def extend(live):
         k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
         out = torch.empty_like(batch["q"])
+        on = pdl["on"]
 
         def op():
             te.dense_extend(live["q"], live["k"], live["v"], k_cache, v_cache, out, batch["page_table"],
                             batch["seq_lens"], batch["qo_indptr"], SCALE, write_loc=batch["write_loc"],
-                            zero_padding=True)
+                            zero_padding=True, pdl=on)
         return op, (out, k_cache, v_cache), None
 
     sources = {n: batch[n].clone() for n in ("q", "k", "v")}
-    for out, _, _ in assert_pdl_graph_gives_the_plain_bits(
-            sources, lambda pdl: monkeypatch.setattr(ta, "PREFILL_PDL", pdl), extend):
+    for out, _, _ in assert_pdl_graph_gives_the_plain_bits(sources, lambda on: pdl.update(on=on), extend):
         assert not out.isnan().any()  # padding rows zeroed too
-
-
-# -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
-
-
-def test_extend_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
-    """scripts/extend_sweep.py end to end with tiny shapes, one config per grid and a stand-in timer
-    (CUDA-graph timing needs a GPU): both kernels run on the same data, every new config's output is
-    compared with the old kernel's, a config that is off is reported and never picked."""
-    import importlib.util
-    import json
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "extend_sweep.py"
-    spec = importlib.util.spec_from_file_location("extend_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    good, wrong = (16, 16, 4, 1), (32, 16, 4, 1)
-    monkeypatch.setattr(sweep, "DEVICE", "cpu")
-    monkeypatch.setattr(sweep, "SHAPES", {"tiny": (4, 2, 16)})
-    monkeypatch.setattr(sweep, "WORKLOADS", {"1x2048": [12], "32x512": [5, 5], "1x512": [3]})
-    monkeypatch.setattr(sweep, "TARGET_TFLOPS", {"tiny": 1})
-    monkeypatch.setattr(sweep, "OLD_GRID", {16: [good]})
-    monkeypatch.setattr(sweep, "NEW_GRID", {16: [good, wrong]})
-    monkeypatch.setattr(te, "EXTEND_DENSE_CONFIGS", {**te.EXTEND_DENSE_CONFIGS, 16: good})
-    real_run_new = sweep.run_new
-
-    def run_new(a, out, cfg):  # the "wrong" config scales its output: the diff check must catch it
-        real_run_new(a, out, cfg)
-        if cfg == wrong:
-            out.mul_(2.0)
-
-    monkeypatch.setattr(sweep, "run_new", run_new)
-    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), 1e-3)[1])
-    sweep.main(str(tmp_path / "sweep.json"))
-    result = json.loads((tmp_path / "sweep.json").read_text())
-    assert len(result["rows"]) == 3
-    for row in result["rows"]:
-        assert row["new"]["16,16,4,1"]["max_diff_vs_old"] < 2e-2  # bf16 in, both kernels agree
-        assert row["new"]["32,16,4,1"]["max_diff_vs_old"] > sweep.MAX_DIFF
-        assert row["old_vs_sdpa_max_diff"] < 2e-2
-        assert set(row["old"]) == {"16,16,4,1", ",".join(map(str, ta.EXTEND_CONFIGS[16]))}
-    assert result["summary"]["tiny"]["new_best_overall"] == list(good)

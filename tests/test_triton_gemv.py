@@ -1,4 +1,4 @@
-"""The skinny matmul (custom_ops/triton_gemv.py) against float32 math, and its GPU sweep script.
+"""The skinny matmul (custom_ops/triton_gemv.py) against float32 math.
 
 Without CUDA the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so
 the unmarked tests use tiny shapes and tiles: a few columns and K chunks still give several column
@@ -8,12 +8,6 @@ place of the output dtype. ``gpu``-marked tests use the llama-1b qkv projection 
 """
 
 from __future__ import annotations
-
-import importlib.util
-import itertools
-import json
-import os
-import pathlib
 
 import pytest
 import torch
@@ -173,12 +167,6 @@ def test_gemv_default_config_allocates_out(device, monkeypatch):
     assert tg.gemv(torch.randn(0, 8, device=device), torch.randn(4, 8, device=device)).shape == (0, 4)
 
 
-def test_shape_configs_take_precedence(monkeypatch):
-    monkeypatch.setattr(tg, "SHAPE_CONFIGS", {(48, 64): DOT_SPLIT})
-    assert tg.default_config(2, 48, 64) == (32, 16, 2, 4, 1, "dot")
-    assert tg.default_config(2, 48, 96) != tg.default_config(2, 48, 64)
-
-
 def test_split_layout_covers_k_with_whole_chunks():
     for k, block_k, split in ((72, 32, 3), (64, 32, 8), (2048, 256, 5), (1, 16, 4), (14336, 512, 9)):
         splits, per = tg.split_layout(k, block_k, split)
@@ -189,99 +177,6 @@ def test_split_layout_covers_k_with_whole_chunks():
     blocks = 2048 // 16
     assert tg.auto_split(2048, 8192, 16, 256) * blocks >= tg.TARGET_PROGRAMS
 
-
-# -- the decode pass's fusions: an RMSNorm prologue, a residual epilogue ----------------------------
-
-
-def _rms_norm_ref(x, g, eps):
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * g.float()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("config, n, k", [
-    (ACC, 9, 72),         # a tail column block and a tail K chunk: the sum of squares sees only real x
-    (ACC_SPLIT, 12, 96),  # a split asked for: the fused call runs all of K in one program instead
-    (FMA, 40, 72),
-    (DOT, 33, 80),
-])
-def test_gemv_fused_norm_and_residual_match_float32_math(dtype, m, config, n, k, device):
-    """``norm_weight``: rms_norm(x) * weight @ w.T with the norm in float32; ``residual``: the product
-    rounded to the output dtype, then the residual added (the model's two roundings); both at once."""
-    x, w = _inputs(m, n, k, dtype, device, seed=hash((str(dtype), m, config, n, "fused")) % 2**31)
-    g = torch.Generator().manual_seed(n * k + m)
-    x = x * 3.0 + 0.5  # far from unit RMS: a missing or wrong scale shows
-    norm_weight = (1.0 + 0.5 * torch.randn(k, generator=g)).to(dtype=dtype, device=device)
-    residual = torch.randn(m, n, generator=g).to(dtype=dtype, device=device)
-    eps = 1e-5
-    normed = _rms_norm_ref(x, norm_weight, eps) @ w.float().T
-    product = (x.float() @ w.float().T).to(dtype).float()
-    for kwargs, want in ((dict(norm_weight=norm_weight, eps=eps), normed),
-                         (dict(residual=residual), product + residual.float()),
-                         (dict(norm_weight=norm_weight, eps=eps, residual=residual),
-                          normed.to(dtype).float() + residual.float())):
-        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-        assert tg.gemv(x, w, out, config=config, **kwargs) is out
-        # the output is rounded once more than the reference: one ulp of |y| up to about 16
-        torch.testing.assert_close(out.float(), want, rtol=2 * ULP[dtype], atol=2 * ULP[dtype] * 16,
-                                   msg=lambda s: f"{sorted(kwargs)}: {s}")
-
-
-def _rounded(t: torch.Tensor, dtype, device) -> torch.Tensor:
-    """t (float32) rounded to dtype as the kernel rounds: to nearest on a GPU, by truncation under the
-    CPU interpreter (module docstring); float32 unchanged."""
-    if dtype == torch.float32:
-        return t
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32)  # keep the top 16 bits
-    return t.to(dtype).float()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("config, n, k", [(ACC, 9, 72), (ACC_SPLIT, 12, 96), (FMA, 40, 72), (DOT, 33, 80)])
-def test_gemv_fused_swiglu_matches_the_models_silu_mul(dtype, m, config, n, k, device):
-    """``swiglu``: x = [gate | up] (2K wide); the products use silu(gate) * up rounded as the model
-    rounds ``F.silu(gate) * up`` (silu in float32, rounded, times up, rounded), then the down
-    projection; with its residual too."""
-    g = torch.Generator().manual_seed(hash((str(dtype), m, config, "swiglu")) % 2**31)
-    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype=dtype, device=device)
-    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
-    residual = torch.randn(m, n, generator=g).to(dtype=dtype, device=device)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    act = _rounded(_rounded(gate / (1 + torch.exp(-gate)), dtype, device) * up, dtype, device)
-    product = act @ w.float().T
-    for kwargs, want in ((dict(), product), (dict(residual=residual), _rounded(product, dtype, device) + residual.float())):
-        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-        assert tg.gemv(gate_up, w, out, config=config, swiglu=True, **kwargs) is out
-        torch.testing.assert_close(out.float(), want, rtol=2 * ULP[dtype], atol=2 * ULP[dtype] * 16,
-                                   msg=lambda s: f"{sorted(kwargs)}: {s}")
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("config, n, k", [(ACC, 9, 72), (ACC_SPLIT, 12, 96), ((2, 32, 1, 4, 1, "acc"), 6, 32)])
-def test_gemv_peeled_first_chunk_gives_the_plain_kernels_bits(dtype, config, n, k, device, monkeypatch):
-    """TSCOMPILE_GEMV_PEEL peels the "acc" mode's first K chunk (its weights load before the PDL wait):
-    the same products in the same order, so bit for bit the plain kernel's output, plain and with
-    each fusion, with PDL asked for (a no-op without a Hopper GPU); (2, 32) at K = 32 is a program whose
-    only chunk is the peeled one."""
-    g = torch.Generator().manual_seed(hash((str(dtype), config, n, "peel")) % 2**31)
-    m = 3
-    x = (torch.randn(m, 2 * k, generator=g) * 2 + 0.5).to(dtype=dtype, device=device)
-    w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
-    norm_weight = (1.0 + 0.5 * torch.randn(k, generator=g)).to(dtype=dtype, device=device)
-    residual = torch.randn(m, n, generator=g).to(dtype=dtype, device=device)
-    calls = (dict(x=x[:, :k]), dict(x=x[:, :k], norm_weight=norm_weight, eps=1e-5, residual=residual),
-             dict(x=x, swiglu=True, residual=residual))
-    for kwargs in calls:
-        outs = []
-        for peel in (False, True):
-            monkeypatch.setattr(tg, "GEMV_PEEL", peel)
-            out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-            outs.append(tg.gemv(w=w, out=out, config=config, pdl=peel, **kwargs))
-        assert not outs[1].isnan().any()
-        assert torch.equal(outs[0], outs[1]), sorted(kwargs)
 
 # -- refusals ---------------------------------------------------------------------------------------
 
@@ -304,13 +199,6 @@ def _bad_calls():
         "warps": lambda: tg.gemv(x, w, config=(16, 32, 1, 3, 1)),
         "mode": lambda: tg.gemv(x, w, config=(16, 32, 1, 4, 1, "wgmma")),
         "dot tile": lambda: tg.gemv(x, w, config=(8, 32, 1, 4, 1, "dot")),
-        "norm_weight size": lambda: tg.gemv(x, w, norm_weight=torch.ones(31), eps=1e-5),
-        "norm_weight 2-D": lambda: tg.gemv(x, w, norm_weight=torch.ones(1, 32), eps=1e-5),
-        "eps": lambda: tg.gemv(x, w, norm_weight=torch.ones(32), eps=-1.0),
-        "residual shape": lambda: tg.gemv(x, w, residual=torch.zeros(2, 9)),
-        "residual dtype": lambda: tg.gemv(x, w, residual=torch.zeros(2, 8, dtype=torch.half)),
-        "swiglu width": lambda: tg.gemv(x, w, swiglu=True),  # x is K wide, not 2K
-        "swiglu and norm": lambda: tg.gemv(torch.randn(2, 64), w, swiglu=True, norm_weight=torch.ones(32), eps=1e-5),
     }
 
 
@@ -320,202 +208,6 @@ def test_gemv_refuses_bad_inputs(case):
         _bad_calls()[case]()
 
 
-# -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
-
-
-def _load_sweep():
-    """A fresh module of scripts/gemv_sweep.py (it reads its GEMV_SWEEP_* environment on import)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
-    spec = importlib.util.spec_from_file_location("gemv_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    return sweep
-
-
-def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
-    """scripts/gemv_sweep.py end to end with tiny shapes, two tiles and a stand-in timer (CUDA-graph
-    timing needs a GPU): every output is compared with float32 math, a config that is off is
-    reported and never picked, the automatic split shows up as its own config, and an "acc" tile runs
-    at M = 1 only (split 1), where the summary's best_m1 picks it."""
-    sweep = _load_sweep()
-    good, wrong = (16, 32, 4, 1, "fma"), (8, 32, 4, 1, "fma")
-    monkeypatch.setattr(sweep, "DEVICE", "cpu")
-    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
-    monkeypatch.setattr(sweep, "ROWS", (1, 3))
-    monkeypatch.setattr(sweep, "MAX_COPIES", 3)
-    monkeypatch.setattr(sweep, "TILE_GRID", [good, wrong])
-    acc = (2, 32, 4, 1, "acc")
-    monkeypatch.setattr(sweep, "ACC_TILES", [acc])
-    monkeypatch.setattr(sweep, "ACC_MAX_ROWS", 1)
-    monkeypatch.setattr(tg, "DEFAULT_TILES", {1: good, 2: good, 4: good, 8: good, 16: good})
-    monkeypatch.setattr(tg, "TARGET_PROGRAMS", 6)
-    real_run = sweep.run_triton
-    last = {}
-
-    def run_triton(x, w, out, cfg):  # the "wrong" tile scales its output: the check must catch it
-        last["cfg"] = cfg
-        real_run(x, w, out, cfg)
-        if cfg[:2] == wrong[:2]:
-            out.mul_(2.0)
-
-    def fake_bench(fn):  # the wrong tile "times" fastest, so only the check keeps it out
-        last.clear()
-        fn()
-        cfg = last.get("cfg")
-        if cfg is not None and cfg[:2] == wrong[:2]:
-            return 1e-4
-        return 5e-4 if cfg is not None and cfg[-1] == "acc" else 1e-3
-
-    monkeypatch.setattr(sweep, "run_triton", run_triton)
-    monkeypatch.setattr(sweep, "bench", fake_bench)
-    sweep.main(str(tmp_path / "sweep.json"))
-    result = json.loads((tmp_path / "sweep.json").read_text())
-    assert len(result["rows"]) == 4
-    for row in result["rows"]:
-        n, k = row["n"], row["k"]
-        split = tg.auto_split(n, k, 16, 32)
-        assert split > 1
-        good_keys = {"16,32,1,4,1,fma", f"16,32,{split},4,1,fma",
-                     *(f"16,32,{s},4,1,fma_sum" for s in {2, 4, 8, split})}  # the in-kernel sums too
-        wrong_keys = {k_ for k_ in row["triton"] if k_.startswith("8,32,")}
-        acc_keys = {"2,32,1,4,1,acc", *(f"2,32,{s},4,1,acc_sum" for s in (2, 4, 8))} if row["m"] == 1 else set()
-        assert set(row["triton"]) == good_keys | wrong_keys | acc_keys
-        assert {k_.split(",", 2)[2] for k_ in wrong_keys} == {k_.split(",", 2)[2] for k_ in good_keys if "16,32," in k_}
-        for key in acc_keys:
-            assert row["triton"][key]["max_diff"] < 2e-2
-        for key in good_keys:
-            assert row["triton"][key]["max_diff"] < 2e-2  # bf16 outputs of N(0, 1) size
-        for key in wrong_keys:
-            assert row["triton"][key]["max_diff"] > sweep.MAX_DIFF
-            assert row["triton"][key]["ms"] < 1e-3  # it did time faster
-        for e in row["torch"].values():
-            assert e["max_diff"] < 2e-2 and e["ms"] == 1e-3
-        assert row["copies"] == 3
-    for name, s in result["summary"].items():
-        assert tuple(s["best_overall"][:2]) == good[:2], name
-        assert all(v == pytest.approx(1.0) for v in s["speedup_vs_cublas_by_m"].values())
-        assert tuple(s["best_m1"]) == (2, 32, 1, 4, 1, "acc") and s["speedup_m1"] == pytest.approx(2.0)
-        assert sorted(s["best_by_m"]) == ["1", "3"]  # JSON keys: each row's own pick
-        assert s["best_by_m"]["1"]["best"] == s["best_m1"] and tuple(s["best_by_m"]["3"]["best"][:2]) == good[:2]
-        assert s["best_by_m"]["3"]["speedup"] == pytest.approx(1.0)
-
-
-def test_gemv_sweep_offers_only_tensor_core_tiles_past_eight_rows():
-    """At 16 and 32 rows (GEMV_SWEEP_ROWS=16,32) the "fma" tiles are not compiled; at 8 they are.
-    From 8 rows every "dot" tile also runs as "dot_sum" at splits 2, 4, 8 and the automatic one (never
-    at split 1, where there is nothing to sum); below 8 rows not at all. "fma" tiles get their
-    "fma_sum" forms wherever they run."""
-    sweep = _load_sweep()
-    assert {"fma", "fma_sum"} <= {c[-1] for c in sweep.configs_for(8, 4096, 4096)}
-    assert "dot_sum" not in {c[-1] for c in sweep.configs_for(4, 4096, 4096)}
-    assert all(c[2] > 1 for c in sweep.configs_for(4, 4096, 4096) if c[-1].endswith("_sum"))
-    for m in (8, 16, 32):
-        cfgs = sweep.configs_for(m, 4096, 4096)
-        if m > 8:
-            assert {c[-1] for c in cfgs} == {"dot", "dot_sum"}
-        for block_n, block_k, _, _, mode in sweep.TILE_GRID:
-            if mode != "dot":
-                continue
-            splits = {c[2] for c in cfgs if c[-1] == "dot_sum" and c[:2] == (block_n, block_k)}
-            assert splits == {2, 4, 8, tg.auto_split(4096, 4096, block_n, block_k)} - {1}, (block_n, block_k, splits)
-
-
-def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, monkeypatch):
-    """The short GPU call (GEMV_SWEEP_ONLY / GEMV_SWEEP_ROWS / GEMV_SWEEP_ACC_ONLY): only the named
-    shape, only the named M, only the module default and the "acc" tiles (with their in-kernel sums);
-    the JSON says so."""
-    monkeypatch.setenv("GEMV_SWEEP_ONLY", "tiny/b")
-    monkeypatch.setenv("GEMV_SWEEP_ROWS", "1")
-    monkeypatch.setenv("GEMV_SWEEP_ACC_ONLY", "1")
-    sweep = _load_sweep()
-    tile, acc = (16, 32, 4, 1, "fma"), (2, 32, 4, 1, "acc")
-    monkeypatch.setattr(sweep, "DEVICE", "cpu")
-    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
-    monkeypatch.setattr(sweep, "MAX_COPIES", 2)
-    monkeypatch.setattr(sweep, "TILE_GRID", [(8, 32, 4, 1, "fma")])
-    monkeypatch.setattr(sweep, "ACC_TILES", [acc])
-    monkeypatch.setattr(tg, "DEFAULT_TILES", {1: tile, 2: tile, 4: tile, 8: tile, 16: tile})
-    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), 1e-3)[1])
-    sweep.main(str(tmp_path / "sweep.json"))
-    result = json.loads((tmp_path / "sweep.json").read_text())
-    assert [(r["n"], r["m"]) for r in result["rows"]] == [(24, 1)]
-    default = ",".join(map(str, tg.default_config(1, 24, 48)))
-    assert set(result["rows"][0]["triton"]) == {default, "2,32,1,4,1,acc", *(f"2,32,{s},4,1,acc_sum" for s in (2, 4, 8))}
-    assert all(e["max_diff"] < 2e-2 for e in result["rows"][0]["triton"].values())
-    assert list(result["summary"]) == ["tiny/b"] and result["acc_only"] and result["rows_m"] == [1]
-
-
-def test_gemv_fused_sweep_times_each_fusion_and_checks_it(tmp_path, monkeypatch):
-    """scripts/gemv_fused_sweep.py on tiny shapes under the interpreter with a stand-in timer: each
-    projection gets its model fusion, every launch's fused output is checked against float32 math
-    (all correct here), plain and fused times and their difference are recorded, and the best fused
-    launch is named; the JSON is written."""
-    import sys as _sys
-
-    monkeypatch.setattr(_sys, "path", [str(pathlib.Path(__file__).resolve().parents[1] / "scripts"), *_sys.path])
-    sweep = _load_sweep()
-    monkeypatch.setitem(_sys.modules, "gemv_sweep", sweep)
-    spec = importlib.util.spec_from_file_location(
-        "gemv_fused_sweep", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_fused_sweep.py")
-    fused = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fused)
-    monkeypatch.setattr(sweep, "DEVICE", "cpu")
-    monkeypatch.setattr(sweep, "DTYPE", torch.float32)
-    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"qkv": (24, 48), "o": (16, 48), "down": (16, 40)}})
-    monkeypatch.setattr(sweep, "MAX_COPIES", 2)
-    monkeypatch.setattr(fused, "LAUNCHES", [(4, 32, 1, 4, 1, "acc"), (8, 16, 1, 4, 1, "acc")])
-    times = iter(range(1, 100))
-    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), next(times) * 1e-3)[1])  # each call 1 us slower
-    fused.main(str(tmp_path / "fused.json"))
-    rows = json.loads((tmp_path / "fused.json").read_text())["rows"]
-    assert [(r["proj"], r["fusion"]) for r in rows] == [("qkv", "norm"), ("o", "residual"), ("down", "swiglu+residual")]
-    for r in rows:
-        assert set(r["launches"]) == {"4,32,1,4,1,acc", "8,16,1,4,1,acc"}
-        for e in r["launches"].values():
-            assert e["max_diff"] < 1e-3 and e["added_us"] == pytest.approx(1.0)
-        assert r["best_fused"] == "4,32,1,4,1,acc"  # timed first, so faster under the stand-in timer
-
-
-def test_fused_table_env_loads_the_fused_sweeps_picks_only_with_the_fusion(tmp_path):
-    """TSCOMPILE_GEMV_FUSED_TABLE: with TSCOMPILE_DECODE_GEMV_FUSE=1 a fresh process's fused launches
-    are the fused sweep's best per shape (a shape with no correct launch keeps the plain one); without
-    the fusion the file is never read; a bad file is a tscompile: ValueError."""
-    import subprocess
-    import sys
-
-    good = tmp_path / "fused.json"
-    good.write_text(json.dumps({"rows": [
-        {"n": 6144, "k": 4096, "best_fused": "2,2048,1,8,1,acc"},
-        {"n": 4096, "k": 14336, "best_fused": None}]}))
-    code = "from tscompile.custom_ops import triton_gemv as tg; print(sorted(tg.DECODE_GEMV_FUSED_CONFIGS.items()))"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSCOMPILE_")}
-    env.update(TSCOMPILE_GEMV_FUSED_TABLE=str(good), TSCOMPILE_DECODE_GEMV_FUSE="1")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "[((6144, 4096), (2, 2048, 1, 8, 1, 'acc'))]"
-    env.update(TSCOMPILE_DECODE_GEMV_FUSE="0", TSCOMPILE_GEMV_FUSED_TABLE=str(tmp_path / "missing.json"))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
-    (tmp_path / "bad.json").write_text(json.dumps({"rows": [{"n": 8, "k": 8, "best_fused": "3,64,1,4,1,acc"}]}))
-    for name in ("bad.json", "missing.json"):
-        with pytest.raises(ValueError, match=r"^tscompile: TSCOMPILE_GEMV_FUSED_TABLE=.*" + name):
-            tg.fused_table_from_file(str(tmp_path / name))
-
-
-def test_the_op_runs_a_fused_call_at_its_own_launch(monkeypatch):
-    """``tscompile::gemv``: a fused call (norm, swiglu or residual) at DECODE_GEMV_FUSED_CONFIGS' launch
-    where the shape has one, a plain call at the plain table's."""
-    plain, fused = (16, 32, 1, 4, 1, "acc"), (8, 16, 1, 4, 1, "acc")
-    monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", {(24, 48): plain})
-    monkeypatch.setattr(tg, "DECODE_GEMV_FUSED_CONFIGS", {(24, 48): fused})
-    seen, real = [], tg.gemv
-    monkeypatch.setattr(tg, "gemv", lambda x, w, out=None, config=None, **kw: seen.append(config) or real(x, w, out, config, **kw))
-    x, w = torch.randn(1, 48), torch.randn(24, 48)
-    torch.ops.tscompile.gemv(x, w)
-    torch.ops.tscompile.gemv(x, w, residual=torch.randn(1, 24))
-    torch.ops.tscompile.gemv(x, w, norm_weight=torch.ones(48), eps=1e-5)
-    torch.ops.tscompile.gemv(torch.randn(1, 96), w, swiglu=True)
-    assert seen == [plain, fused, fused, fused]
 
 
 def _sweep_summary():
@@ -530,58 +222,12 @@ def _sweep_summary():
     }
 
 
-def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path, capsys):
+def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin():
     """A shape enters DECODE_GEMV_CONFIGS with its best M = 1 launch only when that beat cuBLAS by the
-    margin; the sweep's ``--decode-table`` prints valid Python that evaluates to the same table."""
+    margin."""
     summary = _sweep_summary()
     assert tg.decode_table_from_sweep({"summary": summary}) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}
     assert set(tg.decode_table_from_sweep({"summary": summary}, min_speedup=1.0)) == {(6144, 4096), (4096, 4096)}
-    sweep = _load_sweep()
-    (tmp_path / "sweep.json").write_text(json.dumps({"summary": summary}))
-    sweep.print_decode_table(str(tmp_path / "sweep.json"), 1.02)
-    printed = capsys.readouterr().out
-    literal = printed.split("= ", 1)[1].split("\n}")[0] + "\n}"
-    assert eval(literal) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}  # noqa: S307
-    assert "cuBLAS kept (below 1.02x): m/o (1.01x)" in printed
-
-
-def test_gemv_table_env_loads_a_sweeps_picks_and_refuses_a_bad_file(tmp_path):
-    """TSCOMPILE_GEMV_TABLE: a fresh process's decode and prefill tables are the sweep's (the decode
-    pass is on unless TSCOMPILE_DECODE_GEMV=0, so the file is read with no other setting); a file that
-    is not a sweep's JSON, or holds a launch the kernel refuses, is a tscompile: ValueError."""
-    import subprocess
-    import sys
-
-    good = tmp_path / "sweep.json"
-    good.write_text(json.dumps({"summary": _sweep_summary()}))
-    code = ("from tscompile.custom_ops import triton_gemv as tg; "
-            "print(tg.DECODE_GEMV, sorted(tg.DECODE_GEMV_CONFIGS.items()), sorted(tg.PREFILL_GEMV_CONFIGS.items()),"
-            " sorted(tg.DECODE_GEMV_FUSE_ONLY.items()))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TSCOMPILE_")}
-    env["TSCOMPILE_GEMV_TABLE"] = str(good)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    # m/o beat cuBLAS by 1.01x: below the margin, so listed only for the fusion (at parity or better)
-    assert run.stdout.strip() == ("True [((6144, 4096), (1, 512, 1, 8, 1, 'acc'))] "
-                                  "[((32, 6144, 4096), (64, 128, 1, 4, 4, 'dot'))] "
-                                  "[((4096, 4096), (4, 4096, 1, 4, 1, 'acc'))]")
-    # with the passes off the file is never read: a missing one is no error, the shipped tables stay
-    env.update(TSCOMPILE_DECODE_GEMV="0", TSCOMPILE_BATCH_GEMV="0", TSCOMPILE_GEMV_TABLE=str(tmp_path / "missing.json"))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == (f"False {sorted(tg.DECODE_GEMV_CONFIGS.items())} {sorted(tg.PREFILL_GEMV_CONFIGS.items())} "
-                                  f"{sorted(tg.DECODE_GEMV_FUSE_ONLY.items())}")
-    env["TSCOMPILE_BATCH_GEMV"] = "1"  # the batch swap alone reads it too
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode != 0 and "tscompile: TSCOMPILE_GEMV_TABLE=" in run.stderr
-    bad_launch = _sweep_summary()
-    bad_launch["m/qkv"]["best_m1"] = [3, 512, 1, 8, 1, "acc"]  # BLOCK_N not a power of two
-    (tmp_path / "bad_launch.json").write_text(json.dumps({"summary": bad_launch}))
-    (tmp_path / "not_json.json").write_text("{")
-    (tmp_path / "no_summary.json").write_text("{}")
-    for name in ("bad_launch.json", "not_json.json", "no_summary.json", "missing.json"):
-        with pytest.raises(ValueError, match=r"^tscompile: TSCOMPILE_GEMV_TABLE=.*" + name):
-            tg.gemv_tables_from_file(str(tmp_path / name))
 
 
 # -- GPU ----------------------------------------------------------------------------------------------
@@ -601,33 +247,6 @@ def test_gemv_llama_1b_qkv_matches_torch_gpu(m):
         tg.gemv(x, w, out, config=config)
         torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2.0 ** -8, atol=1e-2,
                                    msg=lambda s: f"config {config}: {s}")
-
-
-@pytest.mark.gpu
-def test_gemv_fused_norm_and_residual_llama_8b_shapes_match_torch_gpu():
-    """The shipped launch on llama-8b's qkv (RMSNorm prologue) and output (residual epilogue) shapes,
-    bf16, against float32 math; and the fused kernel in a CUDA graph replayed with new inputs."""
-    config = (1, 2048, 1, 8, 1, "acc")
-    for (n, k), fuse in (((6144, 4096), "norm"), ((4096, 4096), "residual")):
-        x, w = _inputs(1, n, k, torch.bfloat16, "cuda", seed=n)
-        norm_weight = (1.0 + 0.5 * torch.randn(k, device="cuda")).to(torch.bfloat16)
-        residual = torch.randn(1, n, device="cuda").to(torch.bfloat16)
-        kwargs = dict(norm_weight=norm_weight, eps=1e-5) if fuse == "norm" else dict(residual=residual)
-        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        tg.gemv(x, w, out, config=config, **kwargs)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            tg.gemv(x, w, out, config=config, **kwargs)
-        for seed in (1, 2):
-            x.copy_(_inputs(1, n, k, torch.bfloat16, "cuda", seed=seed * 7 + n)[0] * 2.0)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            if fuse == "norm":
-                want = _rms_norm_ref(x, norm_weight, 1e-5) @ w.float().T
-            else:
-                want = (x.float() @ w.float().T).to(torch.bfloat16).float() + residual.float()
-            torch.testing.assert_close(out.float(), want, rtol=2.0 ** -7, atol=5e-2, msg=lambda s: f"{fuse}: {s}")
 
 
 @pytest.mark.gpu
@@ -712,45 +331,31 @@ def test_fma_and_acc_sums_equal_their_two_kernel_splits_gpu(m, config):
 
 
 @pytest.mark.gpu
-def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu(monkeypatch):
-    """PDL launches (``pdl=True``, with and without the peeled first chunk) on the H200: each follows
-    a kernel that writes its x (and its residual) in the same captured graph, so a program that read
-    x before its ``gdc_wait`` would read the previous replay's values. Replayed with new sources: every output follows them, for
-    llama-8b's qkv (norm fused) and output (residual fused) shapes and the plain down shape."""
+def test_gemv_pdl_reads_what_the_kernel_before_wrote_in_a_cuda_graph_gpu():
+    """PDL launches (``pdl=True``) on the H200: each follows a kernel that writes its x in the same
+    captured graph, so a program that read x before its ``gdc_wait`` would read the previous replay's
+    values. Replayed with new sources: every output follows them, for llama-8b's qkv, output and down
+    shapes."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
     assert tg.pdl_launch(torch.device("cuda"), True) == {"PDL": True, "launch_pdl": True}  # PDL really on
     config = (1, 2048, 1, 8, 1, "acc")
-    cases = (((6144, 4096), "norm"), ((4096, 4096), "residual"), ((4096, 14336), None))
-    for ((n, k), fuse), peel in itertools.product(cases, (False, True)):
-        monkeypatch.setattr(tg, "GEMV_PEEL", peel)
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
         src = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         x = torch.empty_like(src)
         w = _inputs(1, n, k, torch.bfloat16, "cuda", seed=n)[1]
-        norm_weight = (1.0 + 0.5 * torch.randn(k, device="cuda")).to(torch.bfloat16)
-        r_src = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
-        residual = torch.empty_like(r_src)
-        kwargs = {"norm": dict(norm_weight=norm_weight, eps=1e-5), "residual": dict(residual=residual)}.get(fuse, {})
         out = torch.empty((1, n), dtype=torch.bfloat16, device="cuda")
 
         def step():
             torch.mul(src, 2.0, out=x)  # the kernel before: x is written right before the GEMV reads it
-            torch.mul(r_src, -1.0, out=residual)
-            tg.gemv(x, w, out, config=config, pdl=True, **kwargs)
+            tg.gemv(x, w, out, config=config, pdl=True)
 
         graph = capture_graph(step)  # a warm-up call on a side stream, then the capture
         for seed in (1, 2, 3):
             src.copy_(torch.randn(1, k, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
-            r_src.copy_(torch.randn(1, n, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 9)))
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            xs = src.float() * 2.0
-            if fuse == "norm":
-                want = _rms_norm_ref(xs, norm_weight, 1e-5) @ w.float().T
-            elif fuse == "residual":
-                want = (xs @ w.float().T).to(torch.bfloat16).float() - r_src.float()
-            else:
-                want = xs @ w.float().T
+            want = (src.float() * 2.0) @ w.float().T
             torch.testing.assert_close(out.float(), want, rtol=2.0 ** -7, atol=5e-2,
-                                       msg=lambda s: f"{fuse} peel {peel} seed {seed}: {s}")
+                                       msg=lambda s: f"{(n, k)} seed {seed}: {s}")

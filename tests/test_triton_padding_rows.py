@@ -33,7 +33,6 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(ta, "EXTEND_CONFIGS", {d: (8, 16, 4, 1) for d in (16, 32, 64, 128, 256)})
     monkeypatch.setattr(te, "EXTEND_DENSE_CONFIGS", {d: (16, 16, 4, 1) for d in (16, 32, 64, 128, 256)})
     monkeypatch.setattr(te, "EXTEND_DENSE_SHAPE_CONFIGS", {})
-    monkeypatch.setattr(te, "EXTEND_CONFIG_OVERRIDES", {})  # a lane's TSCOMPILE_EXTEND_CONFIG would win
 
 
 def padded_step(q_lens, kv_lens, *, tail_rows, empty_requests, head_dim, group=4, dtype=torch.float32,

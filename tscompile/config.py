@@ -1,4 +1,10 @@
-"""The one config of the tscompile backend: a frozen dataclass, validated from ``options={...}``."""
+"""The one config of the tscompile backend: a frozen dataclass, validated from ``options={...}``.
+
+No behaviour is switched by environment variables. Two debugging aids read one each, when used:
+``TSCOMPILE_DEBUG_DIR`` is ``debug_dir``'s default (read when a config is made), and
+``TSCOMPILE_GRAPH_DEBUG=1`` turns on the graph-debug checks before every CUDA-graph replay
+(``tscompile/runtime/pointer_guard.py``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from tscompile.kernel_policy import KernelPolicy
 
 DEFAULT_TOKEN_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
 DEFAULT_DECODE_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -56,7 +64,10 @@ class TscompileConfig:
         cuBLAS (passes/decode_gemv.py). Off by default: on the H200 it doubles llama-1b's start-up
         (README, start-up), and with that policy it gained 0.8% at llama-8b bs=1 and nothing on
         llama-1b (bench/results/gpu-2026-12-03/).
-    debug_dir: write each piece's FX code and the split plan here (env TSCOMPILE_DEBUG_DIR).
+    kernels: the kernel and pass choices (``KernelPolicy``: the decode GEMV swaps, PDL), a dict of its
+        fields in ``options`` (unknown keys refused); see ``tscompile.kernel_policy.KernelPolicy``.
+    debug_dir: write each piece's FX code and the split plan here; its default is the environment
+        variable ``TSCOMPILE_DEBUG_DIR`` (read when the config is made), a debugging aid only.
     """
 
     piece_compiler: str = "inductor"
@@ -71,6 +82,7 @@ class TscompileConfig:
     cudagraphs: bool = True
     inductor_options: tuple[tuple[str, object], ...] = ()
     static_inductor_options: tuple[tuple[str, object], ...] = ()
+    kernels: KernelPolicy = field(default_factory=KernelPolicy)
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("TSCOMPILE_DEBUG_DIR") or None)
 
     # fields that change where artifacts are written or when they are built, not what is compiled:
@@ -97,6 +109,7 @@ class TscompileConfig:
                              f"graphs), got {self.prefill_graph_max_tokens!r}")
         for name in ("inductor_options", "static_inductor_options"):
             object.__setattr__(self, name, _inductor_pairs(name, getattr(self, name)))
+        object.__setattr__(self, "kernels", KernelPolicy.from_options(self.kernels))
         if isinstance(self.debug_dir, os.PathLike):
             object.__setattr__(self, "debug_dir", os.fspath(self.debug_dir))
         if self.debug_dir is not None and not isinstance(self.debug_dir, str):
@@ -117,6 +130,7 @@ class TscompileConfig:
 
     def compute_hash(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.HASH_IGNORED}
+        fields["kernels"] = self.kernels.as_dict()
         return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def inductor_patches(self, static_shapes: bool) -> dict:

@@ -21,6 +21,7 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
+from tscompile.kernel_policy import KernelPolicy
 from tscompile.passes.split import SplitPlan
 
 logger = logging.getLogger("tscompile")
@@ -49,12 +50,6 @@ class PieceWrappers:
 
     compiled: Callable[[str, str, Callable, frozenset[int]], Callable]
     narrow: Callable[[str, Callable, list[bool], list[bool]], Callable]
-
-
-# Pieces of a split graph on CUDA get passes/residual_addmm.py's post-grad pass: without it every
-# residual add of a layer becomes an addmm that copies the residual first (two device copies per
-# layer). False restores Inductor's own choice (the fused addmm rounds the sum once).
-UNFUSE_RESIDUAL_ADDMM = True
 
 
 def _device_type(example_inputs: list) -> str:
@@ -103,19 +98,18 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
     """The ``torch._inductor.config`` patches one graph compiles under: the CUDA defaults (static
     graphs and split pieces only; Inductor's PDL where ``graph_pdl_on`` for the engine's graphs), then
     the user's options (which win), tscompile's post-grad passes on CUDA unless the options set a
-    post-grad post pass of their own (``_our_post_grad_passes``, their GEMV kernels launched with PDL
-    where the graph's Inductor kernels are), and whether Inductor captures the graph."""
+    post-grad post pass of their own (``our_post_grad_passes``, their GEMV kernels launched with PDL
+    where the graph's Inductor kernels are), and whether Inductor captures the graph. The kernel and
+    pass choices are ``config.kernels``."""
     on_cuda = device_type == "cuda"
     engine = _ENGINE_GRAPHS.get()
     defaults = CUDA_INDUCTOR_DEFAULTS if on_cuda and (static or split_piece) else {}
-    if on_cuda and graph_pdl_on(static, split_piece, engine):
+    if on_cuda and graph_pdl_on(config.kernels, static, split_piece, engine):
         defaults = {**defaults, "triton.enable_pdl": True}
     patches = {**defaults, **config.inductor_patches(static)}
     if on_cuda and patches.get("post_grad_custom_post_pass") is None:  # the user's own pass wins
-        from tscompile.custom_ops import triton_gemv
-
-        kernel_pdl = triton_gemv.GEMV_PDL and bool(patches.get("triton.enable_pdl"))
-        ours = _our_post_grad_passes(static, split_piece, engine, kernel_pdl)
+        kernel_pdl = bool(patches.get("triton.enable_pdl"))
+        ours = our_post_grad_passes(config.kernels, static, split_piece, engine, kernel_pdl, cuda_device_name())
         if ours:
             from tscompile.passes.pass_chain import PassChain
 
@@ -124,81 +118,52 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
     return patches
 
 
-def _our_post_grad_passes(static: bool, split_piece: bool, engine: bool, kernel_pdl: bool) -> list:
-    """The passes a CUDA graph gets: in a split piece the opt-in prefill GEMV swap (first: it takes the
-    residual ``addmm`` of the shapes it swaps itself), then the residual-addmm unfusing; in a static
-    graph that is not a piece (the bs=1 decode step) the decode GEMV swap (``decode_gemv_on``); in the
-    engine's dynamic-batch decode graph the few-row swap (``batch_gemv_on``). ``kernel_pdl``:
-    the swapped GEMV kernels launch with PDL (the graph's Inductor kernels do, and TSCOMPILE_GEMV_PDL)."""
-    passes = []
-    if prefill_gemv_on() if split_piece else (not static and engine and batch_gemv_on()):
-        from tscompile.passes.prefill_gemv import PrefillGemv
+def our_post_grad_passes(policy: KernelPolicy, static: bool, split_piece: bool, engine: bool, kernel_pdl: bool,
+                         device_name: str) -> list:
+    """The passes a CUDA graph gets: in a split piece the residual-addmm unfusing (passes/residual_addmm.py:
+    two device copies per layer fewer); in a static graph that is not a piece (the bs=1 decode step)
+    the decode GEMV swap (``policy.decode_gemv``); in the engine's dynamic-batch decode graph the
+    few-row swap (``policy.batch_gemv``); either swap only on a GPU named ``device_name`` that its
+    tables were timed on. ``kernel_pdl``: the swapped GEMV kernels launch with PDL (the graph's
+    Inductor kernels do)."""
+    from tscompile.custom_ops.triton_gemv import gemv_tables_apply
 
-        passes.append(PrefillGemv(pdl=kernel_pdl))
-    if split_piece and UNFUSE_RESIDUAL_ADDMM:
+    passes = []
+    tables = gemv_tables_apply(device_name)
+    if not static and not split_piece and engine and policy.batch_gemv and tables:
+        from tscompile.passes.batch_gemv import BatchGemv
+
+        passes.append(BatchGemv(pdl=kernel_pdl))
+    if split_piece:  # without it every residual add of a layer becomes an addmm that copies the residual first
         from tscompile.passes.residual_addmm import UnfuseResidualAddmm
 
         passes.append(UnfuseResidualAddmm())
-    if static and not split_piece and decode_gemv_on():
+    if static and not split_piece and policy.decode_gemv and tables:
         from tscompile.passes.decode_gemv import DecodeGemv
 
         passes.append(DecodeGemv(pdl=kernel_pdl))
     return passes
 
 
-def prefill_gemv_on() -> bool:
-    """TSCOMPILE_PREFILL_GEMV (custom_ops/triton_gemv.py, opt-in): CUDA split pieces (the prefill step)
-    run the matmuls of the listed weight shapes through ``tscompile::skinny_mm`` (passes/prefill_gemv.py),
-    on a GPU the table was timed on (or with a sweep's table)."""
-    from tscompile.custom_ops import triton_gemv
-
-    return triton_gemv.gemv_swap_applies(triton_gemv.PREFILL_GEMV, cuda_device_name())
-
-
-def batch_gemv_on() -> bool:
-    """TSCOMPILE_BATCH_GEMV (custom_ops/triton_gemv.py, on by default): the dynamic-batch decode graph
-    runs the matmuls of the few-row table's weight shapes through ``tscompile::skinny_mm``, which takes
-    the kernel at the listed batch sizes (passes/prefill_gemv.py), on a GPU the table was timed on (or
-    with a sweep's table)."""
-    from tscompile.custom_ops import triton_gemv
-
-    return triton_gemv.gemv_swap_applies(triton_gemv.BATCH_GEMV, cuda_device_name())
-
-
-def decode_gemv_on() -> bool:
-    """TSCOMPILE_DECODE_GEMV (custom_ops/triton_gemv.py, on by default): static CUDA graphs (the bs=1
-    decode step) run their one-row projections through ``tscompile::gemv`` (passes/decode_gemv.py),
-    on a GPU its launch table was timed on (or with a sweep's table)."""
-    from tscompile.custom_ops import triton_gemv
-
-    return triton_gemv.gemv_swap_applies(triton_gemv.DECODE_GEMV, cuda_device_name())
-
-
-def decode_pdl_on() -> bool:
-    """TSCOMPILE_GEMV_PDL (custom_ops/triton_gemv.py, on by default) where the decode GEMV pass runs on a
-    GPU that has PDL: the bs=1 graph's Inductor kernels launch with it too (``triton.enable_pdl``),
-    which is what makes the GEMV kernel's PDL launches pay (either alone was slower on the H200)."""
-    from tscompile.custom_ops import triton_attention, triton_gemv
-
-    return triton_gemv.GEMV_PDL and decode_gemv_on() and triton_attention.pdl_available()
-
-
-def graph_pdl_on(static: bool, split_piece: bool, engine: bool = True) -> bool:
+def graph_pdl_on(policy: KernelPolicy, static: bool, split_piece: bool, engine: bool = True) -> bool:
     """Whether one of the engine's CUDA graphs compiles with Inductor's PDL (a torch.compile user's
-    graph, ``engine=False``, never unasked): the bs=1 decode graph with ``decode_pdl_on``, with
-    TSCOMPILE_DECODE_PDL (custom_ops/triton_attention.py, on by default) every graph that is not a
-    prefill piece, and the prefill pieces with the opt-in TSCOMPILE_PREFILL_PDL (the extend kernel
-    between them launches with PDL then too)."""
-    from tscompile.custom_ops import triton_attention
-
-    if not engine:
+    graph, ``engine=False``, never unasked): the prefill pieces with ``policy.prefill_pdl``, every
+    other graph (the decode graphs) with ``policy.decode_pdl``, on a GPU that has PDL."""
+    if not engine or not (policy.prefill_pdl if split_piece else policy.decode_pdl):
         return False
-    if split_piece:
-        return triton_attention.PREFILL_PDL and triton_attention.pdl_available()
+    from tscompile.custom_ops.triton_attention import pdl_available
 
-    if triton_attention.DECODE_PDL and triton_attention.pdl_available():
-        return True
-    return static and decode_pdl_on()
+    return pdl_available()
+
+
+def applied_kernel_policy(policy: KernelPolicy, device_name: str) -> dict[str, bool]:
+    """What ``policy`` turns on for the engine's graphs on a CUDA GPU named ``device_name`` (a bench
+    record): each GEMV swap where its tables were timed on that GPU, each PDL choice where it has PDL."""
+    from tscompile.custom_ops.triton_gemv import gemv_tables_apply
+
+    tables = gemv_tables_apply(device_name)
+    return {"decode_gemv": policy.decode_gemv and tables, "batch_gemv": policy.batch_gemv and tables,
+            "decode_pdl": graph_pdl_on(policy, False, False), "prefill_pdl": graph_pdl_on(policy, False, True)}
 
 
 def cuda_device_name() -> str:

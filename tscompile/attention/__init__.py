@@ -12,6 +12,7 @@ from tscompile.attention.base import AttentionBackend, AttentionMetadata, PagedA
 from tscompile.attention.flashinfer_host import FLASHINFER_NEEDS
 from tscompile.attention.router import AttentionRouter, DecodeInputs
 from tscompile.attention.support import CudaGraphSupport, resolve_cuda_graph_support
+from tscompile.kernel_policy import KernelPolicy
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.utils import cdiv
 
@@ -53,13 +54,17 @@ def default_backend_name(device: torch.device | str) -> str:
 
 
 def create_attention_router(name: str, specs: list[CacheGroupSpec], *, max_model_len: int, page_size: int,
-                            pages_per_block: int, device: torch.device | str) -> AttentionRouter:
-    """One leaf of backend ``name`` per cache group under a router; ``auto`` picks per device."""
+                            pages_per_block: int, device: torch.device | str,
+                            kernels: KernelPolicy | None = None) -> AttentionRouter:
+    """One leaf of backend ``name`` per cache group under a router; ``auto`` picks per device.
+    ``kernels``: the engine's kernel choices (default ``KernelPolicy()``), handed to every leaf."""
     if name == "auto":
         name = default_backend_name(device)
     cls = leaf_class(name)
     max_pages = cdiv(max_model_len, page_size)
     leaves = [cls(gid, max_pages=max_pages, device=torch.device(device)) for gid in range(len(specs))]
+    for leaf in leaves:
+        leaf.use_kernel_policy(kernels or KernelPolicy())
     return AttentionRouter(specs, leaves, max_blocks=cdiv(max_model_len, page_size * pages_per_block), device=device)
 
 

@@ -5,14 +5,17 @@ What every method is for, and when it runs:
 
 - ``set_cache_pool(pool)``: bind or rebind the KV pool; the whole tree validates before any node
   publishes, so a rejected pool changes nothing.
-- ``allocate_decode_buffers(max_decode_bs)``: once, when the engine is built: the persistent decode
-  metadata buffers, sized by ``max_decode_bs``. Eager decode uses them too, so it runs with or
-  without graphs.
+- ``allocate_decode_buffers(max_decode_bs, max_width)``: once, when the engine is built: the
+  persistent decode metadata buffers, sized by ``max_decode_bs`` requests of up to ``max_width``
+  query rows each (a speculative verify window; 1, the default, is plain decode). Eager decode
+  uses them too, so it runs with or without graphs.
 - ``bind_query_heads(num_q_heads)``: once, by the model runner: the query heads per layer, for
   backends that plan kernels on the host (the KV cache alone says only the KV heads).
 - ``refresh_decode_metadata``: the one decode metadata path. It rewrites the persistent buffers in
   place for eager decode, before every graph replay and (through the router's idle refresh) at
-  capture; rows past the live ones resolve to the null page 0. It gets the live rows' block
+  capture; rows past the live ones resolve to the null page 0. A step of width N (N query rows per
+  request, positions ``seq_len - N .. seq_len - 1``) publishes ``bs * N`` write slots; views are
+  pointer-stable per (bs, N). It gets the live rows' block
   tables and lengths on the device and, where the caller has them, on the host too (a host
   planner such as FlashInfer's ``plan()`` reads those; the torch and Triton leaves ignore them).
 - ``init_forward_metadata``: extend and mixed steps only, fresh storage each call (no later step
@@ -32,6 +35,7 @@ import torch
 from tscompile.attention.support import CudaGraphSupport
 from tscompile.custom_ops.metadata import run_refresh
 from tscompile.forward_context import ForwardMode
+from tscompile.kernel_policy import KernelPolicy
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.step_plan import GroupPlan
 
@@ -41,7 +45,8 @@ class AttentionMetadata:
     """Kernel-facing metadata of one cache group for one forward (device tensors).
 
     page_table: [B, max_pages] int32; seq_lens: [B] int32 (after this forward's writes);
-    qo_indptr: [B + 1] int32; decode: every request has one query row.
+    qo_indptr: [B + 1] int32; decode: every request has the same number N of query rows
+    (qo_indptr = arange(B + 1) * N; N = 1 is plain decode, N > 1 a verify window).
     """
 
     page_table: torch.Tensor
@@ -81,6 +86,15 @@ class AttentionBackend:
         """This node's own binding work; runs only after the whole tree validated."""
 
 
+def decode_width(bs: int, write_loc_out: torch.Tensor) -> int:
+    """N, the query rows per request of a decode refresh, from its write slots' length ``bs * N``."""
+    rows = write_loc_out.shape[0]
+    if bs <= 0 or rows % bs or rows == 0:
+        raise ValueError(f"tscompile: a decode refresh of {bs} requests got {rows} write slots; it needs bs * N "
+                         "(N query rows per request)")
+    return rows // bs
+
+
 def reject_decode_init(mode: ForwardMode) -> None:
     if mode is ForwardMode.DECODE:
         raise ValueError(
@@ -109,8 +123,9 @@ class PagedAttentionBackend(AttentionBackend):
         self.pages_per_block: int | None = None
         self.page_table_buf: torch.Tensor | None = None  # [max_decode_bs, max_pages] int32
         self.seq_lens_buf: torch.Tensor | None = None  # [max_decode_bs] int32
-        self.qo_indptr_buf: torch.Tensor | None = None  # [max_decode_bs + 1] int32, arange
-        self._decode_views_by_bs: dict[int, AttentionMetadata] = {}
+        self.qo_indptr_buf: torch.Tensor | None = None  # [max_width, max_decode_bs + 1] int32, row w-1: arange * w
+        self._decode_views_by_bs: dict[int, AttentionMetadata] = {}  # plain decode (width 1), by bs
+        self._window_views: dict[tuple[int, int], AttentionMetadata] = {}  # verify windows, by (bs, width)
         self.forward_decode_metadata: AttentionMetadata | None = None
         self.forward_extend_metadata: AttentionMetadata | None = None
         self.num_q_heads: int | None = None
@@ -118,17 +133,33 @@ class PagedAttentionBackend(AttentionBackend):
     def bind_query_heads(self, num_q_heads: int) -> None:
         self.num_q_heads = num_q_heads
 
+    def use_kernel_policy(self, policy: KernelPolicy) -> None:
+        """Once, when the engine is built: the engine's kernel choices, for a leaf whose kernels have
+        any (the Triton leaf's PDL launches); the others ignore it."""
+
     def _publish_cache_pool(self, pool: KVCachePool) -> None:
         geo = pool.geometry(self.group_id)
         self.page_size, self.pages_per_block = geo.page_size, geo.pages_per_block
         self.forward_decode_metadata = None
         self.forward_extend_metadata = None
 
-    def allocate_decode_buffers(self, max_decode_bs: int) -> None:
+    def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
+        """One page-table row and length per request whatever the width (a window's N rows share
+        their request's); the query offsets of every width up to ``max_width``."""
+        if max_width < 1:
+            raise ValueError(f"tscompile: max_width={max_width}; a decode step has at least 1 row per request")
         self.page_table_buf = torch.zeros(max_decode_bs, self.max_pages, dtype=torch.int32, device=self.device)
         self.seq_lens_buf = torch.zeros(max_decode_bs, dtype=torch.int32, device=self.device)
-        self.qo_indptr_buf = torch.arange(max_decode_bs + 1, dtype=torch.int32, device=self.device)
+        widths = torch.arange(1, max_width + 1, dtype=torch.int32, device=self.device)
+        self.qo_indptr_buf = widths[:, None] * torch.arange(max_decode_bs + 1, dtype=torch.int32, device=self.device)
         self._decode_views_by_bs = {}
+        self._window_views = {}
+
+    @property
+    def max_decode_width(self) -> int:
+        if self.qo_indptr_buf is None:
+            raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
+        return self.qo_indptr_buf.shape[0]
 
     @property
     def max_decode_bs(self) -> int:
@@ -136,29 +167,42 @@ class PagedAttentionBackend(AttentionBackend):
             raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
         return self.seq_lens_buf.shape[0]
 
-    def decode_views(self, bs: int) -> AttentionMetadata:
-        """The one per-bs builder shared by capture and refresh; views never move once built."""
-        views = self._decode_views_by_bs.get(bs)
+    def decode_views(self, bs: int, width: int = 1) -> AttentionMetadata:
+        """The one per-(bs, width) builder shared by capture and refresh; views never move once built."""
+        built = self._decode_views_by_bs if width == 1 else self._window_views
+        key = bs if width == 1 else (bs, width)
+        views = built.get(key)
         if views is None:
             if not 0 < bs <= self.max_decode_bs:
                 raise ValueError(f"tscompile: decode batch {bs} outside [1, max_decode_bs={self.max_decode_bs}]")
-            views = AttentionMetadata(self.page_table_buf[:bs], self.seq_lens_buf[:bs], self.qo_indptr_buf[: bs + 1], True)
-            self._decode_views_by_bs[bs] = views
+            if not 0 < width <= self.max_decode_width:
+                raise ValueError(f"tscompile: decode width {width} outside [1, max_width={self.max_decode_width}]; "
+                                 "allocate_decode_buffers sets the widest verify window")
+            views = AttentionMetadata(self.page_table_buf[:bs], self.seq_lens_buf[:bs],
+                                      self.qo_indptr_buf[width - 1, : bs + 1], True)
+            built[key] = views
         return views
 
     def refresh_decode_metadata(self, bs: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                                 write_loc_out: torch.Tensor, host_block_table: np.ndarray | None,
                                 host_seq_lens: np.ndarray | None) -> None:
-        """Rewrite this group's decode buffers for ``bs`` rows in place.
+        """Rewrite this group's decode buffers for ``bs`` requests in place.
 
         block_table: [n, max_blocks] int32 and seq_lens: [n] int32 of the n live rows (n <= bs; rows
-        past them are padding, resolved to the null page); write_loc_out: [bs] int64, mutated.
-        host_block_table / host_seq_lens: the same rows on the host (numpy), for host planners."""
-        views = self.decode_views(bs)
+        past them are padding, resolved to the null page; seq_lens count the whole window);
+        write_loc_out: [bs * N] int64, mutated: its length says the window width N (query rows per
+        request; bs: plain decode). host_block_table / host_seq_lens: the same rows on the host
+        (numpy), for host planners."""
+        width = decode_width(bs, write_loc_out)
+        views = self.decode_views(bs, width)
         # the op when traced (graphs, export); its body directly when run eagerly (the usual case)
         refresh = torch.ops.tscompile.refresh_decode_metadata if torch.compiler.is_compiling() else run_refresh
-        refresh(block_table, seq_lens, views.page_table, views.seq_lens, write_loc_out,
-                self.pages_per_block, self.page_size, self.refresh_impl)
+        if width == 1:  # the plain decode call, unchanged (exported programs record this form)
+            refresh(block_table, seq_lens, views.page_table, views.seq_lens, write_loc_out,
+                    self.pages_per_block, self.page_size, self.refresh_impl)
+        else:
+            refresh(block_table, seq_lens, views.page_table, views.seq_lens, write_loc_out,
+                    self.pages_per_block, self.page_size, self.refresh_impl, width)
         self.forward_decode_metadata = views
 
     def init_forward_metadata(self, group: GroupPlan, meta: AttentionMetadata) -> None:

@@ -39,6 +39,14 @@ a graph captured over the idle plan of a size replays any later plan of that siz
 shares one device int workspace and one float workspace: only the latest plan is ever read, and
 stream order puts each plan's copies after the previous step's kernels.
 
+Verify windows (N > 1 query rows per request, a speculative decoding step): one
+``BatchPrefillWithPagedKVCacheWrapper`` per (bs, N) in CUDA-graph mode, causal (FlashInfer aligns
+the causal mask to the end of each request's KV, so window row i sees the prefix and rows <= i),
+over the decode step's fixed ``indptr`` / ``indices`` / ``last_page_len`` buffers plus fixed query
+offsets ``arange(bs + 1) * N``. It is planned in the same refresh, from the same ring of pinned
+host memory; its plan fixes the batch (bs) and the row count (bs * N), which never change for a
+(bs, N) graph. Padded requests read the null page over N positions (a window needs a key per row).
+
 Extend and mixed steps: one ``BatchPrefillWithPagedKVCacheWrapper`` (causal, over the cached
 prefix plus the new rows), planned in ``init_forward_metadata`` from the step's ``GroupPlan``.
 Its ``plan()`` reads ``qo_indptr`` / ``kv_indptr`` on the host and moves the arrays with
@@ -70,7 +78,7 @@ import numpy as np
 import torch
 from flashinfer.jit import env as jit_env
 
-from tscompile.attention.base import AttentionMetadata, PagedAttentionBackend
+from tscompile.attention.base import AttentionMetadata, PagedAttentionBackend, decode_width
 from tscompile.attention.flashinfer_host import FLASHINFER_NEEDS, flashinfer_geometry_problem, paged_kv_arrays
 from tscompile.attention.support import CudaGraphSupport
 from tscompile.counters import counters
@@ -149,7 +157,8 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
         self._decode_int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self._ring: _PlanRing | None = None
-        self._planned_decode: tuple[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] | None = None
+        self._verify_wrappers: dict[tuple[int, int], flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
+        self._planned_decode: tuple[int, object] | None = None  # (query rows, planned wrapper)
         self._prefill: flashinfer.BatchPrefillWithPagedKVCacheWrapper | None = None
         self._prefill_copied = torch.cuda.Event()
         self._prefill_used = False
@@ -187,14 +196,20 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
         return self.num_q_heads, self.num_kv_heads, self.head_dim, self.page_size
 
     # -- decode --------------------------------------------------------------------------------------
-    def allocate_decode_buffers(self, max_decode_bs: int) -> None:
-        super().allocate_decode_buffers(max_decode_bs)
-        max_indices = max_decode_bs * max(self.max_pages, 1)  # a live row's pages, or a padded row's one
+    def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
+        super().allocate_decode_buffers(max_decode_bs, max_width)
+        # a live row's pages, or a padded row's null pages (one, or enough for a window's N positions)
+        max_indices = max_decode_bs * max(self.max_pages, max_width, 1)
         self._indptr = torch.zeros(max_decode_bs + 1, dtype=torch.int32, device=self.device)
         self._last_page_len = torch.ones(max_decode_bs, dtype=torch.int32, device=self.device)
         self._indices = torch.zeros(max_indices, dtype=torch.int32, device=self.device)
+        self._verify_qo_indptr = torch.zeros(max_decode_bs + 1, dtype=torch.int32, device=self.device)
+        # the host side of every width's query offsets (constant: arange * N), pinned for async copies
+        self._verify_qo_host = (torch.arange(1, max_width + 1, dtype=torch.int32)[:, None]
+                                * torch.arange(max_decode_bs + 1, dtype=torch.int32)).pin_memory()
         self._ring = _PlanRing(max_decode_bs, max_indices)
         self._decode_wrappers = {}
+        self._verify_wrappers = {}
         self._planned_decode = None
 
     def _decode_wrapper(self, bs: int) -> flashinfer.BatchDecodeWithPagedKVCacheWrapper:
@@ -209,6 +224,17 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
             self._decode_wrappers[bs] = wrapper
         return wrapper
 
+    def _verify_wrapper(self, bs: int, width: int) -> flashinfer.BatchPrefillWithPagedKVCacheWrapper:
+        wrapper = self._verify_wrappers.get((bs, width))
+        if wrapper is None:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._float_workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self._verify_qo_indptr[: bs + 1],
+                paged_kv_indptr_buf=self._indptr[: bs + 1], paged_kv_indices_buf=self._indices,
+                paged_kv_last_page_len_buf=self._last_page_len[:bs])
+            wrapper._int_workspace_buffer = self._decode_int_workspace  # shared, as the decode wrappers'
+            self._verify_wrappers[(bs, width)] = wrapper
+        return wrapper
+
     def refresh_decode_metadata(self, bs: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                                 write_loc_out: torch.Tensor, host_block_table: np.ndarray | None,
                                 host_seq_lens: np.ndarray | None) -> None:
@@ -219,7 +245,11 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
             raise ValueError("tscompile: attention_backend='flashinfer' plans decode on the host: the decode "
                              "refresh needs the live rows' host block tables and lengths (DecodeInputs.host_*)")
         super().refresh_decode_metadata(bs, block_table, seq_lens, write_loc_out, host_block_table, host_seq_lens)
-        self.plan_decode(bs, host_block_table, host_seq_lens)
+        width = decode_width(bs, write_loc_out)
+        if width == 1:
+            self.plan_decode(bs, host_block_table, host_seq_lens)
+        else:
+            self.plan_verify(bs, width, host_block_table, host_seq_lens)
 
     def plan_decode(self, bs: int, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
         """Plan the decode of ``bs`` rows, the first ``len(seq_lens)`` live; the rest read the null page."""
@@ -242,13 +272,42 @@ class FlashInferAttentionBackend(PagedAttentionBackend):
         _PlanRing.copies_enqueued(slot, self.device)
         self._planned_decode = (bs, wrapper)
 
+    def plan_verify(self, bs: int, width: int, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Plan a verify window of ``width`` rows for each of ``bs`` requests, the first
+        ``len(seq_lens)`` live (lengths counting the window); padded requests read the null page over
+        ``width`` positions."""
+        num_q_heads, num_kv_heads, head_dim, page_size = self._plan_geometry()
+        if self._ring is None:
+            raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
+        n = seq_lens.shape[0]
+        # padded requests as requests of null blocks (page 0) with a window's length
+        tables = np.zeros((bs, block_table.shape[1]), dtype=np.int32)
+        tables[:n] = block_table
+        lens = np.full(bs, width, dtype=np.int32)
+        lens[:n] = seq_lens
+        indptr, indices, last_page_len = paged_kv_arrays(tables, lens, page_size=page_size,
+                                                         pages_per_block=self.pages_per_block, num_rows=bs)
+        nnz = indices.shape[0]
+        slot = self._ring.take()
+        host_indptr, host_last, host_indices = slot.views
+        host_indptr[: bs + 1], host_last[:bs], host_indices[:nnz] = indptr, last_page_len, indices
+        self._indices[:nnz].copy_(slot.indices[:nnz], non_blocking=True)
+        wrapper = self._verify_wrapper(bs, width)
+        wrapper._pin_memory_int_workspace_buffer = slot.plan_workspace
+        with self._first_use("paged prefill", self._prefill_uri):
+            wrapper.plan(self._verify_qo_host[width - 1, : bs + 1], slot.indptr[: bs + 1], self._indices[:nnz],
+                         slot.last_page_len[:bs], num_q_heads, num_kv_heads, head_dim, page_size, causal=True,
+                         q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True)
+        _PlanRing.copies_enqueued(slot, self.device)
+        self._planned_decode = (bs * width, wrapper)
+
     def _decode_uri(self) -> str:
         """The library the decode plan loads: posenc NONE, no sliding window, no soft cap."""
         return flashinfer.jit.get_batch_decode_uri(self.dtype, self.dtype, self.dtype, torch.int32, self.head_dim,
                                                    self.head_dim, 0, False, False)
 
     def run_decode(self, q, k_cache, v_cache, out, scale: float) -> None:
-        planned = self._planned_decode
+        planned = self._planned_decode  # (query rows: bs, or bs * N for a verify window; wrapper)
         if planned is None or planned[0] != q.shape[0]:
             raise RuntimeError(f"tscompile: flashinfer decode over {q.shape[0]} rows, but the last decode refresh "
                                f"planned {planned[0] if planned else 'none'}")

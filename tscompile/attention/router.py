@@ -30,12 +30,16 @@ class DecodeInputs:
 
     host_block_tables / host_seq_lens: the same rows on the host (numpy, same shapes), or None
     where the caller has no host copy. Leaves that plan on the host (FlashInfer) need them; the
-    device refresh never reads them."""
+    device refresh never reads them.
+
+    width: N, the query rows per request (1: plain decode; N > 1: a speculative verify window of
+    positions seq_len - N .. seq_len - 1, ``seq_lens`` counting the whole window)."""
 
     block_tables: tuple[torch.Tensor, ...]
     seq_lens: tuple[torch.Tensor, ...]
     host_block_tables: tuple[np.ndarray, ...] | None = None
     host_seq_lens: tuple[np.ndarray, ...] | None = None
+    width: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -43,7 +47,11 @@ class DecodeInputs:
 
     def with_host_rows(self, block_tables: tuple[np.ndarray, ...], seq_lens: tuple[np.ndarray, ...]) -> "DecodeInputs":
         """These device views with the step's host arrays (the device views are reused, not copied)."""
-        return DecodeInputs(self.block_tables, self.seq_lens, tuple(block_tables), tuple(seq_lens))
+        return DecodeInputs(self.block_tables, self.seq_lens, tuple(block_tables), tuple(seq_lens), self.width)
+
+    def with_width(self, width: int) -> "DecodeInputs":
+        """The same rows as a verify window of ``width`` query rows per request."""
+        return DecodeInputs(self.block_tables, self.seq_lens, self.host_block_tables, self.host_seq_lens, width)
 
 
 class AttentionRouter(AttentionBackend):
@@ -59,8 +67,8 @@ class AttentionRouter(AttentionBackend):
         self.layer_group = {lid: gid for gid, s in enumerate(specs) for lid in s.layer_ids}
         self.geometry: dict[int, CacheGeometry] | None = None
         self.pool: KVCachePool | None = None
-        self._write_loc_stack: torch.Tensor | None = None  # [G, max_decode_bs] int64
-        self._decode_write_locs_by_bs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._write_loc_stack: torch.Tensor | None = None  # [G, max_decode_bs * max_width] int64
+        self._decode_write_locs_by_bs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # by (bs, width)
         self._idle_inputs: DecodeInputs | None = None
         self.decode_write_locations: tuple[torch.Tensor, ...] | None = None
         self.extend_write_locations: tuple[torch.Tensor, ...] | None = None
@@ -103,10 +111,12 @@ class AttentionRouter(AttentionBackend):
             leaf.bind_query_heads(num_q_heads)
 
     # -- decode ----------------------------------------------------------------------------------
-    def allocate_decode_buffers(self, max_decode_bs: int) -> None:
+    def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
         """The persistent decode buffers of every leaf and the write locations, used with or
-        without graphs; plus the placeholder inputs of the idle refresh (no live rows)."""
-        self._write_loc_stack = torch.zeros(len(self.specs), max_decode_bs, dtype=torch.int64, device=self.device)
+        without graphs; plus the placeholder inputs of the idle refresh (no live rows).
+        ``max_width``: the widest verify window (query rows per request) any step will use."""
+        self._write_loc_stack = torch.zeros(len(self.specs), max_decode_bs * max_width, dtype=torch.int64,
+                                            device=self.device)
         self._decode_write_locs_by_bs = {}
         empty_table = torch.zeros(0, self.max_blocks, dtype=torch.int32, device=self.device)
         empty_lens = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -116,19 +126,27 @@ class AttentionRouter(AttentionBackend):
                                          (np.zeros((0, self.max_blocks), dtype=np.int32),) * groups,
                                          (np.zeros(0, dtype=np.int32),) * groups)
         for leaf in self.leaves:
-            leaf.allocate_decode_buffers(max_decode_bs)
+            if max_width == 1:  # a leaf that predates verify windows keeps its one-argument form
+                leaf.allocate_decode_buffers(max_decode_bs)
+            else:
+                leaf.allocate_decode_buffers(max_decode_bs, max_width)
 
-    def _decode_write_locs(self, bs: int) -> tuple[torch.Tensor, ...]:
-        views = self._decode_write_locs_by_bs.get(bs)
+    def _decode_write_locs(self, bs: int, width: int = 1) -> tuple[torch.Tensor, ...]:
+        views = self._decode_write_locs_by_bs.get((bs, width))
         if views is None:
-            views = tuple(self._write_loc_stack[g, :bs] for g in range(len(self.specs)))
-            self._decode_write_locs_by_bs[bs] = views
+            if bs * width > self._write_loc_stack.shape[1]:
+                raise ValueError(f"tscompile: a decode of {bs} requests x {width} rows needs {bs * width} write "
+                                 f"slots; allocate_decode_buffers made {self._write_loc_stack.shape[1]}")
+            views = tuple(self._write_loc_stack[g, : bs * width] for g in range(len(self.specs)))
+            self._decode_write_locs_by_bs[(bs, width)] = views
         return views
 
     def refresh_decode_metadata(self, bs: int, inputs: DecodeInputs) -> None:
-        """Rewrite every group's decode metadata for ``bs`` rows in place: ``inputs`` holds the
+        """Rewrite every group's decode metadata for ``bs`` requests in place: ``inputs`` holds the
         ``n <= bs`` live rows; rows ``[n, bs)`` are padding and resolve to the null page 0.
-        Never allocates storage."""
+        ``inputs.width``: query rows per request (N; 1 is plain decode, N > 1 a verify window whose
+        lengths count the whole window); ``bs * N`` write slots are published, and each leaf reads
+        N from their length. Never allocates storage."""
         if self._write_loc_stack is None:
             raise RuntimeError("allocate_decode_buffers must run before any decode metadata call")
         groups = len(self.specs)
@@ -136,7 +154,7 @@ class AttentionRouter(AttentionBackend):
                (inputs.block_tables, inputs.seq_lens, inputs.host_block_tables, inputs.host_seq_lens)):
             raise ValueError(f"tscompile: decode inputs for {len(inputs.seq_lens)} cache groups, the model has "
                              f"{groups}; every group must be delivered")
-        write_locs = self._decode_write_locs(bs)
+        write_locs = self._decode_write_locs(bs, inputs.width)
         host_tables, host_lens = inputs.host_block_tables, inputs.host_seq_lens
         for gid, leaf in enumerate(self.leaves):
             leaf.refresh_decode_metadata(bs, inputs.block_tables[gid], inputs.seq_lens[gid], write_locs[gid],
@@ -144,10 +162,10 @@ class AttentionRouter(AttentionBackend):
                                          None if host_lens is None else host_lens[gid])
         self.decode_write_locations = write_locs
 
-    def refresh_idle_decode_metadata(self, bs: int) -> None:
+    def refresh_idle_decode_metadata(self, bs: int, width: int = 1) -> None:
         """The refresh a graph capture runs: every row padding, over placeholder tables. It is the
         decode refresh itself, so capture needs no metadata path of its own."""
-        self.refresh_decode_metadata(bs, self._idle_inputs)
+        self.refresh_decode_metadata(bs, self._idle_inputs.with_width(width))
 
     # -- extend / mixed --------------------------------------------------------------------------
     def init_forward_metadata(self, plan: StepPlan, pad_rows: Mapping[int, int]) -> None:

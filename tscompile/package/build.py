@@ -1,8 +1,15 @@
-"""``export_package``: export both steps, compile each with AOTInductor, write one ``.pt2``."""
+"""``export_package``: export both steps, compile each with AOTInductor, write one ``.pt2``.
+
+Each phase (loading the model, ``torch.export`` and the AOTInductor build of each program, writing,
+the load check) is logged at INFO on the ``tscompile`` logger as it starts and with the seconds it
+took when it ends; the CLI shows these lines by default.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -19,6 +26,17 @@ from tscompile.package.record import FORMAT_VERSION, METADATA_FILE, TOKENIZER_PR
 from tscompile.runtime.scheduler import banned_width_for
 from tscompile.version import __version__
 from tscompile.utils import cdiv, resolve_device, resolve_dtype
+
+logger = logging.getLogger("tscompile")
+
+
+@contextlib.contextmanager
+def export_phase(what: str):
+    """Log ``what`` as it starts and, with its seconds, as it ends (a long export says where it is)."""
+    logger.info("tscompile export: %s ...", what)
+    start = time.perf_counter()
+    yield
+    logger.info("tscompile export: %s done in %.1f s", what, time.perf_counter() - start)
 
 
 def _aoti_compile(ep, args, options: dict) -> list:
@@ -90,7 +108,9 @@ def export_package(
                          f"max_model_len {max_model_len}, page_size {page_size}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    built, checkpoint = load_model(model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len)
+    with export_phase(f"loading {os.fspath(model) if isinstance(model, (str, os.PathLike)) else 'the model'} "
+                      f"({device.type}, {str(dtype).removeprefix('torch.')})"):
+        built, checkpoint = load_model(model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len)
     cfg = built.config
     tokenizer_files, eos = _tokenizer_files(checkpoint)
     if max_model_len > cfg.max_position:
@@ -131,7 +151,7 @@ def export_package(
     start = time.perf_counter()
     programs = export_programs(built, record, device, dtype)
     record["ops"] = {name: program_ops(ep) for name, (ep, _) in programs.items()}
-    files = {name: _aoti_compile(ep, args, options) for name, (ep, args) in programs.items()}
+    files = _aoti_compile_all(programs, options)
     record["build_seconds"] = round(time.perf_counter() - start, 1)
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +163,8 @@ def export_package(
                   metadata={"tscompile_package": Path(out).name})
         record["weights_bytes"] = os.path.getsize(wpath)
         record["weights_sha256"] = file_sha256(wpath)
-    _write_package(out, files, record, tokenizer_files)
+    with export_phase(f"writing {os.fspath(out)}"):
+        _write_package(out, files, record, tokenizer_files)
     if verify:
         def rebuild(cxx: str) -> CompilerChoice:
             # cpp.cxx, not CXX: Inductor read CXX once, when it was imported
@@ -151,13 +172,25 @@ def export_package(
             choice = inductor_compiler(again, source=CXX_SYSTEM_RETRY)
             record["compiler"] = choice.as_record()
             begin = time.perf_counter()
-            rebuilt = {name: _aoti_compile(ep, args, again) for name, (ep, args) in programs.items()}
+            logger.info("tscompile export: the package did not load; rebuilding with %s", cxx)
+            rebuilt = _aoti_compile_all(programs, again)
             record["build_seconds"] = round(record["build_seconds"] + time.perf_counter() - begin, 1)
-            _write_package(out, rebuilt, record, tokenizer_files)
+            with export_phase(f"writing {os.fspath(out)}"):
+                _write_package(out, rebuilt, record, tokenizer_files)
             return choice
 
-        ensure_package_loads(out, str(device), compiler, rebuild)
+        with export_phase("checking that the package loads (a fresh process runs one prompt)"):
+            ensure_package_loads(out, str(device), compiler, rebuild)
     return record
+
+
+def _aoti_compile_all(programs: dict, options: dict) -> dict:
+    """``_aoti_compile`` of every program, each one a logged phase."""
+    files = {}
+    for name, (ep, args) in programs.items():
+        with export_phase(f"compiling the {name} program with AOTInductor"):
+            files[name] = _aoti_compile(ep, args, options)
+    return files
 
 
 def _write_package(out, files: dict, record: dict, tokenizer_files: dict[str, str]) -> None:

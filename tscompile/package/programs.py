@@ -12,6 +12,8 @@ return one sampled token per request.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from typing import Sequence
 
 import torch
@@ -22,6 +24,7 @@ from tscompile.attention.base import AttentionMetadata
 from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
 from tscompile.models import Transformer
 
+logger = logging.getLogger("tscompile")
 PROGRAMS = ("prefill", "decode")
 _MAX_PAGES_DIM = 2**31 - 1
 
@@ -187,11 +190,16 @@ def _example_programs(model: Transformer, record: dict, device: torch.device, dt
 
 
 def export_programs(model: Transformer, record: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """``{name: (ExportedProgram, example args)}`` for the two steps."""
+    """``{name: (ExportedProgram, example args)}`` for the two steps, each export logged at INFO as it
+    starts and with its seconds when it ends."""
     out = {}
     with torch.no_grad():
         for name, (module, args, ds) in _example_programs(model, record, device, dtype).items():
+            logger.info("tscompile export: exporting the %s program (torch.export) ...", name)
+            start = time.perf_counter()
             ep = torch.export.export(module.eval(), args, dynamic_shapes=ds, strict=False)
+            logger.info("tscompile export: exporting the %s program (torch.export) done in %.1f s", name,
+                        time.perf_counter() - start)
             out[name] = (ep, args)
     return out
 

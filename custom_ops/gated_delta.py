@@ -1,0 +1,196 @@
+"""Recurrent-state layers: the gated delta rule and the short causal convolution before it, as
+``tscompile::`` ops over per-request state slots.
+
+A linear-attention layer (Gated DeltaNet, as in Qwen3-Next) keeps, per request, a fixed-size state
+instead of a growing KV cache: the recurrent state ``S: [Hv, Dk, Dv]`` float32 and the last
+``K - 1`` inputs of its depthwise causal convolution. Both live in pools indexed by a state slot,
+the way KV lives in pages: ``state_slots[r]`` is request ``r``'s slot, slot 0 is the null slot that
+padding rows read and write and no live request owns.
+
+Rows are packed request-major like every other tscompile op: request ``r`` owns rows
+``cu_seqlens[r] : cu_seqlens[r + 1]`` (a decode step is the case of one row per request).
+``has_state[r]`` is False for a request's first chunk, which starts from a zero state and an
+all-zero convolution window; later chunks and decode steps continue from the slot.
+
+The recurrence, per value head, with ``q`` scaled by ``1 / sqrt(Dk)`` (and ``q``, ``k``
+L2-normalized first when ``qk_l2norm``)::
+
+    S_t = exp(g_t) * S_{t-1}
+    S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T
+    o_t = S_t^T q_t
+
+Two forms compute it. The recurrent form walks the tokens one by one (decode, and the Triton
+kernel for every step, which keeps the state in registers). The chunked form (the torch reference
+for prefill) solves a chunk of ``C`` tokens at once: inside a chunk with cumulative log-decay
+``G_i``, the corrections ``delta`` satisfy a unit lower-triangular system
+``(I + A) delta = beta * v - beta * exp(G) * K S_0`` with ``A_ij = beta_i exp(G_i - G_j) k_i.k_j``
+for ``j < i``; outputs and the state leaving the chunk follow by matrix products.
+
+Kernels are chosen per call by ``impl`` ("torch" or "triton"), as for attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+STATE_IMPLS = ("torch", "triton")
+CONV_ACTIVATIONS = ("silu", "none")
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in STATE_IMPLS:
+        raise ValueError(f"tscompile: state kernel impl {impl!r} is unknown; known: {list(STATE_IMPLS)}")
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, qk_l2norm: bool):
+    """``q, k: [T, Hk, Dk]`` -> float32 ``[T, Hv, Dk]`` (each query/key head serves ``Hv / Hk``
+    consecutive value heads), normalized and with ``q`` scaled by ``1 / sqrt(Dk)``."""
+    q, k = q.float(), k.float()
+    if qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * (q.shape[-1] ** -0.5)
+    group = num_v_heads // q.shape[1]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    return q, k
+
+
+def recurrent_reference(q, k, v, g, beta, state):
+    """The recurrent form over one request. ``q, k: [T, H, Dk]`` float32 (prepared), ``v: [T, H,
+    Dv]``, ``g, beta: [T, H]``, ``state: [H, Dk, Dv]`` float32 -> (``out [T, H, Dv]``, new state)."""
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = torch.einsum("hkv,hk->hv", state, k[t])
+        delta = (v[t] - predicted) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+def chunked_reference(q, k, v, g, beta, state, chunk_size: int):
+    """The chunked form over one request, same arguments and results as ``recurrent_reference``."""
+    v, g, beta = v.float(), g.float(), beta.float()
+    length = q.shape[0]
+    out = torch.empty_like(v)
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        # [H, C, D] per head
+        qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        gc, bc = g[start:end].transpose(0, 1), beta[start:end].transpose(0, 1)
+        cum = gc.cumsum(dim=-1)  # [H, C]: log of the decay from the chunk's start to each token
+        n = end - start
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        # exp(G_i - G_j) for j <= i; masked before exp so the upper triangle cannot overflow
+        ratio = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, -math.inf).exp()
+        kk = kc @ kc.transpose(-1, -2)
+        system = (bc[:, :, None] * ratio * kk).tril(-1) + torch.eye(n, device=q.device)
+        rhs_v = bc[:, :, None] * vc
+        rhs_k = (bc * cum.exp())[:, :, None] * kc
+        u = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
+        delta = u - w @ state  # [H, C, Dv]
+        out_c = (qc * cum.exp()[:, :, None]) @ state + ((qc @ kc.transpose(-1, -2)) * ratio) @ delta
+        out[start:end] = out_c.transpose(0, 1)
+        tail = (cum[:, -1:] - cum).exp()  # exp(G_C - G_j)
+        state = cum[:, -1].exp()[:, None, None] * state + (kc * tail[:, :, None]).transpose(-1, -2) @ delta
+    return out, state
+
+
+def _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
+                       chunk_size):
+    qp, kp = _prepare_qk(q, k, v.shape[1], qk_l2norm)
+    bounds = cu_seqlens.tolist()
+    slots = state_slots.tolist()
+    fresh = (~has_state).tolist()
+    for r, slot in enumerate(slots):
+        lo, hi = bounds[r], bounds[r + 1]
+        state = torch.zeros_like(state_pool[slot]) if fresh[r] else state_pool[slot]
+        if hi - lo == 1:
+            o, state = recurrent_reference(qp[lo:hi], kp[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+        else:
+            o, state = chunked_reference(qp[lo:hi], kp[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state, chunk_size)
+        out[lo:hi] = o.to(out.dtype)
+        state_pool[slot] = state
+
+
+@torch.library.custom_op("tscompile::gated_delta_rule", mutates_args=("state_pool", "out"))
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state_pool: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     has_state: torch.Tensor, out: torch.Tensor, impl: str, qk_l2norm: bool,
+                     chunk_size: int) -> None:
+    """The gated delta rule over packed rows, continuing each request's state in its slot.
+
+    q, k:        [T, Hk, Dk]   model dtype
+    v, out:      [T, Hv, Dv]   model dtype (``Hv`` a multiple of ``Hk``)
+    g, beta:     [T, Hv]       log-decay (<= 0) and write strength
+    state_pool:  [S, Hv, Dk, Dv] float32, read and written at ``state_slots``
+    state_slots: [R] int64; cu_seqlens: [R + 1] int32/int64; has_state: [R] bool
+    ``chunk_size`` is the torch reference's chunk for multi-token requests (the Triton kernel walks
+    the tokens).
+    """
+    _check_impl(impl)
+    if impl == "triton":
+        from tscompile.custom_ops.triton_gated_delta import gated_delta_triton
+
+        gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm)
+    else:
+        _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
+                           chunk_size)
+
+
+@gated_delta_rule.register_fake
+def _(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, impl, qk_l2norm, chunk_size):
+    return None
+
+
+def _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation):
+    width = weight.shape[1]
+    bounds = cu_seqlens.tolist()
+    fresh = (~has_state).tolist()
+    for r, slot in enumerate(state_slots.tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        window = torch.zeros_like(conv_pool[slot]) if fresh[r] else conv_pool[slot]  # [C, K-1]
+        inputs = torch.cat([window.to(torch.float32), x[lo:hi].float().t()], dim=1)  # [C, K-1+L]
+        y = torch.nn.functional.conv1d(inputs[None], weight.float()[:, None, :],
+                                       None if bias is None else bias.float(), groups=weight.shape[0])[0]
+        if activation == "silu":
+            y = torch.nn.functional.silu(y)
+        out[lo:hi] = y.t().to(out.dtype)
+        conv_pool[slot] = inputs[:, inputs.shape[1] - (width - 1):].to(conv_pool.dtype)
+
+
+@torch.library.custom_op("tscompile::causal_conv1d", mutates_args=("conv_pool", "out"))
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor,
+                  state_slots: torch.Tensor, cu_seqlens: torch.Tensor, has_state: torch.Tensor, out: torch.Tensor,
+                  impl: str, activation: str) -> None:
+    """Depthwise causal convolution over packed rows, continuing each request's window in its slot.
+
+    x, out:      [T, C]       model dtype
+    weight:      [C, K]       (``nn.Conv1d(C, C, K, groups=C).weight[:, 0]``); bias: [C] or None
+    conv_pool:   [S, C, K - 1] the last ``K - 1`` inputs per slot, oldest first
+    state_slots, cu_seqlens, has_state: as for ``gated_delta_rule``
+    ``activation``: "silu" or "none".
+    """
+    _check_impl(impl)
+    if activation not in CONV_ACTIVATIONS:
+        raise ValueError(f"tscompile: causal_conv1d activation {activation!r} is unknown; "
+                         f"known: {list(CONV_ACTIVATIONS)}")
+    if impl == "triton":
+        from tscompile.custom_ops.triton_gated_delta import causal_conv1d_triton
+
+        causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation)
+    else:
+        _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation)
+
+
+@causal_conv1d.register_fake
+def _(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, impl, activation):
+    return None

@@ -1,0 +1,127 @@
+"""Triton kernels of the recurrent-state ops (``gated_delta.py`` has the contract and the oracle).
+
+Both kernels take one program per (request, head or channel block) and walk that request's rows
+in order, so a decode step (one row per request) and a prefill chunk are the same launch, and both
+read their bounds from device tensors: nothing is read back, so the launch can be captured in a
+CUDA graph. The gated delta kernel keeps its ``[Dk, BLOCK_V]`` slice of the state in registers for
+the whole walk and writes it back once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
+                        stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
+                        stride_ss, stride_sh, stride_sk, scale, GROUP: tl.constexpr, DK: tl.constexpr,
+                        DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+    req = tl.program_id(0)
+    hv = tl.program_id(1)
+    vblock = tl.program_id(2)
+    hk = hv // GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    lo = tl.load(cu_ptr + req).to(tl.int64)
+    hi = tl.load(cu_ptr + req + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    keep = tl.load(has_state_ptr + req) != 0
+    state_offs = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    state_mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    state = tl.where(keep, state, 0.0)  # a fresh request starts from zero, whatever its slot held
+    for t in range(lo, hi):
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
+        beta = tl.load(beta_ptr + t * stride_gt + hv).to(tl.float32)
+        state = state * decay
+        predicted = tl.sum(state * k[:, None], axis=0)
+        delta = (v - predicted) * beta
+        state = state + k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(state_ptr + state_offs, state, mask=state_mask)
+
+
+def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm):
+    num_reqs = state_slots.shape[0]
+    if num_reqs == 0:
+        return
+    _, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.contiguous(), beta.contiguous()
+    block_k = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), 64)
+    grid = (num_reqs, hv, triton.cdiv(dv, block_v))
+    _gated_delta_kernel[grid](
+        q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
+        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
+        GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=qk_l2norm)
+
+
+@triton.jit
+def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
+                          stride_xt, stride_ot, stride_ps, stride_pc, channels,
+                          WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+    req = tl.program_id(0)
+    cblock = tl.program_id(1)
+    offs_c = cblock * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < channels
+    lo = tl.load(cu_ptr + req).to(tl.int64)
+    hi = tl.load(cu_ptr + req + 1).to(tl.int64)
+    length = hi - lo
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    keep = tl.load(has_state_ptr + req) != 0
+    window_base = pool_ptr + slot * stride_ps + offs_c * stride_pc  # window[c, j], j in [0, WIDTH - 1)
+    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    for t in range(0, length):
+        acc = bias
+        for j in tl.static_range(WIDTH):
+            # input j of the window ending at row t: position t - (WIDTH - 1) + j of this request;
+            # before the request's first row it comes from the slot's window (zeros for a fresh one)
+            pos = offs_c * 0 + (t - (WIDTH - 1) + j)  # a vector, so the masks below stay vectors
+            from_x = tl.load(x_ptr + (lo + pos) * stride_xt + offs_c, mask=mask_c & (pos >= 0), other=0.0)
+            from_window = tl.load(window_base + (WIDTH - 1 + pos), mask=mask_c & (pos < 0), other=0.0)
+            from_window = tl.where(keep, from_window, 0.0)
+            w = tl.load(w_ptr + offs_c * WIDTH + j, mask=mask_c, other=0.0).to(tl.float32)
+            acc += w * (from_x.to(tl.float32) + from_window.to(tl.float32))
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + (lo + t) * stride_ot + offs_c, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
+    # the new window: the last WIDTH - 1 inputs. Entry j reads old entry length + j > j when it
+    # still comes from the window, so writing in ascending j never reads an overwritten entry.
+    for j in tl.static_range(WIDTH - 1):
+        pos = offs_c * 0 + (length - (WIDTH - 1) + j)
+        from_x = tl.load(x_ptr + (lo + pos) * stride_xt + offs_c, mask=mask_c & (pos >= 0), other=0.0)
+        from_window = tl.load(window_base + (WIDTH - 1 + pos), mask=mask_c & (pos < 0), other=0.0)
+        from_window = tl.where(keep, from_window, 0.0)
+        value = from_x.to(tl.float32) + from_window.to(tl.float32)
+        tl.store(window_base + j, value.to(pool_ptr.dtype.element_ty), mask=mask_c)
+
+
+def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation):
+    num_reqs = state_slots.shape[0]
+    if num_reqs == 0:
+        return
+    channels, width = weight.shape
+    x, weight = x.contiguous(), weight.contiguous()
+    block_c = min(triton.next_power_of_2(channels), 256)
+    grid = (num_reqs, triton.cdiv(channels, block_c))
+    _causal_conv1d_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_pool, state_slots, cu_seqlens, has_state, out,
+        x.stride(0), out.stride(0), conv_pool.stride(0), conv_pool.stride(1), channels,
+        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c)

@@ -1,0 +1,177 @@
+"""The recurrent-state ops (``tscompile::gated_delta_rule``, ``tscompile::causal_conv1d``) against
+transformers' own reference functions of Qwen3-Next, in float32, on random data.
+
+The torch implementation's two forms (recurrent, chunked) are checked against transformers'
+recurrent and chunked functions for lengths that are not multiples of the chunk; the ops (torch
+and Triton, the latter under the interpreter on the CPU) are checked over packed batches of
+requests that start fresh or continue a slot, with NaN-poisoned outputs and the untouched slots
+compared bit for bit.
+"""
+
+import pytest
+import torch
+
+from tscompile.custom_ops import gated_delta
+from tscompile.custom_ops.gated_delta import chunked_reference, recurrent_reference
+
+qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+IMPLS = ["torch", "triton"]
+# transformers renamed its conv helpers across 5.x releases
+_conv_update = getattr(qwen3_next, "causal_conv1d_update", None) or getattr(qwen3_next, "torch_causal_conv1d_update")
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def _inputs(gen, length, hk, hv, dk, dv):
+    q = torch.randn(length, hk, dk, generator=gen)
+    k = torch.randn(length, hk, dk, generator=gen)
+    v = torch.randn(length, hv, dv, generator=gen)
+    g = -torch.rand(length, hv, generator=gen) * 2  # log-decay <= 0
+    beta = torch.rand(length, hv, generator=gen)
+    return q, k, v, g, beta
+
+
+def _hf(fn, q, k, v, g, beta, state, **kwargs):
+    """transformers' reference over one request (batch of one, its [B, T, H, D] layout)."""
+    out, final = fn(q[None], k[None], v[None], g[None], beta[None], initial_state=None if state is None else state[None],
+                    output_final_state=True, use_qk_l2norm_in_kernel=True, **kwargs)
+    return out[0], final[0]
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 4), (7, 4), (16, 8), (37, 16), (64, 64)])
+@pytest.mark.parametrize("hk,hv", [(2, 2), (2, 4)])
+def test_chunked_and_recurrent_forms_equal_transformers(length, chunk, hk, hv):
+    gen = torch.Generator().manual_seed(length * 100 + chunk + hv)
+    dk, dv = 16, 8
+    q, k, v, g, beta = _inputs(gen, length, hk, hv, dk, dv)
+    state = torch.randn(hv, dk, dv, generator=gen)
+    want_out, want_state = _hf(qwen3_next.torch_recurrent_gated_delta_rule, q, k, v, g, beta, state)
+    want_chunk_out, want_chunk_state = _hf(qwen3_next.torch_chunk_gated_delta_rule, q, k, v, g, beta, state,
+                                           chunk_size=chunk)
+    torch.testing.assert_close(want_chunk_out, want_out, rtol=1e-4, atol=1e-4)  # the two oracles agree
+    qp, kp = gated_delta._prepare_qk(q, k, hv, qk_l2norm=True)
+    for out, final in (recurrent_reference(qp, kp, v, g, beta, state.clone()),
+                       chunked_reference(qp, kp, v, g, beta, state.clone(), chunk)):
+        torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(final, want_state, rtol=1e-4, atol=1e-4)
+
+
+def _packed_case(seed, lengths, fresh, hk=2, hv=4, dk=16, dv=16, num_slots=8):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v, g, beta = _inputs(gen, total, hk, hv, dk, dv)
+    pool = torch.randn(num_slots, hv, dk, dv, generator=gen)
+    slots = torch.randperm(num_slots - 1, generator=gen)[:len(lengths)] + 1  # slot 0 is the null slot
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    has_state = torch.tensor([not f for f in fresh])
+    return q, k, v, g, beta, pool, slots, cu, has_state
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lengths,fresh", [([1, 1, 1], [False, False, False]),  # a decode step
+                                           ([5, 1, 12], [True, False, False]),  # mixed: a fresh prompt, decode, chunk
+                                           ([3, 20], [True, True])])
+def test_gated_delta_op_continues_each_slot_like_transformers(impl, lengths, fresh, device):
+    seed = sum(lengths) * 7 + len(impl)
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(seed, lengths, fresh)
+    before = pool.clone()
+    out = torch.full_like(v, float("nan"))
+    args = _on(device, q, k, v, g, beta, pool, slots, cu, has_state, out)
+    torch.ops.tscompile.gated_delta_rule(*args, impl, True, 8)
+    pool, out = args[5].cpu(), args[9].cpu()
+    bounds = cu.tolist()
+    for r, slot in enumerate(slots.tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        start = None if fresh[r] else before[slot]
+        want_out, want_state = _hf(qwen3_next.torch_recurrent_gated_delta_rule, q[lo:hi], k[lo:hi], v[lo:hi],
+                                   g[lo:hi], beta[lo:hi], start)
+        torch.testing.assert_close(out[lo:hi], want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slot], want_state, rtol=1e-4, atol=1e-4)
+    untouched = [s for s in range(pool.shape[0]) if s not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_gated_delta_state_split_across_calls_equals_one_call(device):
+    """A prompt prefilled in two chunks and then decoded continues exactly as one long sequence."""
+    q, k, v, g, beta, pool, slots, cu = _on(device, *_packed_case(11, [30], [True])[:8])
+    whole_out = torch.empty_like(v)
+    pool_whole = pool.clone()
+    torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool_whole, slots, cu, torch.tensor([False], device=device),
+                                         whole_out, "torch", True, 8)
+    parts_out = torch.full_like(v, float("nan"))
+    for lo, hi, keep in ((0, 13, False), (13, 29, True), (29, 30, True)):
+        torch.ops.tscompile.gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], pool, slots,
+                                             torch.tensor([0, hi - lo], dtype=torch.int32, device=device),
+                                             torch.tensor([keep], device=device), parts_out[lo:hi], "triton", True, 8)
+    torch.testing.assert_close(parts_out, whole_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[slots], pool_whole[slots], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv1d_op_equals_transformers(impl, bias, device):
+    gen = torch.Generator().manual_seed(5 + bias)
+    channels, width, num_slots = 24, 4, 6
+    lengths, fresh = [1, 2, 9, 1], [False, True, False, True]
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    b = torch.randn(channels, generator=gen) if bias else None
+    pool = torch.randn(num_slots, channels, width - 1, generator=gen)
+    slots = torch.tensor([3, 1, 5, 2])
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    before = pool.clone()
+    out = torch.full_like(x, float("nan"))
+    args = _on(device, x, weight, b, pool, slots, cu, torch.tensor([not f for f in fresh]), out)
+    torch.ops.tscompile.causal_conv1d(*args, impl, "silu")
+    pool, out = args[3].cpu(), args[7].cpu()
+    bounds = cu.tolist()
+    for r, slot in enumerate(slots.tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        # transformers keeps a window of `width` inputs; its oldest entry never reaches an output
+        window = torch.zeros(1, channels, width) if fresh[r] else torch.cat(
+            [torch.zeros(1, channels, 1), before[slot][None]], dim=-1)
+        want = _conv_update(x[lo:hi].t()[None].clone(), window, weight, b, activation="silu")
+        torch.testing.assert_close(out[lo:hi], want[0].t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool[slot], window[0, :, 1:], rtol=1e-6, atol=1e-6)
+    assert torch.equal(pool[[0, 4]], before[[0, 4]])
+
+
+def test_causal_conv1d_over_chunks_equals_whole_sequence(device):
+    gen = torch.Generator().manual_seed(3)
+    channels, width = 8, 4
+    x = torch.randn(11, channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    # the whole sequence in one causal convolution (left zero padding), then SiLU
+    want = torch.nn.functional.silu(torch.nn.functional.conv1d(x.t()[None], weight[:, None, :], padding=width - 1,
+                                                               groups=channels)[0, :, :x.shape[0]].t())
+    pool = torch.randn(2, channels, width - 1, generator=gen)
+    xd, weight, pool = _on(device, x, weight, pool)
+    out = torch.full_like(xd, float("nan"))
+    slot = torch.tensor([1], device=device)
+    for lo, hi, keep in ((0, 2, False), (2, 3, True), (3, 11, True)):
+        torch.ops.tscompile.causal_conv1d(xd[lo:hi], weight, None, pool, slot, torch.tensor([0, hi - lo], device=device),
+                                          torch.tensor([keep], device=device), out[lo:hi], "triton", "silu")
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_state_ops():
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(2, [3, 1], [True, False])
+    torch.library.opcheck(torch.ops.tscompile.gated_delta_rule.default,
+                          (q, k, v, g, beta, pool, slots, cu, has_state, torch.empty_like(v), "torch", True, 4))
+    x = torch.randn(4, 8)
+    torch.library.opcheck(torch.ops.tscompile.causal_conv1d.default,
+                          (x, torch.randn(8, 4), None, torch.randn(3, 8, 3), torch.tensor([1, 2]),
+                           torch.tensor([0, 3, 4]), torch.tensor([True, False]), torch.empty_like(x), "torch", "silu"))
+
+
+def test_unknown_impl_and_activation_are_refused():
+    x = torch.randn(2, 8)
+    args = (x, torch.randn(8, 4), None, torch.randn(2, 8, 3), torch.tensor([1]), torch.tensor([0, 2]),
+            torch.tensor([False]), torch.empty_like(x))
+    with pytest.raises(ValueError, match="tscompile: state kernel impl 'cuda'"):
+        torch.ops.tscompile.causal_conv1d(*args, "cuda", "silu")
+    with pytest.raises(ValueError, match="tscompile: causal_conv1d activation 'gelu'"):
+        torch.ops.tscompile.causal_conv1d(*args, "torch", "gelu")

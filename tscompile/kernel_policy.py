@@ -1,0 +1,67 @@
+"""``KernelPolicy``: which kernels and graph passes an engine's compiled steps use.
+
+A leaf module (no tscompile imports): the config, the compiler passes, the attention backends and
+the custom ops all read it, and the ops are the lowest layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Kernel and pass choices of one engine (``TscompileConfig.kernels``), each default the one
+    measured fastest on the H200. Set per engine with ``LLM(..., compile_options={"kernels": {...}})``
+    or per ``torch.compile`` call with ``options={"kernels": {...}}``; two engines in one process may
+    use different policies.
+
+    decode_gemv: the bs=1 decode graph on CUDA runs the one-row projections whose weight shape has a
+        measured launch (``custom_ops/triton_gemv.py``'s ``DECODE_GEMV_CONFIGS``) through the Triton
+        GEMV kernel instead of cuBLAS (``passes/decode_gemv.py``), on a GPU that table was timed on.
+        On the H200, bs=1 TPOT llama-8b 4.542 -> 4.316 ms, llama-1b 1.100 -> 0.993 ms.
+    batch_gemv: the engine's dynamic-batch decode graph (batch sizes 2 to 32) runs the projections the
+        few-row table lists at its batch size through the Triton GEMV kernel (``passes/batch_gemv.py``),
+        on a GPU that table was timed on. On the H200, llama-8b bs=32 TPOT 5.552 -> 5.469 ms, llama-1b
+        bs=8 1.186 -> 1.139 ms.
+    decode_pdl: the engine's decode graphs launch their kernels with programmatic dependent launch on
+        Hopper and later: the Triton decode attention's split and combine kernels, the GEMV kernels and
+        Inductor's kernels (``triton.enable_pdl``), so each kernel may be scheduled while the one
+        before it ends. On the H200 llama-8b TPOT 4.299 -> 4.182 ms at bs=1, 5.627 -> 5.444 at bs=32.
+        Off: kernel tables whose per-kernel times do not include a waiting kernel's wait.
+    prefill_pdl: the same for the prefill steps (the Triton extend kernel, the prefill pieces'
+        Inductor kernels). Off by default: on the H200 correct but no faster (llama-1b 1.40 ms both
+        ways at 32 tokens).
+    """
+
+    decode_gemv: bool = True
+    batch_gemv: bool = True
+    decode_pdl: bool = True
+    prefill_pdl: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, bool):
+                raise ValueError(f"tscompile: kernels.{f.name} must be True or False, got {value!r}")
+
+    @classmethod
+    def from_options(cls, options: "KernelPolicy | dict | None") -> "KernelPolicy":
+        """A policy from ``compile_options["kernels"]``: a KernelPolicy, a dict of its fields or None
+        (the defaults). Unknown keys are refused with the known ones."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, dict):
+            raise ValueError(f"tscompile: kernels must be a dict of KernelPolicy fields or a KernelPolicy, "
+                             f"got {options!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"tscompile: unknown kernels option(s) {unknown}; known kernels options: {known}")
+        return cls(**options)
+
+    def as_dict(self) -> dict[str, bool]:
+        return dataclasses.asdict(self)
