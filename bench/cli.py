@@ -150,6 +150,8 @@ def add_parser(sub) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tscompile token budget per step (default: the whole batch's prompts in one step)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the tscompile engine modes split the model over (one GPU each; gloo on cpu)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads for the run (cpu; on a shared host fewer threads time steadier)")
     p.add_argument("--bandwidth-mib", type=int, default=None, help="copy size of the bandwidth probe")

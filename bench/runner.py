@@ -151,12 +151,14 @@ class Bench:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
         options = None if mode == "eager" else getattr(a, "tscompile_options", None)
         impl = getattr(a, "model_impl", "auto")
-        return workloads.EngineRunner(self.engine_model(model, impl), attention_backend=backend,
+        tp = getattr(a, "tensor_parallel_size", 1)
+        return workloads.EngineRunner(self.engine_model(model, impl) if tp == 1 else a.model, attention_backend=backend,
                                       enforce_eager=mode == "eager", device=self.device, dtype=self.dtype,
                                       max_num_seqs=max(a.batch_size), max_model_len=self.max_model_len,
                                       page_size=a.page_size, max_num_batched_tokens=budget, seed=a.seed,
                                       compile_options=options, model_impl=impl,
-                                      enable_prefix_caching=not getattr(a, "no_prefix_caching", False))
+                                      enable_prefix_caching=not getattr(a, "no_prefix_caching", False),
+                                      tensor_parallel_size=tp)
 
     def engine_model(self, model, model_impl: str):
         """What an engine mode builds its ``tscompile.LLM`` from: the mode's native model, or under
@@ -334,7 +336,8 @@ class Bench:
         runner = model = None
         try:
             t0 = time.perf_counter()
-            if mode != PACKAGE_MODE:  # a package brings its own weights (exported from the same seed)
+            sharded = getattr(a, "tensor_parallel_size", 1) > 1 and mode not in workloads.STATIC_MODES
+            if mode != PACKAGE_MODE and not sharded:  # a package brings its own weights; ranks build their shards
                 model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
                 info["weights_fingerprint"] = _fingerprint(model)
             runner = self.make_runner(mode, model)

@@ -182,7 +182,7 @@ class EngineRunner:
                  dtype: torch.dtype, max_num_seqs: int, max_model_len: int, page_size: int,
                  max_num_batched_tokens: int, num_pages: int | None = None, seed: int = 0,
                  compile_options: dict | None = None, model_impl: str = "auto",
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, tensor_parallel_size: int = 1):
         import tscompile
 
         self.device = torch.device(device)
@@ -191,7 +191,8 @@ class EngineRunner:
                                  max_model_len=max_model_len, page_size=page_size, num_pages=num_pages,
                                  max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                                  compile_options=compile_options, model_impl=model_impl,
-                                 enable_prefix_caching=enable_prefix_caching)
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 tensor_parallel_size=tensor_parallel_size)
         self._params = tscompile.SamplingParams
 
     @property
@@ -259,6 +260,8 @@ class EngineRunner:
         return t.seconds
 
     def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()  # a tensor-parallel engine's workers
         self.llm = None
 
 

@@ -82,6 +82,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt whole (default: reuse the cached KV of a prompt's shared prefix)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes the model is split over (one GPU each on cuda; gloo on cpu)")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -96,7 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
                 enforce_eager=args.enforce_eager, seed=args.seed, model_impl=args.model_impl,
-                enable_prefix_caching=not args.no_prefix_caching)
+                enable_prefix_caching=not args.no_prefix_caching,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

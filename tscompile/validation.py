@@ -118,6 +118,7 @@ _ENGINE_CHECKS: dict[str, Callable] = {
     "async_scheduling": lambda v: check_bool("async_scheduling", v),
     "gpu_memory_utilization": lambda v: check_fraction("gpu_memory_utilization", v),
     "enable_prefix_caching": lambda v: check_bool("enable_prefix_caching", v),
+    "tensor_parallel_size": lambda v: check_int("tensor_parallel_size", v, 1),
 }
 ENGINE_ARGS = tuple(_ENGINE_CHECKS)
 

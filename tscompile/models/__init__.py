@@ -10,19 +10,21 @@ import torch
 from tscompile.models.checkpoint import CheckpointInfo, is_checkpoint_dir, load_checkpoint
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config
 from tscompile.models.narrow import NarrowingTransformer
+from tscompile.models.parallel import TensorParallel
 
 
 def build_model(config: ModelConfig | str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
+                device: torch.device | str = "cpu", seed: int = 0, tp: TensorParallel | None = None) -> Transformer:
     """A model on ``device`` in ``dtype``: seeded random weights for a preset name or a ``ModelConfig``,
-    the stored weights for a checkpoint directory (see ``load_model`` for its info)."""
-    return load_model(config, dtype=dtype, device=device, seed=seed)[0]
+    the stored weights for a checkpoint directory (see ``load_model`` for its info and ``tp``)."""
+    return load_model(config, dtype=dtype, device=device, seed=seed, tp=tp)[0]
 
 
 def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | None = None,
                device: torch.device | str | None = None, seed: int = 0,
                max_model_len: int | None = None,
-               model_impl: str = "native") -> tuple[Transformer, CheckpointInfo | None]:
+               model_impl: str = "native",
+               tp: TensorParallel | None = None) -> tuple[Transformer, CheckpointInfo | None]:
     """The one entry point for a preset name, a ``ModelConfig`` or a local checkpoint directory.
 
     Returns the model and, for a checkpoint, its ``CheckpointInfo`` (tokenizer directory, eos ids, load
@@ -30,7 +32,8 @@ def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | N
     checkpoint. ``seed`` seeds random weights; ``max_model_len`` is checked against a checkpoint's
     sliding window and sizes its RoPE tables (a preset's hold every position up to max_position).
     ``model_impl``: for a checkpoint, ``"native"``, ``"transformers"`` (a ``TransformersModel``,
-    ``models/hf_transformers.py``) or ``"auto"`` (native where it exists); a preset is native only."""
+    ``models/hf_transformers.py``) or ``"auto"`` (native where it exists); a preset is native only.
+    ``tp``: build only this tensor-parallel rank's shard of a native model (``models/parallel.py``)."""
     from tscompile.models.hf_transformers import choose_model_impl, load_transformers_checkpoint
 
     if isinstance(model, ModelConfig) or (isinstance(model, str) and model in PRESETS):
@@ -40,10 +43,12 @@ def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | N
                              "model_impl='auto' or 'native', or a checkpoint directory")
         cfg = build_config(model) if isinstance(model, str) else model
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        return _random_model(cfg, dtype=dtype or torch.float32, device=device, seed=seed), None
+        return _random_model(cfg, dtype=dtype or torch.float32, device=device, seed=seed, tp=tp), None
     if is_checkpoint_dir(model) and choose_model_impl(model, model_impl) == "transformers":
+        if tp is not None:
+            raise ValueError("tscompile: tensor parallelism needs the native model; pass model_impl='native'")
         return load_transformers_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
-    return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
+    return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp)
 
 
 def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
@@ -63,15 +68,16 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
     return model_config_from_hf(read_json_object(path))
 
 
-def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> Transformer:
-    cls = NarrowingTransformer if cfg.narrow_layer is not None else Transformer
+def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int,
+                  tp: TensorParallel | None = None) -> Transformer:
     with torch.device(device):
-        model = cls(cfg)
+        model = NarrowingTransformer(cfg) if cfg.narrow_layer is not None else Transformer(cfg, tp)
     model.init_weights(seed)
     model = model.to(dtype=dtype).eval()
     model.reset_rope(device)  # RoPE stays float32 in any dtype
     return model
 
 
-__all__ = ["PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "Transformer", "build_config",
+__all__ = ["PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "TensorParallel", "Transformer",
+           "build_config",
            "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model", "model_config"]

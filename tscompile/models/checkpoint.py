@@ -30,6 +30,7 @@ from tqdm import tqdm
 from tscompile.models.hf_config import architecture_of, check_sliding_window, checkpoint_dtype, eos_token_ids, \
     model_config_from_hf, read_json_object
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer
+from tscompile.models.parallel import ShardLayout, TensorParallel
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -53,11 +54,14 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class _Target:
-    """Rows ``[start, stop)`` of a native parameter that one checkpoint tensor fills."""
+    """Rows ``[start, stop)`` of a native parameter that one checkpoint tensor fills; ``source``
+    (dim, start, stop): the slice of the stored tensor read (a tensor-parallel rank's share), or None
+    for the whole tensor."""
 
     param: str
     start: int
     stop: int
+    source: tuple[int, int, int] | None = None
 
 
 def is_checkpoint_dir(x) -> bool:
@@ -153,6 +157,38 @@ def weight_plan(cfg: ModelConfig) -> dict[str, _Target]:
     return plan
 
 
+def sharded_weight_plan(layout: ShardLayout) -> dict[str, _Target]:
+    """``weight_plan`` for one tensor-parallel rank: each sharded tensor names the slice of it the rank
+    reads and where that lands in the rank's (smaller) parameter; replicated tensors (norms) read whole.
+    The same split as ``ShardLayout.shard`` of the native parameters."""
+    cfg, local = layout.config, layout.local_config()
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    q_local, kv_local, inter_local = len(layout.q_rows), len(layout.kv_rows), len(layout.mlp_rows)
+
+    def rows(r: range, dim: int = 0) -> tuple[int, int, int]:
+        return (dim, r.start, r.stop)
+
+    plan = {}
+    for name, t in weight_plan(cfg).items():
+        param = t.param
+        if param.endswith("attention.wqkv.weight") or param.endswith("attention.wqkv.bias"):
+            part = {0: (0, layout.q_rows), q: (q_local, layout.kv_rows), q + kv: (q_local + kv_local, layout.kv_rows)}
+            start, src = part[t.start]
+            plan[name] = _Target(param, start, start + len(src), rows(src))
+        elif param.endswith("attention.wo.weight"):
+            plan[name] = _Target(param, 0, local.dim, rows(layout.q_rows, dim=1))
+        elif param.endswith("feed_forward.w13.weight"):
+            start = 0 if t.start == 0 else inter_local
+            plan[name] = _Target(param, start, start + inter_local, rows(layout.mlp_rows))
+        elif param.endswith("feed_forward.w2.weight"):
+            plan[name] = _Target(param, 0, local.dim, rows(layout.mlp_rows, dim=1))
+        elif param in ("tok_embeddings.weight", "output.weight"):  # the padding rows past the vocabulary stay zero
+            plan[name] = _Target(param, 0, len(layout.vocab_rows), rows(layout.vocab_rows))
+        else:
+            plan[name] = t
+    return plan
+
+
 def _redundant(name: str, cfg: ModelConfig) -> bool:
     """Stored tensors that carry nothing the model needs: RoPE tables (recomputed from the config) and a
     tied head (transformers ties it to the embedding, so the stored copy is the embedding)."""
@@ -188,11 +224,12 @@ def check_tensors(plan: dict[str, _Target], params: dict[str, torch.Tensor], fou
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                rope_positions: int | None = None) -> Transformer:
-    """An uninitialised model in ``dtype`` on ``device``; no host copy of the weights is ever made.
-    ``rope_positions``: rows of its RoPE tables (``Transformer.reset_rope``)."""
+                rope_positions: int | None = None, tp: TensorParallel | None = None) -> Transformer:
+    """An uninitialised model in ``dtype`` on ``device`` (``tp``: a tensor-parallel rank's shard of
+    it); no host copy of the weights is ever made. ``rope_positions``: rows of its RoPE tables
+    (``Transformer.reset_rope``)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty gives each module its own tensor, which unties them
         model.output.weight = model.tok_embeddings.weight
@@ -201,12 +238,18 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def fill_weights(model: Transformer, plan: dict[str, _Target], files: dict[str, Path]) -> int:
-    """Copy every planned tensor into place, file by file; returns the bytes read."""
+    """Copy every planned tensor (or its planned slice) into place, file by file; returns the bytes
+    read. Rows no tensor fills (a tensor-parallel rank's vocabulary padding) are zeroed."""
     params = dict(model.named_parameters())
     covered = {}
     for target in plan.values():
         covered[target.param] = covered.get(target.param, 0) + target.stop - target.start
-    assert covered == {n: p.shape[0] for n, p in params.items()}, "the plan must fill every parameter row"
+    assert covered.keys() == params.keys() and all(covered[n] <= p.shape[0] for n, p in params.items()), \
+        "the plan must fill every parameter"
+    with torch.no_grad():
+        for n, p in params.items():
+            if covered[n] < p.shape[0]:
+                p[covered[n]:].zero_()
     by_file: dict[Path, list[str]] = {}
     for name in plan:
         by_file.setdefault(files[name], []).append(name)
@@ -215,23 +258,34 @@ def fill_weights(model: Transformer, plan: dict[str, _Target], files: dict[str, 
         for file, names in by_file.items():
             with open_safetensors(file) as f:
                 for name in names:
-                    src = f.get_tensor(name)
                     target = plan[name]
+                    src = _read_slice(f, name, target.source)
                     params[target.param][target.start:target.stop].copy_(src)
                     read += src.numel() * src.element_size()
                     bar.update()
     return read
 
 
+def _read_slice(f, name: str, source: tuple[int, int, int] | None) -> torch.Tensor:
+    """The stored tensor ``name``, or only its rows (dim 0) / columns (dim 1) ``[start, stop)``: a
+    safetensors slice reads those bytes alone."""
+    if source is None:
+        return f.get_tensor(name)
+    dim, start, stop = source
+    stored = f.get_slice(name)
+    return stored[start:stop] if dim == 0 else stored[:, start:stop]
+
+
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None,
-                    max_model_len: int | None = None) -> tuple[Transformer, CheckpointInfo]:
+                    device: torch.device | str | None = None, max_model_len: int | None = None,
+                    tp: TensorParallel | None = None) -> tuple[Transformer, CheckpointInfo]:
     """The native model of a local checkpoint directory, and what else the engine needs from it.
 
     ``dtype`` defaults to the checkpoint's own on CUDA and float32 on CPU. ``max_model_len`` (default: the
     config's max_position_embeddings) is the longest sequence the caller will run: an active sliding
     window shorter than that is refused, since attention here is always full, and the RoPE tables
-    hold that many positions."""
+    hold that many positions. ``tp``: load only this tensor-parallel rank's shard, reading only its
+    slices of the sharded tensors."""
     root = _checkpoint_root(path)
     raw = read_json_object(root / "config.json")
     architecture, _ = architecture_of(raw)
@@ -250,7 +304,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
 
     # a max_model_len above max_position is the engine's to refuse, with its own message
     rope_positions = None if max_model_len is None else min(max_model_len, cfg.max_position)
-    model = empty_model(cfg, dtype, device, rope_positions=rope_positions)
+    model = empty_model(cfg, dtype, device, rope_positions=rope_positions, tp=tp)
+    if tp is not None:
+        plan = sharded_weight_plan(ShardLayout(cfg, tp.rank, tp.size))
     start = time.perf_counter()
     bytes_read = fill_weights(model, plan, files)
     if device.type == "cuda":

@@ -17,6 +17,7 @@ from torch import nn
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.forward_context import get_forward_context
+from tscompile.models.parallel import ShardLayout, TensorParallel, column_linear, embedding, lm_head, row_linear
 
 
 # RoPE scaling types and the parameters each needs ("default" is stored as rope_scaling=None)
@@ -169,12 +170,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    """``cfg``: this rank's config (its heads only, under tensor parallelism): q/k/v column-parallel,
+    o row-parallel (the all-reduce after attention)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wqkv = column_linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.qkv_bias, tp)
+        self.wo = row_linear(cfg.n_heads * cfg.head_dim, cfg.dim, tp)
         self.scale = cfg.head_dim ** -0.5
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # weights [head_dim], shared by every head
@@ -200,10 +204,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """gate/up column-parallel, down row-parallel (the all-reduce after the MLP)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.w13 = column_linear(cfg.dim, 2 * cfg.intermediate_size, False, tp)
+        self.w2 = row_linear(cfg.intermediate_size, cfg.dim, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -211,12 +217,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, layer_id)
+        self.attention = Attention(cfg, layer_id, tp)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = MLP(cfg)
+        self.feed_forward = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -231,15 +237,24 @@ class Transformer(nn.Module):
     same two stage names.
 
     For a plain decoder the narrowing is the identity and every layer is an encoder layer; the
-    narrowing model (``models/narrow.py``) overrides the middle."""
+    narrowing model (``models/narrow.py``) overrides the middle.
 
-    def __init__(self, cfg: ModelConfig):
+    ``tp``: this process's rank of a tensor-parallel group (``models/parallel.py``), or None. A rank's
+    model holds its shard: ``config`` is then the shard's (its heads and MLP width, what the runtime
+    sizes the cache and attention by) and ``full_config`` the whole model's; the logits are the whole
+    vocabulary's on every rank."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp
+        self.full_config = cfg
+        if tp is not None:
+            cfg = ShardLayout(cfg, tp.rank, tp.size).local_config()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.tok_embeddings = embedding(self.full_config, tp)
+        self.layers = nn.ModuleList(Block(cfg, i, tp) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = lm_head(self.full_config, tp)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         for name in ("inv_freq", "rope_cos", "rope_sin"):  # filled by reset_rope, on the weights' device
@@ -274,13 +289,21 @@ class Transformer(nn.Module):
             attn.k_cache, attn.v_cache = pool.layer_cache(attn.layer_id)
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Transformer":
+        """Seeded random weights; a tensor-parallel rank draws each whole tensor and keeps its shard,
+        so every rank's shard is that of the one-device model of the same seed."""
         gen = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
+        layout = None if self.tp is None else ShardLayout(self.full_config, self.tp.rank, self.tp.size)
+        if layout is not None:
+            with torch.device("meta"):
+                full_shapes = {n: p.shape for n, p in Transformer(self.full_config).named_parameters()}
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std)
+                    continue
+                shape = p.shape if layout is None else full_shapes[name]
+                w = torch.randn(shape, generator=gen, device=p.device, dtype=torch.float32) * std
+                p.copy_(w if layout is None else layout.shard(name, w))
         return self
 
     # -- the forward, as four stages --------------------------------------------------------------

@@ -20,6 +20,7 @@ from tscompile.counters import counters
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, load_model
+from tscompile.models.parallel import TensorParallel, min_over_ranks
 from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
                                       measure_activation_peak, measure_device_memory, pages_for_requests,
                                       prefill_graph_bytes)
@@ -195,22 +196,26 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                        max_model_len: int | None, page_size: int, pages_per_block: int, num_pages: int | None,
                        max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
                        compile_config: TscompileConfig | None, seed: int,
-                       gpu_memory_utilization: float = 0.9, model_impl: str = "auto") -> EngineParts:
+                       gpu_memory_utilization: float = 0.9, model_impl: str = "auto",
+                       tensor_parallel: TensorParallel | None = None) -> EngineParts:
     """``model``: a preset name, a ``ModelConfig``, a built ``Transformer`` or a local checkpoint
     directory. ``dtype`` None: bf16 on CUDA and float32 on the CPU for a preset, the checkpoint's own
     on CUDA for a checkpoint. ``max_model_len`` None: the checkpoint's maximum, 512 for a preset.
     ``num_pages`` None: on CUDA sized from ``gpu_memory_utilization`` (``pages_from_device_memory``),
-    on the CPU ``default_num_pages``. ``model_impl``: ``load_model``'s, for a checkpoint directory."""
+    on the CPU ``default_num_pages``. ``model_impl``: ``load_model``'s, for a checkpoint directory.
+    ``tensor_parallel``: this process's rank; every rank of the group builds its shard with the same
+    arguments, in step (``tscompile/distributed/``)."""
     checkpoint = None
     if isinstance(model, Transformer):
         built = model
     elif isinstance(model, ModelConfig) or model in PRESETS:
         # load_model refuses model_impl="transformers" here: a preset has no transformers code
         built, _ = load_model(model, dtype=resolve_dtype(dtype, device), device=device, seed=seed,
-                              model_impl=model_impl)
+                              model_impl=model_impl, tp=tensor_parallel)
     else:
         built, checkpoint = load_model(model, dtype=dtype if dtype is None else resolve_dtype(dtype, device),
-                                       device=device, max_model_len=max_model_len, model_impl=model_impl)
+                                       device=device, max_model_len=max_model_len, model_impl=model_impl,
+                                       tp=tensor_parallel)
     cfg = built.config
     if max_model_len is None:
         max_model_len = cfg.max_position if checkpoint is not None else min(PRESET_MAX_MODEL_LEN, cfg.max_position)
@@ -240,6 +245,7 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
             page_size=page_size, pages_per_block=pages_per_block, dtype=dtype, device=device,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_token_ids)
+        num_pages = min_over_ranks(num_pages, tensor_parallel, device)  # one pool size the rank-0 scheduler plans
     pool, scheduler = build_pool_and_scheduler(
         specs, attention, num_pages=num_pages, page_size=page_size, pages_per_block=pages_per_block, dtype=dtype,
         device=device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,

@@ -107,7 +107,11 @@ class LLM:
     ``enable_prefix_caching`` (default on): a prompt's full KV blocks already in the cache (from an
     earlier request with the same prefix) are reused rather than computed
     (``docs/prefix_caching.md``); ``RequestOutput.num_cached_tokens`` and ``stats()`` tell the hits.
-    A model whose cache keeps rows by chunk boundary (the narrowing model) runs without it."""
+    A model whose cache keeps rows by chunk boundary (the narrowing model) runs without it.
+
+    ``tensor_parallel_size`` > 1 splits the model over that many processes (one per GPU on CUDA,
+    gloo on the CPU): this process is rank 0 and starts the others, or, under ``torchrun``, each
+    process is the rank it was started as (``docs/tensor_parallel.md``). ``close()`` stops them."""
 
     def __init__(
         self,
@@ -129,6 +133,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         model_impl: str = "auto",
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
     ):
         validate_engine_args(
             model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -136,17 +141,24 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
             compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
             gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
         if compile_config is not None:
             check_piece_compiler_importable(compile_config)  # refused here, not inside the first compile
-        parts = build_model_engine(
-            model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        build_kwargs = dict(
+            attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
             compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             model_impl=model_impl)
+        if tensor_parallel_size > 1:
+            from tscompile.distributed import build_tensor_parallel_engine
+
+            parts = build_tensor_parallel_engine(model, tensor_parallel_size, build_kwargs)
+        else:
+            parts = build_model_engine(model, **build_kwargs)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling,
                        enable_prefix_caching=enable_prefix_caching)
 
@@ -174,6 +186,13 @@ class LLM:
         self._dead: str | None = None  # set by a CUDA fault: why every later call is refused
 
     # -- request level ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop what the engine started besides this process (a tensor-parallel engine's other ranks;
+        also done at interpreter exit). Idempotent; an engine on one device has nothing to stop."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     @property
     def tokenizer(self):
         """The checkpoint's tokenizer (transformers'), or None: token ids in and out only."""
