@@ -1,13 +1,17 @@
-"""Reference models, their presets, and local Hugging Face checkpoints."""
+"""Reference models, their presets, named downloadable models, and local Hugging Face checkpoints.
+
+A model is named in one of four ways, resolved here for every caller: a ``ModelConfig``, a preset name
+(seeded random weights, ``PRESETS``), a named downloadable model (trained weights converted once into
+a cached checkpoint directory, ``NAMED_MODELS``), or a local checkpoint directory."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from tscompile.models.checkpoint import CheckpointInfo, is_checkpoint_dir, load_checkpoint
+from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root, is_checkpoint_dir, load_checkpoint
+from tscompile.models.demo import NAMED_MODELS, is_named_model
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config
 from tscompile.models.narrow import NarrowingTransformer
 
@@ -32,7 +36,17 @@ def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | N
         cfg = build_config(model) if isinstance(model, str) else model
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _random_model(cfg, dtype=dtype or torch.float32, device=device, seed=seed), None
-    return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
+    return load_checkpoint(resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len)
+
+
+def resolve_model(model):
+    """A named downloadable model's checkpoint directory (converted into the user cache on first use,
+    see ``tscompile.models.demo``); any other model as given."""
+    if is_named_model(model):
+        from tscompile.models.demo import checkpoint_dir
+
+        return checkpoint_dir(model)
+    return model
 
 
 def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
@@ -46,12 +60,9 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
         return model
     if isinstance(model, str) and model in PRESETS:
         return build_config(model)
-    if not is_checkpoint_dir(model):
-        return build_config(str(model))  # refuses with the list of presets and the checkpoint hint
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"tscompile: checkpoint directory {str(model)!r} has no config.json")
-    return model_config_from_hf(json.loads(path.read_text()))
+    # an unknown name is refused with the presets, the named models and the checkpoint hint
+    root = checkpoint_root(resolve_model(model))
+    return model_config_from_hf(json.loads((root / "config.json").read_text()))
 
 
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> Transformer:
@@ -64,5 +75,6 @@ def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
     return model
 
 
-__all__ = ["PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "Transformer", "build_config",
-           "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model", "model_config"]
+__all__ = ["NAMED_MODELS", "PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "Transformer", "build_config",
+           "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model", "model_config",
+           "resolve_model"]

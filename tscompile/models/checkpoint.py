@@ -60,10 +60,14 @@ def is_checkpoint_dir(x) -> bool:
     return isinstance(x, (str, os.PathLike)) and os.path.isdir(x)
 
 
-def _checkpoint_root(path) -> Path:
+def checkpoint_root(path) -> Path:
+    """``path`` as a checkpoint directory holding a config.json, or a refusal that lists what a model may be."""
     if not is_checkpoint_dir(path):
+        from tscompile.models.demo import NAMED_MODELS
+
         raise ValueError(f"tscompile: unknown model preset {str(path)!r} and no such directory; known presets: "
-                         f"{', '.join(PRESETS)}; or pass a local checkpoint directory (config.json + *.safetensors). "
+                         f"{', '.join(PRESETS)}; named models (trained weights, fetched once): "
+                         f"{', '.join(NAMED_MODELS)}; or pass a local checkpoint directory (config.json + *.safetensors). "
                          "Hub ids are not downloaded: download the checkpoint first and pass its directory")
     root = Path(path)
     if not (root / "config.json").is_file():
@@ -210,7 +214,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     config's max_position_embeddings) is the longest sequence the caller will run: an active sliding
     window shorter than that is refused, since attention here is always full, and the RoPE tables
     hold that many positions."""
-    root = _checkpoint_root(path)
+    root = checkpoint_root(path)
     raw = json.loads((root / "config.json").read_text())
     architecture, _ = architecture_of(raw)
     cfg = model_config_from_hf(raw)
