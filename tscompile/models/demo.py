@@ -16,6 +16,7 @@ leaves at most a stray temporary folder, never a half checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -98,21 +99,36 @@ def checkpoint_dir(name: str, *, cache_dir: str | os.PathLike | None = None) -> 
         raise ModelUnavailable(f"tscompile: model {name!r} is converted from a GGUF file, which needs "
                                f"{', '.join(missing)}: {DEMO_EXTRA}")
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.", dir=root) as work:
-        work = Path(work)
-        gguf_path, licence_text = _gguf_file(spec, work / "download")
-        staged = work / "checkpoint"
-        _convert(spec, gguf_path, staged, licence_text)
-        if _is_complete(dest, spec):  # another process finished first: keep its directory
+    # one conversion at a time per model (two test workers, two shells): the second waits, then finds
+    # the directory complete
+    with _exclusive(root / f".{spec.name}.lock"):
+        if _is_complete(dest, spec):
             return dest
-        if dest.exists():  # an older conversion: replace it
-            shutil.rmtree(dest)
-        try:
+        with tempfile.TemporaryDirectory(prefix=f".{spec.name}.", dir=root) as work:
+            work = Path(work)
+            gguf_path, licence_text = _gguf_file(spec, work / "download")
+            staged = work / "checkpoint"
+            _convert(spec, gguf_path, staged, licence_text)
+            if dest.exists():  # an older conversion, or one a crash cut short: replace it
+                shutil.rmtree(dest)
             os.rename(staged, dest)
-        except OSError:
-            if not _is_complete(dest, spec):  # not a lost race: a real failure to place the directory
-                raise
     return dest
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An advisory lock on ``lock_path`` for the block (none where ``fcntl`` is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the rename alone keeps a directory whole
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _is_complete(dest: Path, spec: NamedModel) -> bool:
