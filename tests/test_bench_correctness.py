@@ -61,26 +61,6 @@ def _inject(monkeypatch, bug: str) -> None:
         assert bug == "none"
 
 
-@pytest.fixture(scope="module")
-def sharp_checkpoint(tmp_path_factory):
-    """A tiny Llama written by transformers, its weights redrawn at O(1) scale so attention is sharp
-    (the same check on a second, very different model)."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.3 * r if "norm" in name else r if "embed_tokens" in name else r / p.shape[-1] ** 0.5)
-    path = tmp_path_factory.mktemp("sharp_llama")
-    model.save_pretrained(path)
-    return path
-
-
 def _bench_check(model_dir, tmp_path) -> tuple[int, dict]:
     """One float32 eager bench row against the float32 reference: (exit code, its reference_check)."""
     out_json = tmp_path / "bench.json"
@@ -108,17 +88,6 @@ def test_float32_check_fails_for_injected_bugs_on_trained_weights(checkpoint, bu
     """On SmolLM2's weights."""
     _inject(monkeypatch, bug)
     code, check = _bench_check(checkpoint, tmp_path)
-    if bug == "none":
-        assert code == 0 and check == {"agrees": True, "compared_tokens": 8}, check
-    else:
-        _assert_caught(code, check)
-
-
-@pytest.mark.parametrize("bug", ["none", *BUGS])
-def test_float32_check_fails_for_each_injected_bug_on_a_sharp_checkpoint(sharp_checkpoint, bug, monkeypatch,
-                                                                         tmp_path):
-    _inject(monkeypatch, bug)
-    code, check = _bench_check(sharp_checkpoint, tmp_path)
     if bug == "none":
         assert code == 0 and check == {"agrees": True, "compared_tokens": 8}, check
     else:
