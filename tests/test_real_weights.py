@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tscompile
-from real_weights import checkpoint_or_skip, divergence_report, hf_greedy, load_hf, prompts
+from real_weights import MODEL, checkpoint_or_skip, divergence_report, hf_greedy, load_hf, prompts
 
 NEW_TOKENS = 6
 MAX_MODEL_LEN = 512
@@ -35,7 +35,8 @@ def oracle(checkpoint):
 
 
 def _engine_tokens(checkpoint, named, *, enforce_eager: bool, dtype: torch.dtype) -> dict[str, tuple[list[int], str]]:
-    llm = tscompile.LLM(str(checkpoint), enforce_eager=enforce_eager, device="cpu", attention_backend="torch",
+    # by name: the named model resolves to the cached checkpoint
+    llm = tscompile.LLM(MODEL, enforce_eager=enforce_eager, device="cpu", attention_backend="torch",
                         dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=len(named), page_size=16)
     params = tscompile.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in named.values()], params)
