@@ -1,11 +1,14 @@
 """The correctness reference: a float32 eager greedy run of the same weights, and how far a mode's
 tokens are from it.
 
-Every mode runs in the bench dtype (bf16 on cuda), where a greedy pick between two near-equal logits
-can flip without any bug. So a mode's tokens are compared with a float32 run of the *same* weights
-(the mode's weights upcast, not re-drawn in float32), and where they first differ the reference's
-logits at that step say how close the call was: a top-2 margin of a few hundredths is a near-tie, a
-mode that skipped a clear winner is suspicious.
+In float32 a mode must decode the reference's tokens exactly: any difference is a bug, and the check
+fails (``fail``; the bench exits non-zero). In a lower dtype (bf16 on cuda) a greedy pick between two
+near-equal logits can flip without any bug, so a mode's tokens are compared with a float32 run of the
+*same* weights (the mode's weights upcast, not re-drawn in float32), and where they first differ the
+reference's logits at that step say how close the call was: a top-2 margin of a few hundredths is a
+near-tie, a mode that skipped a clear winner is suspicious. That report cannot prove a bf16 mode
+right (on random weights nearly every step is a near-tie): the float32 run of the same modes is the
+check that catches bugs.
 
 The reference is the static-cache model run without compiling (``StaticCacheModel``, no torch.compile,
 SDPA in float32), one request at a time; ``tests/test_bench.py`` checks it decodes the eager engine's
@@ -61,35 +64,46 @@ def margin_at(step: Candidates, chosen: int) -> dict:
     return {"margin": margin, "chosen_rank": rank, "chosen_gap": gap}
 
 
-def compare(ref: ReferenceRun, got: list[int], threshold: float) -> dict:
+def compare(ref: ReferenceRun, got: list[int], threshold: float, *, exact: bool = False) -> dict:
     """A mode's tokens for ``ref.prompt`` against the reference's.
 
     ``agrees``; else ``first_divergence`` (0-based index of the first differing new token; 0 is the
     prefill's token), the step's :func:`margin_at` figures and ``suspicious``: the mode's pick trails
-    the reference's by more than ``threshold`` logits (or is not among the candidates)."""
+    the reference's by more than ``threshold`` logits (or is not among the candidates). ``exact``
+    (the mode ran in float32, as the reference): any difference is a failure, ``fail: True``."""
     n = min(len(ref.tokens), len(got))
     k = next((i for i in range(n) if ref.tokens[i] != got[i]), None)
     if k is None:
         if len(got) == len(ref.tokens):
             return {"agrees": True, "compared_tokens": n}
-        return {"agrees": False, "compared_tokens": n, "first_divergence": n, "suspicious": True,
-                "reason": f"{len(got)} tokens, the reference has {len(ref.tokens)}"}
-    fig = margin_at(ref.steps[k], got[k])
-    suspicious = fig["chosen_rank"] is None or fig["chosen_gap"] > threshold
-    return {"agrees": False, "compared_tokens": n, "first_divergence": k, "reference_token": ref.tokens[k],
-            "mode_token": got[k], **fig, "suspicious": suspicious}
+        check = {"agrees": False, "compared_tokens": n, "first_divergence": n, "suspicious": True,
+                 "reason": f"{len(got)} tokens, the reference has {len(ref.tokens)}"}
+    else:
+        fig = margin_at(ref.steps[k], got[k])
+        suspicious = fig["chosen_rank"] is None or fig["chosen_gap"] > threshold
+        check = {"agrees": False, "compared_tokens": n, "first_divergence": k, "reference_token": ref.tokens[k],
+                 "mode_token": got[k], **fig, "suspicious": suspicious}
+    if exact:
+        check["fail"] = True
+    return check
+
+
+def failed(check: dict | None) -> bool:
+    """Whether a row's check is a float32 mismatch (an error, not a note)."""
+    return bool(check and check.get("fail"))
 
 
 def describe(check: dict | None) -> str:
-    """The markdown cell: "agrees (16 tok)", "diverges at 4 (margin 0.03)", or flagged."""
+    """The markdown cell: "agrees (16 tok)", "diverges at 4 (margin 0.03)", flagged, or **FAIL** (float32)."""
     if not check:
         return "-"
     if check.get("error"):
         return "no reference"
     if check["agrees"]:
         return f"agrees ({check['compared_tokens']} tok)"
+    flag = "**FAIL** (float32 must match)" if check.get("fail") else "**suspicious**"
     if "reason" in check:
-        return f"**suspicious**: {check['reason']}"
+        return f"{flag}: {check['reason']}"
     k, margin = check["first_divergence"], check["margin"]
     text = f"diverges at {k} (margin {margin:.3g}" if margin is not None else f"diverges at {k} ("
     rank = check["chosen_rank"]
@@ -97,7 +111,7 @@ def describe(check: dict | None) -> str:
         text += (f"; took rank {rank}, gap {check['chosen_gap']:.3g}" if rank is not None
                  else f"; took a token outside the top {TOP_K}, gap > {check['chosen_gap']:.3g}")
     text += ")"
-    return f"**suspicious**: {text}" if check["suspicious"] else text
+    return f"{flag}: {text}" if check["suspicious"] or check.get("fail") else text
 
 
 @torch.no_grad()
@@ -109,8 +123,8 @@ def reference_greedy(model, prompt: list[int], output_len: int, device: torch.de
     pos = torch.arange(len(prompt), device=device)
     tokens: list[int] = []
     steps: list[Candidates] = []
-    for _ in range(output_len):
-        logits = sm(ids, pos)[0]
+    for k in range(output_len):
+        logits = (sm.prefill(ids) if k == 0 else sm(ids, pos))[0]
         cand = top_candidates(logits)
         steps.append(cand)
         tokens.append(cand.ids[0])

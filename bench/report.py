@@ -424,11 +424,14 @@ def _reference_line(result: dict) -> str:
         return "vs f32 reference: not run (--no-reference)."
     if ref.get("error"):
         return f"vs f32 reference: the float32 reference failed ({ref['error']}), no row is checked."
-    return (f"vs f32 reference (req 0) = the first request's greedy tokens against a float32 eager run of the same "
+    head = (f"vs f32 reference (req 0) = the first request's greedy tokens against a float32 eager run of the same "
             f"weights (the static-cache model, uncompiled); where they differ: the first diverging token (0 = the "
-            f"prefill's token) and the reference's top-2 logit margin there. A small margin is a near-tie that "
-            f"{result['dtype']} rounding may flip; **suspicious** = the mode's token trails the reference's by more "
-            f"than {threshold} logits.")
+            f"prefill's token) and the reference's top-2 logit margin there. ")
+    if result["dtype"] == "float32":
+        return head + ("The modes ran in float32 too, so every token must match: a difference is **FAIL** and the "
+                       "bench exits non-zero.")
+    return head + (f"A small margin is a near-tie that {result['dtype']} rounding may flip; **suspicious** = the mode's "
+                   f"token trails the reference's by more than {threshold} logits.")
 
 
 def markdown(result: dict) -> str:

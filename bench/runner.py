@@ -390,18 +390,24 @@ class Bench:
 
     def mark_agreement(self) -> None:
         """``reference_check``: the first request's greedy tokens against the float32 reference's
-        (``reference.compare``); ``match_eager``: how many requests' tokens equal eager's at the same
-        batch size (a consistency figure, not a correctness check: eager is bf16 too)."""
+        (``reference.compare``; in a float32 run any difference fails); ``match_eager``: how many
+        requests' tokens equal eager's at the same batch size (a consistency figure, not a correctness
+        check: eager runs in the bench dtype too)."""
         threshold = self.args.margin_threshold
+        exact = self.dtype == torch.float32  # the reference's own dtype: any difference is a bug
         for row in self.results:
             got = self.tokens.get((row["mode"], row["batch_size"]))
             if got is None:
                 continue
             ref = self.references.get(row["batch_size"])
             if ref is not None:
-                row["reference_check"] = reference.compare(ref, got[0], threshold)
+                row["reference_check"] = reference.compare(ref, got[0], threshold, exact=exact)
             elif self.reference_info.get("error"):
                 row["reference_check"] = {"error": self.reference_info["error"]}
             eager = self.tokens.get(("eager", row["batch_size"]))
             if eager is not None:
                 row["match_eager"] = f"{sum(x == y for x, y in zip(got, eager))}/{len(eager)}"
+
+    def failed_checks(self) -> list[str]:
+        """The rows whose float32 check failed, as "mode bs=N" (the bench exits non-zero on any)."""
+        return [f"{r['mode']} bs={r['batch_size']}" for r in self.results if reference.failed(r.get("reference_check"))]

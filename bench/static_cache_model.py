@@ -4,7 +4,14 @@ It owns no weights: every ``nn.Linear``/``nn.Embedding``/``RMSNorm`` is the tsco
 (so q/k/v biases, Qwen3's q/k norms and a free head_dim come with it), and RoPE is the model's
 ``rope``/``apply_rope`` (any ``rope_frequencies`` scaling type), so its greedy tokens match
 ``tscompile.LLM``'s. The only state it adds is the cache: per layer ``k_cache, v_cache: [B, n_kv_heads, max_len, head_dim]`` buffers,
-written with ``index_copy_`` at ``input_pos`` and read whole by SDPA under a causal mask.
+written with ``index_copy_`` at the rows' positions.
+
+Two entry points, as a torch.compile user writes them:
+  ``prefill(input_ids)``          a prompt from position 0: SDPA ``is_causal=True`` over the prompt's own K/V
+                                  (the cache is only written), so a prefill costs the causal half of
+                                  S x S and nothing over the rest of the static cache
+  ``forward(input_ids, input_pos)`` rows at any positions (decode): SDPA over the whole static cache under
+                                  a mask of the positions written so far, gpt-fast's decode
 
 All requests of a batch share positions (equal prompt lengths), as in gpt-fast's batched generate.
 
@@ -19,6 +26,8 @@ Grouped-query attention, three formulations (``gqa``):
 With a mask (the static cache needs one) flash attention is out, and SDPA's math fallback implements
 ``enable_gqa`` by repeating K and V per head, i.e. the copy again: ``choose_gqa`` asks SDPA's dispatcher
 which kernel ``enable_gqa`` would get and takes ``grouped_query_rows`` where it is the math one.
+A prefill has no mask (``is_causal``): ``repeat_interleave`` copies there too, the two others pass
+``enable_gqa`` (a query row fold would need a mask again).
 """
 
 from __future__ import annotations
@@ -82,7 +91,9 @@ class StaticAttention(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """``x: [B, S, dim]`` at ``input_pos: [S]``; ``mask: [S, max_len]`` bool over the static cache,
+        or None for a prompt from position 0 (causal attention over its own K/V)."""
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)  # wqkv carries the q/k/v biases
@@ -97,6 +108,9 @@ class StaticAttention(nn.Module):
         self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))
         group = self.n_heads // self.n_kv_heads  # q head h reads kv head h // group
+        if mask is None:
+            return self.wo(self._prompt_attention(q.transpose(1, 2), k, v, group).transpose(1, 2)
+                           .reshape(bsz, seqlen, q_size))
         if self.gqa == "grouped_query_rows":
             # row s * group + g of kv head j is query head j * group + g at position s
             rows = q.reshape(bsz, seqlen, self.n_kv_heads, group, self.head_dim).transpose(1, 2)
@@ -115,6 +129,15 @@ class StaticAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.scale)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
 
+    def _prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
+        """Causal attention of a prompt over itself: ``q: [B, n_heads, S, D]``, ``k, v: [B, n_kv_heads, S, D]``
+        (the rows just written to the cache, in the cache's dtype) -> ``[B, n_heads, S, D]``."""
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+        if self.gqa == "repeat_interleave":
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=group > 1)
+
 
 class StaticBlock(nn.Module):
     def __init__(self, block: nn.Module, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device,
@@ -129,7 +152,9 @@ class StaticBlock(nn.Module):
 
 
 class StaticCacheModel(nn.Module):
-    """``forward(input_ids [B, S], input_pos [S]) -> logits [B, vocab]`` (float32, last row only)."""
+    """``forward(input_ids [B, S], input_pos [S]) -> logits [B, vocab]`` (float32, last row only);
+    ``prefill(input_ids [B, S])``: the same for a prompt at positions ``0 .. S-1``, attended causally
+    over itself."""
 
     def __init__(self, model: Transformer, batch_size: int, max_len: int, gqa: str = "repeat_interleave"):
         super().__init__()
@@ -148,10 +173,16 @@ class StaticCacheModel(nn.Module):
                                     for b in model.layers)
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        src = self.source[0]
-        cos, sin = src.rope(input_pos)
         max_len = self.layers[0].attention.k_cache.shape[2]  # a tensor size, so it may stay dynamic under compile
         mask = torch.arange(max_len, device=input_pos.device)[None, :] <= input_pos[:, None]  # [S, max_len]
+        return self._run(input_ids, input_pos, mask)
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self._run(input_ids, input_pos, None)
+
+    def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        cos, sin = self.source[0].rope(input_pos)
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, input_pos, mask)

@@ -392,7 +392,8 @@ def test_compare_names_the_first_diverging_step_and_flags_wide_gaps():
 
 def test_bench_reports_a_forced_divergence(tmp_path, monkeypatch):
     """A mode whose third token is swapped for the reference's runner-up is reported as diverging at
-    step 2 with the reference's margin there (the JSON and the markdown)."""
+    step 2 with the reference's margin there (the JSON and the markdown); in float32 that is a FAIL
+    and the bench exits non-zero."""
     length, output_len = 8, 4
     model = build_model("llama-tiny", seed=0)
     prompt = bench_runner._prompts(0, 1, length, model.config.vocab_size)[0]
@@ -411,16 +412,16 @@ def test_bench_reports_a_forced_divergence(tmp_path, monkeypatch):
             "--output-len", str(output_len), "--prefill-lens", "8", "--num-iters", "1", "--num-iters-warmup", "0",
             "--modes", "eager", "--output-json", str(out_json), "--no-progress", "--bandwidth-mib", "16",
             "--margin-threshold", "1e-9"]
-    assert tscompile_main(argv) == 0
+    assert tscompile_main(argv) == 1
     result = json.loads(out_json.read_text())
     check = result["results"][0]["reference_check"]
     margin = ref.steps[2].logits[0] - ref.steps[2].logits[1]
     assert check["first_divergence"] == 2 and check["mode_token"] == runner_up and check["chosen_rank"] == 2
     assert check["margin"] == pytest.approx(margin) and result["reference"]["runs"]["1"]["margins"][2] == \
         pytest.approx(margin)
-    assert check["suspicious"] is True  # any gap is above a 1e-9 threshold
+    assert check["suspicious"] is True and check["fail"] is True  # any gap is above a 1e-9 threshold
     md = bench_cli.report.markdown(result)
-    assert f"**suspicious**: diverges at 2 (margin {margin:.3g})" in md
+    assert f"**FAIL** (float32 must match): diverges at 2 (margin {margin:.3g})" in md
 
 
 # -- compile counters -----------------------------------------------------------------------------

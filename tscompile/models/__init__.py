@@ -1,13 +1,17 @@
-"""Reference models, their presets, and local Hugging Face checkpoints."""
+"""Reference models, their presets, named downloadable models, and local Hugging Face checkpoints.
+
+A model is named in one of four ways, resolved here for every caller: a ``ModelConfig``, a preset name
+(seeded random weights, ``PRESETS``), a named downloadable model (trained weights converted once into
+a cached checkpoint directory, ``NAMED_MODELS``), or a local checkpoint directory."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from tscompile.models.checkpoint import CheckpointInfo, is_checkpoint_dir, load_checkpoint
+from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root, is_checkpoint_dir, load_checkpoint
+from tscompile.models.demo import NAMED_MODELS, is_named_model
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config
 from tscompile.models.narrow import NarrowingTransformer
 from tscompile.models.parallel import TensorParallel
@@ -44,11 +48,22 @@ def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | N
         cfg = build_config(model) if isinstance(model, str) else model
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _random_model(cfg, dtype=dtype or torch.float32, device=device, seed=seed, tp=tp), None
+    model = resolve_model(model)
     if is_checkpoint_dir(model) and choose_model_impl(model, model_impl) == "transformers":
         if tp is not None:
             raise ValueError("tscompile: tensor parallelism needs the native model; pass model_impl='native'")
         return load_transformers_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
     return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp)
+
+
+def resolve_model(model):
+    """A named downloadable model's checkpoint directory (converted into the user cache on first use,
+    see ``tscompile.models.demo``); any other model as given."""
+    if is_named_model(model):
+        from tscompile.models.demo import checkpoint_dir
+
+        return checkpoint_dir(model)
+    return model
 
 
 def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
@@ -60,12 +75,9 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
         return model
     if isinstance(model, str) and model in PRESETS:
         return build_config(model)
-    if not is_checkpoint_dir(model):
-        return build_config(str(model))  # refuses with the list of presets and the checkpoint hint
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"tscompile: checkpoint directory {str(model)!r} has no config.json")
-    return model_config_from_hf(read_json_object(path))
+    # an unknown name is refused with the presets, the named models and the checkpoint hint
+    root = checkpoint_root(resolve_model(model))
+    return model_config_from_hf(read_json_object(root / "config.json"))
 
 
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int,
@@ -78,6 +90,6 @@ def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
     return model
 
 
-__all__ = ["PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "TensorParallel", "Transformer",
-           "build_config",
-           "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model", "model_config"]
+__all__ = ["NAMED_MODELS", "PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "TensorParallel",
+           "Transformer", "build_config", "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model",
+           "model_config", "resolve_model"]

@@ -69,10 +69,14 @@ def is_checkpoint_dir(x) -> bool:
     return isinstance(x, (str, os.PathLike)) and os.path.isdir(x)
 
 
-def _checkpoint_root(path) -> Path:
+def checkpoint_root(path) -> Path:
+    """``path`` as a checkpoint directory holding a config.json, or a refusal that lists what a model may be."""
     if not is_checkpoint_dir(path):
+        from tscompile.models.demo import NAMED_MODELS
+
         raise ValueError(f"tscompile: unknown model preset {str(path)!r} and no such directory; known presets: "
-                         f"{', '.join(PRESETS)}; or pass a local checkpoint directory (config.json + *.safetensors). "
+                         f"{', '.join(PRESETS)}; named models (trained weights, fetched once): "
+                         f"{', '.join(NAMED_MODELS)}; or pass a local checkpoint directory (config.json + *.safetensors). "
                          "Hub ids are not downloaded: download the checkpoint first and pass its directory")
     root = Path(path)
     if not (root / "config.json").is_file():
@@ -286,7 +290,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     window shorter than that is refused, since attention here is always full, and the RoPE tables
     hold that many positions. ``tp``: load only this tensor-parallel rank's shard, reading only its
     slices of the sharded tensors."""
-    root = _checkpoint_root(path)
+    root = checkpoint_root(path)
     raw = read_json_object(root / "config.json")
     architecture, _ = architecture_of(raw)
     cfg = model_config_from_hf(raw)

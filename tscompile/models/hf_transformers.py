@@ -31,7 +31,7 @@ from torch import nn
 from tscompile.forward_context import get_forward_context
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
-from tscompile.models.checkpoint import CheckpointInfo, _checkpoint_root
+from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root
 from tscompile.models.hf_attention import (ATTENTION_NAME, check_attention_calls, probe_attention_calls,
                                            reads_position_ids, register_attention, transformers_version)
 from tscompile.models.hf_config import ARCHITECTURES, checkpoint_dtype, eos_token_ids
@@ -183,7 +183,7 @@ def load_transformers_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype 
     import transformers
 
     register_attention()
-    root = _checkpoint_root(path)
+    root = checkpoint_root(path)
     raw = json.loads((root / "config.json").read_text())
     name = _architecture_name(raw)
     if raw.get("auto_map"):  # refused before transformers would ask for trust_remote_code
