@@ -16,7 +16,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate from a local checkpoint directory or a preset model: text "
                                         "prompts (--prompt) or token ids (--prompt-ids) in, text or ids out")
     add_engine_args(p)
-    _add_model_positional(p)
     add_generation_args(p)
     p.add_argument("--chat", action="store_true", help="each --prompt is a user message, rendered with the "
                                                        "checkpoint's chat template")
@@ -26,32 +25,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("chat", help="an interactive chat with a local checkpoint directory that has a chat "
                                     "template: one user message per line, replies streamed, an empty line ends")
     add_engine_args(p)
-    _add_model_positional(p)
     add_generation_args(p)
     p.add_argument("--system", default=None, help="a system message opening the conversation")
-
-
-def _add_model_positional(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as --model takes it (a named model such as smollm2-135m-instruct, a preset "
-                        "or a checkpoint directory)")
-    p.set_defaults(default_model=p.get_default("model"))
-
-
-def _model_from_positional(args: argparse.Namespace) -> None:
-    """``tscompile generate MODEL`` and ``--model MODEL`` say the same; both at once must agree."""
-    if args.model_name is None:
-        return
-    if args.model not in (args.model_name, args.default_model):
-        raise ValueError(f"tscompile: the model is given twice, {args.model_name!r} and --model {args.model!r}; "
-                         "give one")
-    args.model = args.model_name
 
 
 def _build(args: argparse.Namespace):
     import tscompile
 
-    _model_from_positional(args)
     from tscompile.validation import validate_engine_args
 
     check_sampling_args(args)
