@@ -55,7 +55,7 @@ for bs in sizes:
     llm.sync()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / n
-    g = llm.runner.decode_graphs.graphs[(llm.runner.decode_bucket(bs), True)]
+    g = llm.runner.decode_graphs.graphs[(llm.runner.decode.padded_size(bs), True)]
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(20):

@@ -67,7 +67,7 @@ class GraphCheck:
         self.plain_counters = {"decode_eager": 0, "prefill_graphed": 0}
 
     def __call__(self, llm, comp, got):
-        decode, prefill = llm.runner.decode_graphs, llm.runner.piece_graphs
+        decode, prefill = llm.runner.decode_graphs, llm.runner.prefill.buckets
         before = dict(counters)
         try:
             if decode is not None:

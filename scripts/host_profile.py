@@ -50,14 +50,14 @@ def main(prompt_len: int = 32, iterations: int = 200, decode: int = 0, sort: str
                         max_num_batched_tokens=ladder[-1],
                         compile_options={"token_ladder": ladder, "prefill_graph_max_tokens": ladder[-1],
                                          "decode_ladder": (1, 2, 4)})
-    llm.runner.enable_whole_step_prefill(host_replay=True)
+    llm.runner.use_graphs(HostGraphs(), decode=False, prefill="whole")
     one = tscompile.SamplingParams(max_new_tokens=1)
     params = tscompile.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     vocab = llm.model.config.vocab_size
     prompt = [i % (vocab - 1) + 1 for i in range(prompt_len)]
     for _ in range(3):  # compile and warm up with the model in place
         llm.generate([prompt], params)
-    llm.runner.whole_prefill.run = lambda key, step: None  # host work only from here on
+    llm.runner.prefill.whole.run = lambda key, step: None  # host work only from here on
     llm.runner._run_decode = lambda bs, greedy: None
     # the decode metadata refresh is one kernel launch on CUDA; here it would run Triton's interpreter
     tscompile.attention.base.run_refresh = lambda *args: None

@@ -42,7 +42,7 @@ def main() -> None:
             runner.run_prefill(prompt)
         TIMES.clear()
         wrapped = [(llm, "add_request", "add_request"), (llm, "step", "step"), (llm.scheduler, "schedule", "schedule"),
-                   (llm.runner, "launch", "launch"), (llm.runner.whole_prefill, "stage", "stage"),
+                   (llm.runner, "launch", "launch"), (llm.runner.prefill.whole, "stage", "stage"),
                    (llm.runner.attention, "publish_extend_metadata", "publish"),
                    (llm.runner.staging, "fill_sampling", "sampling"), (llm.runner.staging, "upload", "sampling"),
                    (torch.cuda.CUDAGraph, "replay", "replay")]

@@ -66,7 +66,7 @@ def main():
                                                        "decode_ladder": (1,)})
         build_s[mode] = time.perf_counter() - t0
     if args.device == "cuda":
-        assert engines["whole"].runner.whole_prefill is not None, "the whole-step mode fell back to piecewise"
+        assert engines["whole"].runner.prefill.whole is not None, "the whole-step mode fell back to piecewise"
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "model": args.model,
               "build_seconds": build_s, "workloads": {}}
     rows = []
