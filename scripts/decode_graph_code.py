@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
                 for i in range(bs)]
         while any(r.num_generated < 8 for r in reqs):  # past the prefill, into graphed decode steps
             llm.step()
-        graph = llm.runner.decode_graphs.graphs[(llm.runner.decode.padded_size(bs), True)]
+        graph = llm.runner.graphs.graphs[llm.runner.graphs.decode_key(llm.runner.decode.padded_size(bs), True)].graph
         per = kernel_times(lambda: graph.replay(), 20)
         total = sum(t for _, t in per.values())
         print(f"\n#### decode bs={bs}: {sum(c for c, _ in per.values()):.0f} kernels per replay, {total:.1f} us "

@@ -41,7 +41,7 @@ print(f"engine up in {time.perf_counter() - t0:.1f} s (compile {llm.compile_seco
       f"capture {llm.capture_seconds:.1f} s)", flush=True)
 timed(llm.scheduler, "schedule", "schedule"); timed(llm.scheduler, "update", "update")
 timed(llm.runner.staging, "fill", "fill"); timed(llm.runner.staging, "upload", "upload")
-timed(llm.attention, "refresh_decode_metadata", "refresh"); timed(llm.runner.decode_graphs, "replay", "replay")
+timed(llm.attention, "refresh_decode_metadata", "refresh"); timed(llm.runner.graphs, "replay_graph", "replay")
 for bs in sizes:
     reqs = [llm.add_request([(i * 31 + j) % 1000 + 1 for j in range(512)], SamplingParams(max_new_tokens=128))
             for i in range(bs)]
@@ -55,7 +55,7 @@ for bs in sizes:
     llm.sync()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / n
-    g = llm.runner.decode_graphs.graphs[(llm.runner.decode.padded_size(bs), True)]
+    g = llm.runner.graphs.graphs[llm.runner.graphs.decode_key(llm.runner.decode.padded_size(bs), True)].graph
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(20):

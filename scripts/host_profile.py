@@ -25,6 +25,7 @@ import torch
 
 import tscompile
 import tscompile.attention.base
+from tscompile.runtime.graph_runner import HostGraphs
 
 
 def _ladder(prompt_len: int) -> tuple[int, ...]:
@@ -57,8 +58,8 @@ def main(prompt_len: int = 32, iterations: int = 200, decode: int = 0, sort: str
     prompt = [i % (vocab - 1) + 1 for i in range(prompt_len)]
     for _ in range(3):  # compile and warm up with the model in place
         llm.generate([prompt], params)
-    llm.runner.prefill.whole.run = lambda key, step: None  # host work only from here on
-    llm.runner._run_decode = lambda bs, greedy: None
+    llm.runner.graphs.run = lambda key, step, **kw: None  # host work only from here on
+    llm.runner.decode.run_compiled = lambda bs, greedy: None
     # the decode metadata refresh is one kernel launch on CUDA; here it would run Triton's interpreter
     tscompile.attention.base.run_refresh = lambda *args: None
     ms_one = _timed(llm, [prompt], one, iterations)

@@ -107,7 +107,7 @@ def main() -> None:
     for _ in range(10):
         runner.run_prefill(prompt)
     wrapped = [(llm, "add_request", "add_request"), (llm, "step", "step"), (llm.scheduler, "schedule", "schedule"),
-               (llm.runner, "launch", "launch"), (getattr(llm.runner, "whole_prefill", None), "stage", "stage"),
+               (llm.runner, "launch", "launch"), (llm.runner.prefill.whole, "stage", "stage"),
                (llm.runner.attention, "publish_extend_metadata", "publish"),
                (llm.runner.staging, "fill_sampling", "sampling"), (llm.runner.staging, "upload", "upload"),
                (torch.cuda.CUDAGraph, "replay", "replay")]

@@ -38,13 +38,13 @@ def _prefill_all(llm, prompts):
 
 def _decode_once(llm, reqs, *, graphed):
     """One decode step for ``reqs``; graphed=False runs the compiled step eagerly at the same bs."""
-    graphs = llm.runner.decode_graphs
+    graphs = llm.runner.graphs
     plan = llm.scheduler.plan(ScheduledBatch([], list(reqs)))
-    graphs.replay_graphs = graphed  # False: the same ladder bs and refresh, the step run without its graph
+    graphs.replay = graphed  # False: the same ladder bs and refresh, the step run without its graph
     try:
         return llm.runner.execute(plan)
     finally:
-        graphs.replay_graphs = True
+        graphs.replay = True
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -122,7 +122,7 @@ def test_a_ladder_without_1_pads_a_single_request_to_2_and_compiles_no_bs1_graph
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
     # every decode step a replay: none ran outside the graphs
     assert counters["decode_replays"] > replays and counters["decode_eager"] == direct
-    assert not compiled_one and sorted(k[0] for k in llm.runner.decode_graphs.graphs) == [2, 4, 8]
+    assert not compiled_one and sorted(k.batch_size for k in llm.runner.graphs.graphs) == [2, 4, 8]
 
 
 def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
@@ -364,12 +364,6 @@ def _ladder(mode):
     return {**PREFILL_LADDER, "prefill_graph_mode": mode}
 
 
-def _prefill_runtime(llm):
-    """The engine's prefill graph runtime (whole-step or per piece): both have ``replay``."""
-    whole = llm.runner.prefill.whole
-    return whole if whole is not None else llm.runner.prefill.buckets
-
-
 @pytest.mark.parametrize("model, mode", MODEL_MODES)
 def test_prefill_pdl_gives_the_eager_tokens_in_whole_step_and_piecewise_graphs(monkeypatch, model, mode):
     """TSCOMPILE_PREFILL_PDL on Hopper: the prefill pieces compile with Inductor's PDL and the extend
@@ -428,18 +422,19 @@ def test_prefill_graph_replay_is_bitwise_the_same_padded_step_without_graphs(mod
     for i, n in enumerate(other):
         llm.add_request([(11 * i + 3 * j) % 400 + 1 for j in range(n)], SamplingParams(max_new_tokens=2))
     plan = llm.scheduler.schedule()
-    runtime = _prefill_runtime(llm)
+    graphs = llm.runner.graphs  # the one switch, for whole-step graphs and graphed pieces alike
     before = _pool_state(llm)
     replayed = llm.runner.execute(plan)
     after_replay = _pool_state(llm)
+    replays = counters["prefill_replays"]
     _restore(llm, before)
-    runtime.replay = False  # the same padding, the same compiled pieces, no graphs
+    graphs.replay = False  # the same padding, the same compiled pieces, no graphs
     try:
         plain = llm.runner.execute(plan)
     finally:
-        runtime.replay = True
+        graphs.replay = True
     after_plain = _pool_state(llm)
-    assert replayed == plain
+    assert replayed == plain and counters["prefill_replays"] == replays  # off means off
     for a, b in zip(after_replay, after_plain):  # bit patterns: unwritten pages may hold NaN
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert counters["prefill_captures"] == 0 and counters["prefill_replays"] > 0

@@ -64,8 +64,8 @@ class PackageDecodeGraphs:
     """Padded, graphed decode steps of a package's decode program (see the module docstring).
 
     ``graphs`` is the ``GraphRunner`` (its ``replay`` the switch); ``replays`` counts padded steps
-    run (graph replays, or padded program calls with the switch off), ``padded_rows`` the padding
-    rows run."""
+    run (graph replays, or padded program calls with the switch off), ``captures`` the sizes
+    captured, ``padded_rows`` the padding rows run."""
 
     def __init__(self, program, ladder: tuple[int, ...], *, max_num_seqs: int, num_groups: int, max_blocks: int,
                  banned_width: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -96,6 +96,11 @@ class PackageDecodeGraphs:
     def capture_seconds(self) -> float:
         return self.graphs.capture_seconds[DECODE]
 
+    @property
+    def captures(self) -> int:
+        """The sizes captured so far."""
+        return len(self.graphs.graphs)
+
     def padded_size(self, n: int) -> int | None:
         """The ladder size a batch of ``n`` runs at, or None above the ladder."""
         return bucket(self.ladder, n)
@@ -112,7 +117,7 @@ class PackageDecodeGraphs:
             self._capture(key)
         self.staging.fill(plan, bs, pad_tables=True)  # the program refreshes from the rows it is given
         self.staging.upload()
-        tokens = self.graphs.replay(key) if key is not None else self._call(bs)
+        tokens = self.graphs.replay_graph(key) if key is not None else self._call(bs)
         self.replays += 1
         self.padded_rows += bs - n
         return tokens[:n].tolist()

@@ -94,7 +94,7 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
         self.staging.upload()
         self.attention.refresh_decode_metadata(bs, self.staging.decode_inputs(n, plan))
         if key is not None:
-            graphs.replay(key)
+            graphs.replay_graph(key)
             return
         if graphs is not None and graphs.replay and not self._said_above_ladder:
             self._said_above_ladder = True

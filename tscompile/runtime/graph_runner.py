@@ -263,7 +263,7 @@ class GraphRunner:
                         "each new key captures once", key.phase, tuple(key[1:]), seconds, compiled)
         return outputs
 
-    def replay(self, key: GraphKey) -> Any:
+    def replay_graph(self, key: GraphKey) -> Any:
         """Replay ``key``'s graph; returns its outputs (the tensors its capture wrote, rewritten)."""
         entry = self.graphs[key]
         if self._guards:
@@ -280,7 +280,7 @@ class GraphRunner:
             return step()
         if key not in self.graphs:
             self.capture(key, step, **capture_args)
-        return self.replay(key)
+        return self.replay_graph(key)
 
     def capture_all(self, phase: str, items: list, capture_one: Callable[[Any], None], device: torch.device) -> dict:
         """Start-up capture: ``capture_one(item)`` for each item, with a progress bar

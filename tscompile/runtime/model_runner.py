@@ -19,7 +19,6 @@ largest bucket reaches (``prefill_capture="startup"``).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 
 import torch
@@ -143,11 +142,9 @@ class ModelRunner:
     def use_graphs(self, backend: GraphBackend, *, decode: bool = True, prefill: str | None = None) -> GraphRunner:
         """Run steps through one ``GraphRunner`` over ``backend``: decode graphs per decode-ladder size
         (``decode``), and prefill graphs (``prefill``: "whole", "piecewise" or None) per token bucket
-        up to ``prefill_graph_max_tokens`` and request bucket. Needs a compile config (its ladders)."""
-        cfg = self.config
-        if cfg is None:
-            raise ValueError("tscompile: graphs need a compiled engine (enforce_eager=False): their ladders are "
-                             "compile options")
+        up to ``prefill_graph_max_tokens`` and request bucket. The ladders are the compile config's
+        (an eager engine's: the defaults; with ``HostGraphs`` it then runs every step padded, eagerly)."""
+        cfg = self.config if self.config is not None else TscompileConfig()
         if prefill not in (None, "whole", "piecewise"):
             raise ValueError(f"tscompile: prefill graph mode {prefill!r} must be 'whole', 'piecewise' or None")
         self.graphs = GraphRunner(
