@@ -101,9 +101,9 @@ def test_the_fuzz_graph_check_compares_every_composition_and_refuses_to_pass_vac
 
     check = GraphCheck()
     fuzzer = Fuzzer(pressured_spec("llama-tiny", 16), make, extra=check)
-    failures = [f for f in (fuzzer.check(seed) for seed in range(4)) if f is not None]
+    failures = [f for f in (fuzzer.check(seed) for seed in range(3)) if f is not None]
     assert not failures, failures[0]
-    assert check.compositions == 4 and check.graphs_on["decode_replays"] + check.graphs_on["prefill_replays"] > 0
+    assert check.compositions == 3 and check.graphs_on["decode_replays"] + check.graphs_on["prefill_replays"] > 0
     assert check.graphs_off["decode_replays"] == check.graphs_off["prefill_replays"] == 0
     # an engine whose switch does not hold is caught, and so is a run that replayed nothing
     comp = fuzzer.draw(0)
@@ -112,3 +112,27 @@ def test_the_fuzz_graph_check_compares_every_composition_and_refuses_to_pass_vac
     assert "the switch did not hold" in stuck(fuzzer.llm, comp, [], {"decode_replays": 1, "prefill_replays": 0})
     del fuzzer.llm.runner.graphs.run
     assert "replayed no graph" in stuck(fuzzer.llm, comp, [], {"decode_replays": 0, "prefill_replays": 0})
+
+
+def test_compiles_and_captures_say_what_they_do_and_how_long_it_took(caplog):
+    from tscompile.runtime.compile_clock import CompileClock
+
+    def compiling_step(x):  # what a first call of a compiled step does to the backend's counter
+        counters["graphs"] += 1
+        return x + 1
+
+    clock = CompileClock()
+    graphs = GraphRunner(HostGraphs(), decode_ladder=(1, 2, 4), compile_seconds=lambda: clock.seconds)
+    out = torch.zeros(1)
+    with caplog.at_level("INFO", logger="tscompile"):
+        assert clock.run("decode", compiling_step, 1) == 2
+        assert clock.run("decode", lambda x: x, 5) == 5  # compiles nothing: says nothing
+        graphs.capture_all(DECODE, [4, 2, 1], lambda bs: graphs.capture(graphs.decode_key(bs, True),
+                                                                        lambda: out.add_(bs)), torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "tscompile: compiling the decode step ..."
+    assert lines[1].startswith("tscompile: compiled the decode step in ") and lines[1].endswith(" s")
+    assert sum("compiled the decode step" in m for m in lines) == 1 and clock.seconds > 0
+    assert "tscompile: capturing decode graphs (3 sizes) ..." in lines
+    assert any(m.startswith("tscompile: captured 3 decode graphs in ") for m in lines)
+    assert len(graphs.graphs) == 3 and out.item() == 7  # each capture ran its step once

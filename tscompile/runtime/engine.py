@@ -91,7 +91,9 @@ class LLM:
     By default the decode step is compiled whole and the prefill step piecewise by the tscompile
     backend (``compile_options`` are its options, see ``TscompileConfig``), with decode CUDA graphs
     per ladder size on CUDA; ``enforce_eager=True`` runs the same model and the same metadata path
-    without compiling.
+    without compiling. Every CUDA graph of the engine goes through one ``GraphRunner``
+    (``llm.runner.graphs``); ``llm.runner.graphs.replay = False`` runs the same padded steps without
+    replaying them. The first steps say at INFO what they compile and capture, and how long it took.
 
     ``async_scheduling`` (default on) lets a decode step be scheduled, staged and launched while the
     previous step still runs: a token the host has not read yet is gathered on the device, and a
