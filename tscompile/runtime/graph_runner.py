@@ -62,8 +62,8 @@ class GraphKey(NamedTuple):
 
 class GraphBackend(Protocol):
     """Capture and replay of one graph: ``capture`` runs ``fn`` ``warmup`` times, then records one
-    call into ``pool`` and returns ``(graph, outputs)``; ``replay(graph)`` runs it again, writing the
-    same outputs."""
+    call into ``pool`` and returns ``(graph, outputs)``; ``replayer(graph)`` is a call that runs it
+    again, writing the same outputs (made once per graph: a replay is one call, nothing more)."""
 
     def new_pool(self) -> Any: ...
 
@@ -72,7 +72,7 @@ class GraphBackend(Protocol):
     def capture(self, fn: Callable[[], Any], pool: Any, stream: Any, *, warmup: int, tidy: bool,
                 what: str) -> tuple[Any, Any]: ...
 
-    def replay(self, graph: Any) -> None: ...
+    def replayer(self, graph: Any) -> Callable[[], None]: ...
 
 
 def capture_graph(fn: Callable, device: torch.device, stream: torch.cuda.Stream, pool, what: str, *,
@@ -130,8 +130,8 @@ class CudaGraphs:
     def capture(self, fn, pool, stream, *, warmup: int, tidy: bool, what: str):
         return capture_graph(fn, self.device, stream, pool, what, warmup=warmup, tidy=tidy)
 
-    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        graph.replay()
+    def replayer(self, graph: torch.cuda.CUDAGraph) -> Callable[[], None]:
+        return graph.replay
 
 
 class _HostGraph:
@@ -156,21 +156,24 @@ class HostGraphs:
         outputs = fn()
         return _HostGraph(fn, outputs), outputs
 
-    def replay(self, graph: _HostGraph) -> None:
-        new = graph.fn()
-        if isinstance(graph.outputs, torch.Tensor):
-            graph.outputs.copy_(new)
-        elif isinstance(graph.outputs, (tuple, list)):
-            for out, value in zip(graph.outputs, new):
-                if isinstance(out, torch.Tensor):
-                    out.copy_(value)
+    def replayer(self, graph: _HostGraph) -> Callable[[], None]:
+        def replay() -> None:
+            new = graph.fn()
+            if isinstance(graph.outputs, torch.Tensor):
+                graph.outputs.copy_(new)
+            elif isinstance(graph.outputs, (tuple, list)):
+                for out, value in zip(graph.outputs, new):
+                    if isinstance(out, torch.Tensor):
+                        out.copy_(value)
+
+        return replay
 
 
 class _Entry:
-    __slots__ = ("graph", "outputs", "replays_counter")
+    __slots__ = ("graph", "play", "outputs", "replays_counter")
 
-    def __init__(self, graph, outputs, replays_counter: str):
-        self.graph, self.outputs, self.replays_counter = graph, outputs, replays_counter
+    def __init__(self, graph, play: Callable[[], None], outputs, replays_counter: str):
+        self.graph, self.play, self.outputs, self.replays_counter = graph, play, outputs, replays_counter
 
 
 class GraphRunner:
@@ -250,7 +253,7 @@ class GraphRunner:
         pool, stream = self.pool(key.phase)
         graph, outputs = self.backend.capture(step, pool, stream, warmup=warmup, tidy=tidy, what=f"the {key}")
         first = not any(k.phase == key.phase for k in self.graphs)
-        self.graphs[key] = _Entry(graph, outputs, f"{key.phase}_replays")
+        self.graphs[key] = _Entry(graph, self.backend.replayer(graph), outputs, f"{key.phase}_replays")
         counters[f"{key.phase}_captures"] += 1
         if guard_roots is not None and pointer_guard.graph_debug_enabled():
             self._guards[key] = (pointer_guard.snapshot(guard_roots()), guard_roots)
@@ -269,7 +272,7 @@ class GraphRunner:
         if self._guards:
             expected, roots = self._guards[key]
             pointer_guard.verify(expected, roots())
-        self.backend.replay(entry.graph)
+        entry.play()
         counters[entry.replays_counter] += 1
         return entry.outputs
 

@@ -168,10 +168,11 @@ def current_plan() -> PrefillGraphPlan | None:
 
 
 class _Captured:
-    __slots__ = ("graph", "outputs", "copied", "fixed")
+    __slots__ = ("graph", "play", "outputs", "copied", "fixed")
 
-    def __init__(self, graph, outputs, copied, fixed):
+    def __init__(self, graph, play, outputs, copied, fixed):
         self.graph = graph  # what the GraphRunner's backend captured
+        self.play = play  # its replay: one call
         self.outputs = outputs
         self.copied = copied  # [(arg index, static tensor)] copied into when the address moved
         self.fixed = fixed  # [(arg index, tensor)] parameters and written inputs: must never move
@@ -208,7 +209,7 @@ class GraphedPiece:
                 raise RuntimeError(f"tscompile: prefill piece {self.name}: input {i} (a parameter, or a tensor the "
                                    f"piece writes to) is not the tensor it was captured with; weights or "
                                    f"output buffers must keep their addresses while graphs exist")
-        plan.graphs.backend.replay(entry.graph)
+        entry.play()
         counters["prefill_replays"] += 1
         return entry.outputs
 
@@ -222,7 +223,7 @@ class GraphedPiece:
         graph, outputs = graphs.backend.capture(lambda: self.fn(*args), pool, stream, warmup=1, tidy=False,
                                                 what=f"prefill piece {self.name} for sizes {_signature(args)}")
         graphs.capture_seconds[PREFILL] += time.perf_counter() - start
-        return _Captured(graph, outputs, copied, fixed)
+        return _Captured(graph, graphs.backend.replayer(graph), outputs, copied, fixed)
 
 
 class NarrowHandoff:
