@@ -144,7 +144,8 @@ class _HostGraph:
 class HostGraphs:
     """A graph's stand-in on any device: capture runs ``fn`` once and keeps its outputs; a replay runs
     ``fn`` again (over the same persistent inputs) and copies its tensors into those outputs, so the
-    caller sees what a replayed CUDA graph gives it: the captured output tensors, rewritten."""
+    caller sees what a replayed CUDA graph gives it: the captured output tensors, rewritten. As on
+    CUDA (warm-up, capture, replay), a key's first step runs its work more than once."""
 
     def new_pool(self):
         return None
