@@ -19,7 +19,7 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
                                  (decode only). Also reports load to first token.
 A mode or a batch size that fails becomes an error row; the others still run.
 
---kernel-table: after every timed row of a mode (never before one: a finished profiler session may
+--kernel-table: after every timed row of a mode (never before one: a finished profiler run may
 slow what is timed after it), a few steps of each row's workload under torch.profiler: the top
 kernels per step (CPU ops on the CPU) with count, time and share.
 
@@ -108,7 +108,8 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
 
 # -- argparse --------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark eager vs torch.compile baselines vs tscompile (decode and prefill)",
+    p = sub.add_parser("bench", help="benchmark one model (a local checkpoint directory or a preset) in eager, "
+                                     "stock torch.compile and tscompile modes: decode and prefill tables",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-tiny",
                    help="a preset (llama-tiny, llama-1b, llama-8b) or a local checkpoint directory")
@@ -137,6 +138,11 @@ def add_parser(sub) -> None:
     p.add_argument("--package-cuda-graphs", action="store_true",
                    help="the package mode loads its package with cuda_graphs=True: decode steps replay CUDA graphs "
                         "(CUDA only)")
+    p.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                   help="the code the eager and tscompile-* modes run (tscompile.LLM's model_impl): transformers runs "
+                        "transformers' modeling code with the paged attention; a preset's seeded weights are then "
+                        "written once as a transformers checkpoint in a temporary directory (default auto: native "
+                        "where it exists)")
     p.add_argument("--tscompile-options", type=_json_object, default=None, metavar="JSON",
                    help="compile options of the compiled tscompile modes (TscompileConfig's fields), e.g. "
                         "'{\"decode_ladder\": [2, 4, 8]}': a variant measured against the defaults of another run")
@@ -155,7 +161,7 @@ def add_parser(sub) -> None:
                         "than this many logits is flagged suspicious (default 0.5)")
     p.add_argument("--no-reference", action="store_true", help="skip the float32 reference run (no correctness "
                    "column; saves a float32 copy of the model on the device)")
-    p.add_argument("--kernel-table", action="store_true",
+    p.add_argument("--kernel-table", "--profile", dest="kernel_table", action="store_true",
                    help="after every timed row of a mode, profile a few steps of the same workload (torch.profiler) and "
                         "add their top kernels (CPU ops on the CPU) with time and share per step to the JSON and "
                         "markdown")
@@ -165,10 +171,13 @@ def add_parser(sub) -> None:
                    help=f"kernels listed per row (default {kernel_table.DEFAULT_TOP})")
     p.add_argument("--merge", nargs="+", default=None, metavar="RUN.json",
                    help="no run: one table from these bench JSONs of the same workload and machine kind, each mode "
-                        "from one of them (an all-mode table whose modes did not fit in one GPU call); "
+                        "from one of them (an all-mode table whose modes ran in separate processes); "
                         "RUN.json:MODE,MODE takes only those modes of a run")
-    p.add_argument("--output-json", default=None, metavar="PATH")
-    p.add_argument("--output-md", default=None, metavar="PATH")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="the run's JSON here")
+    p.add_argument("--output-md", default=None, metavar="PATH", help="the run's markdown tables here")
+    p.add_argument("--output-dir", default=report.DEFAULT_OUTPUT_DIR, metavar="DIR",
+                   help="without --output-json and --output-md, both go here as <model>-<device>-<time>.json "
+                        f"and .md (default {report.DEFAULT_OUTPUT_DIR}/, which git ignores)")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="decode ms/step vs batch size (matplotlib)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed modes")
@@ -190,6 +199,20 @@ def add_parser(sub) -> None:
 
 # -- orchestration ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    code = _dispatch(args)
+    written = [p for p in (args.output_json, args.output_md) if p and os.path.isfile(p)]
+    if written:
+        print(f"bench: wrote {' and '.join(map(str, written))}", file=sys.stderr)
+    return code
+
+
+def _default_outputs(args: argparse.Namespace) -> None:
+    """A run asked for no output file writes both into ``--output-dir``."""
+    if args.output_json is None and args.output_md is None:
+        args.output_json, args.output_md = map(str, report.default_output_paths(args, args.output_dir))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from . import hf_model
@@ -200,11 +223,16 @@ def run(args: argparse.Namespace) -> int:
         if args.hf_model or args.modes or args.package or args.tscompile_options is not None:
             raise ValueError("tscompile: --merge combines finished runs; it runs nothing, so it takes no "
                              "--hf-model, --modes, --package or --tscompile-options")
+        _default_outputs(args)
         return merge.run(args)
     if args.hf_model:
         if args.tscompile_options is not None:
             raise ValueError("tscompile: --tscompile-options sets the engine modes' compile options; the "
                              "--hf-model bench compiles a transformers model with its own --hf-modes")
+        if getattr(args, "model_impl", "auto") != "auto":
+            raise ValueError("tscompile: --model-impl picks the engine modes' model code; the --hf-model bench "
+                             "runs no engine mode")
+        _default_outputs(args)
         return hf_model.run(args)
     hf_model.check_hf_flags_unused(args)
     if args.package_cuda_graphs and not (args.package or package_mode.PACKAGE_MODE in (args.modes or ())):
@@ -215,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     modes = resolve_modes(args, device)
     if args.tscompile_options is not None:
         _check_tscompile_options(args.tscompile_options, modes)
+    _default_outputs(args)
     threads = torch.get_num_threads()
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)

@@ -11,8 +11,7 @@ bytes are the op's inputs, read at least once, so the figure is a lower bound. A
 inside a CUDA graph replay or by Inductor's generated code (a fused Triton matmul) has no aten op
 behind it: "-".
 
-This module imports only torch and the standard library: ``scripts/prefill_kernels.py`` loads it by
-file path into source trees that predate it.
+This module imports only torch and the standard library.
 """
 
 from __future__ import annotations

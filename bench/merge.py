@@ -1,6 +1,6 @@
 """``tscompile bench --merge A.json B.json ...``: one table from bench runs of the same workload.
 
-A GPU call can be too short for every mode of a model (the stock ``torch.compile`` baselines compile
+A time-limited machine can be too short for every mode of a model (the stock ``torch.compile`` baselines compile
 for minutes per batch size), so an all-mode table may come from several runs. Merging is honest only
 when the runs measured the same thing on the same kind of machine: the same model, weights seed,
 dtype, prompt and output lengths, iterations, page size, GPU (or CPU) model and torch and triton
@@ -234,7 +234,7 @@ def runs_markdown(result: dict) -> str:
         facts.append(f"tscompile tree {run['source_tree']}" if run.get("source_tree") else "tscompile tree unknown")
         if run.get("tscompile_options"):
             facts.append(f"tscompile options `{json.dumps(run['tscompile_options'])}`")
-        if run.get("kernel_paths"):  # runs written before 2026-12-02 do not record them
+        if run.get("kernel_paths"):  # a run's JSON may lack them: then nothing is said
             facts.append(f"kernel switches `{json.dumps(run['kernel_paths'], sort_keys=True)}`")
         if run.get("copy_bandwidth_gbps"):
             facts.append(f"copy bandwidth {run['copy_bandwidth_gbps']:.1f} GB/s")

@@ -168,6 +168,26 @@ def write_json(result: dict, path: str | os.PathLike) -> None:
         f.write("\n")
 
 
+DEFAULT_OUTPUT_DIR = "bench_out"  # git-ignored: a run leaves the checkout's status clean
+
+
+def default_output_paths(args, output_dir: str | os.PathLike = DEFAULT_OUTPUT_DIR) -> tuple[Path, Path]:
+    """Where a run writes its JSON and markdown when neither ``--output-json`` nor ``--output-md`` is
+    given: ``<output_dir>/<model>-<device>-<local time>.json`` and ``.md`` (a model directory by its
+    last component), a free name (``-2``, ``-3``, ...) where one run already took it."""
+    model = getattr(args, "hf_model", None) or getattr(args, "model", None) or "merge"
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(str(model)).name) or "model"
+    device = str(getattr(args, "device", None) or "auto").replace(":", "")
+    stem = f"{slug}-{device}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    name, n = stem, 1
+    while (folder / f"{name}.json").exists() or (folder / f"{name}.md").exists():
+        n += 1
+        name = f"{stem}-{n}"
+    return folder / f"{name}.json", folder / f"{name}.md"
+
+
 def write_outputs(result: dict, md: str, args) -> None:
     """The run's markdown and JSON where ``--output-md`` / ``--output-json`` ask for them."""
     if args.output_md:

@@ -99,6 +99,7 @@ class Bench:
         self.references: dict[int, reference.ReferenceRun] = {}  # batch size -> its first request's run
         self.reference_info: dict = {"error": None, "skipped": bool(getattr(args, "no_reference", False))}
         self.on_row = lambda: None  # called after every row: the caller saves what is measured so far
+        self._hf_checkpoint: str | None = None  # --model-impl transformers of a preset: its weights' checkpoint
 
     # -- the float32 reference ---------------------------------------------------------------------
     def run_reference(self, bar) -> None:
@@ -149,10 +150,35 @@ class Bench:
             if not ok:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
         options = None if mode == "eager" else getattr(a, "tscompile_options", None)
-        return workloads.EngineRunner(model, attention_backend=backend, enforce_eager=mode == "eager",
-                                      device=self.device, dtype=self.dtype, max_num_seqs=max(a.batch_size),
-                                      max_model_len=self.max_model_len, page_size=a.page_size,
-                                      max_num_batched_tokens=budget, seed=a.seed, compile_options=options)
+        impl = getattr(a, "model_impl", "auto")
+        return workloads.EngineRunner(self.engine_model(model, impl), attention_backend=backend,
+                                      enforce_eager=mode == "eager", device=self.device, dtype=self.dtype,
+                                      max_num_seqs=max(a.batch_size), max_model_len=self.max_model_len,
+                                      page_size=a.page_size, max_num_batched_tokens=budget, seed=a.seed,
+                                      compile_options=options, model_impl=impl)
+
+    def engine_model(self, model, model_impl: str):
+        """What an engine mode builds its ``tscompile.LLM`` from: the mode's native model, or under
+        ``--model-impl transformers`` a checkpoint directory of the same weights (the given one, or
+        for a preset its seeded weights written once per run by transformers' ``save_pretrained``)."""
+        from tscompile.models import is_checkpoint_dir
+
+        if model_impl != "transformers":
+            return model
+        if is_checkpoint_dir(self.args.model):
+            return str(self.args.model)
+        if self._hf_checkpoint is None:
+            import atexit
+            import shutil
+            import tempfile
+
+            from tscompile.models.hf_save import save_hf_checkpoint
+
+            folder = tempfile.mkdtemp(prefix="tscompile-bench-hf-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            save_hf_checkpoint(model, folder)
+            self._hf_checkpoint = folder
+        return self._hf_checkpoint
 
     def decode_row(self, mode: str, runner, bs: int, prev: dict) -> dict:
         a = self.args

@@ -179,7 +179,7 @@ class EngineRunner:
     def __init__(self, model, *, attention_backend: str, enforce_eager: bool, device: torch.device,
                  dtype: torch.dtype, max_num_seqs: int, max_model_len: int, page_size: int,
                  max_num_batched_tokens: int, num_pages: int | None = None, seed: int = 0,
-                 compile_options: dict | None = None):
+                 compile_options: dict | None = None, model_impl: str = "auto"):
         import tscompile
 
         self.device = torch.device(device)
@@ -187,7 +187,7 @@ class EngineRunner:
                                  device=self.device, dtype=dtype, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, page_size=page_size, num_pages=num_pages,
                                  max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                                 compile_options=compile_options)
+                                 compile_options=compile_options, model_impl=model_impl)
         self._params = tscompile.SamplingParams
 
     @property

@@ -40,7 +40,7 @@ import tempfile
 import time
 
 _MARK = "STARTUP_JSON "
-TARGETS = {  # the start-up targets on an H200 (the project's issue 16), in seconds
+TARGETS = {  # the start-up targets on an H200, in seconds
     "cold": "decode ladder compiled and captured in <= 40 s (llama-8b)",
     "warm": "<= 10 s plus weight loading",
     "package": "<= 5 s plus weight loading",

@@ -48,7 +48,7 @@ def package_step_logits(package, prompt: list[int], steps: int) -> tuple[list[in
     with sampler_tap() as seen:
         tokens = package.generate([prompt], SamplingParams(max_new_tokens=steps))[0].outputs[0].token_ids
     assert len(seen) == steps, f"the sampler tap saw {len(seen)} calls for {steps} steps: the package " \
-                               "no longer samples through tscompile.custom_ops.sampling.sample_tokens"
+                               "does not sample through tscompile.custom_ops.sampling.sample_tokens"
     assert all(logits.shape[0] == 1 for logits, _ in seen)  # one request: row 0 is this prompt's
     assert [int(t[0]) for _, t in seen] == tokens  # the tap saw the very calls that made the tokens
     return tokens, torch.cat([logits for logits, _ in seen])

@@ -520,3 +520,22 @@ def test_tscompile_options_are_refused_before_any_model_is_built(extra, match, m
     monkeypatch.setattr(hf_model, "run", lambda *a, **k: pytest.fail("the hf bench ran"))
     assert tscompile_main(["bench", "--device", "cpu", "--no-progress", *extra]) == 2
     assert re.search(r"^tscompile: .*" + re.escape(match), capsys.readouterr().err, re.MULTILINE)
+
+
+def test_a_run_without_output_flags_writes_into_a_git_ignored_folder(tmp_path):
+    import argparse
+    import subprocess
+    from pathlib import Path
+
+    from tscompile.bench import report
+
+    args = argparse.Namespace(model="/some/dir/Llama-3.2-1B", device="cuda:0", hf_model=None)
+    first = report.default_output_paths(args, tmp_path / "out")
+    assert first[0].parent == tmp_path / "out" and first[0].parent.is_dir()
+    assert first[0].name.startswith("Llama-3.2-1B-cuda0-") and first[0].suffix == ".json" and first[1].suffix == ".md"
+    first[0].write_text("{}")
+    second = report.default_output_paths(args, tmp_path / "out")  # the same second: a free name, never the first's
+    assert second[0] != first[0] and second[0].stem.startswith(first[0].stem)
+    root = Path(__file__).resolve().parents[1]
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", f"{report.DEFAULT_OUTPUT_DIR}/x.json"])
+    assert ignored.returncode == 0, f"{report.DEFAULT_OUTPUT_DIR}/ is not git-ignored"

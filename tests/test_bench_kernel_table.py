@@ -88,7 +88,7 @@ def _decode_mm_bytes(bs: int, itemsize: int = 4) -> int:
 
 def test_kernel_tables_run_after_every_timed_row_of_the_mode_and_reach_json_and_markdown(tmp_path, run_log):
     result, md = _bench(tmp_path, "--kernel-table", "--kernel-table-top", "5", "--kernel-table-steps", "2")
-    # every row's warm-up and timed runs first (a finished profiler session may slow what follows it),
+    # every row's warm-up and timed runs first (a finished profiler run may slow what follows it),
     # then per decode row one profiled batch, per prefill row the profiled prefills (2 steps) inside
     # one profiler
     timed = lambda bs: [("batch", bs, "plain"), ("batch", bs, "plain")]

@@ -214,7 +214,7 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
         "decode_bs1_splits": ta.DECODE_BS1_SPLITS, "decode_d128_one_split": ta.DECODE_D128_ONE_SPLIT,
         "extend_config_overrides": {str(d): list(c) for d, c in te.EXTEND_CONFIG_OVERRIDES.items()}}
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
-    # a run of an older tree: it recorded a switch that no longer exists (the removed fused decode)
+    # a run of other code: it recorded a switch this code does not have
     other["env"]["kernel_paths"] = {"decode_write_in_split": False, "fused_decode": False,
                                     "extend_config_overrides": {"128": [128, 64, 8, 3]}}
     older = _as_mode(eager_run, "compile-reduce-overhead", bandwidth=1.0)

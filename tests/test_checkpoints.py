@@ -335,6 +335,67 @@ def test_tensor_mismatches_are_refused(checkpoints, tmp_path, edit, messages):
         assert re.search(message, str(err.value)), (message, str(err.value))
 
 
+def _truncate(path: Path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
+                                   dtype=torch.uint8).numpy().tobytes())
+
+
+def _first_shard(root: Path) -> Path:
+    return root / sorted(set(json.loads((root / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
+
+
+# family of the checkpoint damaged, the damage, the file the refusal must name, what it must say
+DAMAGES = {
+    "truncated-safetensors": ("mistral", lambda d: _truncate(d / "model.safetensors", 0.5), "model.safetensors",
+                              "is not a readable safetensors file"),
+    "safetensors-missing-its-last-bytes": ("mistral", lambda d: _truncate(d / "model.safetensors", 0.999),
+                                           "model.safetensors", "is not a readable safetensors file"),
+    "garbage-safetensors": ("mistral", lambda d: _garbage(d / "model.safetensors"), "model.safetensors",
+                            "is not a readable safetensors file"),
+    "malformed-config": ("mistral", lambda d: _truncate(d / "config.json", 0.5), "config.json", "is not valid JSON"),
+    "config-not-an-object": ("mistral", lambda d: (d / "config.json").write_text("[1, 2]"), "config.json",
+                             "must hold a JSON object, got list"),
+    "malformed-generation-config": ("mistral", lambda d: (d / "generation_config.json").write_text("{"),
+                                    "generation_config.json", "is not valid JSON"),
+    "missing-shard": ("llama3", lambda d: _first_shard(d).unlink(), "model-00001-of-", "named by "
+                      "model.safetensors.index.json is missing"),
+    "truncated-shard": ("llama3", lambda d: _truncate(_first_shard(d), 0.5), "model-00001-of-",
+                        "is not a readable safetensors file"),
+    "malformed-index": ("llama3", lambda d: _truncate(d / "model.safetensors.index.json", 0.5),
+                        "model.safetensors.index.json", "is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_refused_naming_the_file(checkpoints, tmp_path, damage, capsys):
+    from tscompile.cli import main
+
+    family, edit, file, message = DAMAGES[damage]
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints[family][0], path)
+    if not (path / "generation_config.json").exists():
+        (path / "generation_config.json").write_text("{}")
+    edit(path)
+    pattern = rf"^tscompile: .*{re.escape(file)}.*{re.escape(message)}"
+    with pytest.raises(ValueError, match=pattern):
+        tscompile.LLM(str(path), device="cpu", enforce_eager=True, max_model_len=32, max_num_seqs=2)
+    # the command line says it in one line, without a traceback
+    assert main(["generate", "--model", str(path), "--device", "cpu", "--enforce-eager", "--max-model-len", "32",
+                 "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(pattern, err[0]), err
+    if file == "config.json":  # what reads the config alone (the bench) refuses it the same way
+        from tscompile.models import model_config
+
+        with pytest.raises(ValueError, match=pattern):
+            model_config(str(path))
+
+
 # -- ModelConfig -----------------------------------------------------------------------------------------------
 
 def test_model_config_round_trips_new_fields():

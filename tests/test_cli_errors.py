@@ -112,3 +112,36 @@ def test_the_cli_shows_tscompile_info_lines(capsys):
     show_tscompile_logs()
     logging.getLogger("tscompile").info("Graph capturing finished in 1 s, took 0.01 GiB")
     assert "Graph capturing finished in 1 s" in capsys.readouterr().err
+
+
+def _help(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines: compare word runs
+
+
+def test_help_texts_say_what_each_command_takes(capsys):
+    top = _help(capsys, [])
+    for command in ("generate", "chat", "bench", "export", "run-package"):
+        assert command in top
+    assert "export a model (a local checkpoint directory or a preset name)" in top
+    assert "a preset model's" not in top  # export takes checkpoints too
+    assert "run-package generate from a .pt2 package written by tscompile export" in top
+    for command in ("generate", "chat", "bench", "export"):
+        text = _help(capsys, [command])
+        assert "checkpoint directory" in text and "--model" in text, command
+    assert "--max-new-tokens MAX_NEW_TOKENS, --max-tokens MAX_NEW_TOKENS" in _help(capsys, ["generate"])
+    assert "with --show-ids, its token ids after it" in _help(capsys, ["generate"])
+    assert "package path, ending in .pt2" in _help(capsys, ["export"])
+    assert "git ignores" in _help(capsys, ["bench"])  # where a run writes by default
+    assert "--kernel-table, --profile" in _help(capsys, ["bench"])
+
+
+def test_the_model_is_given_as_an_argument_or_with_model_not_both(capsys):
+    _refused(capsys, ["generate", "llama-tiny", "--model", "llama-1b", "--device", "mps"],
+             "two models given, 'llama-tiny' and --model 'llama-1b'")
+    # one model, given either way, goes on to the engine's own checks (here: the device)
+    for argv in (["generate", "llama-tiny", "--device", "mps"], ["generate", "--model", "llama-tiny", "--device", "mps"],
+                 ["generate", "llama-tiny", "--model", "llama-tiny", "--device", "mps"]):
+        _refused(capsys, argv, "mps")

@@ -332,42 +332,6 @@ def test_dynamo_traces_the_flashinfer_impl_in_one_graph():
     assert torch.equal(got, a["q"] * 2 + 1) and runner.seen and runner.seen[-1][0] == "decode"
 
 
-# -- scripts/flashinfer_start.py: its refusals (the measurement itself is GPU work) -------------------
-
-
-def _start_script():
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "flashinfer_start.py"
-    spec = importlib.util.spec_from_file_location("flashinfer_start", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt-len", "0"], "tscompile: --prompt-len must be >= 1, got 0"),
-    (["--page-size", "-4"], "tscompile: --page-size must be >= 1, got -4"),
-])
-def test_start_script_refuses_bad_sizes_in_one_line(argv, message, capsys):
-    assert _start_script().main(argv) == 2
-    assert capsys.readouterr().err.strip() == message
-
-
-def test_start_script_refuses_a_cache_dir_that_is_not_empty(tmp_path, capsys):
-    (tmp_path / "left-over").write_text("a cold start would find this")
-    assert _start_script().main(["--cache-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("tscompile: --cache-dir must be an empty or missing directory") and str(tmp_path) in err
-
-
-@pytest.mark.skipif(HAVE_FLASHINFER, reason="flashinfer imports here: the missing-package refusal cannot happen")
-def test_start_script_refuses_without_flashinfer_before_starting_anything(tmp_path, capsys):
-    cache = tmp_path / "cache"
-    assert _start_script().main(["--cache-dir", str(cache)]) == 2
-    assert capsys.readouterr().err.strip() == f"{FLASHINFER_NEEDS}; flashinfer does not import here"
-    assert not cache.exists(), "the cache directory was created before the refusal"
-
-
 # ======================================================================================================
 # GPU: FlashInfer kernels against the torch backend (bf16: FlashInfer has no float32 kernels)
 # ======================================================================================================

@@ -58,7 +58,7 @@ def fail_with(failures: list[str], total: int) -> None:
 def assert_covered(coverage: Coverage, names: list[str]) -> None:
     counts = coverage.counts
     thin = {n: counts[n] for n in names if counts[n] < MIN_TIMES}
-    assert not thin, f"the fuzz no longer exercises {thin} (fewer than {MIN_TIMES} compositions); coverage: {dict(counts)}"
+    assert not thin, f"the fuzz does not exercise {thin} (fewer than {MIN_TIMES} compositions); coverage: {dict(counts)}"
 
 
 def test_fuzz_llama_batched_equals_one_at_a_time_under_queueing_chunking_and_preemption():

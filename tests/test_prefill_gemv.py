@@ -270,15 +270,15 @@ def test_the_batch_swap_is_on_by_default_only_where_the_table_was_timed(monkeypa
 
 
 def test_the_shipped_few_row_table_is_the_recorded_sweeps_picks():
-    """The default table is exactly what the committed H200 sweeps picked (each launch that beat
-    cuBLAS by TABLE_MIN_SPEEDUP: at 8 and 32 rows, then at 2, 4, 16 and 24), so the launches the
+    """The default table is exactly what the recorded H200 sweeps picked (each launch that beat
+    cuBLAS by TABLE_MIN_SPEEDUP: at 8 and 32 rows, and at 1, 2, 4, 16 and 24), so the launches the
     default runs are the ones the sweeps timed and checked."""
     import json
     import pathlib
 
-    results = pathlib.Path(__file__).parents[1] / "bench/results"
+    results = pathlib.Path(__file__).parents[1] / "bench/results/gemv-few-row-sweeps-h200"
     picks = {}
-    for sweep in ("gpu-2026-12-03/call3/gemv_sweep.json", "gpu-2026-12-03b/call3/gemv_sweep_rows.json"):
+    for sweep in ("rows-8-32.json", "rows-1-2-4-16-24.json"):
         table = tg.prefill_table_from_sweep(json.loads((results / sweep).read_text()))
         assert table and not picks.keys() & table.keys(), f"{sweep}: no picks, or rows another sweep timed"
         picks |= table

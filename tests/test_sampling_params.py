@@ -42,10 +42,36 @@ def _refused(match, **kwargs):
 COUNT_TYPES = [True, False, 4.0, 2.5, "3", None, [3]]
 
 
-@pytest.mark.parametrize("name", ["max_new_tokens", "min_tokens", "top_k", "n"])
+@pytest.mark.parametrize("name", ["max_new_tokens", "max_tokens", "min_tokens", "top_k", "n"])
 @pytest.mark.parametrize("value", COUNT_TYPES, ids=repr)
 def test_counts_refuse_everything_but_an_int(name, value):
+    if value is None and name in ("max_new_tokens", "max_tokens"):
+        assert SamplingParams(**{name: value}).max_new_tokens == 16  # None: not given, the default
+        return
     _refused(rf"{name}={re.escape(repr(value))} must be an int", **{name: value})
+
+
+def test_max_tokens_is_vllms_name_for_max_new_tokens():
+    assert SamplingParams(max_tokens=5).max_new_tokens == 5
+    assert SamplingParams(max_tokens=5) == SamplingParams(max_new_tokens=5)
+    assert hash(SamplingParams(max_tokens=5)) == hash(SamplingParams(max_new_tokens=5))
+    assert SamplingParams(max_tokens=7, max_new_tokens=7).max_new_tokens == 7  # both, agreeing
+    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3  # min_tokens is checked against the alias
+
+
+def test_max_tokens_and_max_new_tokens_that_disagree_are_refused():
+    message = _refused(r"max_tokens=5 and max_new_tokens=6 disagree", max_tokens=5, max_new_tokens=6)
+    assert "give one of them" in message
+    _refused(r"min_tokens=4 must be <= max_new_tokens \(3\)", max_tokens=3, min_tokens=4)
+    _refused("max_tokens=0 must be an int >= 1", max_tokens=0)
+
+
+def test_replace_keeps_the_count_given_by_either_name():
+    import dataclasses
+
+    p = SamplingParams(max_tokens=5)
+    assert dataclasses.replace(p, temperature=0.5).max_new_tokens == 5
+    assert dataclasses.replace(p, max_new_tokens=9).max_new_tokens == 9
 
 
 @pytest.mark.parametrize("value", [True, 4.0, "3", [1]], ids=repr)

@@ -184,6 +184,37 @@ def test_cli_generate_prints_text_streams_it_and_chats(checkpoint, capsys, monke
     assert capsys.readouterr().out == reply + "\n"
 
 
+def test_cli_stream_with_show_ids_prints_the_text_then_the_ids(checkpoint, capsys):
+    from tscompile.cli import main
+
+    path, *_ = checkpoint
+    for stop_early in (False, True):  # run to the length limit, and stop at the checkpoint's eos
+        extra = ("--max-tokens", "6") if stop_early else ()  # vLLM's spelling of --max-new-tokens
+        params = SamplingParams(max_new_tokens=6, ignore_eos=not stop_early)
+        expect = _engine(path).generate(TEXTS[0], params)[0].outputs[0]
+        args = _cli(path, "--prompt", TEXTS[0], "--stream", "--show-ids", *extra)
+        if stop_early:
+            args.remove("--ignore-eos")
+        assert main(["generate", *args]) == 0
+        ids = " ".join(map(str, expect.token_ids))
+        assert capsys.readouterr().out == f"{expect.text}\nids: {ids} ({expect.finish_reason})\n"
+    assert expect.finish_reason == "stop"
+
+
+def test_cli_stream_with_show_ids_prints_ids_for_a_model_without_a_tokenizer(capsys):
+    from tscompile.cli import main
+
+    prompt = [1, 15, 27, 3]
+    expect = tscompile.LLM("llama-tiny", device="cpu", enforce_eager=True, attention_backend="torch",
+                           max_model_len=64, max_num_seqs=2).generate([prompt], SamplingParams(max_new_tokens=5))
+    ids = " ".join(map(str, expect[0].outputs[0].token_ids))
+    assert main(["generate", "llama-tiny", "--device", "cpu", "--enforce-eager", "--attention-backend",
+                 "torch", "--max-model-len", "64", "--max-num-seqs", "2", "--prompt-ids", "1,15,27,3",
+                 "--max-new-tokens", "5", "--stream", "--show-ids"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [ids, f"ids: {ids} (length)"]
+
+
 @pytest.mark.slow
 def test_a_package_exported_from_a_checkpoint_carries_its_tokenizer_and_stop_ids(checkpoint, tmp_path):
     from tscompile.export import export_package

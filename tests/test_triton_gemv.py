@@ -1,4 +1,4 @@
-"""The skinny matmul (custom_ops/triton_gemv.py) against float32 math, and its GPU sweep script.
+"""The skinny matmul (custom_ops/triton_gemv.py) against float32 math.
 
 Without CUDA the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1), so
 the unmarked tests use tiny shapes and tiles: a few columns and K chunks still give several column
@@ -9,11 +9,9 @@ place of the output dtype. ``gpu``-marked tests use the llama-1b qkv projection 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
-import pathlib
 
 import pytest
 import torch
@@ -320,162 +318,6 @@ def test_gemv_refuses_bad_inputs(case):
         _bad_calls()[case]()
 
 
-# -- the GPU sweep's own logic, on tiny shapes under the interpreter ------------------------------
-
-
-def _load_sweep():
-    """A fresh module of scripts/gemv_sweep.py (it reads its GEMV_SWEEP_* environment on import)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_sweep.py"
-    spec = importlib.util.spec_from_file_location("gemv_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    return sweep
-
-
-def test_gemv_sweep_script_checks_times_and_picks_configs(tmp_path, monkeypatch):
-    """scripts/gemv_sweep.py end to end with tiny shapes, two tiles and a stand-in timer (CUDA-graph
-    timing needs a GPU): every output is compared with float32 math, a config that is off is
-    reported and never picked, the automatic split shows up as its own config, and an "acc" tile runs
-    at M = 1 only (split 1), where the summary's best_m1 picks it."""
-    sweep = _load_sweep()
-    good, wrong = (16, 32, 4, 1, "fma"), (8, 32, 4, 1, "fma")
-    monkeypatch.setattr(sweep, "DEVICE", "cpu")
-    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
-    monkeypatch.setattr(sweep, "ROWS", (1, 3))
-    monkeypatch.setattr(sweep, "MAX_COPIES", 3)
-    monkeypatch.setattr(sweep, "TILE_GRID", [good, wrong])
-    acc = (2, 32, 4, 1, "acc")
-    monkeypatch.setattr(sweep, "ACC_TILES", [acc])
-    monkeypatch.setattr(sweep, "ACC_MAX_ROWS", 1)
-    monkeypatch.setattr(tg, "DEFAULT_TILES", {1: good, 2: good, 4: good, 8: good, 16: good})
-    monkeypatch.setattr(tg, "TARGET_PROGRAMS", 6)
-    real_run = sweep.run_triton
-    last = {}
-
-    def run_triton(x, w, out, cfg):  # the "wrong" tile scales its output: the check must catch it
-        last["cfg"] = cfg
-        real_run(x, w, out, cfg)
-        if cfg[:2] == wrong[:2]:
-            out.mul_(2.0)
-
-    def fake_bench(fn):  # the wrong tile "times" fastest, so only the check keeps it out
-        last.clear()
-        fn()
-        cfg = last.get("cfg")
-        if cfg is not None and cfg[:2] == wrong[:2]:
-            return 1e-4
-        return 5e-4 if cfg is not None and cfg[-1] == "acc" else 1e-3
-
-    monkeypatch.setattr(sweep, "run_triton", run_triton)
-    monkeypatch.setattr(sweep, "bench", fake_bench)
-    sweep.main(str(tmp_path / "sweep.json"))
-    result = json.loads((tmp_path / "sweep.json").read_text())
-    assert len(result["rows"]) == 4
-    for row in result["rows"]:
-        n, k = row["n"], row["k"]
-        split = tg.auto_split(n, k, 16, 32)
-        assert split > 1
-        good_keys = {"16,32,1,4,1,fma", f"16,32,{split},4,1,fma",
-                     *(f"16,32,{s},4,1,fma_sum" for s in {2, 4, 8, split})}  # the in-kernel sums too
-        wrong_keys = {k_ for k_ in row["triton"] if k_.startswith("8,32,")}
-        acc_keys = {"2,32,1,4,1,acc", *(f"2,32,{s},4,1,acc_sum" for s in (2, 4, 8))} if row["m"] == 1 else set()
-        assert set(row["triton"]) == good_keys | wrong_keys | acc_keys
-        assert {k_.split(",", 2)[2] for k_ in wrong_keys} == {k_.split(",", 2)[2] for k_ in good_keys if "16,32," in k_}
-        for key in acc_keys:
-            assert row["triton"][key]["max_diff"] < 2e-2
-        for key in good_keys:
-            assert row["triton"][key]["max_diff"] < 2e-2  # bf16 outputs of N(0, 1) size
-        for key in wrong_keys:
-            assert row["triton"][key]["max_diff"] > sweep.MAX_DIFF
-            assert row["triton"][key]["ms"] < 1e-3  # it did time faster
-        for e in row["torch"].values():
-            assert e["max_diff"] < 2e-2 and e["ms"] == 1e-3
-        assert row["copies"] == 3
-    for name, s in result["summary"].items():
-        assert tuple(s["best_overall"][:2]) == good[:2], name
-        assert all(v == pytest.approx(1.0) for v in s["speedup_vs_cublas_by_m"].values())
-        assert tuple(s["best_m1"]) == (2, 32, 1, 4, 1, "acc") and s["speedup_m1"] == pytest.approx(2.0)
-        assert sorted(s["best_by_m"]) == ["1", "3"]  # JSON keys: each row's own pick
-        assert s["best_by_m"]["1"]["best"] == s["best_m1"] and tuple(s["best_by_m"]["3"]["best"][:2]) == good[:2]
-        assert s["best_by_m"]["3"]["speedup"] == pytest.approx(1.0)
-
-
-def test_gemv_sweep_offers_only_tensor_core_tiles_past_eight_rows():
-    """At 16 and 32 rows (GEMV_SWEEP_ROWS=16,32) the "fma" tiles are not compiled; at 8 they are.
-    From 8 rows every "dot" tile also runs as "dot_sum" at splits 2, 4, 8 and the automatic one (never
-    at split 1, where there is nothing to sum); below 8 rows not at all. "fma" tiles get their
-    "fma_sum" forms wherever they run."""
-    sweep = _load_sweep()
-    assert {"fma", "fma_sum"} <= {c[-1] for c in sweep.configs_for(8, 4096, 4096)}
-    assert "dot_sum" not in {c[-1] for c in sweep.configs_for(4, 4096, 4096)}
-    assert all(c[2] > 1 for c in sweep.configs_for(4, 4096, 4096) if c[-1].endswith("_sum"))
-    for m in (8, 16, 32):
-        cfgs = sweep.configs_for(m, 4096, 4096)
-        if m > 8:
-            assert {c[-1] for c in cfgs} == {"dot", "dot_sum"}
-        for block_n, block_k, _, _, mode in sweep.TILE_GRID:
-            if mode != "dot":
-                continue
-            splits = {c[2] for c in cfgs if c[-1] == "dot_sum" and c[:2] == (block_n, block_k)}
-            assert splits == {2, 4, 8, tg.auto_split(4096, 4096, block_n, block_k)} - {1}, (block_n, block_k, splits)
-
-
-def test_gemv_sweep_short_call_keeps_to_its_shapes_rows_and_acc_tiles(tmp_path, monkeypatch):
-    """The short GPU call (GEMV_SWEEP_ONLY / GEMV_SWEEP_ROWS / GEMV_SWEEP_ACC_ONLY): only the named
-    shape, only the named M, only the module default and the "acc" tiles (with their in-kernel sums);
-    the JSON says so."""
-    monkeypatch.setenv("GEMV_SWEEP_ONLY", "tiny/b")
-    monkeypatch.setenv("GEMV_SWEEP_ROWS", "1")
-    monkeypatch.setenv("GEMV_SWEEP_ACC_ONLY", "1")
-    sweep = _load_sweep()
-    tile, acc = (16, 32, 4, 1, "fma"), (2, 32, 4, 1, "acc")
-    monkeypatch.setattr(sweep, "DEVICE", "cpu")
-    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"a": (40, 72), "b": (24, 48)}})
-    monkeypatch.setattr(sweep, "MAX_COPIES", 2)
-    monkeypatch.setattr(sweep, "TILE_GRID", [(8, 32, 4, 1, "fma")])
-    monkeypatch.setattr(sweep, "ACC_TILES", [acc])
-    monkeypatch.setattr(tg, "DEFAULT_TILES", {1: tile, 2: tile, 4: tile, 8: tile, 16: tile})
-    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), 1e-3)[1])
-    sweep.main(str(tmp_path / "sweep.json"))
-    result = json.loads((tmp_path / "sweep.json").read_text())
-    assert [(r["n"], r["m"]) for r in result["rows"]] == [(24, 1)]
-    default = ",".join(map(str, tg.default_config(1, 24, 48)))
-    assert set(result["rows"][0]["triton"]) == {default, "2,32,1,4,1,acc", *(f"2,32,{s},4,1,acc_sum" for s in (2, 4, 8))}
-    assert all(e["max_diff"] < 2e-2 for e in result["rows"][0]["triton"].values())
-    assert list(result["summary"]) == ["tiny/b"] and result["acc_only"] and result["rows_m"] == [1]
-
-
-def test_gemv_fused_sweep_times_each_fusion_and_checks_it(tmp_path, monkeypatch):
-    """scripts/gemv_fused_sweep.py on tiny shapes under the interpreter with a stand-in timer: each
-    projection gets its model fusion, every launch's fused output is checked against float32 math
-    (all correct here), plain and fused times and their difference are recorded, and the best fused
-    launch is named; the JSON is written."""
-    import sys as _sys
-
-    monkeypatch.setattr(_sys, "path", [str(pathlib.Path(__file__).resolve().parents[1] / "scripts"), *_sys.path])
-    sweep = _load_sweep()
-    monkeypatch.setitem(_sys.modules, "gemv_sweep", sweep)
-    spec = importlib.util.spec_from_file_location(
-        "gemv_fused_sweep", pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gemv_fused_sweep.py")
-    fused = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fused)
-    monkeypatch.setattr(sweep, "DEVICE", "cpu")
-    monkeypatch.setattr(sweep, "DTYPE", torch.float32)
-    monkeypatch.setattr(sweep, "SHAPES", {"tiny": {"qkv": (24, 48), "o": (16, 48), "down": (16, 40)}})
-    monkeypatch.setattr(sweep, "MAX_COPIES", 2)
-    monkeypatch.setattr(fused, "LAUNCHES", [(4, 32, 1, 4, 1, "acc"), (8, 16, 1, 4, 1, "acc")])
-    times = iter(range(1, 100))
-    monkeypatch.setattr(sweep, "bench", lambda fn: (fn(), next(times) * 1e-3)[1])  # each call 1 us slower
-    fused.main(str(tmp_path / "fused.json"))
-    rows = json.loads((tmp_path / "fused.json").read_text())["rows"]
-    assert [(r["proj"], r["fusion"]) for r in rows] == [("qkv", "norm"), ("o", "residual"), ("down", "swiglu+residual")]
-    for r in rows:
-        assert set(r["launches"]) == {"4,32,1,4,1,acc", "8,16,1,4,1,acc"}
-        for e in r["launches"].values():
-            assert e["max_diff"] < 1e-3 and e["added_us"] == pytest.approx(1.0)
-        assert r["best_fused"] == "4,32,1,4,1,acc"  # timed first, so faster under the stand-in timer
-
-
 def test_fused_table_env_loads_the_fused_sweeps_picks_only_with_the_fusion(tmp_path):
     """TSCOMPILE_GEMV_FUSED_TABLE: with TSCOMPILE_DECODE_GEMV_FUSE=1 a fresh process's fused launches
     are the fused sweep's best per shape (a shape with no correct launch keeps the plain one); without
@@ -530,19 +372,12 @@ def _sweep_summary():
     }
 
 
-def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin(tmp_path, capsys):
+def test_decode_table_takes_the_m1_picks_that_beat_cublas_by_the_margin():
     """A shape enters DECODE_GEMV_CONFIGS with its best M = 1 launch only when that beat cuBLAS by the
-    margin; the sweep's ``--decode-table`` prints valid Python that evaluates to the same table."""
+    margin."""
     summary = _sweep_summary()
     assert tg.decode_table_from_sweep({"summary": summary}) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}
     assert set(tg.decode_table_from_sweep({"summary": summary}, min_speedup=1.0)) == {(6144, 4096), (4096, 4096)}
-    sweep = _load_sweep()
-    (tmp_path / "sweep.json").write_text(json.dumps({"summary": summary}))
-    sweep.print_decode_table(str(tmp_path / "sweep.json"), 1.02)
-    printed = capsys.readouterr().out
-    literal = printed.split("= ", 1)[1].split("\n}")[0] + "\n}"
-    assert eval(literal) == {(6144, 4096): (1, 512, 1, 8, 1, "acc")}  # noqa: S307
-    assert "cuBLAS kept (below 1.02x): m/o (1.01x)" in printed
 
 
 def test_gemv_table_env_loads_a_sweeps_picks_and_refuses_a_bad_file(tmp_path):

@@ -56,25 +56,44 @@ def check_sampling_args(args: argparse.Namespace) -> None:
         check_seed("--sampling-seed", args.sampling_seed)
 
 
+DEFAULT_MODEL = "llama-tiny"
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-tiny",
-                   help="a local Hugging Face checkpoint directory, or a preset name (llama-tiny, narrow-tiny, "
-                        "llama-1b, llama-8b: random weights)")
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (give it here or as --model)")
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face checkpoint directory, a named model (smollm2-135m-instruct), or a "
+                        f"preset name (llama-tiny, narrow-tiny, llama-1b, llama-8b: random weights); default "
+                        f"{DEFAULT_MODEL}")
+    p.add_argument("--attention-backend", default="auto",
+                   help="auto (triton on CUDA, torch on the CPU), torch, triton or flashinfer")
+    p.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                   help="a checkpoint's code: the engine's own model (native: Llama, Mistral, Qwen2, Qwen3), its "
+                        "transformers modeling code with the paged attention (transformers: any decoder), or native "
+                        "where it exists (auto)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests run at once")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt plus new tokens (default: the checkpoint's maximum; 512 for a preset)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    p.add_argument("--enforce-eager", action="store_true", help="run the model without compiling (no graphs)")
     p.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """``args.model`` from the positional MODEL or ``--model`` (the default when neither is given)."""
+    positional = getattr(args, "model_arg", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"tscompile: two models given, {positional!r} and --model {args.model!r}; give one of them")
+    args.model = positional or args.model or DEFAULT_MODEL
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
-                enforce_eager=args.enforce_eager, seed=args.seed)
+                enforce_eager=args.enforce_eager, seed=args.seed, model_impl=args.model_impl)
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -83,16 +102,17 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                                                        "repeat for a batch")
     p.add_argument("--prompt-ids", action="append",
                    help='token ids of one prompt, e.g. "1,2,3"; repeat for a batch (default: two built-in prompts)')
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=16,
+                   help="tokens to generate at most per prompt (--max-tokens: vLLM's name)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: the whole vocabulary")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--sampling-seed", type=int, default=None)
-    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="seed of each request's random draws")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop before this many new tokens")
     p.add_argument("--stop", action="append", default=[], help="a stop string; repeat for several")
     p.add_argument("--stop-token-ids", default=None, help='e.g. "128001,128009"')
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--show-ids", action="store_true", help="print token ids, not only text")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence ids")
+    p.add_argument("--show-ids", action="store_true", help="print each output's token ids and finish reason too")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -118,7 +138,9 @@ def print_outputs(outputs, *, text: bool, show_ids: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tscompile", description="tscompile: LLM execution inside torch.compile")
+    parser = argparse.ArgumentParser(prog="tscompile", description="tscompile: LLM execution inside torch.compile. "
+                                     "Each command takes a local Hugging Face checkpoint directory or a preset "
+                                     "model name (--model), except run-package, which takes a .pt2 package.")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, path in COMMANDS.items():

@@ -11,17 +11,23 @@ from tscompile.cli import add_generation_args, check_sampling_args, prompts_from
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="export a preset model's prefill and decode steps into one .pt2 package")
-    p.add_argument("--model", default="llama-tiny", help="a local checkpoint directory or a preset name")
+    p = sub.add_parser("export", help="export a model (a local checkpoint directory or a preset name) into one "
+                                      ".pt2 package holding its prefill and decode programs",
+                       description="Export a model into one .pt2 package (AOTInductor programs for prefill and "
+                                   "decode, the weights, the tokenizer of a checkpoint) that tscompile run-package "
+                                   "and tscompile.load_package run without compiling.")
+    p.add_argument("--model", default="llama-tiny",
+                   help="a local Hugging Face checkpoint directory, or a preset name (llama-tiny, narrow-tiny, "
+                        "llama-1b, llama-8b: random weights)")
     p.add_argument("--out", required=True, help="package path, ending in .pt2")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--attention-backend", default="auto", help="auto, torch or triton (a package cannot use flashinfer)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="bound of the batch dimension")
     p.add_argument("--max-model-len", type=int, default=512, help="bound of prompt plus new tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="bound of the token dimension of one step (default: min(2048, seqs * len))")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     p.add_argument("--weights", choices=["inside", "external"], default="inside",
                    help="inside the package, or beside it as <out>.safetensors (borrowed at load)")
     p.add_argument("--seed", type=int, default=0, help="weight seed of the preset model")
@@ -29,7 +35,8 @@ def add_parser(sub) -> None:
                    help="skip loading the written package once in a fresh process (and the rebuild with the "
                         "system g++ when a CXX compiler's package does not load)")
 
-    p = sub.add_parser("run-package", help="generate token ids from an exported .pt2 package")
+    p = sub.add_parser("run-package", help="generate from a .pt2 package written by tscompile export (text "
+                                           "prompts when it carries a tokenizer, token ids always)")
     p.add_argument("package", help="path of a package written by `tscompile export`")
     p.add_argument("--device", default=None, help="default: the package's device")
     add_generation_args(p)

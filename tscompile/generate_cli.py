@@ -9,18 +9,21 @@ import sys
 import time
 
 from tscompile.cli import (add_engine_args, add_generation_args, check_sampling_args, engine_kwargs, print_outputs,
-                           prompts_from_args, sampling_params_from_args)
+                           prompts_from_args, resolve_model_arg, sampling_params_from_args)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate from a checkpoint directory or a preset model")
+    p = sub.add_parser("generate", help="generate from a local checkpoint directory or a preset model: text "
+                                        "prompts (--prompt) or token ids (--prompt-ids) in, text or ids out")
     add_engine_args(p)
     add_generation_args(p)
     p.add_argument("--chat", action="store_true", help="each --prompt is a user message, rendered with the "
                                                        "checkpoint's chat template")
-    p.add_argument("--stream", action="store_true", help="print the text of one prompt as it is produced")
+    p.add_argument("--stream", action="store_true", help="print the text of one prompt as it is produced (with "
+                                                         "--show-ids, its token ids after it)")
 
-    p = sub.add_parser("chat", help="an interactive chat over a checkpoint's chat template (replies streamed)")
+    p = sub.add_parser("chat", help="an interactive chat with a local checkpoint directory that has a chat "
+                                    "template: one user message per line, replies streamed, an empty line ends")
     add_engine_args(p)
     add_generation_args(p)
     p.add_argument("--system", default=None, help="a system message opening the conversation")
@@ -38,6 +41,7 @@ def _build(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_model_arg(args)
     if args.command == "chat":
         return _chat(args)
     prompts = prompts_from_args(args)
@@ -50,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.stream:
         if len(prompts) != 1:
             raise ValueError(f"tscompile: --stream prints one prompt's text, got {len(prompts)} prompts")
+        if args.show_ids:
+            return _stream_with_ids(llm, prompts[0], params)
         for delta in llm.stream(prompts[0], params):
             print(delta, end="", flush=True)
         print()
@@ -70,6 +76,38 @@ def run(args: argparse.Namespace) -> int:
     print(f"{new_tokens} tokens: {new_tokens / run_s:.1f} tokens/s over {run_s:.3f} s, plus {compile_s:.1f} s "
           f"compiling ({args.model}, {llm.device.type}, {str(llm.dtype).removeprefix('torch.')}, "
           f"attention={type(llm.attention.leaves[0]).__name__})")
+    return 0
+
+
+def _stream_with_ids(llm, prompt, params) -> int:
+    """``--stream --show-ids``: the text as it is produced (as ``LLM.stream`` gives it), then the
+    request's token ids and finish reason on a line of their own (``ids: 1 2 3 (stop)``). Without a
+    tokenizer there is no text: each id is printed as it is read back."""
+    req = llm.add_request(prompt, params)
+    shown_text = shown_ids = 0
+    try:
+        while not req.completion.finished:
+            llm.step()
+            if llm.tokenizer is None:
+                for t in req.completion.token_ids[shown_ids:]:
+                    print(f"{' ' if shown_ids else ''}{t}", end="", flush=True)
+                    shown_ids += 1
+            text = req.completion.settled_text
+            print(text[shown_text:], end="", flush=True)
+            shown_text = max(shown_text, len(text))
+        llm.sync()
+    finally:
+        if not req.completion.finished:  # interrupted: the request must not outlive the command
+            try:
+                llm.sync()
+            finally:
+                llm.abort(req.rid)
+    out = req.completion.output()
+    if llm.tokenizer is None:
+        print("".join(f"{' ' if shown_ids + i else ''}{t}" for i, t in enumerate(out.token_ids[shown_ids:])))
+    else:
+        print(out.text[shown_text:])
+    print(f"ids: {' '.join(map(str, out.token_ids))} ({out.finish_reason})")
     return 0
 
 

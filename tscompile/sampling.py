@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -26,9 +26,13 @@ class SamplingParams:
     ``ignore_eos``); none of them can end it before ``min_tokens`` tokens exist. Lists given for
     ``stop_token_ids`` and ``stop`` (or one string for ``stop``) are stored as tuples, numpy integers
     and reals as Python ``int`` and ``float``, so equal parameters hash equal.
+
+    ``max_tokens`` is vLLM's name for ``max_new_tokens`` and is accepted as an alias (a constructor
+    argument only: the value is read back as ``max_new_tokens``). Giving both with different values
+    is refused; neither means 16.
     """
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -40,10 +44,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None
+    max_tokens: InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, max_tokens):
         set_ = partial(object.__setattr__, self)  # frozen: normalised values go in this way
-        set_("max_new_tokens", _int_arg("max_new_tokens", self.max_new_tokens, low=1))
+        set_("max_new_tokens", _max_new_tokens_arg(self.max_new_tokens, max_tokens))
         set_("min_tokens", _int_arg("min_tokens", self.min_tokens, low=0))
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(f"tscompile: min_tokens={self.min_tokens!r} must be <= max_new_tokens "
@@ -81,6 +86,21 @@ class SamplingParams:
 
 
 _SEED_END = 2**63
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+def _max_new_tokens_arg(max_new_tokens, max_tokens) -> int:
+    """One count from ``max_new_tokens`` and its alias ``max_tokens`` (vLLM's name)."""
+    if max_tokens is not None:
+        max_tokens = _int_arg("max_tokens", max_tokens, low=1)
+    if max_new_tokens is not None:
+        max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, low=1)
+    if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
+        raise ValueError(f"tscompile: max_tokens={max_tokens!r} and max_new_tokens={max_new_tokens!r} disagree; "
+                         f"they are two names of one limit, so give one of them")
+    if max_new_tokens is not None:
+        return max_new_tokens
+    return DEFAULT_MAX_NEW_TOKENS if max_tokens is None else max_tokens
 
 
 def _is_int(value) -> bool:

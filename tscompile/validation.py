@@ -82,6 +82,13 @@ def check_model(value) -> None:
         raise _refuse("model", "a preset name (str), a ModelConfig or a Transformer", value)
 
 
+def check_model_impl(value) -> None:
+    from tscompile.models.hf_transformers import MODEL_IMPLS
+
+    if not isinstance(value, str) or value not in MODEL_IMPLS:
+        raise _refuse("model_impl", f"one of {', '.join(map(repr, MODEL_IMPLS))}", value)
+
+
 def _check_str(name: str, value) -> None:
     if not isinstance(value, str) or not value:
         raise _refuse(name, "a non-empty str", value)
@@ -95,6 +102,7 @@ def _check_compile_options(value) -> None:
 # argument -> check of ``LLM.__init__`` (num_pages is checked with pages_per_block, below)
 _ENGINE_CHECKS: dict[str, Callable] = {
     "model": check_model,
+    "model_impl": check_model_impl,
     "attention_backend": lambda v: _check_str("attention_backend", v),
     "max_num_seqs": lambda v: check_int("max_num_seqs", v, 1),
     "max_model_len": lambda v: check_int("max_model_len", v, 1, optional=True),

@@ -21,26 +21,35 @@ def build_model(config: ModelConfig | str | os.PathLike, *, dtype: torch.dtype =
 
 def load_model(model: ModelConfig | str | os.PathLike, *, dtype: torch.dtype | None = None,
                device: torch.device | str | None = None, seed: int = 0,
-               max_model_len: int | None = None) -> tuple[Transformer, CheckpointInfo | None]:
+               max_model_len: int | None = None,
+               model_impl: str = "native") -> tuple[Transformer, CheckpointInfo | None]:
     """The one entry point for a preset name, a ``ModelConfig`` or a local checkpoint directory.
 
     Returns the model and, for a checkpoint, its ``CheckpointInfo`` (tokenizer directory, eos ids, load
     GB/s). ``dtype`` None: float32 for a preset, the checkpoint's own on CUDA (float32 on CPU) for a
     checkpoint. ``seed`` seeds random weights; ``max_model_len`` is checked against a checkpoint's
-    sliding window and sizes its RoPE tables (a preset's hold every position up to max_position)."""
+    sliding window and sizes its RoPE tables (a preset's hold every position up to max_position).
+    ``model_impl``: for a checkpoint, ``"native"``, ``"transformers"`` (a ``TransformersModel``,
+    ``models/hf_transformers.py``) or ``"auto"`` (native where it exists); a preset is native only."""
+    from tscompile.models.hf_transformers import choose_model_impl, load_transformers_checkpoint
+
     if isinstance(model, ModelConfig) or (isinstance(model, str) and model in PRESETS):
+        if model_impl == "transformers":
+            raise ValueError(f"tscompile: model_impl='transformers' needs a checkpoint directory, and "
+                             f"{model if isinstance(model, str) else 'a ModelConfig'} is a native model; pass "
+                             "model_impl='auto' or 'native', or a checkpoint directory")
         cfg = build_config(model) if isinstance(model, str) else model
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _random_model(cfg, dtype=dtype or torch.float32, device=device, seed=seed), None
+    if is_checkpoint_dir(model) and choose_model_impl(model, model_impl) == "transformers":
+        return load_transformers_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
     return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
 
 
 def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
     """The native config of a preset, a ``ModelConfig`` or a checkpoint directory (its config.json
     only: no weight is read)."""
-    import json
-
-    from tscompile.models.hf_config import model_config_from_hf
+    from tscompile.models.hf_config import model_config_from_hf, read_json_object
 
     if isinstance(model, ModelConfig):
         return model
@@ -51,7 +60,7 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
     path = Path(model) / "config.json"
     if not path.is_file():
         raise ValueError(f"tscompile: checkpoint directory {str(model)!r} has no config.json")
-    return model_config_from_hf(json.loads(path.read_text()))
+    return model_config_from_hf(read_json_object(path))
 
 
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int) -> Transformer:

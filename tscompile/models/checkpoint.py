@@ -12,7 +12,7 @@ they load and the host never holds more than one tensor of the checkpoint.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -20,10 +20,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+try:
+    from safetensors import SafetensorError
+except ImportError:  # older safetensors do not export it: any failure to open a file is then the file's
+    SafetensorError = Exception
 from tqdm import tqdm
 
 from tscompile.models.hf_config import architecture_of, check_sliding_window, checkpoint_dtype, eos_token_ids, \
-    model_config_from_hf
+    model_config_from_hf, read_json_object
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -72,14 +77,31 @@ def _checkpoint_root(path) -> Path:
 
 
 def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json_object(path) if path.is_file() else None
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path):
+    """``safe_open`` of one checkpoint file; a truncated or garbage file (its header or its size
+    wrong) is refused naming the file."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"tscompile: {str(file)!r} is not a readable safetensors file ({e}); the checkpoint is "
+                         "damaged (a truncated or interrupted download?): write or download that file again") from None
+    with handle as f:
+        yield f
 
 
 def tensor_files(root: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file holding it."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        files = {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"tscompile: {str(index)!r} has no \"weight_map\" of tensor names to file names; the "
+                             "checkpoint is damaged: write or download that file again")
+        files = {name: root / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
                 raise ValueError(f"tscompile: shard {file.name!r} named by {index.name} is missing from {str(root)!r}")
@@ -87,7 +109,7 @@ def tensor_files(root: Path) -> dict[str, Path]:
     single = root / "model.safetensors"
     if not single.is_file():
         raise ValueError(f"tscompile: {str(root)!r} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -95,7 +117,7 @@ def stored_shapes(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], d
     """Shapes and safetensors dtype names of every stored tensor, read from the file headers only."""
     shapes, dtypes = {}, {}
     for file in sorted(set(files.values())):
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if files.get(name) == file:
                     sl = f.get_slice(name)
@@ -191,7 +213,7 @@ def fill_weights(model: Transformer, plan: dict[str, _Target], files: dict[str, 
     read = 0
     with torch.no_grad(), tqdm(total=len(plan), desc="loading checkpoint", unit="tensor", disable=None) as bar:
         for file, names in by_file.items():
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with open_safetensors(file) as f:
                 for name in names:
                     src = f.get_tensor(name)
                     target = plan[name]
@@ -211,7 +233,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     window shorter than that is refused, since attention here is always full, and the RoPE tables
     hold that many positions."""
     root = _checkpoint_root(path)
-    raw = json.loads((root / "config.json").read_text())
+    raw = read_json_object(root / "config.json")
     architecture, _ = architecture_of(raw)
     cfg = model_config_from_hf(raw)
     check_sliding_window(raw, cfg.max_position if max_model_len is None else max_model_len)

@@ -7,7 +7,9 @@ is under ``rope_type`` or ``type``, ``torch_dtype``) and transformers 5 (``rope_
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,6 +34,21 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in ``path`` (a checkpoint's ``config.json``, ``generation_config.json`` or
+    ``model.safetensors.index.json``); a file that is not one is refused naming it, not with a parser
+    traceback."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"tscompile: {str(path)!r} is not valid JSON ({e}); the checkpoint is damaged: "
+                         "write or download that file again") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"tscompile: {str(path)!r} must hold a JSON object, got {type(raw).__name__}; the "
+                         "checkpoint is damaged: write or download that file again")
+    return raw
 
 
 def architecture_of(raw: dict) -> tuple[str, ArchitectureSpec]:

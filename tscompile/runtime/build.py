@@ -19,7 +19,7 @@ from tscompile.config import TscompileConfig
 from tscompile.counters import counters
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
-from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, build_model, load_model
+from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, load_model
 from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
                                       measure_activation_peak, measure_device_memory, pages_for_requests,
                                       prefill_graph_bytes)
@@ -195,20 +195,22 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                        max_model_len: int | None, page_size: int, pages_per_block: int, num_pages: int | None,
                        max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
                        compile_config: TscompileConfig | None, seed: int,
-                       gpu_memory_utilization: float = 0.9) -> EngineParts:
+                       gpu_memory_utilization: float = 0.9, model_impl: str = "auto") -> EngineParts:
     """``model``: a preset name, a ``ModelConfig``, a built ``Transformer`` or a local checkpoint
     directory. ``dtype`` None: bf16 on CUDA and float32 on the CPU for a preset, the checkpoint's own
     on CUDA for a checkpoint. ``max_model_len`` None: the checkpoint's maximum, 512 for a preset.
     ``num_pages`` None: on CUDA sized from ``gpu_memory_utilization`` (``pages_from_device_memory``),
-    on the CPU ``default_num_pages``."""
+    on the CPU ``default_num_pages``. ``model_impl``: ``load_model``'s, for a checkpoint directory."""
     checkpoint = None
     if isinstance(model, Transformer):
         built = model
     elif isinstance(model, ModelConfig) or model in PRESETS:
-        built = build_model(model, dtype=resolve_dtype(dtype, device), device=device, seed=seed)
+        # load_model refuses model_impl="transformers" here: a preset has no transformers code
+        built, _ = load_model(model, dtype=resolve_dtype(dtype, device), device=device, seed=seed,
+                              model_impl=model_impl)
     else:
         built, checkpoint = load_model(model, dtype=dtype if dtype is None else resolve_dtype(dtype, device),
-                                       device=device, max_model_len=max_model_len)
+                                       device=device, max_model_len=max_model_len, model_impl=model_impl)
     cfg = built.config
     if max_model_len is None:
         max_model_len = cfg.max_position if checkpoint is not None else min(PRESET_MAX_MODEL_LEN, cfg.max_position)

@@ -95,6 +95,11 @@ class LLM:
     (``llm.runner.graphs``); ``llm.runner.graphs.replay = False`` runs the same padded steps without
     replaying them. The first steps say at INFO what they compile and capture, and how long it took.
 
+    ``model_impl`` picks the code a checkpoint runs: ``"native"`` the engine's own model (Llama,
+    Mistral, Qwen2, Qwen3), ``"transformers"`` the checkpoint's transformers modeling code with the
+    engine's paged attention (any transformers decoder; ``docs/transformers_backend.md``),
+    ``"auto"`` (default) native where it exists and transformers otherwise.
+
     ``async_scheduling`` (default on) lets a decode step be scheduled, staged and launched while the
     previous step still runs: a token the host has not read yet is gathered on the device, and a
     stop the host reads one step late drops the one token sampled after it (the outputs equal those
@@ -119,13 +124,14 @@ class LLM:
         seed: int = 0,
         async_scheduling: bool = True,
         gpu_memory_utilization: float = 0.9,
+        model_impl: str = "auto",
     ):
         validate_engine_args(
             model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
             compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
         if compile_config is not None:
@@ -134,7 +140,8 @@ class LLM:
             model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
-            compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+            compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+            model_impl=model_impl)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling)
 
     @classmethod
