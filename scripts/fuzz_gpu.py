@@ -6,10 +6,12 @@
 1. Batched equals one at a time (``tests/fuzz_lib.py``): per page size (1, 16, 64) one compiled
    llama-tiny engine under pressure (4 sequences, a small token budget, a pool of one request)
    reused for every composition, against a compiled engine running each prompt alone.
-2. Graph replay equals the eager run at the same padded size: each composition runs again on the
-   same pressured engine with its CUDA graphs switched off (``DecodeGraphRunner.replay_graphs`` and
-   ``PieceGraphRuntime.replay`` set to False: the same ladder padding, the same metadata refresh,
-   the same compiled step, launched without its graph); the tokens must be identical. With
+2. Graph replay equals the run without graphs at the same padded size (``fuzz_lib.GraphCheck``):
+   each composition runs again on the same pressured engine with replay switched off
+   (``llm.runner.graphs.replay = False``, the one switch of decode, whole-step prefill and
+   piecewise graphs: the same ladder padding, the same metadata refresh, the same compiled step,
+   launched without its graph); the tokens must be identical, the batched run must have replayed
+   at least one graph and the rerun none (else the composition fails). With
    ``--bf16`` a bfloat16 engine (page size 16) is added on which only this check runs (another
    batch shape rounds differently in bfloat16, so batched-vs-single is not exact there).
 
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # fuzz_l
 
 import torch  # noqa: E402
 
-from fuzz_lib import PAGE_SIZES, Coverage, Fuzzer, build_engine, pressured_spec, reference_spec, run_batched  # noqa: E402
+from fuzz_lib import (PAGE_SIZES, Coverage, Fuzzer, GraphCheck, build_engine, pressured_spec,  # noqa: E402
+                      reference_spec)
 from tscompile.counters import counters  # noqa: E402
 
 GPU_MAX_NUM_SEQS = 4  # with decode_ladder (1, 2, 4): a batch of 3 replays the graph padded to 4
@@ -57,44 +60,6 @@ def parse_args(argv=None):
     ap.add_argument("--cpu-threads", type=int, default=1,
                     help="torch intra-op threads (the engines are tiny: more threads only spin on a busy host)")
     return ap.parse_args(argv)
-
-
-class GraphCheck:
-    """Reruns a composition on the same engine with its graphs off and compares the tokens."""
-
-    def __init__(self):
-        self.compositions = 0
-        self.plain_counters = {"decode_eager": 0, "prefill_graphed": 0}
-
-    def __call__(self, llm, comp, got):
-        decode, prefill = llm.runner.decode_graphs, llm.runner.piece_graphs
-        before = dict(counters)
-        try:
-            if decode is not None:
-                decode.replay_graphs = False
-            if prefill is not None:
-                prefill.replay = False
-            plain = run_batched(llm, comp, "graphs off")
-        finally:
-            if decode is not None:
-                decode.replay_graphs = True
-            if prefill is not None:
-                prefill.replay = True
-        delta = {k: counters[k] - before.get(k, 0) for k in ("decode_replays", "prefill_replays", "decode_eager",
-                                                              "prefill_graphed")}
-        self.compositions += 1
-        self.plain_counters["decode_eager"] += delta["decode_eager"]
-        self.plain_counters["prefill_graphed"] += delta["prefill_graphed"]  # padded pieces, run without graphs
-        if delta["decode_replays"] or delta["prefill_replays"]:
-            return f"graphs off, yet {delta} replays happened: the switch did not hold\n{comp.describe()}"
-        if plain != got:
-            lines = [f"graph replay and the eager run at the same padded size differ on {llm.fuzz_name}",
-                     comp.describe()]
-            for i, (g, p) in enumerate(zip(got, plain)):
-                if g != p:
-                    lines.append(f"  request {i}: graphs {list(g[0])} ({g[1]}), without {list(p[0])} ({p[1]})")
-            return "\n".join(lines)
-        return None
 
 
 def make_engine_factory(args, dtype, on_cuda, built: list, *, compiled: bool):
@@ -168,9 +133,11 @@ def main(argv=None) -> int:
         "engines": built,
         "per_engine_compositions": {f.llm.fuzz_name: f.coverage.counts["compositions"] for f in fuzzers},
         "coverage": dict(coverage.counts),
-        "graph_check": ({"compositions": graph_check.compositions, "graphs_on": {k: counters[k] for k in (
-            "decode_replays", "decode_captures", "prefill_replays", "prefill_captures")},
-                         "graphs_off": graph_check.plain_counters} if on_cuda else "skipped: no CUDA graphs on the CPU"),
+        "graph_check": ({"compositions": graph_check.compositions, "graphs_on": dict(graph_check.graphs_on),
+                         "graphs_off": dict(graph_check.graphs_off),
+                         "totals": {k: counters[k] for k in ("decode_replays", "decode_captures", "prefill_replays",
+                                                              "prefill_captures")}}
+                        if on_cuda else "skipped: no CUDA graphs on the CPU"),
         "num_failures": len(failures),
         "failures": failures[:MAX_FAILURES_KEPT],
     }

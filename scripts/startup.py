@@ -249,7 +249,7 @@ def _child_engine(args) -> dict:
             "first_token_s": first, "first_token_compile_s": first_compile, "first_token_capture_s": first_capture,
             "first_token_other_s": first_token_other, **after,
             "enforce_eager": args.enforce_eager,
-            "decode_ladder": list(getattr(llm.runner.decode_graphs, "ladder", []) or []),
+            "decode_ladder": list(getattr(llm.runner.graphs, "decode_ladder", []) or []),
             "compile_phases": compile_phases}
 
 

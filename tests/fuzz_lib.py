@@ -25,6 +25,7 @@ from typing import Callable
 
 import tscompile
 from tscompile import SamplingParams
+from tscompile.counters import counters
 from tscompile.forward_context import ForwardMode
 from tscompile.utils import cdiv
 
@@ -271,8 +272,56 @@ class Coverage:
         self.counts.update(other.counts)
 
 
-# an extra check of a batched run: (engine, composition, its results) -> None or a failure message
-ExtraCheck = Callable[[tscompile.LLM, Composition, list[Result]], "str | None"]
+# an extra check of a batched run: (engine, composition, its results, the graph counters the run
+# moved) -> None or a failure message
+ExtraCheck = Callable[[tscompile.LLM, Composition, list[Result], dict], "str | None"]
+GRAPH_COUNTERS = ("decode_replays", "decode_captures", "prefill_replays", "prefill_captures", "decode_eager",
+                  "prefill_graphed")
+
+
+def graph_counters_since(before: dict) -> dict:
+    return {k: counters[k] - before.get(k, 0) for k in GRAPH_COUNTERS}
+
+
+class GraphCheck:
+    """Reruns a composition on the same engine with its graph replay off (``runner.graphs.replay =
+    False``, the one switch: the same ladder padding, the same persistent buffers and metadata
+    refresh, the same compiled steps, launched without their graphs) and compares the tokens.
+
+    It refuses to pass vacuously: an engine without a graph runner, a batched run that replayed no
+    graph, or a graphs-off run in which any graph replayed or captured is a failure."""
+
+    def __init__(self):
+        self.compositions = 0
+        self.graphs_on = collections.Counter()  # what the batched runs (graphs on) replayed and captured
+        self.graphs_off = collections.Counter()  # what the reruns moved: only steps, never a replay
+
+    def __call__(self, llm, comp, got, ran: dict):
+        graphs = llm.runner.graphs
+        if graphs is None:
+            return f"{llm.fuzz_name} has no graph runner: the graph check cannot run\n{comp.describe()}"
+        if ran["decode_replays"] + ran["prefill_replays"] == 0:
+            return f"the batched run replayed no graph ({ran}): nothing to compare\n{comp.describe()}"
+        before = dict(counters)
+        graphs.replay = False
+        try:
+            plain = run_batched(llm, comp, "graphs off")
+        finally:
+            graphs.replay = True
+        delta = graph_counters_since(before)
+        self.compositions += 1
+        self.graphs_on.update(ran)
+        self.graphs_off.update(delta)
+        if delta["decode_replays"] or delta["prefill_replays"] or delta["decode_captures"] or delta["prefill_captures"]:
+            return f"graphs off, yet {delta} happened: the switch did not hold\n{comp.describe()}"
+        if plain != got:
+            lines = [f"graph replay and the run without graphs at the same padded size differ on {llm.fuzz_name}",
+                     comp.describe()]
+            for i, (g, p) in enumerate(zip(got, plain)):
+                if g != p:
+                    lines.append(f"  request {i}: graphs {list(g[0])} ({g[1]}), without {list(p[0])} ({p[1]})")
+            return "\n".join(lines)
+        return None
 
 
 class Fuzzer:
@@ -304,7 +353,9 @@ class Fuzzer:
         comp = None
         try:
             comp = self.draw(seed)
+            before = dict(counters)
             got = run_batched(self.llm, comp, f"{self.spec.name} batched", self.log)
+            ran = graph_counters_since(before)
             self.coverage.record(self.log, comp, got)
             failure = None
             if self.spec.oracle == "single":
@@ -314,7 +365,7 @@ class Fuzzer:
                 want = run_batched(self.make_engine(self.spec), comp, f"{self.spec.name} fresh")
                 failure = mismatch(comp, self.spec, "outputs of the reused engine and a fresh one", want, got)
             if failure is None and self.extra is not None:
-                failure = self.extra(self.llm, comp, got)
+                failure = self.extra(self.llm, comp, got, ran)
             return failure
         except Exception as e:  # an engine error is a finding too: keep the composition with it
             where = comp.describe() if comp is not None else f"composition seed={seed} (not drawn)"

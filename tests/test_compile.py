@@ -103,8 +103,8 @@ def _traced_prefill_graph(model_name):
         return gm.forward
 
     from tscompile.backend import tracing_config
-    step = torch.compile(llm.runner._extend_forward, backend=capture, dynamic=True)
-    llm.runner.extend_step = lambda *a: _call(step, tracing_config, *a)
+    step = torch.compile(llm.runner.prefill.forward, backend=capture, dynamic=True)
+    llm.runner.prefill.compiled = lambda *a: _call(step, tracing_config, *a)
     ids(llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=1)))
     assert len(graphs) == 1
     return graphs[0]
@@ -289,11 +289,11 @@ def test_each_engine_compiles_its_own_steps():
     params = SamplingParams(max_new_tokens=2)
     first, second = make_llm(), make_llm()
     tokens = ids(first.generate(PROMPTS[:2], params))
-    own = first.runner.extend_step.__wrapped__.__code__
-    shared = type(first.runner)._extend_forward.__code__
-    assert own is not shared and own is not second.runner.extend_step.__wrapped__.__code__
+    own = first.runner.prefill.compiled.__wrapped__.__code__
+    shared = type(first.runner.prefill).forward.__code__
+    assert own is not shared and own is not second.runner.prefill.compiled.__wrapped__.__code__
     n_first, n_shared = len(entries(own)), len(entries(shared))  # other tests may have traced `shared`
     assert n_first >= 1
     assert ids(second.generate(PROMPTS[:2], params)) == tokens  # same preset and seed: same tokens
     assert len(entries(own)) == n_first and len(entries(shared)) == n_shared  # nothing landed on either
-    assert len(entries(second.runner.extend_step.__wrapped__.__code__)) >= 1
+    assert len(entries(second.runner.prefill.compiled.__wrapped__.__code__)) >= 1

@@ -45,8 +45,8 @@ def run_workload(llm) -> list[list[int]]:
 def start_up_like_cuda(llm) -> None:
     runner = llm.runner
     for bs in sorted((1, 2, MAX_NUM_SEQS), reverse=True):
-        runner._prepare_decode_capture(bs)
-        runner._run_decode(bs, True)
+        runner.decode.idle_inputs(bs)
+        runner.decode.run_compiled(bs, True)
 
 
 @pytest.mark.parametrize("piece_compiler", ["inductor"])
@@ -57,14 +57,14 @@ def test_decode_compiles_twice_and_extend_once_with_eager_tokens(piece_compiler)
     start_up_like_cuda(llm)
     runner = llm.runner
     # the top size's dynamic graph, and bs=1's static one (a step of its own)
-    assert compiles(runner.decode_step) == 1 and compiles(runner.decode_step_one) == 1
-    assert compiles(runner.extend_step) == 0
+    assert compiles(runner.decode.compiled) == 1 and compiles(runner.decode.compiled_one) == 1
+    assert compiles(runner.prefill.compiled) == 0
     modes = record_modes(llm)
     tokens = run_workload(llm)
     assert {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE} <= set(modes)
     assert tokens == run_workload(eager)
-    assert compiles(runner.decode_step) == 1 and compiles(runner.decode_step_one) == 1
-    assert compiles(runner.extend_step) == 1
+    assert compiles(runner.decode.compiled) == 1 and compiles(runner.decode.compiled_one) == 1
+    assert compiles(runner.prefill.compiled) == 1
 
 
 def test_the_extend_backend_drops_only_the_asserts_that_an_input_size_is_not_negative():

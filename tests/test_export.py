@@ -18,7 +18,9 @@ import torch
 import tscompile
 import tscompile.version
 from tscompile import SamplingParams
+from tscompile.counters import counters
 from tscompile.forward_context import ForwardMode
+from tscompile.runtime.graph_runner import HostGraphs
 from tscompile.cli import main as cli_main
 from tscompile.export import export_package, read_package_metadata
 from tscompile.utils import UPLOAD_ALIGN_BYTES
@@ -423,7 +425,7 @@ def test_run_package_cli_prints_ids_size_and_load_time(package, eager, capsys):
     assert "tscompile: max_num_seqs 9 is outside the package's bound [1, 4]" in capsys.readouterr().err
 
 
-# -- decode CUDA graphs of a package, through host replay (package/decode_graphs.py) -------------------
+# -- decode CUDA graphs of a package, through HostGraphs (package/decode_graphs.py) -------------------
 
 def _decode_sizes(llm) -> list[int]:
     """Spy on an engine: the batch size of every decode step it runs, in order."""
@@ -441,7 +443,7 @@ def _decode_sizes(llm) -> list[int]:
 
 def _host_replayed(path, ladder):
     llm = tscompile.load_package(path)
-    llm.runner.enable_decode_graphs(ladder, host_replay=True)
+    llm.runner.enable_decode_graphs(ladder, backend=HostGraphs())
     return llm
 
 
@@ -513,12 +515,31 @@ def test_decode_above_the_ladder_runs_the_program_and_smaller_batches_pad(packag
     _assert_padding_wrote_only_the_null_slot(padded, plain, initial)
 
 
+def test_the_package_replay_switch_runs_the_same_padded_steps_without_graphs(package):
+    """``runner.graphs.replay = False``: the same ladder padding and buffers, the program called
+    directly; nothing is captured or replayed, and the tokens equal the replayed run's."""
+    path = package("llama-tiny")
+    padded = _host_replayed(path, (4,))
+    assert padded.runner.graphs is padded.runner.decode_graphs.graphs
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    params = SamplingParams(max_new_tokens=4, temperature=0.9, top_k=20, seed=3)
+    counters.clear()
+    replayed = ids(padded.generate(prompts, params))
+    assert (counters["decode_captures"], counters["decode_replays"]) == (1, 3)  # captured 1, replayed 3
+    padded.runner.graphs.replay = False
+    counters.clear()
+    assert ids(padded.generate(prompts, params)) == replayed
+    assert counters["decode_captures"] == counters["decode_replays"] == 0
+    graphs = padded.runner.decode_graphs
+    assert (graphs.replays, graphs.padded_rows) == (6, 6)  # both runs padded 3 rows to 4, every step
+
+
 def test_cuda_graphs_refusals_load_no_program(package, monkeypatch):
     path = package("llama-tiny")
     llm = tscompile.load_package(path)
     with pytest.raises(ValueError, match=r"^tscompile: decode graph ladder \(2, 8\) must hold ints in "
                                          r"\[1, max_num_seqs=4\]"):
-        llm.runner.enable_decode_graphs((8, 2), host_replay=True)
+        llm.runner.enable_decode_graphs((8, 2), backend=HostGraphs())
     if DEVICE.type == "cpu":
         with pytest.raises(ValueError, match=r"^tscompile: decode CUDA graphs need a CUDA device, got 'cpu'"):
             llm.runner.enable_decode_graphs()

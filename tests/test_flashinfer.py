@@ -643,16 +643,16 @@ def test_gpu_engine_async_equals_sync_and_replay_equals_eager_decode():
     llm.sync()
     pool = llm.pool.groups[0]
     before = [t.clone() for t in [*pool.k.values(), *pool.v.values()]]
-    graphs = llm.runner.decode_graphs
+    graphs = llm.runner.graphs
     plan = llm.scheduler.plan(ScheduledBatch([], list(reqs)))
     replayed = llm.runner.execute(plan)
     for t, b in zip([*pool.k.values(), *pool.v.values()], before):
         t.copy_(b)
-    graphs.replay_graphs = False
+    graphs.replay = False
     try:
         eager = llm.runner.execute(plan)
     finally:
-        graphs.replay_graphs = True
+        graphs.replay = True
     assert replayed == eager
 
 

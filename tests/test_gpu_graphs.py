@@ -38,13 +38,13 @@ def _prefill_all(llm, prompts):
 
 def _decode_once(llm, reqs, *, graphed):
     """One decode step for ``reqs``; graphed=False runs the compiled step eagerly at the same bs."""
-    graphs = llm.runner.decode_graphs
+    graphs = llm.runner.graphs
     plan = llm.scheduler.plan(ScheduledBatch([], list(reqs)))
-    graphs.replay_graphs = graphed  # False: the same ladder bs and refresh, the step run without its graph
+    graphs.replay = graphed  # False: the same ladder bs and refresh, the step run without its graph
     try:
         return llm.runner.execute(plan)
     finally:
-        graphs.replay_graphs = True
+        graphs.replay = True
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -85,7 +85,7 @@ def test_padded_rows_write_only_the_null_page_with_a_poisoned_pool():
         pool.v[lid][~owned] = float("nan")
     snapshot = {lid: pool.k[lid].clone() for lid in pool.k}
     tokens = _decode_once(llm, reqs, graphed=True)
-    assert llm.runner.decode_bucket(3) == 4
+    assert llm.runner.decode.padded_size(3) == 4
     assert all(0 <= t < llm.config.vocab_size for t in tokens)
     for lid in pool.k:
         k = pool.k[lid]
@@ -115,14 +115,14 @@ def test_a_ladder_without_1_pads_a_single_request_to_2_and_compiles_no_bs1_graph
     params = SamplingParams(max_new_tokens=6)
     eager = ids(make(enforce_eager=True).generate(PROMPTS[:1], params))
     llm = make(compile_options={"decode_ladder": (2, 4, 8)})
-    assert llm.runner.decode_bucket(1) == 2
+    assert llm.runner.decode.padded_size(1) == 2
     compiled_one = []
-    llm.runner.decode_step_one = lambda *a, **kw: compiled_one.append(1)  # would compile the bs=1 graph
+    llm.runner.decode.compiled_one = lambda *a, **kw: compiled_one.append(1)  # would compile the bs=1 graph
     replays, direct = counters["decode_replays"], counters["decode_eager"]
     assert ids(llm.generate(PROMPTS[:1], params)) == eager
     # every decode step a replay: none ran outside the graphs
     assert counters["decode_replays"] > replays and counters["decode_eager"] == direct
-    assert not compiled_one and sorted(k[0] for k in llm.runner.decode_graphs.graphs) == [2, 4, 8]
+    assert not compiled_one and sorted(k.batch_size for k in llm.runner.graphs.graphs) == [2, 4, 8]
 
 
 def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
@@ -139,11 +139,11 @@ def test_graph_debug_names_a_rebound_metadata_tensor(monkeypatch):
 def _decode_kernels(runner, bs: int) -> list[str]:
     """The CUDA kernels of one compiled decode step at ``bs``, run without its graph (compiled already)
     so that the profiler sees each kernel."""
-    runner._prepare_decode_capture(bs)
-    runner._run_decode(bs, True)
+    runner.decode.idle_inputs(bs)
+    runner.decode.run_compiled(bs, True)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner._run_decode(bs, True)
+        runner.decode.run_compiled(bs, True)
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
@@ -329,12 +329,6 @@ def _ladder(mode):
     return {**PREFILL_LADDER, "prefill_graph_mode": mode}
 
 
-def _prefill_runtime(llm):
-    """The engine's prefill graph runtime (whole-step or per piece): both have ``replay``."""
-    whole = llm.runner.whole_prefill
-    return whole if whole is not None else llm.runner.piece_graphs
-
-
 @pytest.mark.parametrize("model, mode", MODEL_MODES)
 def test_prefill_pdl_gives_the_eager_tokens_in_whole_step_and_piecewise_graphs(monkeypatch, model, mode):
     """``KernelPolicy.prefill_pdl`` on Hopper: the prefill pieces compile with Inductor's PDL and the
@@ -367,8 +361,8 @@ def test_default_prefill_graph_mode_picks_whole_step_graphs_where_they_can_run(m
     options = {k: v for k, v in PREFILL_LADDER.items()}
     assert "prefill_graph_mode" not in options
     llm = make(model, backend, compile_options=options, max_num_batched_tokens=64)
-    assert (llm.runner.whole_prefill is not None) is whole
-    assert (llm.runner.piece_graphs is not None) is not whole
+    assert (llm.runner.prefill.whole is not None) is whole
+    assert (llm.runner.prefill.buckets is not None) is not whole
     prompts = PROMPTS[:4]  # 74 tokens: chunked at 64
     params = SamplingParams(max_new_tokens=4)
     # the reference chunks as the engine does: the narrowing model's decoder keeps the last row of an
@@ -388,25 +382,26 @@ def test_prefill_graph_replay_is_bitwise_the_same_padded_step_without_graphs(mod
     row plan differs (so a replay that kept the captured metadata would pick the wrong rows)."""
     from tscompile.counters import counters
     llm = make(model, backend, compile_options=_ladder(mode), max_num_batched_tokens=64)
-    assert (llm.runner.whole_prefill is not None) == (mode == "whole")
+    assert (llm.runner.prefill.whole is not None) == (mode == "whole")
     ids(llm.generate([[(7 * i + j) % 400 + 1 for j in range(n)] for i, n in enumerate(lens)],
                  SamplingParams(max_new_tokens=2)))  # captures this bucket's pieces
     counters.clear()
     for i, n in enumerate(other):
         llm.add_request([(11 * i + 3 * j) % 400 + 1 for j in range(n)], SamplingParams(max_new_tokens=2))
     plan = llm.scheduler.schedule()
-    runtime = _prefill_runtime(llm)
+    graphs = llm.runner.graphs  # the one switch, for whole-step graphs and graphed pieces alike
     before = _pool_state(llm)
     replayed = llm.runner.execute(plan)
     after_replay = _pool_state(llm)
+    replays = counters["prefill_replays"]
     _restore(llm, before)
-    runtime.replay = False  # the same padding, the same compiled pieces, no graphs
+    graphs.replay = False  # the same padding, the same compiled pieces, no graphs
     try:
         plain = llm.runner.execute(plan)
     finally:
-        runtime.replay = True
+        graphs.replay = True
     after_plain = _pool_state(llm)
-    assert replayed == plain
+    assert replayed == plain and counters["prefill_replays"] == replays  # off means off
     for a, b in zip(after_replay, after_plain):  # bit patterns: unwritten pages may hold NaN
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert counters["prefill_captures"] == 0 and counters["prefill_replays"] > 0
@@ -422,7 +417,7 @@ def test_prefill_graphs_equal_eager_tokens_across_buckets_and_above_them(model, 
     expected = [ids(eager.generate(prompts, params)), ids(eager.generate(prompts[::-1], params))]
     counters.clear()
     llm = make(model, backend, compile_options=_ladder(mode), max_num_batched_tokens=100)
-    assert (llm.runner.whole_prefill is not None) == (mode == "whole")
+    assert (llm.runner.prefill.whole is not None) == (mode == "whole")
     assert [ids(llm.generate(prompts, params)), ids(llm.generate(prompts[::-1], params))] == expected
     assert counters["prefill_graphed"] > 0 and counters["prefill_eager"] > 0
     assert counters["prefill_replays"] > counters["prefill_captures"] > 0
@@ -456,6 +451,6 @@ def test_narrowing_decoder_above_the_largest_row_bucket_runs_without_graphs_and_
     eager = ids(make("narrow-tiny", enforce_eager=True, max_num_batched_tokens=64).generate(prompts, params))
     counters.clear()
     llm = make("narrow-tiny", compile_options=PREFILL_LADDER, max_num_batched_tokens=64)
-    llm.runner.prefill_buckets.row_ladder = (16,)  # 24 kept rows exceed it: the decoder stage runs the pieces ungraphed
+    llm.runner.prefill.buckets.row_ladder = (16,)  # 24 kept rows exceed it: the decoder stage runs the pieces ungraphed
     assert ids(llm.generate(prompts, params)) == eager
     assert counters["decoder_rows_eager"] >= 1 and counters["prefill_graphed"] >= 1

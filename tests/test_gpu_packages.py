@@ -24,6 +24,7 @@ from tscompile import SamplingParams
 from tscompile.counters import counters
 from tscompile.export import export_package, read_package_metadata
 from tscompile.forward_context import ForwardMode
+from tscompile.runtime.graph_runner import CudaGraphs
 from helpers import (assert_other_releases_refused, assert_text_package_stops_like_engine, ids, record_modes,
                      write_text_checkpoint)
 from package_logits import assert_bf16_package_logits_match_engine
@@ -268,7 +269,7 @@ def test_cuda_graphs_decode_gives_the_direct_programs_tokens_and_replays_every_d
     graphed = tscompile.load_package(llama_tiny_path, cuda_graphs=True)
     graphs = graphed.runner.decode_graphs
     assert direct.runner.decode_graphs is None
-    assert graphs is not None and not graphs.host_replay and graphs.ladder == (1, 2, 4)
+    assert graphs is not None and isinstance(graphs.graphs.backend, CudaGraphs) and graphs.ladder == (1, 2, 4)
     modes = record_modes(graphed)
     counters.clear()
     p = _prompts(tscompile.models.PRESETS["llama-tiny"].vocab_size)
@@ -281,7 +282,7 @@ def test_cuda_graphs_decode_gives_the_direct_programs_tokens_and_replays_every_d
     # the engine's counters, which the bench's captures column reads, see the same replays and captures
     assert counters["decode_replays"] == decode_steps and counters["decode_eager"] == 0
     assert counters["decode_captures"] == graphs.captures
-    assert {1, 4} <= set(graphs.graphs) and graphs.captures == len(graphs.graphs)
+    assert {1, 4} <= {k.batch_size for k in graphs.graphs.graphs} and graphs.captures == len(graphs.graphs.graphs)
     assert graphs.padded_rows >= 2 * (NEW_TOKENS - 1)  # the two three-prompt batches pad each decode step
     assert graphed.capture_seconds > 0
     assert not graphed.has_unfinished()

@@ -16,7 +16,8 @@ from tscompile.kv_cache import CacheGroupSpec, kept_rows
 from tscompile.kv_cache.slots import slot_from_block_rows, slots_of_run
 from tscompile.runtime.engine import EngineDeadError
 from tscompile.runtime.arena import arena_places, upload_packed
-from tscompile.runtime.prefill_graphs import ExtendBuffers, WholeStepPrefill
+from tscompile.runtime.graph_runner import GraphRunner, HostGraphs
+from tscompile.runtime.prefill_buffers import ExtendBuffers
 from tscompile.runtime.scheduler import Request, ScheduledBatch, build_step_plan
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingParams
@@ -267,21 +268,18 @@ def test_bucket_bisection_equals_the_ladder_scan():
 
 
 def test_whole_step_buckets_follow_the_ladder_rule():
-    whole = WholeStepPrefill(torch.device("cpu"), (16, 32, 64), (2, 4), host_replay=True)
+    whole = GraphRunner(HostGraphs(), token_ladder=(16, 32, 64), request_ladder=(2, 4))
     rng = np.random.default_rng(12)
     for tokens, requests in rng.integers(1, 80, (200, 2)).tolist():
         t = next((b for b in (16, 32, 64) if b >= tokens), None)
         r = next((b for b in (2, 4) if b >= requests), None)
         want = None if t is None or r is None else (t, min(r, t))
-        assert whole.bucket_of(tokens, requests) == want
+        assert whole.prefill_size(tokens, requests) == want
 
 
-@pytest.mark.gpu
 def test_decode_padded_sizes_follow_the_ladder_rule():
-    from tscompile.runtime.decode_graphs import DecodeGraphRunner
-
-    decode = DecodeGraphRunner(torch.device("cuda"), (4, 1, 2), prepare_capture=lambda bs: None,
-                               run_step=lambda bs, greedy: None, guard_roots=dict, compile_seconds=lambda: 0.0)
+    decode = GraphRunner(HostGraphs(), decode_ladder=(4, 1, 2))
     for n in [3, 1, 5, 4, 2, 3, 9, 1]:
         padded = next((b for b in (1, 2, 4) if b >= n), n)
-        assert decode.padded_size(n) == padded
+        assert decode.decode_size(n) == padded
+        assert (decode.decode_key(padded, True) is None) == (padded > 4)

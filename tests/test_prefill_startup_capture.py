@@ -18,7 +18,7 @@ from tscompile.config import TscompileConfig
 from tscompile.counters import counters
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.spec import kept_rows
-from tscompile.runtime.piece_graphs import PieceGraphRuntime
+from tscompile.runtime.graph_runner import HostGraphs
 from tscompile.runtime.prefill_capture import (PlaceholderShape, StepLimits, candidate_shapes, placeholder_plan,
                                                reachable_token_ladder, startup_plans)
 
@@ -86,7 +86,7 @@ def test_a_placeholder_plan_writes_only_the_null_page_and_reads_back_known_token
 
 def test_lazy_or_no_prefill_graphs_plan_nothing_at_start_up():
     lazy = small_llm(dtype=torch.float32, compile_options={**LADDER, "prefill_capture": "lazy"})
-    lazy.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
+    lazy.runner.use_graphs(HostGraphs(), decode=False, prefill="piecewise")
     assert lazy.runner.prefill_token_ladder and startup_plans(lazy.runner, lazy.scheduler) == []
     cpu = small_llm(dtype=torch.float32, compile_options=LADDER)  # the CPU has no prefill graphs
     assert cpu.runner.prefill_token_ladder == () and startup_plans(cpu.runner, cpu.scheduler) == []
@@ -97,7 +97,7 @@ def test_lazy_or_no_prefill_graphs_plan_nothing_at_start_up():
 
 def test_whole_step_keys_make_one_plan_per_token_and_request_bucket_and_mode():
     llm = small_llm(dtype=torch.float32, compile_options=LADDER, max_num_batched_tokens=16, max_num_seqs=4)
-    llm.runner.enable_whole_step_prefill(host_replay=True)
+    llm.runner.use_graphs(HostGraphs(), decode=False, prefill="whole")
     plans = startup_plans(llm.runner, llm.scheduler)
     keys = [k for p in plans for k in llm.runner.prefill_graph_keys(p)]
     assert len(keys) == len(set(keys)) == len(plans)  # each plan captures one graph no other does
@@ -106,7 +106,7 @@ def test_whole_step_keys_make_one_plan_per_token_and_request_bucket_and_mode():
     assert llm.runner.prefill_request_ladder == (2, 4)
     expected = {(t, r, True, mode) for t in (4, 8, 16) for r in (2, 4) for mode in (ForwardMode.EXTEND,
                                                                                     ForwardMode.MIXED)}
-    assert {k[1:] for k in keys} == expected
+    assert {(k.tokens, k.batch_size, k.greedy, k.mode) for k in keys} == expected and {k.width for k in keys} == {1}
 
 
 # -- running them (host replay) -------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def test_whole_step_keys_make_one_plan_per_token_and_request_bucket_and_mode():
 def warmed():
     """A piecewise engine whose placeholder steps ran, with the state before and after them."""
     llm = small_llm(dtype=torch.float32, compile_options=LADDER, max_num_batched_tokens=16, max_num_seqs=4)
-    llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
+    llm.runner.use_graphs(HostGraphs(), decode=False, prefill="piecewise")
     # a request mid-prompt holds pages and a slot: the placeholder steps must not touch either
     busy = llm.add_request([(5 * j) % 300 + 1 for j in range(30)], SamplingParams(max_new_tokens=4))
     llm.step()
@@ -164,18 +164,18 @@ def test_after_start_up_capture_no_step_of_any_bucket_captures_and_tokens_equal_
     eager = small_llm(dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=4)
     expected = [ids(eager.generate(b, params)) for b in batches]
     modes = []
-    original = llm.runner._extend
+    original = llm.runner.prefill.run
 
     def extend(plan):
         modes.append(plan.mode)
         original(plan)
 
-    llm.runner._extend = extend
+    llm.runner.prefill.run = extend
     counters.clear()
     try:
         assert [ids(llm.generate(b, params)) for b in batches] == expected
     finally:
-        del llm.runner._extend
+        del llm.runner.prefill.run
     assert ForwardMode.MIXED in modes and ForwardMode.EXTEND in modes
     assert counters["prefill_graphed"] > 0 and counters["prefill_replays"] > 0
     assert counters["prefill_captures"] == 0
@@ -193,7 +193,7 @@ NARROW = {"max_num_batched_tokens": 64, "max_num_seqs": 2}
 def narrow_warmed():
     """A narrow-tiny engine whose placeholder steps ran under host replay."""
     llm = small_llm("narrow-tiny", dtype=torch.float32, compile_options=NARROW_LADDER, **NARROW)
-    llm.runner.enable_prefill_graphs(PieceGraphRuntime(torch.device("cpu"), host_replay=True))
+    llm.runner.use_graphs(HostGraphs(), decode=False, prefill="piecewise")
     llm.runner.capture_prefill_graphs(startup_plans(llm.runner, llm.scheduler))
     return llm
 
@@ -224,7 +224,7 @@ def test_narrowing_model_after_start_up_capture_no_step_of_any_token_row_and_req
     # captured anew (on the H200: a mixed
     # step of 7 requests, 25 tokens and 10 kept rows, after start-up).
     llm = narrow_warmed
-    sched, buckets = llm.scheduler, llm.runner.prefill_buckets
+    sched, buckets = llm.scheduler, llm.runner.prefill.buckets
     seen, steps = set(), 0
     for shape in _narrow_step_shapes(sched.max_num_batched_tokens, sched.max_num_seqs):
         plan = placeholder_plan(shape, sched.specs, block_size=sched.block_size, max_blocks=sched.max_blocks,
@@ -283,7 +283,7 @@ def test_gpu_start_up_capture_leaves_nothing_to_capture_and_tokens_equal_lazy_an
     with caplog.at_level("INFO", logger="tscompile"):
         llm = _gpu_llm(model, backend, compile_options={**GPU_LADDER, "prefill_graph_mode": mode,
                                                         "prefill_capture": "startup"})
-    assert (llm.runner.whole_prefill is not None) == (mode == "whole")
+    assert (llm.runner.prefill.whole is not None) == (mode == "whole")
     assert counters["prefill_captures"] > 0 and counters["prefill_graphed"] == 0
     assert any("Prefill graph capturing finished" in r.getMessage() for r in caplog.records)
     assert llm.runner.prefill_capture_seconds > 0 and llm.capture_seconds >= llm.prefill_capture_seconds

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tscompile
 import tscompile.backend
+from tscompile.runtime.graph_runner import HostGraphs
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear"}
 # ops that only make a view or read metadata: no kernel, no copy
@@ -87,7 +88,7 @@ def whole_step_prefill_ops(dtype: torch.dtype = torch.float32) -> collections.Co
                             max_num_seqs=2, page_size=16, max_num_batched_tokens=32,
                             compile_options={"token_ladder": (16, 32), "prefill_graph_max_tokens": 32,
                                              "decode_ladder": (1, 2)})
-        llm.runner.enable_whole_step_prefill(host_replay=True)
+        llm.runner.use_graphs(HostGraphs(), decode=False, prefill="whole")
         prompt = [i % 500 + 1 for i in range(PROMPT_LEN)]
         one = tscompile.SamplingParams(max_new_tokens=1)
         llm.generate([prompt], one)  # compiles
@@ -142,7 +143,7 @@ def test_gpu_whole_step_prefill_graph_has_no_stray_copies():
                         max_model_len=128, max_num_seqs=2, page_size=16, max_num_batched_tokens=64,
                         compile_options={"token_ladder": (16, 32, 64), "prefill_graph_max_tokens": 64,
                                          "decode_ladder": (1, 2), "prefill_graph_mode": "whole"})
-    assert llm.runner.whole_prefill is not None
+    assert llm.runner.prefill.whole is not None
     prompt = [i % 500 + 1 for i in range(PROMPT_LEN)]
     one = tscompile.SamplingParams(max_new_tokens=1)
     for _ in range(2):

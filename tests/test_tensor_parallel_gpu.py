@@ -54,7 +54,7 @@ def test_two_gpus_give_the_one_gpu_tokens(checkpoint, compiled):
         assert _tokens(llm) == reference
         assert _tokens(llm) == reference  # the captured graphs replayed
         if compiled:
-            assert llm.runner.decode_graphs is not None and llm.capture_seconds > 0
+            assert llm.runner.graphs is not None and llm.capture_seconds > 0
     finally:
         llm.close()
 

@@ -315,7 +315,7 @@ def test_gpu_graphs_on_give_transformers_tokens(checkpoints):
     path, hf = checkpoints["olmo2"]
     llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="torch", page_size=16,
                         max_model_len=128, max_num_seqs=8, compile_options={"decode_ladder": (1, 2, 4, 8)})
-    assert llm.runner.decode_graphs is not None
+    assert llm.runner.graphs is not None and llm.runner.graphs.decode_ladder == (1, 2, 4, 8)
     prompts = PROMPTS + [[(i * 13) % 300 + 4 for i in range(40)]]
     hf = copy.deepcopy(hf).to("cuda")
     want = [hf_greedy(hf, p, 16) for p in prompts]

@@ -17,6 +17,15 @@ entirely ungraphed: a capture per size would never be replayed.
 Why outputs are copied: a replayed piece writes the same memory at every call; the caller's
 tensors must survive the next call, so the graph's outputs are cloned out of graph memory. That is
 what lets a user call the compiled model in a loop with nothing to do per step.
+
+Why these graphs do not go through the engine's ``GraphRunner``: a ``torch.compile`` user has no
+engine, no step plan and no persistent input buffers, so there is no step key to select a graph
+by, nothing to pad on the host and no runner object the user could reach. Padding happens inside
+the compiled graph (the token dimension is resized at each piece), each piece captures once per
+bucket and per its other input shapes, and outputs are cloned out of graph memory. What is shared
+is the capture itself (``graph_runner.capture_graph``: raw ``torch.cuda.CUDAGraph``, one pool per
+compiled graph) and the meaning of the switch: ``pad_without_graphs()`` runs the same padding
+without capture or replay, as ``GraphRunner.replay = False`` does for an engine.
 """
 
 from __future__ import annotations
@@ -299,7 +308,7 @@ class PaddedPiece:
         return entry.outputs
 
     def _capture(self, args) -> _Entry:
-        from tscompile.runtime.piece_graphs import capture_graph
+        from tscompile.runtime.graph_runner import capture_graph
 
         rt = self.runtime
         padded = self.shapes.resize(args, rt.rows, pad=True)

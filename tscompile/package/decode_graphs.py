@@ -23,21 +23,22 @@ the tokens a graph writes are read (``tolist``) before another graph replays. Th
 must be loaded with AOTInductor's ``run_single_threaded`` (``load_aoti_programs``): its default
 run records and queries a completion event, which a capturing stream refuses.
 
-``host_replay=True`` runs the padded program over the same buffers instead of capturing and
-replaying, so the padding is testable where no CUDA device exists.
+Capture, replay, the pool and the replay switch are the engine's ``GraphRunner``'s (decode keys
+of the ladder's sizes; the program takes the sampling rows as inputs, so one graph per size serves
+greedy and sampled batches). ``backend=HostGraphs()`` runs the padded program over the same buffers
+instead of capturing and replaying, so the padding is testable where no CUDA device exists;
+``graphs.replay = False`` runs it padded, without graphs, on any backend.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import torch
 
 from tscompile.config import DEFAULT_DECODE_LADDER
-from tscompile.counters import counters
-from tscompile.runtime.piece_graphs import capture_graph
+from tscompile.runtime.graph_runner import DECODE, CudaGraphs, GraphBackend, GraphRunner
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingBuffers
 from tscompile.step_plan import SamplingRows, StepPlan
@@ -62,21 +63,23 @@ def _no_sampling_rows(banned_width: int) -> SamplingRows:
 class PackageDecodeGraphs:
     """Padded, graphed decode steps of a package's decode program (see the module docstring).
 
-    ``replays`` counts graph replays (host replay: padded program calls), ``captures`` the sizes
-    captured (host replay: the sizes first run on idle inputs), ``padded_rows`` the padding rows run."""
+    ``graphs`` is the ``GraphRunner`` (its ``replay`` the switch); ``replays`` counts padded steps
+    run (graph replays, or padded program calls with the switch off), ``captures`` the sizes
+    captured, ``padded_rows`` the padding rows run."""
 
     def __init__(self, program, ladder: tuple[int, ...], *, max_num_seqs: int, num_groups: int, max_blocks: int,
                  banned_width: int, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 device: torch.device, host_replay: bool = False):
+                 device: torch.device, backend: GraphBackend | None = None):
         ladder = tuple(sorted(set(ladder)))
         if not ladder or any(not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= max_num_seqs
                              for b in ladder):
             raise ValueError(f"tscompile: decode graph ladder {ladder!r} must hold ints in [1, max_num_seqs="
                              f"{max_num_seqs}]")
-        if not host_replay and device.type != "cuda":
+        if backend is None and device.type != "cuda":
             raise ValueError(f"tscompile: decode CUDA graphs need a CUDA device, got {str(device)!r} "
-                             "(host_replay=True runs the padded program without graphs)")
-        self.program, self.ladder, self.device, self.host_replay = program, ladder, device, host_replay
+                             "(backend=HostGraphs() runs the padded program without graphs)")
+        self.graphs = GraphRunner(CudaGraphs(device) if backend is None else backend, decode_ladder=ladder)
+        self.program, self.ladder, self.device = program, ladder, device
         self.k_caches, self.v_caches = k_caches, v_caches
         self.banned_width = banned_width
         # the staging's views start at multiples of its row count: a count that is a multiple of
@@ -86,13 +89,17 @@ class PackageDecodeGraphs:
         self.staging = DecodeStaging(rows, num_groups, max_blocks, banned_width, device)
         # the sampling op's inputs are the staging's views, for the runner's other steps too
         self.sampling = SamplingBuffers(self.staging.sampling_inputs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # per size, the tokens its graph writes
-        self.replays = self.captures = self.padded_rows = 0
-        self.capture_seconds = 0.0
-        if not host_replay:
-            self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream(device)
+        self.replays = self.padded_rows = 0
+        self._said_ladder = False
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.graphs.capture_seconds[DECODE]
+
+    @property
+    def captures(self) -> int:
+        """The sizes captured so far."""
+        return len(self.graphs.graphs)
 
     def padded_size(self, n: int) -> int | None:
         """The ladder size a batch of ``n`` runs at, or None above the ladder."""
@@ -105,16 +112,12 @@ class PackageDecodeGraphs:
         bs = self.padded_size(n)
         if bs is None:
             return None
-        if bs not in self.graphs:
-            self._capture(bs)
+        key = self.graphs.decode_key(bs, True)  # None: the switch is off
+        if key is not None and key not in self.graphs.graphs:
+            self._capture(key)
         self.staging.fill(plan, bs, pad_tables=True)  # the program refreshes from the rows it is given
         self.staging.upload()
-        if self.host_replay:
-            tokens = self._call(bs)
-        else:
-            self.graphs[bs].replay()
-            tokens = self.outputs[bs]
-            counters["decode_replays"] += 1  # what the bench's captures/replays columns read
+        tokens = self.graphs.replay_graph(key) if key is not None else self._call(bs)
         self.replays += 1
         self.padded_rows += bs - n
         return tokens[:n].tolist()
@@ -145,20 +148,11 @@ class PackageDecodeGraphs:
         st.positions[:bs].zero_()
         self._idle_tables(bs)
 
-    def _capture(self, bs: int) -> None:
-        start = time.perf_counter()
-        self._idle_inputs(bs)
-        if self.host_replay:
-            self._call(bs)  # what a capture's warm-up runs: idle rows write the null page only
-            self.graphs[bs] = None
-        else:  # capture_graph's warm-up call loads the program's kernels on the capture stream
-            graph, tokens = capture_graph(lambda: self._call(bs), self.device, self.stream, self.pool,
-                                          f"the package decode step of batch {bs}")
-            self.graphs[bs], self.outputs[bs] = graph, tokens
-            counters["decode_captures"] += 1
-            torch.cuda.synchronize(self.device)  # capture time includes the warm-up's device work
-        self.captures += 1
-        self.capture_seconds += time.perf_counter() - start
-        if self.captures == 1:
-            logger.info("tscompile: package decode graphs, ladder %s: each size captures on first use",
-                        self.ladder)
+    def _capture(self, key) -> None:
+        """The size's graph on idle inputs: one warm-up call (it loads the program's kernels on the
+        capture stream), then the capture."""
+        bs = key.batch_size
+        self.graphs.capture(key, lambda: self._call(bs), prepare=lambda: self._idle_inputs(bs))
+        if not self._said_ladder:
+            self._said_ladder = True
+            logger.info("tscompile: package decode graphs, ladder %s: each size captures on first use", self.ladder)

@@ -24,6 +24,7 @@ from tscompile.package.programs import PROGRAMS
 from tscompile.package.record import TOKENIZER_PREFIX, check_compatible, read_package_metadata, weights_path
 from tscompile.runtime.build import EngineParts, build_pool_and_scheduler
 from tscompile.runtime.engine import LLM
+from tscompile.runtime.graph_runner import GraphBackend, GraphRunner
 from tscompile.runtime.readback import PendingTokens
 from tscompile.sampling import SamplingBuffers, SamplingInputs
 from tscompile.step_plan import StepPlan
@@ -83,15 +84,22 @@ class PackageRunner:
     def capture_seconds(self) -> float:
         return self.decode_graphs.capture_seconds if self.decode_graphs is not None else 0.0
 
-    def enable_decode_graphs(self, ladder: tuple[int, ...] | None = None, *, host_replay: bool = False) -> None:
+    @property
+    def graphs(self) -> GraphRunner | None:
+        """The ``GraphRunner`` of the decode graphs (its ``replay`` is the switch), or None."""
+        return self.decode_graphs.graphs if self.decode_graphs is not None else None
+
+    def enable_decode_graphs(self, ladder: tuple[int, ...] | None = None, *,
+                             backend: GraphBackend | None = None) -> None:
         """Run decode steps of a ladder size padded, through CUDA graphs (``package/decode_graphs.py``);
-        ``ladder`` defaults to the engine's decode ladder up to ``max_num_seqs``. ``host_replay``
-        runs the padded program over the same buffers without graphs (tests, any device)."""
+        ``ladder`` defaults to the engine's decode ladder up to ``max_num_seqs``. ``backend``
+        ``HostGraphs()`` runs the padded program over the same buffers without graphs (tests, any
+        device)."""
         graphs = PackageDecodeGraphs(
             self.programs["decode"], default_decode_ladder(self.max_num_seqs) if ladder is None else ladder,
             max_num_seqs=self.max_num_seqs, num_groups=len(self.attention.specs),
             max_blocks=self.max_blocks, banned_width=self.banned_width, k_caches=self.k_caches,
-            v_caches=self.v_caches, device=self.device, host_replay=host_replay)
+            v_caches=self.v_caches, device=self.device, backend=backend)
         self.decode_graphs, self.sampling = graphs, graphs.sampling
 
     def can_chain(self, plan: StepPlan) -> bool:

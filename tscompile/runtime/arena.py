@@ -1,7 +1,7 @@
 """One byte arena for many small host arrays: typed views at ``UPLOAD_ALIGN_BYTES`` boundaries, so a
 step's metadata goes to the device in one copy (a copy launch costs microseconds of host time).
 
-Used by the whole-step prefill buffers (``prefill_graphs.ExtendBuffers``), the steps without a
+Used by the whole-step prefill buffers (``prefill_buffers.ExtendBuffers``), the steps without a
 bucket (``upload_packed``: the same layout, so both reach one compiled graph) and the decode staging.
 """
 

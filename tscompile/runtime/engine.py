@@ -91,7 +91,9 @@ class LLM:
     By default the decode step is compiled whole and the prefill step piecewise by the tscompile
     backend (``compile_options`` are its options, see ``TscompileConfig``), with decode CUDA graphs
     per ladder size on CUDA; ``enforce_eager=True`` runs the same model and the same metadata path
-    without compiling.
+    without compiling. Every CUDA graph of the engine goes through one ``GraphRunner``
+    (``llm.runner.graphs``); ``llm.runner.graphs.replay = False`` runs the same padded steps without
+    replaying them. The first steps say at INFO what they compile and capture, and how long it took.
 
     ``model_impl`` picks the code a checkpoint runs: ``"native"`` the engine's own model (Llama,
     Mistral, Qwen2, Qwen3), ``"transformers"`` the checkpoint's transformers modeling code with the

@@ -9,6 +9,15 @@ input-shape signature and replays from then on; otherwise (no plan, above the la
 Why raw graphs and not CUDA-graph trees: the trees cost about 100 us of host work per captured
 piece (measured on an H200, see bench/results/README.md), and a Llama prefill has a piece per layer.
 
+Why the pieces hold their graphs rather than the ``GraphRunner``'s step keys: one piecewise step
+replays many graphs, one per compiled piece, with eager attention breaks between them, and a
+piece's graph is selected by its own input shapes (the narrowing model's decoder pieces by a row
+bucket that the step's key does not carry, the last piece by its logits rows), not by the step.
+So each ``GraphedPiece`` keys its graphs by its input signature, and takes everything else from the
+engine's ``GraphRunner``: the prefill memory pool and capture stream, the capture and replay
+backend (CUDA graphs, or ``HostGraphs`` on any device), the prefill capture clock, and the one
+replay switch (``GraphRunner.replay``).
+
 How addresses stay put without copying activations:
 - a piece's outputs are the tensors its capture produced (graph-pool memory, held here), so the next
   piece, and the attention break that writes into the ``out`` buffer a piece allocated, see the
@@ -42,27 +51,11 @@ import torch
 from tscompile.counters import counters
 from tscompile.forward_context import peek_forward_context
 from tscompile.piece_compiler import PieceWrappers
+from tscompile.runtime.graph_runner import PREFILL, GraphRunner
 from tscompile.step_plan import StepPlan
 from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
-
-
-class PieceGraphRuntime:
-    """What every graphed piece of one engine shares: the memory pool and the capture stream.
-
-    ``host_replay=True`` replaces CUDA graphs by re-running the piece into the captured output
-    tensors: the same static-buffer bookkeeping, testable where no CUDA device exists."""
-
-    def __init__(self, device: torch.device, *, host_replay: bool = False):
-        self.device = device
-        self.host_replay = host_replay
-        if not host_replay:
-            self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream(device)
-        self.capture_seconds = 0.0
-        self.replay = True  # False: keep the padding, run the pieces without graphs (tests compare the two)
-        self.pieces: list[GraphedPiece] = []  # pieces that captured at least once
 
 
 @dataclass
@@ -74,7 +67,8 @@ class PrefillGraphPlan:
     logits_rows: the request bucket the last piece's logits rows are padded to (None: not padded).
     """
 
-    runtime: PieceGraphRuntime
+    graphs: GraphRunner
+    pieces: list  # the pieces that captured at least once (PrefillBuckets.pieces)
     encoder_tokens: int | None
     decoder_rows: int | None = None
     logits_rows: int | None = None
@@ -93,9 +87,10 @@ class PrefillBuckets:
     the request counts the last piece's logits rows are padded to (the LM head and the sampler
     run on one row per request, so without padding that piece would capture once per count)."""
 
-    def __init__(self, runtime: PieceGraphRuntime, token_ladder: tuple[int, ...], *, num_groups: int,
+    def __init__(self, graphs: GraphRunner, token_ladder: tuple[int, ...], *, num_groups: int,
                  narrowed: int | None, window: int, max_num_seqs: int, request_ladder: tuple[int, ...] = ()):
-        self.runtime = runtime
+        self.graphs = graphs
+        self.pieces: list[GraphedPiece] = []  # pieces that captured at least once
         self.token_ladder = token_ladder
         self.request_ladder = request_ladder
         self.num_groups = num_groups
@@ -127,7 +122,7 @@ class PrefillBuckets:
         tokens, rows, requests = self.sizes_of(plan)
         if self.narrowed is not None:
             counters["decoder_rows_graphed" if rows is not None else "decoder_rows_eager"] += 1
-        return PrefillGraphPlan(self.runtime, tokens, rows, requests)
+        return PrefillGraphPlan(self.graphs, self.pieces, tokens, rows, requests)
 
     def graph_keys(self, plan: StepPlan) -> frozenset:
         """What a step of ``plan``'s shape captures when nothing is captured yet, one key per group
@@ -167,48 +162,20 @@ class PrefillBuckets:
         return out
 
 
-def capture_graph(fn: Callable, device: torch.device, stream: torch.cuda.Stream, pool, what: str):
-    """``(graph, outputs)``: ``fn`` run once on ``stream`` as a warm-up (first launches load kernels,
-    set up library handles, compile a new shape), then captured into ``pool``; the current stream
-    waits for it. A failure raises naming ``what``."""
-    current = torch.cuda.current_stream(device)
-    stream.wait_stream(current)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.stream(stream):
-            fn()
-            graph.capture_begin(pool=pool)
-            try:
-                outputs = fn()
-            except BaseException:
-                # end the capture, but report what broke it: capture_end's own "capture invalidated"
-                # error would otherwise replace the cause
-                try:
-                    graph.capture_end()
-                except Exception:
-                    pass
-                raise
-            graph.capture_end()
-    except Exception as e:
-        raise RuntimeError(f"tscompile: capturing {what} failed: {e}") from e
-    current.wait_stream(stream)
-    return graph, outputs
-
-
 def current_plan() -> PrefillGraphPlan | None:
     ctx = peek_forward_context()
     return None if ctx is None else ctx.prefill_graphs
 
 
 class _Captured:
-    __slots__ = ("graph", "outputs", "copied", "fixed", "run")
+    __slots__ = ("graph", "play", "outputs", "copied", "fixed")
 
-    def __init__(self, graph, outputs, copied, fixed, run):
-        self.graph = graph  # torch.cuda.CUDAGraph, or None under host replay
+    def __init__(self, graph, play, outputs, copied, fixed):
+        self.graph = graph  # what the GraphRunner's backend captured
+        self.play = play  # its replay: one call
         self.outputs = outputs
         self.copied = copied  # [(arg index, static tensor)] copied into when the address moved
         self.fixed = fixed  # [(arg index, tensor)] parameters and written inputs: must never move
-        self.run = run  # host replay: re-runs the piece over the static inputs
 
 
 def _signature(args) -> tuple:
@@ -224,14 +191,14 @@ class GraphedPiece:
 
     def __call__(self, *args):
         plan = current_plan()
-        if plan is None or not plan.covers(self.stage) or not plan.runtime.replay:
+        if plan is None or not plan.covers(self.stage) or not plan.graphs.replay:
             return self.fn(*args)
         key = _signature(args)
         entry = self.graphs.get(key)
         if entry is None:
             if not self.graphs:
-                plan.runtime.pieces.append(self)
-            entry = self.graphs[key] = self._capture(plan.runtime, args)
+                plan.pieces.append(self)
+            entry = self.graphs[key] = self._capture(plan.graphs, args)
             counters["prefill_captures"] += 1
         for i, static in entry.copied:
             a = args[i]
@@ -242,28 +209,21 @@ class GraphedPiece:
                 raise RuntimeError(f"tscompile: prefill piece {self.name}: input {i} (a parameter, or a tensor the "
                                    f"piece writes to) is not the tensor it was captured with; weights or "
                                    f"output buffers must keep their addresses while graphs exist")
-        if entry.graph is not None:
-            entry.graph.replay()
-        else:
-            for out, new in zip(entry.outputs, entry.run()):
-                if isinstance(out, torch.Tensor):
-                    out.copy_(new)
+        entry.play()
         counters["prefill_replays"] += 1
         return entry.outputs
 
-    def _capture(self, runtime: PieceGraphRuntime, args) -> _Captured:
+    def _capture(self, graphs: GraphRunner, args) -> _Captured:
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         is_fixed = {i for i, a in tensors if isinstance(a, torch.nn.Parameter) or i in self.written}
         fixed = [(i, a) for i, a in tensors if i in is_fixed]
         copied = [(i, a) for i, a in tensors if i not in is_fixed]
-        if runtime.host_replay:
-            outputs = self.fn(*args)
-            return _Captured(None, outputs, copied, fixed, lambda: self.fn(*args))
         start = time.perf_counter()
-        graph, outputs = capture_graph(lambda: self.fn(*args), runtime.device, runtime.stream, runtime.pool,
-                                       f"prefill piece {self.name} for sizes {_signature(args)}")
-        runtime.capture_seconds += time.perf_counter() - start
-        return _Captured(graph, outputs, copied, fixed, None)
+        pool, stream = graphs.pool(PREFILL)
+        graph, outputs = graphs.backend.capture(lambda: self.fn(*args), pool, stream, warmup=1, tidy=False,
+                                                what=f"prefill piece {self.name} for sizes {_signature(args)}")
+        graphs.capture_seconds[PREFILL] += time.perf_counter() - start
+        return _Captured(graph, graphs.backend.replayer(graph), outputs, copied, fixed)
 
 
 class NarrowHandoff:

@@ -165,7 +165,7 @@ def startup_plans(runner, scheduler) -> list[StepPlan]:
     specs = scheduler.specs
     limits = StepLimits(max_tokens=scheduler.max_num_batched_tokens, max_requests=scheduler.max_num_seqs,
                         max_chunk=max(scheduler.max_model_len - 2, 1))
-    buckets = runner.prefill_buckets
+    buckets = runner.prefill.buckets
     window = specs[buckets.narrowed].window if buckets is not None and buckets.narrowed is not None else None
     shapes = candidate_shapes(reachable_token_ladder(runner.prefill_token_ladder, limits.max_tokens),
                               runner.prefill_request_ladder, limits, window)
