@@ -464,7 +464,8 @@ def test_gpu_extend_and_mixed_match_torch_backend_over_a_poisoned_pool(page_size
     group_plan = GroupPlan(batch.q_lens, batch.lens, batch.tables, batch.block)
     outs = {}
     for name, (router, pool) in routers.items():
-        router.init_forward_metadata(SimpleNamespace(mode=ForwardMode.MIXED, groups=(group_plan,)), {})
+        router.init_forward_metadata(SimpleNamespace(mode=ForwardMode.MIXED, groups=(group_plan,),
+                                                     num_requests=len(group_plan.seq_lens)), {})
         out = torch.full_like(batch.q, float("nan"))
         kc, vc = _caches(pool)
         router.forward(0, ForwardMode.MIXED, batch.q, batch.k, batch.v, kc, vc, out, SCALE)
@@ -566,7 +567,8 @@ def test_gpu_first_use_announces_a_build_only_when_flashinfers_cache_lacks_the_l
     with caplog.at_level("INFO", logger="tscompile"):
         _decode(router, pool, batch, bs=2)
         group_plan = GroupPlan(batch.q_lens, batch.lens, batch.tables, batch.block)
-        router.init_forward_metadata(SimpleNamespace(mode=ForwardMode.MIXED, groups=(group_plan,)), {})
+        router.init_forward_metadata(SimpleNamespace(mode=ForwardMode.MIXED, groups=(group_plan,),
+                                                     num_requests=len(group_plan.seq_lens)), {})
     building = [r.getMessage() for r in caplog.records if "building FlashInfer kernels" in r.getMessage()]
     for kind, uri in uris.items():
         announced = [m for m in building if f"): {kind}, bfloat16, head_dim 64" in m]
