@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from tscompile.custom_ops.sampling import uniform_from_counter
+from tscompile.custom_ops.sampling import filtered_sorted_probs, uniform_from_counter
 
 # Per-use salts XOR-ed into the seed: the accept test and the token draw at one position get
 # independent uniforms, and neither repeats the one ``tscompile::sample`` draws for that position.
@@ -53,16 +53,8 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     top_p [R] float32 in (0, 1]. Returns [R, V] float64 rows summing to 1; a greedy row is one-hot at
     the argmax (the first index on ties)."""
     rows, vocab = logits.shape
-    greedy = (temperature <= 0) | (top_k == 1)
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    scaled = logits.float() / temp[:, None]
-    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k <= 0, vocab, top_k).long()
-    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs
-    probs = probs.masked_fill(before > top_p.float()[:, None], 0.0).double()
+    probs, sorted_ids, greedy, rank = filtered_sorted_probs(logits, temperature, top_k, top_p)
+    probs = probs.double()
     probs = torch.where(greedy[:, None], (rank == 0).double(), probs)
     probs = probs / probs.sum(-1, keepdim=True)
     return torch.zeros(rows, vocab, dtype=torch.float64, device=logits.device).scatter_(1, sorted_ids, probs)

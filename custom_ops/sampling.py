@@ -64,7 +64,12 @@ def pad_banned(rows: list[Sequence[int]], width: int) -> torch.Tensor:
     return out
 
 
-def sample_tokens(logits, temperature, top_k, top_p, seeds, steps) -> torch.Tensor:
+def filtered_sorted_probs(logits, temperature, top_k, top_p):
+    """The temperature / top-k / top-p filter every sampling route shares (``tscompile::sample`` and
+    the rejection sampler of speculative decoding), over the logits sorted in descending order.
+
+    Returns ``(probs [R, V] float32, unnormalized after top-p, sorted_ids [R, V] int64, greedy [R]
+    bool, rank [1, V] int64)``; a greedy row (temperature <= 0 or top_k == 1) is left to the caller."""
     vocab = logits.shape[-1]
     greedy = (temperature <= 0) | (top_k == 1)
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
@@ -76,6 +81,12 @@ def sample_tokens(logits, temperature, top_k, top_p, seeds, steps) -> torch.Tens
     probs = torch.softmax(sorted_logits, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs
     probs = probs.masked_fill(before > top_p.float()[:, None], 0.0)
+    return probs, sorted_ids, greedy, rank
+
+
+def sample_tokens(logits, temperature, top_k, top_p, seeds, steps) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    probs, sorted_ids, greedy, _ = filtered_sorted_probs(logits, temperature, top_k, top_p)
     cdf = torch.cumsum(probs.double(), dim=-1)
     u = uniform_from_counter(seeds, steps) * cdf[:, -1]
     choice = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
