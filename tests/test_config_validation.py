@@ -123,7 +123,8 @@ def test_kernels_fields_must_be_booleans(value):
 def test_no_environment_variable_switches_a_kernel_or_pass():
     """Only the documented debugging aids read the environment in the backend, the passes and the ops:
     TSCOMPILE_DEBUG_DIR (debug_dir's default) and TSCOMPILE_GRAPH_DEBUG; TRITON_INTERPRET says whether
-    the Triton kernels run under the CPU interpreter."""
+    the Triton kernels run under the CPU interpreter; torchrun's rank variables say which rank a
+    tensor-parallel process is (tscompile/distributed)."""
     root = Path(__file__).resolve().parents[1]
     reads = []
     for folder in ("tscompile", "custom_ops", "passes"):
@@ -132,4 +133,5 @@ def test_no_environment_variable_switches_a_kernel_or_pass():
                 if re.search(r"os\.environ|getenv", line):
                     reads.append((path.relative_to(root).as_posix(), line.strip()))
     names = {m for _, line in reads for m in re.findall(r"[\"']([A-Z][A-Z0-9_]+)[\"']", line)}
-    assert names <= {"TSCOMPILE_DEBUG_DIR", "TSCOMPILE_GRAPH_DEBUG", "TRITON_INTERPRET", "CXX"}, reads
+    torchrun = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    assert names <= {"TSCOMPILE_DEBUG_DIR", "TSCOMPILE_GRAPH_DEBUG", "TRITON_INTERPRET", "CXX"} | torchrun, reads

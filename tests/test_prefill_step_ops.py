@@ -87,7 +87,8 @@ def whole_step_prefill_ops(dtype: torch.dtype = torch.float32) -> collections.Co
         llm = tscompile.LLM("llama-tiny", device="cpu", dtype=dtype, attention_backend="triton", max_model_len=64,
                             max_num_seqs=2, page_size=16, max_num_batched_tokens=32,
                             compile_options={"token_ladder": (16, 32), "prefill_graph_max_tokens": 32,
-                                             "decode_ladder": (1, 2)})
+                                             "decode_ladder": (1, 2)},
+                            enable_prefix_caching=False)  # the rerun prompt must run whole, not as a hit
         llm.runner.use_graphs(HostGraphs(), decode=False, prefill="whole")
         prompt = [i % 500 + 1 for i in range(PROMPT_LEN)]
         one = tscompile.SamplingParams(max_new_tokens=1)

@@ -34,7 +34,7 @@ from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root
 from tscompile.models.hf_attention import (ATTENTION_NAME, check_attention_calls, probe_attention_calls,
                                            reads_position_ids, register_attention, transformers_version)
-from tscompile.models.hf_config import ARCHITECTURES, checkpoint_dtype, eos_token_ids
+from tscompile.models.hf_config import ARCHITECTURES, checkpoint_dtype, eos_token_ids, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -108,22 +108,24 @@ class TransformersModel(nn.Module):
 
 def native_architecture(path: str | os.PathLike) -> str | None:
     """The checkpoint's architecture when the native model implements it, else None."""
-    raw = json.loads((Path(path) / "config.json").read_text())
+    raw = read_json_object(Path(path) / "config.json")
     names = raw.get("architectures") or []
     return names[0] if len(names) == 1 and names[0] in ARCHITECTURES else None
 
 
 def choose_model_impl(path: str | os.PathLike, model_impl: str) -> str:
     """``"native"`` or ``"transformers"`` for a checkpoint directory; ``"auto"`` picks native where
-    it exists. The choice is logged at INFO."""
+    it exists. The choice is logged: at INFO when a checkpoint falls back to its transformers code,
+    at DEBUG when it runs natively (the expected case, kept out of the CLI's output)."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"tscompile: model_impl {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
     if model_impl != "auto":
         return model_impl
     native = native_architecture(path)
     chosen = "native" if native is not None else "transformers"
-    log.info("tscompile: %s runs on the %s implementation (model_impl='auto')",
-             native or _architecture_name(json.loads((Path(path) / "config.json").read_text())), chosen)
+    say = log.debug if chosen == "native" else log.info
+    say("tscompile: %s runs on the %s implementation (model_impl='auto')",
+        native or _architecture_name(read_json_object(Path(path) / "config.json")), chosen)
     return chosen
 
 

@@ -108,6 +108,9 @@ def export_package(
                          f"max_model_len {max_model_len}, page_size {page_size}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    backend = default_backend_name(device) if attention_backend == "auto" else attention_backend
+    check_exportable_backend(backend)
+    leaf_class(backend)  # unknown or unimportable backends refuse here, before any work (the load included)
     with export_phase(f"loading {os.fspath(model) if isinstance(model, (str, os.PathLike)) else 'the model'} "
                       f"({device.type}, {str(dtype).removeprefix('torch.')})"):
         built, checkpoint = load_model(model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len)
@@ -120,9 +123,6 @@ def export_package(
         max_num_batched_tokens = min(2048, max_num_seqs * max_model_len)
     if max_num_batched_tokens < 4:
         raise ValueError(f"tscompile: max_num_batched_tokens must be at least 4, got {max_num_batched_tokens}")
-    backend = default_backend_name(device) if attention_backend == "auto" else attention_backend
-    check_exportable_backend(backend)
-    leaf_class(backend)  # unknown or unimportable backends refuse here, before any work
     block_size = page_size * pages_per_block
     record = {
         "format": FORMAT_VERSION, "tscompile_version": __version__, "torch_version": torch.__version__,
