@@ -80,7 +80,7 @@ EXPECTED_OPS = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def package(tmp_path_factory):
     """``package(model, weights)`` -> path; built on first use, once per test run. Weights inside:
     ``BOUNDS``; external weights (exported through the CLI): ``TIGHT_BOUNDS``."""
@@ -92,7 +92,7 @@ def package(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def eager():
     """``eager(model, bounds=BOUNDS)``: the eager engine a package of those bounds is checked against."""
     made = {}
