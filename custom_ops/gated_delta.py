@@ -157,6 +157,8 @@ def _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, 
     fresh = (~has_state).tolist()
     for r, slot in enumerate(state_slots.tolist()):
         lo, hi = bounds[r], bounds[r + 1]
+        if hi == lo:  # an empty (padding) request: no rows to write, its window stays as it was
+            continue
         window = torch.zeros_like(conv_pool[slot]) if fresh[r] else conv_pool[slot]  # [C, K-1]
         inputs = torch.cat([window.to(torch.float32), x[lo:hi].float().t()], dim=1)  # [C, K-1+L]
         y = torch.nn.functional.conv1d(inputs[None], weight.float()[:, None, :],
