@@ -1,0 +1,110 @@
+"""Qwen3-Next's linear-attention layer (Gated DeltaNet) on the tscompile state ops, and the checks
+that keep the Qwen3-Next family dense.
+
+The layer's parameters carry transformers' names (``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``,
+``dt_bias``, ``A_log``, ``norm``, ``out_proj``), so a checkpoint's ``linear_attn`` tensors load
+into it unchanged. Rows are flat and request-major like every tscompile model; the per-request
+state lives in a ``StatePool`` (``kv_cache/state_pool.py``) at the step's ``state_slots``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tscompile.custom_ops import gated_delta  # noqa: F401  (registers tscompile::gated_delta_rule)
+from tscompile.kv_cache.state_pool import StateSpec
+
+CHUNK_SIZE = 64  # the torch reference's prefill chunk (transformers' default)
+
+
+def moe_layers(hf_config) -> list[int]:
+    """The layers of a Qwen3-Next config that would carry a mixture of experts (transformers' rule:
+    experts on, the layer not in ``mlp_only_layers``, and ``(i + 1) % decoder_sparse_step == 0``)."""
+    experts = getattr(hf_config, "num_experts", 0) or 0
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    return [i for i in range(hf_config.num_hidden_layers) if experts > 0 and i not in dense and (i + 1) % step == 0]
+
+
+def check_dense(hf_config) -> None:
+    """Refuse a Qwen3-Next config with experts on any layer: only the dense family is native."""
+    moe = moe_layers(hf_config)
+    if moe:
+        raise ValueError(f"tscompile: Qwen3-Next layers {moe} use a mixture of experts (num_experts="
+                         f"{hf_config.num_experts}); only dense Qwen3-Next is supported: set mlp_only_layers to "
+                         f"every layer (0..{hf_config.num_hidden_layers - 1}) or num_experts=0")
+
+
+def state_spec(hf_config) -> StateSpec:
+    """The state pool geometry of a Qwen3-Next config's linear-attention layers."""
+    key_dim = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
+    value_dim = hf_config.linear_num_value_heads * hf_config.linear_value_head_dim
+    layers = tuple(i for i, t in enumerate(hf_config.layer_types) if t == "linear_attention")
+    return StateSpec(layers, 2 * key_dim + value_dim, hf_config.linear_conv_kernel_dim,
+                     hf_config.linear_num_value_heads, hf_config.linear_key_head_dim, hf_config.linear_value_head_dim)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the core output, then a SiLU gate from ``z`` (norm before gate, as the model)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * xf.to(dtype)) * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hf_config, impl: str = "torch"):
+        super().__init__()
+        c = hf_config
+        self.hk, self.hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.impl = impl
+        width = c.linear_conv_kernel_dim
+        # a plain Conv1d so the checkpoint's conv1d.weight [C, 1, K] loads as is
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
+                                padding=width - 1)
+        self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.hv, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """The checkpoint's interleaved layout: per key head, ``[q, k, v-group, z-group]`` and
+        ``[b-group, a-group]`` (``group = Hv / Hk`` value heads per key head)."""
+        t, group = qkvz.shape[0], self.hv // self.hk
+        qkvz = qkvz.view(t, self.hk, 2 * self.dk + 2 * group * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, group * self.dv, group * self.dv], dim=-1)
+        b, a = ba.view(t, self.hk, 2 * group).split([group, group], dim=-1)
+        return (q.reshape(t, self.key_dim), k.reshape(t, self.key_dim), v.reshape(t, self.value_dim),
+                z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv))
+
+    def forward(self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, state_slots: torch.Tensor,
+                cu_seqlens: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+        """``x: [T, hidden]`` packed rows -> ``[T, hidden]``; reads and writes the slots in place."""
+        t = x.shape[0]
+        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        mixed = torch.cat([q, k, v], dim=-1)
+        conv_out = torch.empty_like(mixed)
+        torch.ops.tscompile.causal_conv1d(mixed, self.conv1d.weight[:, 0], None, conv_pool, state_slots, cu_seqlens,
+                                          has_state, conv_out, self.impl, "silu")
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float32: A may overflow in 16 bits
+        core = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
+        torch.ops.tscompile.gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
+                                             v.reshape(t, self.hv, self.dv), g, beta, ssm_pool, state_slots,
+                                             cu_seqlens, has_state, core, self.impl, True, CHUNK_SIZE)
+        return self.out_proj(self.norm(core, z).reshape(t, self.value_dim))
