@@ -8,6 +8,7 @@ One step: schedule -> launch -> update -> read back.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass
 from typing import Iterator
@@ -23,10 +24,14 @@ from tscompile.runtime.build import EngineParts, build_model_engine
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request
 from tscompile.sampling import SamplingParams
+from tscompile.spec_decode.config import SpeculativeConfig
+from tscompile.spec_decode.engine_checks import check_built_vocab, check_engine_speculation
 from tscompile.step_plan import StepPlan
 from tscompile.text import CompletionState, apply_chat_template
 from tscompile.utils import resolve_device
 from tscompile.validation import validate_engine_args
+
+logger = logging.getLogger("tscompile")
 
 
 # Errors after which the CUDA context of the process is lost: a kernel fault is sticky, every later
@@ -136,6 +141,7 @@ class LLM:
         model_impl: str = "auto",
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
+        speculative_config: dict | None = None,
     ):
         validate_engine_args(
             model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -144,7 +150,8 @@ class LLM:
             compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
             gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
             enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config)
+        spec = check_engine_speculation(speculative_config, model=model, tensor_parallel_size=tensor_parallel_size)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
         if compile_config is not None:
@@ -161,8 +168,14 @@ class LLM:
             parts = build_tensor_parallel_engine(model, tensor_parallel_size, build_kwargs)
         else:
             parts = build_model_engine(model, **build_kwargs)
+        check_built_vocab(spec, parts.config.vocab_size)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling,
                        enable_prefix_caching=enable_prefix_caching)
+        self.speculative_config = spec
+        if spec is not None:
+            logger.warning("tscompile: speculative_config (method=%r, num_speculative_tokens=%d) is checked, but "
+                           "this engine does not run verify steps yet: it decodes one token per step (the "
+                           "outputs are those of plain decode)", spec.method, spec.num_speculative_tokens)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, *, seed: int = 0, async_scheduling: bool = True,
@@ -186,6 +199,7 @@ class LLM:
         self._inflight: _InFlight | None = None
         self._ready: list[Request] = []  # finished and read back, not yet returned by step()/sync()
         self._dead: str | None = None  # set by a CUDA fault: why every later call is refused
+        self.speculative_config: SpeculativeConfig | None = None
 
     # -- request level ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -261,6 +275,8 @@ class LLM:
             raise ValueError(f"tscompile: sampling_params must be a tscompile.SamplingParams, got "
                              f"{type(params).__name__}")
         self.scheduler.validate(prompt.token_ids, params)
+        if self.speculative_config is not None:
+            self.speculative_config.check_sampling(params)
         completion = CompletionState(params, self.eos_token_ids, self.tokenizer, prompt.token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(next(self._ids), prompt.token_ids, params, seed)  # parse_prompts made the list: no copy
