@@ -1,5 +1,5 @@
-"""``tscompile.LLM(speculative_config=...)``: vLLM's keys accepted and parsed, and every setting the
-engine cannot honour refused with a ``tscompile:`` message before any model loads."""
+"""``tscompile.LLM(speculative_config=...)``: vLLM's keys parsed, settings the engine cannot honour refused
+before any model loads, and n-gram verify steps whose greedy output equals plain decode."""
 
 from __future__ import annotations
 
@@ -88,3 +88,94 @@ def test_engine_parses_vllm_keys_and_refuses_min_tokens():
     plain = small_llm(dtype=torch.float32, enforce_eager=True)
     assert ids(llm.generate([prompt], params)) == ids(plain.generate([prompt], params))
     assert small_llm(dtype=torch.float32, enforce_eager=True).speculative_config is None
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# repetitive prompts (n-gram drafts are found), a short one, and lengths that chunk under a small budget
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], [9, 8, 7],
+           [11, 12, 11, 12, 11, 12, 13, 11, 12, 11, 12, 11]]
+
+
+def _pair(**kw):
+    """The same float32 engine with and without speculation (random weights from seed 0)."""
+    kw.setdefault("dtype", torch.float32)
+    kw.setdefault("enforce_eager", True)
+    return small_llm(speculative_config=NGRAM, **kw), small_llm(**kw)
+
+
+def _greedy(n: int, **kw) -> tscompile.SamplingParams:
+    return tscompile.SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
+
+
+def test_ngram_greedy_equals_plain_decode_on_mixed_chunked_batches():
+    spec, plain = _pair(max_num_batched_tokens=8)  # prompts chunk; their chunks share steps with decodes
+    params = [_greedy(n) for n in (20, 13, 7, 17)]  # max_new_tokens ends requests at different steps
+    got = spec.generate(PROMPTS, params)
+    assert ids(got) == ids(plain.generate(PROMPTS, params))
+    stats = spec.stats()
+    assert stats.spec_verify_steps > 0 and stats.spec_accepted_tokens > 0
+    assert sum(o.num_accepted_tokens for o in got) == stats.spec_accepted_tokens
+    assert sum(o.num_draft_tokens for o in got) == stats.spec_draft_tokens
+    assert 0 < stats.spec_acceptance_rate <= 1
+    assert [len(t) for t in ids(got)] == [20, 13, 7, 17]
+
+
+def test_ngram_stop_token_and_stop_reason_match_plain_decode():
+    spec, plain = _pair()
+    free = ids(plain.generate(PROMPTS, _greedy(20)))
+    for prompt, out in zip(PROMPTS, free):
+        stop = out[len(out) // 2]  # a token the run produces mid-way: generation ends at its first occurrence
+        a = spec.generate([prompt], _greedy(20, stop_token_ids=[stop]))[0]
+        b = plain.generate([prompt], _greedy(20, stop_token_ids=[stop]))[0]
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == out[: out.index(stop) + 1]
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "stop"
+
+
+def test_ngram_greedy_equals_plain_decode_under_preemption():
+    # a pool too small for every request's lookahead: requests are preempted and recomputed, and
+    # steps whose windows do not fit run as plain steps
+    spec, plain = _pair(num_pages=14, max_num_seqs=4, page_size=4)
+    got = ids(spec.generate(PROMPTS, _greedy(18)))
+    assert got == ids(plain.generate(PROMPTS, _greedy(18)))
+    assert spec.stats().num_preemptions > 0 and spec.stats().spec_verify_steps > 0
+
+
+def test_sampled_requests_use_rejection_sampling_and_greedy_rows_stay_exact():
+    spec, plain = _pair()
+    sampled = tscompile.SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    params = [_greedy(12), sampled, _greedy(12), sampled]
+    first = ids(spec.generate(PROMPTS, params))
+    again = ids(spec.generate(PROMPTS, params))
+    assert first == again  # seeded: the acceptance draws are counter-based
+    want = ids(plain.generate([PROMPTS[0], PROMPTS[2]], _greedy(12)))
+    assert [first[0], first[2]] == want  # a temperature-0 row of a rejection step is the argmax
+    assert all(len(t) == 12 and all(0 <= x < 512 for x in t) for t in first)
+
+
+def test_other_methods_are_refused_until_the_engine_runs_them():
+    with pytest.raises(ValueError, match=r"^tscompile: speculative_config method='replay' is not run"):
+        small_llm(speculative_config={"method": "replay", "num_speculative_tokens": 2})
+
+
+def test_ngram_on_real_weights_equals_plain_decode():
+    """SmolLM2-135M-Instruct, float32: a prompt that repeats itself, greedy with and without n-gram
+    speculation token for token; prints the acceptance rate (docs/speculative_decoding.md)."""
+    from tests.real_weights import MODEL, checkpoint_or_skip
+
+    checkpoint_or_skip()
+    from tscompile.text import load_tokenizer
+
+    text = "Repeat this list exactly three times: apple, banana, cherry, dates, elderberry, fig, grape. "
+    kw = dict(enforce_eager=True, device="cpu", attention_backend="torch", dtype=torch.float32, max_model_len=256,
+              max_num_seqs=1, page_size=16)
+    spec = tscompile.LLM(MODEL, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **kw)
+    prompt = load_tokenizer(checkpoint_or_skip())(text * 3).input_ids
+    params = tscompile.SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    got = spec.generate([{"prompt_token_ids": prompt}], params)
+    plain = tscompile.LLM(MODEL, **kw).generate([{"prompt_token_ids": prompt}], params)
+    assert ids(got) == ids(plain)
+    stats = spec.stats()
+    print(f"\nngram k=4 on {MODEL}: {stats.spec_accepted_tokens}/{stats.spec_draft_tokens} drafts accepted "
+          f"({stats.spec_acceptance_rate:.2f}), {len(ids(got)[0])} tokens in {stats.spec_verify_steps} verify steps")
+    assert stats.spec_accepted_tokens > 0
