@@ -179,3 +179,32 @@ def test_ngram_on_real_weights_equals_plain_decode():
     print(f"\nngram k=4 on {MODEL}: {stats.spec_accepted_tokens}/{stats.spec_draft_tokens} drafts accepted "
           f"({stats.spec_acceptance_rate:.2f}), {len(ids(got)[0])} tokens in {stats.spec_verify_steps} verify steps")
     assert stats.spec_accepted_tokens > 0
+
+
+def test_compiled_engine_with_speculation_equals_plain_decode():
+    """The torch.compile engine (compiled prefill and plain decode steps; the verify steps run the
+    model eagerly) gives the greedy tokens of the eager engine without speculation."""
+    spec = small_llm(dtype=torch.float32, enforce_eager=False, speculative_config=NGRAM, max_num_seqs=2)
+    plain = small_llm(dtype=torch.float32, enforce_eager=True, max_num_seqs=2)
+    assert ids(spec.generate(PROMPTS[:2], _greedy(10))) == ids(plain.generate(PROMPTS[:2], _greedy(10)))
+    assert spec.stats().spec_verify_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
+@pytest.mark.parametrize("num_prompts", [1, 32])
+def test_gpu_llama_1b_ngram_greedy_equals_plain_with_graphs(backend, num_prompts):
+    """llama-1b-shaped random weights, float32, decode graphs on: n-gram speculation's greedy tokens
+    equal plain decode's, at 1 and 32 requests."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    prompts = [[(13 * i + 7 * (j % 5)) % 128000 + 1 for j in range(24 + i)] for i in range(num_prompts)]
+    params = tscompile.SamplingParams(max_new_tokens=24, temperature=0.0)
+    kw = dict(attention_backend=backend, device="cuda", dtype=torch.float32, max_model_len=256, max_num_seqs=32,
+              page_size=16, compile_options={"decode_ladder": (1, 2, 4, 8, 16, 32)})
+    spec = tscompile.LLM("llama-1b", speculative_config=NGRAM, **kw)
+    got = ids(spec.generate(prompts, params))
+    assert spec.stats().spec_verify_steps > 0
+    del spec
+    torch.cuda.empty_cache()
+    assert got == ids(tscompile.LLM("llama-1b", **kw).generate(prompts, params))
