@@ -208,3 +208,22 @@ def test_gpu_llama_1b_ngram_greedy_equals_plain_with_graphs(backend, num_prompts
     del spec
     torch.cuda.empty_cache()
     assert got == ids(tscompile.LLM("llama-1b", **kw).generate(prompts, params))
+
+
+def test_generate_cli_speculative_flags(capsys):
+    from tscompile.cli import main
+
+    base = ["generate", "llama-tiny", "--device", "cpu", "--attention-backend", "torch", "--enforce-eager",
+            "--max-model-len", "64", "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-new-tokens", "8", "--show-ids"]
+    def token_lines() -> list[str]:  # the outputs, not the timing line
+        return [line for line in capsys.readouterr().out.splitlines() if "tokens/s" not in line]
+
+    assert main(base) == 0
+    plain = token_lines()
+    assert any("500" in line for line in plain)
+    assert main([*base, "--speculative-method", "ngram", "--num-speculative-tokens", "2",
+                 "--prompt-lookup-min", "1"]) == 0
+    assert token_lines() == plain  # greedy: the same tokens
+    assert main([*base, "--speculative-method", "ngram", "--num-speculative-tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tscompile: ") and "num_speculative_tokens=0" in err
