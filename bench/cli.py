@@ -189,6 +189,14 @@ def add_parser(sub) -> None:
     px.add_argument("--prefix-suffix-len", type=int, default=None,
                     help="each request's own tokens (per chat turn) (default 64 cuda, 8 cpu)")
     px.add_argument("--chat-turns", type=int, default=None, help="turns of the chat workload (default 4 cuda, 2 cpu)")
+    ps = p.add_argument_group("speculative decoding (bench/spec_workload.py)")
+    ps.add_argument("--speculative", choices=["ngram"], default=None,
+                    help="instead of the modes: plain decode against speculative decoding with this method, one "
+                         "engine per --num-speculative-tokens value, on prompts that repeat a block")
+    ps.add_argument("--num-speculative-tokens", default="2,4", help="k values, comma-separated (default 2,4)")
+    ps.add_argument("--spec-requests", type=int, default=None, help="requests (default 8 cuda, 2 cpu)")
+    ps.add_argument("--spec-block", type=int, default=16, help="tokens of the block each prompt repeats")
+    ps.add_argument("--spec-repeats", type=int, default=4, help="times each prompt repeats its block")
     p.add_argument("--output-json", default=None, metavar="PATH", help="the run's JSON here")
     p.add_argument("--output-md", default=None, metavar="PATH", help="the run's markdown tables here")
     p.add_argument("--output-dir", default=report.DEFAULT_OUTPUT_DIR, metavar="DIR",
@@ -241,6 +249,10 @@ def _dispatch(args: argparse.Namespace) -> int:
                              "--hf-model, --modes, --package or --tscompile-options")
         _default_outputs(args)
         return merge.run(args)
+    if args.speculative:
+        from . import spec_workload
+
+        return spec_workload.run(args)
     if args.prefix_workload:
         from . import prefix_workload
 

@@ -84,6 +84,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute every prompt whole (default: reuse the cached KV of a prompt's shared prefix)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes the model is split over (one GPU each on cuda; gloo on cpu)")
+    p.add_argument("--speculative-method", choices=("ngram", "draft_model", "replay"), default=None,
+                   help="speculative decoding (speculative_config's method; the engine runs ngram); default off")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per request per step (k)")
+    p.add_argument("--draft-model", default=None, help="the draft checkpoint of --speculative-method draft_model")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram the ngram method matches")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="longest n-gram the ngram method matches")
 
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
@@ -99,7 +105,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, page_size=args.page_size,
                 enforce_eager=args.enforce_eager, seed=args.seed, model_impl=args.model_impl,
                 enable_prefix_caching=not args.no_prefix_caching,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, speculative_config=speculative_config_of(args))
+
+
+def speculative_config_of(args: argparse.Namespace) -> dict | None:
+    """``speculative_config`` from the speculative flags (None without ``--speculative-method``);
+    the engine checks it."""
+    if args.speculative_method is None:
+        return None
+    config = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+    optional = {"model": args.draft_model, "prompt_lookup_min": args.prompt_lookup_min,
+                "prompt_lookup_max": args.prompt_lookup_max}
+    config.update({k: v for k, v in optional.items() if v is not None})
+    return config
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:

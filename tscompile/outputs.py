@@ -34,7 +34,9 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's prompt and its completions (one: only ``n=1`` is supported). ``num_cached_tokens``:
-    prompt tokens whose KV the prefix cache held when the request was first scheduled (not computed)."""
+    prompt tokens whose KV the prefix cache held when the request was first scheduled (not computed).
+    ``num_draft_tokens`` / ``num_accepted_tokens``: with ``speculative_config``, the drafts proposed
+    for this request and how many of them its verify steps kept (0 and 0 without speculation)."""
 
     request_id: str
     prompt: str | None
@@ -42,6 +44,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,15 @@ class EngineStats:
     num_preemptions: int
     num_cached_blocks: int
     num_free_blocks: int
+    # speculative decoding (0 without it): verify steps run, drafts proposed, drafts kept
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafts kept over drafts proposed (0 without any)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -94,6 +94,14 @@ def _check_str(name: str, value) -> None:
         raise _refuse(name, "a non-empty str", value)
 
 
+
+def _check_speculative_config(value) -> None:
+    # imported here: the spec_decode package loads torch and the acceptance ops, this module stays light
+    from tscompile.spec_decode.config import SpeculativeConfig
+
+    SpeculativeConfig.from_dict(value)
+
+
 def _check_compile_options(value) -> None:
     if value is not None and not isinstance(value, dict):
         raise _refuse("compile_options", "None or a dict of tscompile options", value)
@@ -119,6 +127,7 @@ _ENGINE_CHECKS: dict[str, Callable] = {
     "gpu_memory_utilization": lambda v: check_fraction("gpu_memory_utilization", v),
     "enable_prefix_caching": lambda v: check_bool("enable_prefix_caching", v),
     "tensor_parallel_size": lambda v: check_int("tensor_parallel_size", v, 1),
+    "speculative_config": _check_speculative_config,
 }
 ENGINE_ARGS = tuple(_ENGINE_CHECKS)
 

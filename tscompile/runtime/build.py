@@ -197,14 +197,14 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                        max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
                        compile_config: TscompileConfig | None, seed: int,
                        gpu_memory_utilization: float = 0.9, model_impl: str = "auto",
-                       tensor_parallel: TensorParallel | None = None) -> EngineParts:
+                       tensor_parallel: TensorParallel | None = None, max_verify_width: int = 1) -> EngineParts:
     """``model``: a preset name, a ``ModelConfig``, a built ``Transformer`` or a local checkpoint
     directory. ``dtype`` None: bf16 on CUDA and float32 on the CPU for a preset, the checkpoint's own
     on CUDA for a checkpoint. ``max_model_len`` None: the checkpoint's maximum, 512 for a preset.
     ``num_pages`` None: on CUDA sized from ``gpu_memory_utilization`` (``pages_from_device_memory``),
     on the CPU ``default_num_pages``. ``model_impl``: ``load_model``'s, for a checkpoint directory.
     ``tensor_parallel``: this process's rank; every rank of the group builds its shard with the same
-    arguments, in step (``tscompile/distributed/``)."""
+    arguments, in step (``tscompile/distributed/``). ``max_verify_width``: ``ModelRunner``'s."""
     checkpoint = None
     if isinstance(model, Transformer):
         built = model
@@ -253,7 +253,7 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     built.bind_kv_cache(pool)
     runner = ModelRunner(built, attention, max_num_seqs=max_num_seqs, max_blocks=scheduler.max_blocks,
                          banned_width=scheduler.banned_width, device=device, compile_config=compile_config,
-                         graph_support=graph_support)
+                         graph_support=graph_support, max_verify_width=max_verify_width)
     runner.capture_decode_graphs()
     runner.capture_prefill_graphs(startup_plans(runner, scheduler))  # none under prefill_capture="lazy"
     return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built, tokenizer, checkpoint, memory)

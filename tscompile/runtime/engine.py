@@ -8,6 +8,7 @@ One step: schedule -> launch -> update -> read back.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass
 from typing import Iterator
@@ -16,6 +17,7 @@ import torch
 
 from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
+from tscompile.forward_context import ForwardMode
 from tscompile.models import ModelConfig, Transformer
 from tscompile.outputs import EngineStats, RequestOutput
 from tscompile.prompts import Prompt, parse_prompts
@@ -23,10 +25,16 @@ from tscompile.runtime.build import EngineParts, build_model_engine
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request
 from tscompile.sampling import SamplingParams
+from tscompile.spec_decode.config import SpeculativeConfig
+from tscompile.spec_decode.engine_checks import check_built_vocab, check_engine_speculation
+from tscompile.spec_decode.ngram import NgramDrafter
+from tscompile.spec_decode.verify import VerifyStep
 from tscompile.step_plan import StepPlan
 from tscompile.text import CompletionState, apply_chat_template
 from tscompile.utils import resolve_device
 from tscompile.validation import validate_engine_args
+
+logger = logging.getLogger("tscompile")
 
 
 # Errors after which the CUDA context of the process is lost: a kernel fault is sticky, every later
@@ -136,6 +144,7 @@ class LLM:
         model_impl: str = "auto",
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
+        speculative_config: dict | None = None,
     ):
         validate_engine_args(
             model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -144,7 +153,8 @@ class LLM:
             compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
             gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
             enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config)
+        spec = check_engine_speculation(speculative_config, model=model, tensor_parallel_size=tensor_parallel_size)
         device = resolve_device(device)
         compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
         if compile_config is not None:
@@ -155,14 +165,19 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
             compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             model_impl=model_impl)
+        if spec is not None:
+            build_kwargs["max_verify_width"] = spec.verify_width
         if tensor_parallel_size > 1:
             from tscompile.distributed import build_tensor_parallel_engine
 
             parts = build_tensor_parallel_engine(model, tensor_parallel_size, build_kwargs)
         else:
             parts = build_model_engine(model, **build_kwargs)
+        check_built_vocab(spec, parts.config.vocab_size)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling,
                        enable_prefix_caching=enable_prefix_caching)
+        if spec is not None:
+            self._use_speculation(spec)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, *, seed: int = 0, async_scheduling: bool = True,
@@ -186,6 +201,21 @@ class LLM:
         self._inflight: _InFlight | None = None
         self._ready: list[Request] = []  # finished and read back, not yet returned by step()/sync()
         self._dead: str | None = None  # set by a CUDA fault: why every later call is refused
+        self.speculative_config: SpeculativeConfig | None = None
+        self._verify: VerifyStep | None = None
+
+    def _use_speculation(self, spec: SpeculativeConfig) -> None:
+        """Decode steps become verify steps (``tscompile/spec_decode/verify.py``). A verify step
+        waits for its accepted counts before the next is planned: asynchronous scheduling is off."""
+        if spec.method != "ngram":
+            raise ValueError(f"tscompile: speculative_config method={spec.method!r} is not run by the engine yet; "
+                             "use method='ngram'")
+        if self.model is None:
+            raise ValueError("tscompile: speculative_config needs the engine's own model (not a package)")
+        drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self._verify = VerifyStep(spec, drafter, self.scheduler, self.model, self.attention, self.device)
+        self.speculative_config = spec
+        self.async_scheduling = False
 
     # -- request level ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -248,7 +278,8 @@ class LLM:
         return EngineStats(prefix_cache_queries=cache.stats.queries if cache else 0,
                            prefix_cache_hits=cache.stats.hits if cache else 0,
                            num_preemptions=self.scheduler.num_preemptions,
-                           num_cached_blocks=alloc.num_cached, num_free_blocks=alloc.num_free)
+                           num_cached_blocks=alloc.num_cached, num_free_blocks=alloc.num_free,
+                           **(self._verify.summary() if self._verify is not None else {}))
 
     @property
     def is_dead(self) -> bool:
@@ -261,6 +292,8 @@ class LLM:
             raise ValueError(f"tscompile: sampling_params must be a tscompile.SamplingParams, got "
                              f"{type(params).__name__}")
         self.scheduler.validate(prompt.token_ids, params)
+        if self.speculative_config is not None:
+            self.speculative_config.check_sampling(params)
         completion = CompletionState(params, self.eos_token_ids, self.tokenizer, prompt.token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(next(self._ids), prompt.token_ids, params, seed)  # parse_prompts made the list: no copy
@@ -320,6 +353,13 @@ class LLM:
                 raise RuntimeError(f"tscompile: no step could be scheduled for {len(self.scheduler.running)} "
                                    f"running request(s)")
             return self.sync()
+        if self._verify is not None and plan.mode is ForwardMode.DECODE:
+            self._read_back()
+            if any(rid not in self._requests for rid in plan.request_ids):
+                return self._take_ready()  # a stop just read back ended a request of this plan: re-plan
+            if self._verify.run(plan, [self._requests[rid] for rid in plan.request_ids], self._finish):
+                return self._take_ready()
+            plan = self.scheduler.resolve_host_tokens(plan)  # the window did not fit: a plain step
         prev = self._inflight
         # a chained step reads prev's sample on the device: nothing may have launched in between
         chain = (self.async_scheduling and prev is not None and prev.launch == self.runner.launches
@@ -371,6 +411,12 @@ class LLM:
                 self.scheduler.remove(r)  # a stop before max_new_tokens frees its blocks now
                 self._requests.pop(r.rid, None)
                 self._ready.append(r)
+
+    def _finish(self, r: Request) -> None:
+        """``r``'s completion finished on the host: free its blocks, hand it out."""
+        self.scheduler.remove(r)
+        self._requests.pop(r.rid, None)
+        self._ready.append(r)
 
     def _take_ready(self) -> list[Request]:
         ready, self._ready = self._ready, []
@@ -433,7 +479,8 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(str(r.rid), r.text_prompt, list(r.prompt), [r.completion.output()],
-                             r.completion.finished, r.num_cached_tokens or 0)
+                             r.completion.finished, r.num_cached_tokens or 0, r.num_draft_tokens,
+                             r.num_accepted_drafts)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

@@ -102,7 +102,9 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, attention: AttentionRouter, *, max_num_seqs: int, max_blocks: int,
                  banned_width: int, device: torch.device, compile_config: TscompileConfig | None,
-                 graph_support: ResolvedGraphSupport):
+                 graph_support: ResolvedGraphSupport, max_verify_width: int = 1):
+        """``max_verify_width``: the widest decode window (query rows per request) a step will run:
+        1, or a speculative verify window's k + 1."""
         self.model = model
         self.attention = attention
         self.device = device
@@ -110,7 +112,7 @@ class ModelRunner:
         self.config = compile_config
         attention.bind_query_heads(model.config.n_heads)  # host planners (FlashInfer) size their plans by it
         # persistent buffers: sized by max_num_seqs, used with or without graphs
-        attention.allocate_decode_buffers(max_num_seqs)
+        attention.allocate_decode_buffers(max_num_seqs, max_verify_width)
         self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device)
         self.sampling = SpareRowSampling(self.staging.sampling_inputs)  # why the spare row: dynamic_sizes.py
         self.readback = TokenReadback(max_num_seqs, device)

@@ -68,6 +68,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
     publish_at: int = NEVER  # num_computed from which a next full block may be published
     computing: int | None = None  # hash of the next block its prefill publishes (others wait for it)
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed for it, and of them kept
+    num_accepted_drafts: int = 0
     _prompt_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -1,0 +1,132 @@
+"""One speculative verify step of the engine's decode requests, eager: drafts in, a width-N decode
+through the paged cache, acceptance on the device, one read-back, the kept tokens committed.
+
+The engine hands it a decode plan the scheduler made; ``run`` returns False (nothing changed, the
+engine runs the plan as a plain step) when the verify window does not fit: a request's window
+would pass the block table, or the pool lacks the lookahead blocks. Lookahead: every request of a
+verify step holds blocks for ``num_computed + N`` positions (the window: its newest token, then k
+draft rows); rejected rows stay in the request's blocks and are overwritten later, since the KV
+length advances only by the kept tokens (``kv_len_after``).
+
+Per request, drafts are cut to what it may still emit (``max_new_tokens`` - generated - 1), so a
+window never drafts past its last token; the window is N rows for every request (the attention
+shapes are uniform), a cut or missing draft is -1, which the acceptance ops never accept.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tscompile.attention.router import AttentionRouter, DecodeInputs
+from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
+from tscompile.spec_decode.commit import commit_emitted
+from tscompile.spec_decode.config import SpeculativeConfig
+from tscompile.spec_decode.drafter import DraftBatch, Drafter
+from tscompile.step_plan import StepPlan
+from tscompile.utils import cdiv
+
+import tscompile.custom_ops.acceptance  # noqa: F401  registers tscompile::accept_greedy / accept_rejection
+
+
+class VerifyStep:
+    """``run(plan, requests, finish)``: one verify step of a decode plan (see the module docstring);
+    ``accepted_drafts`` / ``proposed_drafts`` / ``verify_steps`` count what it did."""
+
+    def __init__(self, spec: SpeculativeConfig, drafter: Drafter, scheduler, model, attention: AttentionRouter,
+                 device: torch.device):
+        if len(scheduler.specs) != 1 or scheduler.specs[0].window is not None:
+            raise ValueError("tscompile: speculative_config needs a model with one full-attention cache group; "
+                             f"this model has cache groups {[s.name for s in scheduler.specs]}; leave "
+                             "speculative_config unset for it")
+        self.spec, self.drafter, self.scheduler = spec, drafter, scheduler
+        self.model, self.attention, self.device = model, attention, device
+        self.width = spec.verify_width
+        self.accepted_drafts = self.proposed_drafts = self.verify_steps = 0
+
+    def summary(self) -> dict:
+        """``EngineStats``' speculative fields."""
+        return dict(spec_verify_steps=self.verify_steps, spec_draft_tokens=self.proposed_drafts,
+                    spec_accepted_tokens=self.accepted_drafts)
+
+    def _reserve_lookahead(self, requests) -> bool:
+        """Blocks for every request's whole window, or False (nothing allocated) when they do not fit."""
+        sched, n = self.scheduler, self.width
+        block = sched.block_size
+        extra = []
+        for r in requests:
+            need = cdiv(r.num_computed + n, block)
+            if need > sched.max_blocks:
+                return False
+            extra.append(max(need - len(r.blocks[0]), 0))
+        if sum(extra) > sched.allocators[0].num_free:
+            return False
+        table = sched.block_tables[0]
+        for r, more in zip(requests, extra):
+            if more:
+                r.blocks[0] += sched.allocators[0].allocate(more)
+                table[r.slot, len(r.blocks[0]) - more: len(r.blocks[0])] = r.blocks[0][-more:]
+        return True
+
+    def run(self, plan: StepPlan, requests: list, finish) -> bool:
+        """``requests``: the plan's, every last token on the host. ``finish(r)``: the engine's hand-off
+        of a request whose completion just finished. Returns whether the step ran."""
+        if plan.mode is not ForwardMode.DECODE or not self._reserve_lookahead(requests):
+            return False
+        k, n, bs = self.spec.num_speculative_tokens, self.width, len(requests)
+        batch = DraftBatch(tuple(r.rid for r in requests),
+                           tuple(np.asarray(r.prompt + r.output, dtype=np.int64) for r in requests),
+                           tuple(len(r.prompt) for r in requests), k)
+        drafts = self.drafter.propose(batch)
+        tokens = drafts.tokens.copy()
+        for i, r in enumerate(requests):  # never draft past the request's last token
+            tokens[i, max(r.params.max_new_tokens - r.num_generated - 1, 0):] = -1
+        last = np.array([r.output[-1] if r.output else r.prompt[-1] for r in requests], dtype=np.int64)
+        window = np.concatenate([last[:, None], tokens], axis=1)
+        ids = np.where(window >= 0, window, 0).reshape(-1)
+        start = np.array([r.num_computed for r in requests], dtype=np.int64)
+        positions = (start[:, None] + np.arange(n)).reshape(-1)
+        seq_lens = (start + n).astype(np.int32)
+        tables = self.scheduler.block_tables[0].take([r.slot for r in requests], axis=0)
+        dev = self.device
+        with torch.inference_mode():
+            inputs = DecodeInputs((torch.from_numpy(tables).to(dev),), (torch.from_numpy(seq_lens).to(dev),),
+                                  (tables,), (seq_lens,), n)
+            self.attention.refresh_decode_metadata(bs, inputs)
+            rows = torch.arange(bs * n, device=dev)
+            with forward_context(ForwardContext(ForwardMode.DECODE, self.attention, rows)):
+                logits = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev))
+            out_tokens = torch.full((bs, n), -1, dtype=torch.int64, device=dev)
+            out_accepted = torch.zeros(bs, dtype=torch.int32, device=dev)
+            flat = torch.from_numpy(tokens.reshape(-1)).to(dev)
+            indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * k
+            s = plan.sampling
+            if s.all_greedy:
+                torch.ops.tscompile.accept_greedy(logits, flat, indptr, out_tokens, out_accepted)
+            else:
+                probs = drafts.probs if drafts.probs is not None else torch.zeros(0, 0, device=dev)
+                torch.ops.tscompile.accept_rejection(
+                    logits, flat, probs, indptr, torch.from_numpy(s.temperature).to(dev),
+                    torch.from_numpy(s.top_k).to(dev), torch.from_numpy(s.top_p).to(dev),
+                    torch.from_numpy(s.seeds).to(dev), torch.from_numpy(s.steps).to(dev), out_tokens, out_accepted)
+            emitted, accepted = out_tokens.cpu().numpy(), out_accepted.cpu().numpy()  # the step's one read-back
+        self.verify_steps += 1
+        self.drafter.on_accepted(batch.request_ids, accepted)
+        for i, r in enumerate(requests):
+            run = emitted[i, : int(accepted[i]) + 1].tolist()
+            kept = commit_emitted(r.completion, run)
+            r.output += run[:kept]
+            r.num_generated += kept
+            r.num_computed += kept  # the newest kept token's KV is written by the next step
+            r.group_lens[0] = r.num_computed
+            proposed = int((tokens[i] >= 0).sum())
+            r.num_draft_tokens += proposed
+            r.num_accepted_drafts += max(kept - 1, 0)
+            self.proposed_drafts += proposed
+            self.accepted_drafts += max(kept - 1, 0)
+            if r.num_computed >= r.publish_at:
+                self.scheduler.prefix_cache.publish(r)
+            if r.completion.finished:
+                self.drafter.release(r.rid)
+                finish(r)
+        return True
