@@ -191,13 +191,12 @@ def test_compiled_engine_with_speculation_equals_plain_decode():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("num_prompts", [1, 32])
 def test_gpu_llama_1b_ngram_greedy_equals_plain_with_graphs(backend, num_prompts):
     """llama-1b-shaped random weights, float32, decode graphs on: n-gram speculation's greedy tokens
-    equal plain decode's, at 1 and 32 requests."""
-    if backend == "flashinfer":
-        pytest.importorskip("flashinfer")
+    equal plain decode's, at 1 and 32 requests. FlashInfer has no float32 kernels; its verify windows
+    are checked against the torch reference in tests/test_verify_router.py."""
     prompts = [[(13 * i + 7 * (j % 5)) % 128000 + 1 for j in range(24 + i)] for i in range(num_prompts)]
     params = tscompile.SamplingParams(max_new_tokens=24, temperature=0.0)
     kw = dict(attention_backend=backend, device="cuda", dtype=torch.float32, max_model_len=256, max_num_seqs=32,
