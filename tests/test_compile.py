@@ -168,12 +168,8 @@ def _record_logits(llm):
     return seen
 
 
-def test_compiled_equals_eager_in_decode_prefill_mixed_and_chunked_steps():
-    """narrow-tiny only: its layers before the narrowing are llama-tiny's, so its compiled steps run
-    the plain decoder's pieces too; llama-tiny's compiled tokens against eager are also checked by
-    test_compile_counts.py::test_decode_compiles_twice_and_extend_once_with_eager_tokens (extend,
-    mixed and decode steps)."""
-    model = "narrow-tiny"
+@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
+def test_compiled_equals_eager_in_decode_prefill_mixed_and_chunked_steps(model):
     params = SamplingParams(max_new_tokens=5)
     eager = make_llm(model, enforce_eager=True, max_num_batched_tokens=6)
     compiled = make_llm(model, max_num_batched_tokens=6)
