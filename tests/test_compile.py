@@ -151,11 +151,17 @@ def test_split_structure_of_the_narrowing_model():
 
 
 def _record_logits(llm):
+    """Snapshot each step's logits outside the compiled region: traced, the append would put the
+    list's length into the step's guards, and every step would compile the step again."""
     seen = []
     original = llm.runner.sampling.sample
 
-    def sample(logits, all_greedy=False):
+    @torch._dynamo.disable
+    def record(logits):
         seen.append(logits.detach().clone())
+
+    def sample(logits, all_greedy=False):
+        record(logits)
         return original(logits, all_greedy)
 
     llm.runner.sampling.sample = sample

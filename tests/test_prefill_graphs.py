@@ -45,8 +45,11 @@ def _record_logits(llm):
     return seen
 
 
-@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
-def test_prefill_graphs_equal_eager_across_token_and_row_buckets(model):
+def test_prefill_graphs_equal_eager_across_token_and_row_buckets():
+    """narrow-tiny: its encoder pieces are llama-tiny's layers (graphed per token bucket) and its
+    decoder adds the row buckets, so one model covers both kinds of graph; llama-tiny's piecewise
+    graphs are also captured and replayed by test_a_direct_runner_call_reuses_the_engines_compiled_pieces_and_graphs."""
+    model = "narrow-tiny"
     greedy, sampled = SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=3, temperature=0.8, top_k=20,
                                                                         seed=7)
     runs = [(RAGGED, greedy), (RAGGED[::-1], greedy), (RAGGED, sampled)]  # later runs replay earlier captures
@@ -62,10 +65,11 @@ def test_prefill_graphs_equal_eager_across_token_and_row_buckets(model):
         assert counters["decoder_rows_graphed"] > 0
 
 
-@pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
-def test_prefill_graph_logits_match_eager_with_the_sampler_split_off(model):
+def test_prefill_graph_logits_match_eager_with_the_sampler_split_off():
     """Logits, not only tokens: snapshotting them splits the sampler into a graph of its own, so
-    the pieces before it are the production ones and the last piece differs."""
+    the pieces before it are the production ones and the last piece differs. narrow-tiny only: its
+    graphed encoder pieces are llama-tiny's layers, and its decoder's row-bucket graphs come on top."""
+    model = "narrow-tiny"
     eager = small_llm(model, dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=20, max_num_seqs=5,
                       enable_prefix_caching=False)  # step for step with the graphed engine
     graphed = _graphed_llm(model, max_num_batched_tokens=20, max_num_seqs=5)
