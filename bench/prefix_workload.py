@@ -17,7 +17,6 @@ before and after, summed), the wall time, token throughput and the prefix-cache 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
+from . import report
 from .workloads import Timer
 
 PREFIX_WORKLOADS = ("shared", "chat")
@@ -182,11 +182,6 @@ def run(args: argparse.Namespace) -> int:
               "shape": shape, "rows": rows, "outputs_equal": outputs_equal,
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}
     md = markdown(result)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    if args.output_md:
-        with open(args.output_md, "w") as f:
-            f.write(md)
+    report.write_outputs(result, md, args)
     print(md)
     return 0

@@ -12,13 +12,13 @@ greedy outputs equal plain decode's.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
+from . import report
 from .workloads import Timer
 
 
@@ -106,11 +106,6 @@ def run(args: argparse.Namespace) -> int:
               "dtype": str(dtype).removeprefix("torch."), "shape": shape, "rows": rows,
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}
     md = markdown(result)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-    if args.output_md:
-        with open(args.output_md, "w") as f:
-            f.write(md)
+    report.write_outputs(result, md, args)
     print(md)
     return 0

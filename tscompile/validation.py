@@ -94,7 +94,6 @@ def _check_str(name: str, value) -> None:
         raise _refuse(name, "a non-empty str", value)
 
 
-
 def _check_speculative_config(value) -> None:
     # imported here: the spec_decode package loads torch and the acceptance ops, this module stays light
     from tscompile.spec_decode.config import SpeculativeConfig

@@ -109,7 +109,9 @@ class VerifyStep:
                     logits, flat, probs, indptr, torch.from_numpy(s.temperature).to(dev),
                     torch.from_numpy(s.top_k).to(dev), torch.from_numpy(s.top_p).to(dev),
                     torch.from_numpy(s.seeds).to(dev), torch.from_numpy(s.steps).to(dev), out_tokens, out_accepted)
-            emitted, accepted = out_tokens.cpu().numpy(), out_accepted.cpu().numpy()  # the step's one read-back
+            # the step's one read-back: the emitted tokens and, in the last column, the accepted counts
+            both = torch.cat([out_tokens, out_accepted[:, None].to(torch.int64)], dim=1).cpu().numpy()
+            emitted, accepted = both[:, :n], both[:, n]
         self.verify_steps += 1
         self.drafter.on_accepted(batch.request_ids, accepted)
         for i, r in enumerate(requests):
