@@ -3,10 +3,9 @@
 Inductor benchmarks some kernels' candidate configurations at their first launch (pointwise and
 reduction kernels given several candidates, and coordinate-descent tuning where a mode turns it on)
 and keeps the fastest. The choice is in neither the kernel's source nor its name. On the H200 one
-query-RoPE kernel of tscompile's decode graph took 1.9 us per layer in one run and 4.2 in another of
-the same lease (bench/results/llama-8b-008212b/), and the tuned baseline's bs=1 reductions took
-different times in two leases (bench/results/llama-8b-fdfb5a4/); neither run recorded the
-configurations, so whether the choice differed is not known.
+query-RoPE kernel of tscompile's decode graph took 1.9 us per layer in one run and 4.2 in another on
+the same machine, and the tuned baseline's bs=1 reductions took different times on two machines;
+without the configurations recorded, so whether the choice differed is not known.
 Recording every kernel's configuration and how it was chosen, per mode, lets two runs be compared
 kernel by kernel instead of guessed at.
 

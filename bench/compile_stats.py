@@ -38,8 +38,8 @@ METRICS_LIMIT = 100_000
 # need not add up: a cold CPU run recorded more Inductor than AOTAutograd time (70.6 s against 2.4),
 # a warm one AOTAutograd inside the frame's compile. Run-time records (``is_runtime``) carry the first-run autotuning and CUDA-graph
 # recording that a mode pays on its first calls. Why: with every graph an FX cache hit, the tuned
-# baseline still spent about 40 s per batch size in its warm-up runs (H200, llama-1b and llama-8b,
-# bench/results/same-lease-2d9e6ac/); these say where.
+# baseline still spent about 40 s per batch size in its warm-up runs (H200, llama-1b and llama-8b);
+# these say where.
 PHASE_FIELDS = {
     "frame_s": "dynamo_cumulative_compile_time_us",
     "aot_autograd_s": "aot_autograd_cumulative_compile_time_us",

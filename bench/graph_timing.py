@@ -1,5 +1,5 @@
-"""GPU time of a callable replayed as one CUDA graph, for the kernel scripts (``scripts/*_sweep.py``,
-``scripts/extend_in_context.py``): replays leave out the host's per-launch cost, which would
+"""GPU time of a callable replayed as one CUDA graph, for kernel timings (the GEMV tests and
+launch sweeps): replays leave out the host's per-launch cost, which would
 otherwise dominate kernels of a few microseconds."""
 
 from __future__ import annotations

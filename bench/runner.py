@@ -239,8 +239,7 @@ class Bench:
     def kernel_tables(self, mode: str, runner, bar) -> None:
         """Every measured row of ``mode`` gets its kernel table, after all of the mode's timed rows: a
         finished profiler session can leave the profiling library attached to the process, which may
-        slow the host work of what is timed after it (scripts/profiler_after_effect.py measures that),
-        so no timed row of a mode follows one of its profiles."""
+        slow the host work of what is timed after it, so no timed row of a mode follows one of its profiles."""
         a = self.args
         for row in self.results:
             if row["mode"] == mode and not row.get("error") and "kernel_table" not in row:

@@ -55,35 +55,35 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # DECODE_MIN_SPLIT_TOKENS and DECODE_BLOCK_N to exercise many splits on tiny shapes.
 DECODE_MIN_SPLIT_TOKENS = 64  # no split shorter than this (a whole number of tiles)
 # Enough programs (batch * kv heads * splits) to fill a large GPU; None: the measured choice per
-# shape (``_decode_target_programs``), a number overrides it (tests, scripts/decode_attn_sweep.py).
+# shape (``_decode_target_programs``), a number overrides it (tests, launch sweeps).
 DECODE_TARGET_PROGRAMS: int | None = None
 DECODE_MAX_SPLITS = 32
 # Keys per tile (split lengths are whole tiles) and the split kernel's warps / pipeline stages (the
 # warps are the combine kernel's too, so its sums match a one-split launch's in-kernel combine). None:
 # the measured choice per shape (``_decode_block_n``, ``_decode_launch_options``); a number overrides
-# it for every shape (tests shrink the tile; scripts/decode_attn_sweep.py times other settings).
+# it for every shape (tests shrink the tile; a launch sweep times other settings).
 DECODE_BLOCK_N: int | None = None
 
 
 DECODE_NUM_WARPS: int | None = None
 DECODE_NUM_STAGES: int | None = None
 # From the H200 (llama-8b's decode shape: 32 query / 8 KV heads of 128, 576-token contexts in a
-# 2064-position table; bench/results/llama-8b-0d6d148/README.md): scripts/decode_attn_sweep.py found
+# 2064-position table), a launch sweep found
 # 32-key tiles faster than 64 at bs 8, 32 and 64 (split + combine per layer 14.0 -> 12.0, 30.2 -> 27.9,
 # 46.3 -> 43.8 us), and with 256 or more (request, KV head) programs 2 warps faster than 4 (more
 # programs resident per SM for the long per-split loops; with fewer the splits are short and 4 warps
 # win). In the bench's kernel tables the split kernel per step went 357 -> 295 us at bs=8, 812 -> 729
 # at 32 and 1397 -> 1307 at 64, but 153 -> 170 at bs=1 (8 programs, two-tile splits): below 64
 # programs the 64-key tile stays. head_dim 64 (llama-1b's decode shape, 16 layers per graph; swept
-# on the H200 in bench/results/same-lease-ec654af/): its 64-key tile stays, and 2 warps beat Triton's
+# on the H200): its 64-key tile stays, and 2 warps beat Triton's
 # 4 from 64 programs (split + combine per layer, 4 warps -> 2: bs=8 9.41 -> 8.26 us, bs=32 16.75 ->
 # 16.20, bs=64 29.55 -> 26.57); at bs=1 (8 programs) 4 stay. Other head dims keep Triton's defaults
 # (head_dim 256 always takes 32-key tiles: registers, shared memory).
 #
 # head_dim 128 from 512 programs (bs >= 64 of 8 KV heads): one split (no combine launch) of 64-key
-# tiles at 4 warps and 3 stages. A second sweep (bench/results/gpu-2026-12-03b/call4/attn_d128/, us
-# per layer) put it at 41.04 against 45.34 for the launch above, and in the engine, one H200,
-# back-to-back processes (call5/), llama-8b bs=64 TPOT went 6.358 -> 6.233 ms. The same sweep's
+# tiles at 4 warps and 3 stages. A second sweep (us per layer)
+# put it at 41.04 against 45.34 for the launch above, and in the engine, one H200, back-to-back
+# processes, llama-8b bs=64 TPOT went 6.358 -> 6.233 ms. The same sweep's
 # picks below 512 programs (2 warps + 2 stages at bs=8: 13.00 -> 11.73 us; 4 warps + two splits at
 # bs=32: 28.14 -> 26.76) were slower in the engine (bs=8 4.743 -> 4.776 ms, bs=32 5.425 -> 5.468),
 # so the first sweep's launch stays there.
@@ -354,7 +354,7 @@ def _decode_split_kernel(
     """Grid (B, Hkv, NUM_SPLITS). Program (b, kvh, s) attends the GROUP query heads of KV head kvh
     of request b over its split s (``_split_range``). (The KV head fastest in the grid, so the Hkv
     programs of one position read its whole cache row together, gave the same bits and measured
-    even on the H200: bench/results/gpu-2026-12-03b/call4/.)
+    even on the H200.)
 
     Writes part_out [B, Hq, NUM_SPLITS, D] fp32 (the split's normalised output) and
     part_lse [B, Hq, NUM_SPLITS] fp32 (its log2-sum-exp2 of scaled scores; -inf for an empty split);
@@ -515,7 +515,7 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
         return
     # The combine's sums over the splits follow the warp layout: this launch takes the split's warps,
     # as a one-split launch's in-kernel combine does (in float32 a 4-warp combine differed from a
-    # 2-warp one, H200 2026-12-01).
+    # 2-warp one on the H200).
     _decode_combine_kernel[(bs, hq)](
         part_out, part_lse, out, *out.stride(),
         NUM_HEADS=hq, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), HEAD_DIM=d,
@@ -525,31 +525,31 @@ def paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=N
 
 
 # ----------------------------------------------------------------------------------------------
-# b2. removed decode forms, and PDL
+# b2. the decode forms that measured slower, and PDL
 
 # A fused decode (the K/V write, the splits and the combine in one launch per layer, the last split of
 # each (request, KV head) to arrive combining its GQA group through an arrival counter) was slower in
 # every engine measurement on the H200: llama-1b 14 / 54 / 5 / 12 us per step more than the kernels it
-# replaced at bs 1 / 8 / 32 / 64, llama-8b 51 / 205 / 58 / 35 (bench/results/all-modes-d437502/); and
+# replaced at bs 1 / 8 / 32 / 64, llama-8b 51 / 205 / 58 / 35; and
 # its CUDA-graph replay test failed in 2 of 4 runs on the H200 on the same inputs while the two-launch
-# path passed every time (bench/results/gpu-2026-12-04/). So the split kernel writes the new K/V rows
+# path passed every time. So the split kernel writes the new K/V rows
 # and the combine stays a launch of its own: two kernels per layer instead of three (one with one
 # split). The three-launch form (the KV write first) measured slower too: llama-8b TPOT 4.700 / 5.678
-# ms at bs 1 / 32 against 4.630 / 5.553 (bench/results/llama-8b-008212b/); it remains only as
+# ms at bs 1 / 32 against 4.630 / 5.553; it remains only as
 # ``paged_decode`` without ``new_kv``, the tests' reference. Capping a one-request launch's splits
-# measured slower as well (llama-8b bs=1 4.197 -> 4.389 ms at 2 splits, bench/results/gpu-2026-12-03/).
+# measured slower as well (llama-8b bs=1 4.197 -> 4.389 ms at 2 splits).
 #
 # PDL (``KernelPolicy.decode_pdl``, on by default): the split and combine kernels launch with
 # programmatic dependent launch, and every CUDA decode graph gets Inductor's ``triton.enable_pdl``
 # (tscompile/piece_compiler.py). Each kernel waits (``gdc_wait``) before it reads or writes anything
 # and lets the next kernel be scheduled (``gdc_launch_dependents``) right after: these launches are a
 # few dozen programs, so the next kernel's programs can be resident and waiting while they run. On one
-# H200 machine in one lease (bench/results/same-lease-8285f4f/): llama-8b TPOT 4.299 -> 4.182 ms at
+# H200, back-to-back processes: llama-8b TPOT 4.299 -> 4.182 ms at
 # bs=1 and 5.627 -> 5.444 at bs=32; llama-1b 0.974 -> 0.948 (bs 1), 1.191 -> 1.181 (8),
 # 1.398 -> 1.383 (32), 1.676 -> 1.673 (64); its GPU test bitwise equal to the plain launches.
 # Kernel tables profiled under PDL count a waiting kernel's time too, so their sums exceed the step.
 # ``KernelPolicy.prefill_pdl`` (off by default; on the H200 correct but no faster: llama-1b 1.40 vs
-# 1.40 ms at 32 tokens, 1.58 vs 1.54 at 128, bench/results/same-lease-ec654af/) does the same for
+# 1.40 ms at 32 tokens, 1.58 vs 1.54 at 128) does the same for
 # prefill steps: the dense extend kernel launches with PDL and the pieces of a split (prefill) graph
 # get Inductor's PDL. cuBLAS and the other kernels between pieces launch without it, which is safe: a
 # PDL kernel waits for the whole kernel before it, whatever launched that one.
@@ -608,8 +608,8 @@ def _check_one_row_per_request(bs: int, k, v, write_loc) -> None:
 
 
 # Extend launch configuration per head_dim: (tile rows = query positions x padded GQA group, keys per
-# tile, warps, software-pipeline stages). Module-level so a sweep (scripts/extend_sweep.py) can try
-# others; the committed values and the sweep that chose them are in bench/results/README.md.
+# tile, warps, software-pipeline stages). Module-level so a launch sweep can try
+# others.
 EXTEND_CONFIGS: dict[int, tuple[int, int, int, int]] = {
     16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 3), 256: (32, 32, 4, 2),
 }
@@ -777,7 +777,7 @@ def paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scal
 
 # Head dims whose extend runs ``dense_extend`` (custom_ops/triton_extend.py: the new rows' K/V read
 # from the dense k/v, only a cached prefix through the page table) instead of ``paged_extend``: those
-# where scripts/extend_sweep.py measured it faster on the H200 in every workload it times (1x2048,
+# where a launch sweep measured it faster on the H200 in every workload it timed (1x2048,
 # 32x512, 1x512 tokens; bf16): 1.03-1.48x at head_dim 64, 1.15-1.33x at 128. Others keep the paged one.
 FAST_EXTEND_HEAD_DIMS: frozenset[int] = frozenset({64, 128})
 _dense_extend = None  # set by register_dense_extend (triton_extend builds on this module's helpers)

@@ -46,8 +46,8 @@ from tscompile.custom_ops.triton_attention import (
 LOG2_E = 1.4426950408889634
 
 # Launch configuration per head_dim: (tile rows = query positions x padded GQA group, keys per tile,
-# warps, software-pipeline stages). 64 and 128 are scripts/extend_sweep.py's picks on the H200 (bf16,
-# page 16; bench/results/prefill-extend/extend_sweep.json), the others are unmeasured proposals
+# warps, software-pipeline stages). 64 and 128 are a launch sweep's picks on the H200 (bf16,
+# page 16), the others are unmeasured proposals
 # (FAST_EXTEND_HEAD_DIMS does not select the dense kernel for them). head_dim 128 (llama-8b shape):
 # (64, 64, 4, 2) is the best or within 4% of it in every workload: 1x2048 100.8 us (341 TFLOP/s; old
 # kernel 133.7), 32x512 322 us (old 369), 1x512 14.9 us (old 17.4).
@@ -63,8 +63,8 @@ EXTEND_DENSE_SHAPE_CONFIGS: dict[tuple[int, str], tuple[int, int, int, int]] = {
     (64, "long"): (128, 64, 4, 3),   # 1x2048: 54.4 us (old 80.7)
     # head_dim 128 (llama-8b shape), few long prompts: 128-row tiles with 8 warps. In the engine on
     # the H200, one 2048-token prompt: 125.3 us per layer (4009.6 per step) against 131.7 (4213.9)
-    # for the default tile, 274 against 261 TFLOP/s; the step 48.40 against 49.25 ms
-    # (bench/results/same-lease-6acce99/). At 512 tokens ("short") it was no faster (631 vs 622 us).
+    # for the default tile, 274 against 261 TFLOP/s; the step 48.40 against 49.25 ms.
+    # At 512 tokens ("short") it was no faster (631 vs 622 us).
     (128, "long"): (128, 64, 8, 3),
 }
 SHORT_STEP_TOKENS = 1024  # at most this many (padded) tokens: too few tiles to fill the GPU with big ones

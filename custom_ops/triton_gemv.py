@@ -22,8 +22,7 @@ stores it ([N, K], K contiguous):
                evict_first, x with evict_last. With 1-4 columns per program and K chunks of 512-4096
                this is the form the tuned static-cache baseline's llama-8b qkv and output
                projections read at 13.2-15.8 and 9.8-10.0 us per layer on the H200 (qkv with its
-               RMSNorm fused in; cuBLAS 16.4 and 11.0 + 1.7 split-K reduce;
-               bench/results/same-lease-b0f9ede/);
+               RMSNorm fused in; cuBLAS 16.4 and 11.0 + 1.7 split-K reduce);
     - optional split-K: SPLIT_K programs per column block each cover one K range and write a
       float32 partial; a second small kernel sums the partials in a fixed order and casts. Plain
       stores instead of atomics keep the result deterministic and need no zeroed buffer.
@@ -32,7 +31,7 @@ stores it ([N, K], K contiguous):
       arrive sums the partials in split order (the second kernel's order, so the same bits) and
       resets the counter. At 8-32 rows a
       two-kernel split lost 2-3 us to split 1 per call on the H200, more than the extra programs
-      gained (bench/results/same-lease-ec654af/call1/gemv_sweep.json). The counters are one buffer
+      gained. The counters are one buffer
       per device: calls on two streams at once must not both use it (the engine runs one stream).
 
 Graph-safe: the grid and the split layout come from shapes only, nothing reads device memory on
@@ -41,8 +40,7 @@ Accumulation is float32 for every input dtype; float32 inputs use IEEE products.
 
 Wired into the model by the decode GEMV pass (``KernelPolicy.decode_gemv``, passes/decode_gemv.py)
 and the few-row swap of the decode batch graphs (``KernelPolicy.batch_gemv``, passes/batch_gemv.py),
-each acting only on the GPUs its launch table was timed on (``gemv_tables_apply``);
-``scripts/gemv_sweep.py`` times it against cuBLAS.
+each acting only on the GPUs its launch table was timed on (``gemv_tables_apply``).
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ from tscompile.custom_ops.triton_attention import _interpreting, _next_pow2, pdl
 
 # Beyond this a step is a GEMM, not a skinny matmul: the weight tile's reuse across rows pays for a
 # real GEMM's tiling. 17-32 rows run the "dot" mode with a [BLOCK_N, 32] accumulator: the 32-token
-# prefill step (llama-8b's projections ran at 3.6 TB/s in cuBLAS there, H200,
-# bench/results/same-lease-b0f9ede/), which scripts/gemv_sweep.py times with GEMV_SWEEP_ROWS=16,32.
+# prefill step (llama-8b's projections ran at 3.6 TB/s in cuBLAS there, H200).
 MAX_ROWS = 32
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # "<mode>_sum": the same products, with the split's partials summed by the kernel's last program (below)
@@ -69,8 +66,8 @@ DOT_MODES = ("dot", "dot_sum")
 # column-block x K-range programs in flight to saturate HBM when N alone gives too few.
 TARGET_PROGRAMS = 528
 
-# Tile per padded row count: (BLOCK_N, BLOCK_K, num_warps, num_stages, mode). Proposed, NOT
-# measured: scripts/gemv_sweep.py times alternatives on the GPU; replace these with its results.
+# Tile per padded row count: (BLOCK_N, BLOCK_K, num_warps, num_stages, mode). The generic
+# launch for shapes without a measured entry in the tables below.
 # Few rows: CUDA-core products on narrow column blocks (many programs, long contiguous K
 # segments). More rows: the products grow with M, so hand them to the tensor cores.
 DEFAULT_TILES: dict[int, tuple[int, int, int, int, str]] = {
@@ -374,17 +371,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # With ``KernelPolicy.decode_gemv`` (on by default) the engine's bs=1 decode graph on CUDA runs the
 # one-row matmuls whose weight shape has an entry below through ``tscompile::gemv``
 # (passes/decode_gemv.py) instead of cuBLAS; other shapes stay cuBLAS. The launches are the picks of
-# one sweep on the H200 (scripts/gemv_sweep.py, bench/results/same-lease-ada2650/call1/gemv_sweep.json:
-# each beat cuBLAS's best by TABLE_MIN_SPEEDUP or more at M = 1), so the pass acts only on a GPU named
-# in DECODE_GEMV_DEVICES. In the engine, same lease, bf16, bs=1 TPOT: llama-8b 4.542 -> 4.316 ms,
-# llama-1b 1.100 -> 0.993 ms (bench/results/same-lease-ada2650/). The launches are for one row (the
+# one launch sweep on the H200 (each beat cuBLAS's best by TABLE_MIN_SPEEDUP or more at M = 1), so the pass acts only on a GPU named
+# in DECODE_GEMV_DEVICES. In the engine, one H200, back-to-back processes, bf16, bs=1 TPOT: llama-8b 4.542 -> 4.316 ms,
+# llama-1b 1.100 -> 0.993 ms. The launches are for one row (the
 # accumulator holds M x BLOCK_N x BLOCK_K products): the pass swaps one-row matmuls only. With
 # coordinate-descent tuning on, Inductor turns one-row matmuls into its own reductions before the
 # pass runs, so the pass then finds none.
 #
-# Removed: moving the RMSNorm, the SiLU-mul and the residual add into the kernel (prologues and an
-# epilogue). Measured slower on the H200 (bs=1 TPOT llama-8b 4.317 -> 5.075 ms, llama-1b 0.996 ->
-# 1.035; bench/results/same-lease-6acce99/): the norm prologue's extra loads cost the kernel more than
+# Not done, measured slower: moving the RMSNorm, the SiLU-mul and the residual add into the kernel (prologues and an
+# epilogue): on the H200 bs=1 TPOT went llama-8b 4.317 -> 5.075 ms, llama-1b 0.996 -> 1.035; the norm prologue's extra loads cost the kernel more than
 # the norm kernel it removed. Likewise loading the "acc" mode's first weight chunk before the PDL wait
 # (llama-8b bs=1 4.325 -> 4.420 ms).
 DECODE_GEMV_DEVICES = ("NVIDIA H200",)  # torch.cuda.get_device_name() of the GPUs the tables were timed on
@@ -406,10 +401,10 @@ DECODE_GEMV_CONFIGS: dict[tuple[int, int], tuple] = {  # (N, K): launch; us per 
 # kernel ("gemv", at its DECODE_GEMV_CONFIGS launch) or cuBLAS ("cublas"); shapes not listed keep
 # Inductor's. The choice: the tuned static-cache baseline's kernel table (the same projections,
 # Inductor-generated and tuned, norms fused) against tscompile-triton's, same machine, same call
-# (H200, bs=1, us per layer; llama-8b bench/results/same-lease-2d9e6ac/, llama-1b same-lease-6be9ade/).
+# (H200, bs=1, us per layer).
 # Inductor's kept: llama-8b qkv 13.8 with its norm vs 13.7 + 2.5 here, gate/up 55.2 with its norm vs
 # cuBLAS 57.8 + 2.5; llama-1b qkv 6.0 with its norm vs 6.0 + 1.7, LM head 116 with its norm vs 123.
-# In the engine on the H200 (bench/results/gpu-2026-12-03/ call 1) the tuning with this policy gained
+# In the engine on the H200 the tuning with this policy gained
 # 0.8% at llama-8b bs=1 (4.197 -> 4.164 ms) and nothing on llama-1b, for 14 s more autotuning at
 # start-up: the tuning stays opt-in.
 DECODE_TUNED_MATMULS: dict[tuple[int, int], str] = {  # (N, K): "gemv" or "cublas"; us per call, that / Inductor's
@@ -429,20 +424,20 @@ TUNED_CHOICES = ("gemv", "cublas")
 # whose weight shape is listed here through ``tscompile::skinny_mm`` (passes/batch_gemv.py), which
 # takes this kernel at the listed launch when the step's row count M is listed with the shape, cuBLAS
 # otherwise. Like the decode table, it applies only on a GPU named in DECODE_GEMV_DEVICES. On the
-# H200, one machine, back-to-back processes, TPOT without -> with (bench/results/gpu-2026-12-03/call3/):
+# H200, one machine, back-to-back processes, TPOT without -> with:
 # llama-1b bs 8 / 32 1.186 -> 1.139 / 1.389 -> 1.355 ms, llama-8b 4.933 -> 4.757 / 5.552 -> 5.469;
-# llama-1b 1.119 -> 1.068 / 1.261 -> 1.214 / 1.324 -> 1.302 at bs 2 / 16 / 24 (gpu-2026-12-03b/ call
-# 4), llama-8b 5.174 -> 5.023 / 5.438 -> 5.380 at bs 16 / 24 (bench/results/gpu-2026-12-03c/call1/).
+# llama-1b 1.119 -> 1.068 / 1.261 -> 1.214 / 1.324 -> 1.302 at bs 2 / 16 / 24,
+# llama-8b 5.174 -> 5.023 / 5.438 -> 5.380 at bs 16 / 24.
 #
-# The entries: scripts/gemv_sweep.py on the H200, each the best launch that beat cuBLAS by
-# TABLE_MIN_SPEEDUP or more. At 8 and 32 rows (GEMV_SWEEP_ROWS=8,32, the bench's decode batch sizes;
-# bench/results/gpu-2026-12-03/call3/gemv_sweep.json) every pick is "dot_sum": the two-kernel split
-# lost to split 1, the in-kernel sum wins. At the ladder's other batch sizes 2, 4, 16 and 24
-# (bench/results/gpu-2026-12-03b/call3/gemv_sweep_rows.json): "dot_sum" again at 16 and 24, the
+# The entries: launch sweeps on the H200 (bench/results/gemv-few-row-sweeps-h200/, a test checks the
+# table equals their picks), each the best launch that beat cuBLAS by TABLE_MIN_SPEEDUP or more. At 8
+# and 32 rows (the bench's decode batch sizes) every pick is "dot_sum": the two-kernel split
+# lost to split 1, the in-kernel sum wins. At the ladder's other batch sizes 2, 4, 16 and 24:
+# "dot_sum" again at 16 and 24, the
 # CUDA-core "acc" forms at 2 rows, nothing at 4 (cuBLAS won every shape). Other row counts and shapes
 # (qkv, gate/up, the LM head, llama-1b's o from 4 rows: cuBLAS was as fast or faster) stay cuBLAS.
 #
-# Removed: the same swap in the prefill pieces. Its kernels took less device time at 32 tokens, but
+# Not done: the same swap in the prefill pieces. Its kernels took less device time at 32 tokens, but
 # the step's wall time came out within 1% either way on both models (not shown to pay).
 BATCH_GEMV_CONFIGS: dict[tuple[int, int, int], tuple] = {  # us per call, this kernel / cuBLAS
     (2, 2048, 2048): (1, 2048, 8, 8, 1, "acc_sum"),    # llama-1b output: 5.9 / 6.0
@@ -464,7 +459,7 @@ TABLE_MIN_SPEEDUP = 1.02  # a smaller margin over cuBLAS is within run-to-run sp
 
 
 def decode_table_from_sweep(result: dict, min_speedup: float = TABLE_MIN_SPEEDUP) -> dict[tuple[int, int], tuple]:
-    """``DECODE_GEMV_CONFIGS`` from scripts/gemv_sweep.py's JSON: per shape, its best correct launch at
+    """``DECODE_GEMV_CONFIGS`` from a launch sweep's JSON (``summary``: per shape, each launch's time): per shape, its best correct launch at
     M = 1 where that beat cuBLAS's best by ``min_speedup`` or more; other shapes stay cuBLAS."""
     table = {}
     for s in result["summary"].values():

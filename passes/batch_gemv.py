@@ -2,7 +2,7 @@
 
 At decode batch sizes 2 to 32 a step's matmuls read every weight for a handful of rows: bandwidth
 rows, where ``triton_gemv``'s "dot" and "acc" modes beat cuBLAS on some shapes
-(``BATCH_GEMV_CONFIGS``, timed by ``scripts/gemv_sweep.py``).
+(``BATCH_GEMV_CONFIGS``, from launch sweeps on the H200).
 
 The engine's dynamic-batch decode graph is compiled once for every batch size (the row count is
 symbolic), so this pass cannot choose by M: it swaps every ``mm(x, permute(w))`` (or residual

@@ -3,7 +3,7 @@
 In the static bs=1 decode graph every projection is ``mm(x [1, K], permute(w [N, K]))`` (or, with a
 residual folded in, ``addmm``), which Inductor hands to cuBLAS. On the H200 cuBLAS reads llama-8b's
 qkv and output weights at 3.2 and 2.5 TB/s, llama-1b's at 2.0 and 1.4; this kernel's "acc" launch
-reads them at 3.7, 3.4, 2.1 and 1.8 (scripts/gemv_sweep.py, bench/results/same-lease-ada2650/). This
+reads them at 3.7, 3.4, 2.1 and 1.8. This
 pass swaps those matmuls, and only those whose weight shape has a measured launch in
 ``DECODE_GEMV_CONFIGS`` (custom_ops/triton_gemv.py), for the ``tscompile::gemv`` custom op: a fixed
 launch, so a compile cannot pick a slower one.

@@ -63,7 +63,7 @@ class TscompileConfig:
         decode GEMV pass puts back the projections its measured policy gives to the Triton GEMV or
         cuBLAS (passes/decode_gemv.py). Off by default: on the H200 it doubles llama-1b's start-up
         (README, start-up), and with that policy it gained 0.8% at llama-8b bs=1 and nothing on
-        llama-1b (bench/results/gpu-2026-12-03/).
+        llama-1b.
     kernels: the kernel and pass choices (``KernelPolicy``: the decode GEMV swaps, PDL), a dict of its
         fields in ``options`` (unknown keys refused); see ``tscompile.kernel_policy.KernelPolicy``.
     debug_dir: write each piece's FX code and the split plan here; its default is the environment

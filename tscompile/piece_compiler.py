@@ -28,9 +28,9 @@ logger = logging.getLogger("tscompile")
 
 # Inductor patches CUDA graphs get unless the user's inductor_options set them. combo_kernels fuses
 # independent pointwise kernels of one graph into one launch (RoPE's query and key rotations, 32 and
-# 8 heads). On the H200 (bf16, tscompile bench, 2026-12-01) it took llama-1b's decode step from 219
-# to 203 kernels (bs=1 TPOT 1.162 -> 1.142 ms, bs=32 1.453 -> 1.430 ms, same call). Against an older
-# tree's kernel tables (dfa0508), llama-8b's rotations took 62 us per bs=1 step instead of 93 and
+# 8 heads). On the H200 (bf16, tscompile bench) it took llama-1b's decode step from 219
+# to 203 kernels (bs=1 TPOT 1.162 -> 1.142 ms, bs=32 1.453 -> 1.430 ms, same call). In the kernel tables,
+# llama-8b's rotations took 62 us per bs=1 step instead of 93 and
 # 47 / 68 / 195 / 707 us per 32 / 128 / 512 / 2048-token prefill instead of 82 / 100 / 241 / 641;
 # but in llama-8b's dynamic-batch decode graph (bs 8-64) the combined kernel took 334-361 us per
 # step against 132-170 us for the two it replaced (llama-1b's: 30-42 us against 50-54). So static

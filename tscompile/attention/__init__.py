@@ -41,7 +41,7 @@ def leaf_class(name: str) -> type[PagedAttentionBackend]:
 def default_backend_name(device: torch.device | str) -> str:
     """``auto``: Triton kernels on CUDA when triton imports, the torch oracle elsewhere (on CUDA
     with a warning: the oracle is slow). Never FlashInfer: on an H200 the Triton backend was faster in
-    every decode (bs 1-64) and prefill row of llama-1b and llama-8b (bench/results/flashinfer), and
+    every decode (bs 1-64) and prefill row of llama-1b and llama-8b (docs/performance.md), and
     FlashInfer also builds its kernels on first use (about 100 s) and cannot be exported."""
     if torch.device(device).type == "cuda":
         try:
