@@ -96,6 +96,8 @@ class Bench:
         self.modes: dict[str, dict] = {}
         self.decode_sizes, self.prefill_lens = rows_to_run(args)
         self.tokens: dict[tuple[str, int], list[list[int]]] = {}
+        # engine modes: (tokens, log-probabilities) of each batch size's first prompt, for the reference check
+        self.logprobs: dict[tuple[str, int], tuple[list[int], list[float]]] = {}
         self.references: dict[int, reference.ReferenceRun] = {}  # batch size -> its first request's run
         self.reference_info: dict = {"error": None, "skipped": bool(getattr(args, "no_reference", False))}
         self.on_row = lambda: None  # called after every row: the caller saves what is measured so far
@@ -197,6 +199,10 @@ class Bench:
         compiled = compile_stats.since(compiled_before)
         timed.update(dynamo_graphs_compiled=compiled["graphs_compiled"], dynamo_recompiles=compiled["recompiles"])
         self.tokens[(mode, bs)] = runs[-1].tokens
+        if bs in self.references and hasattr(runner, "logprobs_of"):  # an engine mode: untimed, after the runs
+            logprobs = runner.logprobs_of(prompts[0], a.output_len)
+            if logprobs is not None:
+                self.logprobs[(mode, bs)] = logprobs
         steps = sum(r.decode_steps for r in runs)
         ttft_s = sum(r.ttft_s for r in runs) / len(runs)
         tpot_s = sum(r.decode_s for r in runs) / steps if steps else None
@@ -400,7 +406,8 @@ class Bench:
                 continue
             ref = self.references.get(row["batch_size"])
             if ref is not None:
-                row["reference_check"] = reference.compare(ref, got[0], threshold, exact=exact)
+                row["reference_check"] = reference.compare(ref, got[0], threshold, exact=exact,
+                                                           logprobs=self.logprobs.get((row["mode"], row["batch_size"])))
             elif self.reference_info.get("error"):
                 row["reference_check"] = {"error": self.reference_info["error"]}
             eager = self.tokens.get(("eager", row["batch_size"]))

@@ -283,6 +283,16 @@ class EngineRunner:
                     steps += 1
         return BatchTiming(ttft.seconds, dec.seconds, steps, [list(r.output) for r in reqs], calls or [], other)
 
+    def logprobs_of(self, prompt: list[int], output_len: int) -> tuple[list[int], list[float]] | None:
+        """One prompt's greedy tokens and their log-probabilities (untimed: the reference check); None
+        where the engine returns none (a package)."""
+        if not getattr(self.llm.runner, "returns_logprobs", False):
+            return None
+        self.llm.reset_prefix_cache()
+        params = self._params(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, logprobs=0)
+        out = self.llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+        return out.token_ids, [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+
     def run_prefill(self, prompt: list[int]) -> float:
         """One prompt to its first token; its wall time. ``host_launch_s`` keeps the host's time from
         the submit until the step that launched the prefill returned: the host work before the device's."""

@@ -1,6 +1,7 @@
 """The bench's correctness column catches bugs: on SmolLM2-135M-Instruct's trained weights, in float32,
-the eager engine with a real bug injected decodes other tokens than the float32 reference, and the
-bench marks the row FAIL and exits non-zero; without a bug it agrees and exits 0. The fair prefill
+the eager engine with a real bug injected decodes other tokens than the float32 reference, or the
+same tokens with other log-probabilities, and the bench marks the row FAIL and exits non-zero;
+without a bug it agrees and exits 0. The fair prefill
 baseline (causal over the prompt only) gives the engine's prefill logits."""
 
 from __future__ import annotations
@@ -51,12 +52,29 @@ def _gqa_round_robin(impl):
     return buggy
 
 
+def _decode_position_off_by_one(monkeypatch):
+    """A decode step rotates its query and its new key as if one position later: the relative
+    distances to every cached key are off by one (a shift of every position alike would be invisible
+    to RoPE). SmolLM2 keeps its greedy tokens under it; their probabilities move."""
+    from tscompile.runtime.staging import DecodeStaging
+
+    fill = DecodeStaging.fill
+
+    def buggy(self, plan, bs, prev_rows=None, **kw):
+        fill(self, plan, bs, prev_rows, **kw)
+        self._sets[self._turn].n64[self.max_bs: self.max_bs + plan.num_requests] += 1
+
+    monkeypatch.setattr(DecodeStaging, "fill", buggy)
+
+
 def _inject(monkeypatch, bug: str) -> None:
     """Break only the engine: the float32 reference (the static-cache model) runs the model's own math."""
     if bug == "forget_newest_kv":
         monkeypatch.setitem(attention_ops._IMPLS, "torch", _forget_newest_kv(attention_ops._IMPLS["torch"]))
     elif bug == "gqa_round_robin":
         monkeypatch.setitem(attention_ops._IMPLS, "torch", _gqa_round_robin(attention_ops._IMPLS["torch"]))
+    elif bug == "decode_position_off_by_one":
+        _decode_position_off_by_one(monkeypatch)
     else:
         assert bug == "none"
 
@@ -80,7 +98,7 @@ def _assert_caught(code: int, check: dict) -> None:
     assert describe(check).startswith("**FAIL**"), describe(check)
 
 
-BUGS = ["forget_newest_kv", "gqa_round_robin"]
+BUGS = ["forget_newest_kv", "gqa_round_robin", "decode_position_off_by_one"]
 
 
 @pytest.mark.parametrize("bug", ["none", *BUGS])
@@ -89,7 +107,8 @@ def test_float32_check_fails_for_injected_bugs_on_trained_weights(checkpoint, bu
     _inject(monkeypatch, bug)
     code, check = _bench_check(checkpoint, tmp_path)
     if bug == "none":
-        assert code == 0 and check == {"agrees": True, "compared_tokens": 8}, check
+        assert code == 0 and check["agrees"] is True and check["compared_tokens"] == 8, check
+        assert check["max_logprob_diff"] < 1e-4, check  # the engine's own: summation order only
     else:
         _assert_caught(code, check)
 

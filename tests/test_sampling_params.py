@@ -149,10 +149,6 @@ def test_n_two_is_refused_as_not_supported():
     _refused(r"n=2 is not supported yet; only n=1", n=2)
 
 
-@pytest.mark.parametrize("value", [0, 5, True])
-def test_logprobs_other_than_none_is_refused(value):
-    _refused(rf"logprobs={value!r} is not supported yet; only None", logprobs=value)
-
 
 @pytest.mark.parametrize("kwargs,greedy", [
     ({}, True), ({"temperature": 0.7}, False), ({"temperature": 0.7, "top_k": 1}, True),

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 FINISH_REASONS = ("stop", "length")
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability, as vLLM's ``Logprob`` (``rank`` and ``decoded_token`` are not
+    computed: None)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     """One completion of a request.
@@ -15,13 +24,16 @@ class CompletionOutput:
     token's text and a matched stop string with what follows it. ``finish_reason`` is ``"stop"``
     (eos, a stop token or a stop string), ``"length"`` (``max_new_tokens`` reached) or None while
     the request runs; ``stop_reason`` is the stop token id or the stop string that ended it (None
-    for eos or length), as in vLLM."""
+    for eos or length), as in vLLM. With ``SamplingParams(logprobs=0)``, ``logprobs[i]`` is
+    ``{token_ids[i]: Logprob(...)}`` and ``cumulative_logprob`` their sum; otherwise both are None."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     def __post_init__(self):
         assert self.finish_reason is None or self.finish_reason in FINISH_REASONS, self.finish_reason

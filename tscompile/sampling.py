@@ -30,6 +30,10 @@ class SamplingParams:
     ``max_tokens`` is vLLM's name for ``max_new_tokens`` and is accepted as an alias (a constructor
     argument only: the value is read back as ``max_new_tokens``). Giving both with different values
     is refused; neither means 16.
+
+    ``logprobs=0`` returns each sampled token's log-probability under the model's raw distribution
+    (``CompletionOutput.logprobs``, as vLLM shapes it, and ``cumulative_logprob``); the top-k
+    alternatives (``logprobs > 0``) are refused.
     """
 
     max_new_tokens: int | None = None
@@ -68,7 +72,12 @@ class SamplingParams:
             raise ValueError(f"tscompile: n={self.n!r} is not supported yet; only n=1 (one completion per prompt)")
         set_("n", n)
         if self.logprobs is not None:
-            raise ValueError(f"tscompile: logprobs={self.logprobs!r} is not supported yet; only None")
+            logprobs = _int_arg("logprobs", self.logprobs, low=0, what="or None")
+            if logprobs != 0:
+                raise ValueError(f"tscompile: logprobs={self.logprobs!r} asks for the top {logprobs} alternatives "
+                                 "per token; only logprobs=0 (the sampled token's own log-probability) or None "
+                                 "is supported")
+            set_("logprobs", logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -172,6 +181,15 @@ class SamplingInputs:
         return (self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seeds[:n], self.steps[:n], self.banned[:n])
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its sampled token under the model's raw distribution (before
+    temperature, top-k/top-p and banned ids, as vLLM reports by default), float32 ``[n]``. One
+    reduction over the vocabulary per row, a few microseconds of a step's milliseconds, so every step
+    computes it and a graph needs no variant for requests that ask; only those read it back."""
+    x = logits.float()
+    return x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+
+
 class SamplingBuffers:
     """The sampling op's inputs and its persistent token output ``tokens: [max_rows] int64``.
 
@@ -184,6 +202,7 @@ class SamplingBuffers:
         self.inputs = inputs
         self.max_rows = inputs.seeds.shape[0]
         self.tokens = torch.zeros(self.max_rows, dtype=torch.int64, device=inputs.seeds.device)
+        self.logprobs = torch.zeros(self.max_rows, dtype=torch.float32, device=inputs.seeds.device)
 
     def fill(self, rows: "SamplingRows") -> None:
         """The first ``n`` rows' parameters from a step plan's ``SamplingRows`` (one copy per dtype)."""
@@ -199,4 +218,5 @@ class SamplingBuffers:
         n = logits.shape[0]
         out = self.tokens[:n]
         torch.ops.tscompile.sample(logits, *self.inputs.rows(n), out, all_greedy)
+        self.logprobs[:n].copy_(token_logprobs(logits, out))
         return out

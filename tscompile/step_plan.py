@@ -157,7 +157,8 @@ class GroupPlan:
 class SamplingRows:
     """Per request: temperature [B] f32, top_k [B] i32, top_p [B] f32, seed [B] i64, step [B] i64
     (the position its token will take, which with the seed fixes its random draw) and banned [B, K]
-    i64 (token ids it may not sample this step: eos and stop ids before ``min_tokens``; -1 pads)."""
+    i64 (token ids it may not sample this step: eos and stop ids before ``min_tokens``; -1 pads).
+    ``logprobs``: some request asked for its tokens' log-probabilities (the step reads them back)."""
 
     temperature: np.ndarray
     top_k: np.ndarray
@@ -166,11 +167,12 @@ class SamplingRows:
     steps: np.ndarray
     banned: np.ndarray
     all_greedy: bool  # a host fact: an all-greedy batch skips the vocabulary sort
+    logprobs: bool
 
     def __init__(self, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
-                 steps: np.ndarray, banned: np.ndarray, all_greedy: bool):
+                 steps: np.ndarray, banned: np.ndarray, all_greedy: bool, logprobs: bool = False):
         self.__dict__.update(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps,
-                             banned=banned, all_greedy=all_greedy)
+                             banned=banned, all_greedy=all_greedy, logprobs=logprobs)
 
 
 @dataclass(frozen=True, eq=False, init=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from tscompile.outputs import CompletionOutput
+from tscompile.outputs import CompletionOutput, Logprob
 from tscompile.sampling import SamplingParams
 
 # Files whose presence means a directory ships a tokenizer ``AutoTokenizer`` can load.
@@ -180,6 +180,8 @@ class CompletionState:
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.token_ids: list[int] = []
+        # each token's log-probability, where the request asked for them (logprobs=0)
+        self.logprobs: list[float] | None = None if params.logprobs is None else []
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -188,11 +190,16 @@ class CompletionState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token_id: int) -> str | None:
-        """Record the next sampled token; returns the finish reason (None while running)."""
+    def append(self, token_id: int, logprob: float | None = None) -> str | None:
+        """Record the next sampled token (and its log-probability, where the request wants them);
+        returns the finish reason (None while running)."""
         assert not self.finished, "a finished request got another token"
         token_id = int(token_id)
         self.token_ids.append(token_id)
+        if self.logprobs is not None:
+            if logprob is None:
+                raise RuntimeError("tscompile: a request that asked for logprobs got a token without one")
+            self.logprobs.append(float(logprob))
         n = len(self.token_ids)
         stops, reason = self.checker.stop_token(token_id, n)
         if stops:
@@ -223,4 +230,9 @@ class CompletionState:
         return self.text[: max(0, len(self.text) - (self.checker.max_stop_len - 1))]
 
     def output(self, index: int = 0) -> CompletionOutput:
-        return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason)
+        logprobs = cumulative = None
+        if self.logprobs is not None:
+            logprobs = [{t: Logprob(lp)} for t, lp in zip(self.token_ids, self.logprobs)]
+            cumulative = sum(self.logprobs)
+        return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                                logprobs, cumulative)

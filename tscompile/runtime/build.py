@@ -38,6 +38,7 @@ class StepRunner(Protocol):
     """What the engine needs of a runner (``ModelRunner``, a package's ``PackageRunner``)."""
 
     launches: int  # steps launched so far: a step chains only onto the one launched right before it
+    returns_logprobs: bool  # a step whose plan asks (``SamplingRows.logprobs``) reads them back
     compile_seconds: float
     capture_seconds: float
 

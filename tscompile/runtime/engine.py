@@ -294,6 +294,12 @@ class LLM:
         self.scheduler.validate(prompt.token_ids, params)
         if self.speculative_config is not None:
             self.speculative_config.check_sampling(params)
+        if params.logprobs is not None and (self.speculative_config is not None
+                                            or not getattr(self.runner, "returns_logprobs", False)):
+            what, fix = (("speculative decoding", "an engine without speculative_config") if self.speculative_config
+                         else ("a packaged program", "an engine built from the checkpoint (tscompile.LLM)"))
+            raise ValueError(f"tscompile: logprobs={params.logprobs} is not returned by {what}; pass "
+                             f"logprobs=None, or run on {fix}")
         completion = CompletionState(params, self.eos_token_ids, self.tokenizer, prompt.token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(next(self._ids), prompt.token_ids, params, seed)  # parse_prompts made the list: no copy
@@ -403,11 +409,13 @@ class LLM:
         flight, self._inflight = self._inflight, None
         if flight is None:
             return
-        for r, emit, tok in zip(flight.requests, flight.plan.emits, flight.tokens.wait()):
+        tokens = flight.tokens.wait()
+        logprobs = flight.tokens.logprobs() or (None,) * len(tokens)
+        for r, emit, tok, lp in zip(flight.requests, flight.plan.emits, tokens, logprobs):
             if not emit or r.completion.finished:
                 continue
             r.output.append(tok)
-            if r.completion.append(tok) is not None:
+            if r.completion.append(tok, lp) is not None:
                 self.scheduler.remove(r)  # a stop before max_new_tokens frees its blocks now
                 self._requests.pop(r.rid, None)
                 self._ready.append(r)

@@ -100,6 +100,8 @@ class ModelRunner:
     ``decode`` and ``prefill`` are the two step kinds; ``graphs`` is the engine's ``GraphRunner``
     (None without CUDA graphs); ``use_graphs`` installs one (tests: ``HostGraphs`` on the CPU)."""
 
+    returns_logprobs = True  # the sampler writes them every step; a plan that asks reads them back
+
     def __init__(self, model: Transformer, attention: AttentionRouter, *, max_num_seqs: int, max_blocks: int,
                  banned_width: int, device: torch.device, compile_config: TscompileConfig | None,
                  graph_support: ResolvedGraphSupport, max_verify_width: int = 1):
@@ -184,7 +186,8 @@ class ModelRunner:
                 raise RuntimeError("tscompile: only a decode step takes its input tokens from the device")
             self.prefill.run(plan)
         n = plan.num_requests
-        return self.readback.start(self._sampled_rows(n), n)
+        logprobs = self.sampling.logprobs[:n] if plan.sampling.logprobs else None
+        return self.readback.start(self._sampled_rows(n), n, logprobs)
 
     def _sampled_rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the sampled-token buffer (a view made once per ``n``: a torch

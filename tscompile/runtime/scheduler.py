@@ -229,7 +229,8 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
     sampling = SamplingRows(temperature=floats[:b], top_k=a32[2 * b: 3 * b], top_p=floats[b:],
                             seeds=a64[b: 2 * b], steps=a64[2 * b: 3 * b],
                             banned=_banned_rows(reqs, eos_token_ids, banned_width),
-                            all_greedy=all(p.greedy for p in params))
+                            all_greedy=all(p.greedy for p in params),
+                            logprobs=any(p.logprobs is not None for p in params))
     plan = StepPlan(
         mode=batch.mode, request_ids=tuple([r.rid for r in reqs]), num_extends=len(extends),
         input_ids=ids, positions=pos, query_lens=query_lens, prefix_lens=a32[b: 2 * b],

@@ -1,0 +1,95 @@
+"""``SamplingParams(logprobs=0)``: each sampled token's log-probability under the model's raw
+distribution, in vLLM's output shape. Checked against transformers' float32 log-softmax of the same
+checkpoint over the prompt plus the engine's own tokens (teacher forcing), for greedy and seeded
+sampling, eager and compiled, in mixed batches where other requests do not ask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tscompile
+from helpers import TEXTS, write_text_checkpoint
+from tscompile import SamplingParams
+from tscompile.outputs import Logprob
+
+ATOL = 2e-4  # float32: the engine's paged attention and transformers' SDPA differ in summation order
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, model, tok, _ = write_text_checkpoint(tmp_path_factory.mktemp("logprobs"))
+    return path, model, tok
+
+
+def _engine(path, **kw):
+    kw.setdefault("enforce_eager", True)
+    return tscompile.LLM(str(path), device="cpu", dtype=torch.float32, attention_backend="torch",
+                         max_model_len=96, max_num_seqs=4, page_size=4, **kw)
+
+
+def _reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-probability of each of ``tokens`` following ``prompt`` and the tokens before it."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    start = len(prompt) - 1
+    return [lp[start + i, t].item() for i, t in enumerate(tokens)]
+
+
+def _check(out, model, prompt):
+    comp = out.outputs[0]
+    assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids) > 0
+    assert all(list(d) == [t] and isinstance(d[t], Logprob) for d, t in zip(comp.logprobs, comp.token_ids))
+    got = [d[t].logprob for d, t in zip(comp.logprobs, comp.token_ids)]
+    want = _reference_logprobs(model, prompt, comp.token_ids)
+    assert max(abs(a - b) for a, b in zip(got, want)) < ATOL, (got, want)
+    assert comp.cumulative_logprob == pytest.approx(sum(got))
+    return got
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_logprobs_equal_transformers_for_greedy_and_sampled_requests_in_one_batch(checkpoint, enforce_eager):
+    path, model, tok = checkpoint
+    llm = _engine(path, enforce_eager=enforce_eager)
+    prompts = [tok(t).input_ids for t in TEXTS]
+    params = [SamplingParams(max_tokens=7, logprobs=0, ignore_eos=True),
+              SamplingParams(max_tokens=5, ignore_eos=True),  # asks for none: gets none
+              SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=11, logprobs=0, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    greedy = _check(outs[0], model, prompts[0])
+    assert outs[1].outputs[0].logprobs is None and outs[1].outputs[0].cumulative_logprob is None
+    _check(outs[2], model, prompts[2])
+    # a greedy token is the most likely one: its log-probability is the row's largest
+    ref = model(torch.tensor([prompts[0] + outs[0].outputs[0].token_ids])).logits[0].log_softmax(-1)
+    assert all(abs(g - ref[len(prompts[0]) - 1 + i].max().item()) < ATOL for i, g in enumerate(greedy))
+
+
+def test_logprobs_survive_chunked_prefill_and_a_stop_token(checkpoint):
+    """A prompt split over several prefill chunks (an open chunk samples nothing), then a stop token
+    that ends the request: one log-probability per returned token, the stop token's included."""
+    path, model, tok = checkpoint
+    llm = _engine(path, max_num_batched_tokens=8)
+    prompt = tok(TEXTS[0] + " " + TEXTS[1]).input_ids
+    assert len(prompt) > 8
+    first = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    stop = first.outputs[0].token_ids[3]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[stop], logprobs=0))[0]
+    assert out.outputs[0].token_ids == first.outputs[0].token_ids[: first.outputs[0].token_ids.index(stop) + 1]
+    _check(out, model, prompt)
+
+
+@pytest.mark.parametrize("value", [1, 5, -1, 0.5, True])
+def test_logprobs_other_than_zero_or_none_are_refused(value):
+    with pytest.raises(ValueError, match=r"^tscompile: logprobs="):
+        SamplingParams(logprobs=value)
+
+
+def test_speculative_decoding_refuses_logprobs_before_queueing(checkpoint):
+    path, _, tok = checkpoint
+    llm = _engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"^tscompile: logprobs=0 is not returned by speculative decoding"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=0))
+    assert not llm.has_unfinished()
