@@ -5,7 +5,7 @@ reduction kernels given several candidates, and coordinate-descent tuning where 
 and keeps the fastest. The choice is in neither the kernel's source nor its name. On the H200 one
 query-RoPE kernel of tscompile's decode graph took 1.9 us per layer in one run and 4.2 in another on
 the same machine, and the tuned baseline's bs=1 reductions took different times on two machines;
-without the configurations recorded, so whether the choice differed is not known.
+neither run recorded the configurations, so whether the choice differed is not known.
 Recording every kernel's configuration and how it was chosen, per mode, lets two runs be compared
 kernel by kernel instead of guessed at.
 

@@ -2,8 +2,8 @@
 
 Why: on the H200 the bench's llama-8b 2048-token prefill rows ran at a median SM clock of 1575 MHz
 back to back (the power cap held it down: throttle reason 0x4, "SW power cap") and 1965 MHz with a
-pause between prefills: 48.3 against 43.5 ms of wall for the same graph. A row's figure is only comparable with another run's at the same
-clocks, so every CUDA row records them. ``nvidia-smi`` rather than NVML bindings: it ships with the
+pause between prefills: 48.3 against 43.5 ms of wall for the same graph. A row's figure is only
+comparable with another run's at the same clocks, so every CUDA row records them. ``nvidia-smi`` rather than NVML bindings: it ships with the
 driver, where ``pynvml`` is an extra package the GPU machines may lack.
 """
 

@@ -5,8 +5,8 @@ In float32 a mode must decode the reference's tokens exactly: any difference is 
 fails (``fail``; the bench exits non-zero). An engine mode also reports each token's log-probability
 (``SamplingParams(logprobs=0)``, an untimed run): in float32 they must be the reference's within
 ``LOGPROB_ATOL``. That catches what leaves the argmax alone on trained weights, such as a decode
-position off by one: the greedy tokens survive it, the probabilities do not. In a lower dtype (bf16 on cuda) a greedy pick between two
-near-equal logits can flip without any bug, so a mode's tokens are compared with a float32 run of the
+position off by one: the greedy tokens survive it, the probabilities do not. In a lower dtype (bf16
+on cuda) a greedy pick between two near-equal logits can flip without any bug, so a mode's tokens are compared with a float32 run of the
 *same* weights (the mode's weights upcast, not re-drawn in float32), and where they first differ the
 reference's logits at that step say how close the call was: a top-2 margin of a few hundredths is a
 near-tie, a mode that skipped a clear winner is suspicious. That report cannot prove a bf16 mode
