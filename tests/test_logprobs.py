@@ -93,3 +93,23 @@ def test_speculative_decoding_refuses_logprobs_before_queueing(checkpoint):
     with pytest.raises(ValueError, match=r"^tscompile: logprobs=0 is not returned by speculative decoding"):
         llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=0))
     assert not llm.has_unfinished()
+
+
+def test_decode_graphs_sample_without_logprobs_and_a_step_that_asks_runs_without_one(checkpoint):
+    """With decode graphs (HostGraphs on the CPU), a batch that asks for log-probabilities decodes
+    without replaying (the graphs carry no log-softmax) and gets transformers' values; the same
+    batch without them replays the graphs and decodes the same tokens."""
+    from tscompile.counters import counters
+    from tscompile.runtime.graph_runner import HostGraphs
+
+    path, model, tok = checkpoint
+    llm = _engine(path)
+    llm.runner.use_graphs(HostGraphs())
+    prompt = tok(TEXTS[0]).input_ids
+    before = counters["decode_replays"]
+    asked = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0))[0]
+    assert counters["decode_replays"] == before
+    _check(asked, model, prompt)
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert counters["decode_replays"] > before
+    assert plain.outputs[0].token_ids == asked.outputs[0].token_ids and plain.outputs[0].logprobs is None

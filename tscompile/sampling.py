@@ -183,9 +183,8 @@ class SamplingInputs:
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Each row's log-probability of its sampled token under the model's raw distribution (before
-    temperature, top-k/top-p and banned ids, as vLLM reports by default), float32 ``[n]``. One
-    reduction over the vocabulary per row, a few microseconds of a step's milliseconds, so every step
-    computes it and a graph needs no variant for requests that ask; only those read it back."""
+    temperature, top-k/top-p and banned ids, as vLLM reports by default), float32 ``[n]``: one more
+    reduction over the vocabulary per row."""
     x = logits.float()
     return x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
 
@@ -212,11 +211,14 @@ class SamplingBuffers:
         for d, x in zip(self.inputs.rows(n), src):
             d.copy_(x)
 
-    def sample(self, logits: torch.Tensor, all_greedy: bool = False) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, all_greedy: bool = False, logprobs: bool = True) -> torch.Tensor:
         """Run the sampling op on ``logits: [n, V]`` into ``tokens[:n]``; returns that slice.
-        ``all_greedy`` (a host fact about the batch) skips the vocabulary sort."""
+        ``all_greedy`` (a host fact about the batch) skips the vocabulary sort; ``logprobs`` also
+        writes the tokens' log-probabilities into ``logprobs[:n]`` (a prefill always does: once per
+        request; a decode step only when one of its requests asks, so decode graphs go without)."""
         n = logits.shape[0]
         out = self.tokens[:n]
         torch.ops.tscompile.sample(logits, *self.inputs.rows(n), out, all_greedy)
-        self.logprobs[:n].copy_(token_logprobs(logits, out))
+        if logprobs:
+            self.logprobs[:n].copy_(token_logprobs(logits, out))
         return out

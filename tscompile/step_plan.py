@@ -170,7 +170,7 @@ class SamplingRows:
     logprobs: bool
 
     def __init__(self, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
-                 steps: np.ndarray, banned: np.ndarray, all_greedy: bool, logprobs: bool = False):
+                 steps: np.ndarray, banned: np.ndarray, all_greedy: bool, logprobs: bool):
         self.__dict__.update(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps,
                              banned=banned, all_greedy=all_greedy, logprobs=logprobs)
 

@@ -57,7 +57,7 @@ def default_decode_ladder(max_num_seqs: int) -> tuple[int, ...]:
 def _no_sampling_rows(banned_width: int) -> SamplingRows:
     """Zero sampling rows: ``fill_sampling`` then pads every row (the engine's padding values)."""
     return SamplingRows(np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros(0, np.float32),
-                        np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, banned_width), np.int64), True)
+                        np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, banned_width), np.int64), True, False)
 
 
 class PackageDecodeGraphs:

@@ -56,15 +56,15 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
             self.compiled_one = compile_step(self.forward, config, dynamic=False)
 
     def forward(self, input_ids: torch.Tensor, prev_rows: torch.Tensor, positions: torch.Tensor,
-                all_greedy: bool) -> torch.Tensor:
+                all_greedy: bool, logprobs: bool = False) -> torch.Tensor:
         """The compiled function. ``input_ids``/``prev_rows``/``positions``: int64 ``[bs]`` on the
         device. A row whose token the previous step sampled and the host has not read yet
         (``prev_rows >= 0``) takes it from the sampled-token buffer, read here before this step's
         sample overwrites it. Returns the sampled tokens, int64 ``[bs]`` (also written to
-        ``sampling.tokens[:bs]``)."""
+        ``sampling.tokens[:bs]``); ``logprobs``: their log-probabilities too (``sampling.logprobs``)."""
         prev = self.sampling.tokens.index_select(0, prev_rows.clamp(min=0))
         ids = torch.where(prev_rows >= 0, prev, input_ids)
-        return self.sampling.sample(self.model(ids, positions), all_greedy)
+        return self.sampling.sample(self.model(ids, positions), all_greedy, logprobs)
 
     # -- the step ------------------------------------------------------------------------------------
     def padded_size(self, num_requests: int) -> int:
@@ -76,15 +76,17 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
         graphs = self.graphs
         if graphs is None:
             return True
+        if plan.sampling.logprobs:
+            return True  # runs without a graph: nothing to capture
         key = graphs.decode_key(graphs.decode_size(plan.num_requests), plan.sampling.all_greedy)
         return key is None or key in graphs.graphs
 
     def run(self, plan: StepPlan, prev_rows: list[int] | None) -> None:
         n = plan.num_requests
-        greedy = plan.sampling.all_greedy
+        greedy, logprobs = plan.sampling.all_greedy, plan.sampling.logprobs
         graphs = self.graphs
-        if graphs is None:
-            bs, key = n, None
+        if graphs is None or logprobs:  # the graphs sample without log-probabilities: this step runs without one
+            bs, key = (n if graphs is None else graphs.decode_size(n)), None
         else:
             bs = graphs.decode_size(n)
             key = graphs.decode_key(bs, greedy)
@@ -96,20 +98,20 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
         if key is not None:
             graphs.replay_graph(key)
             return
-        if graphs is not None and graphs.replay and not self._said_above_ladder:
+        if graphs is not None and graphs.replay and not self._said_above_ladder and not logprobs:
             self._said_above_ladder = True
             logger.info("tscompile: a decode batch of %d runs without a CUDA graph (above the decode ladder "
                         "%s); later ones say nothing", n, graphs.decode_ladder)
-        self.run_compiled(bs, greedy)
+        self.run_compiled(bs, greedy, logprobs)
         counters["decode_eager"] += 1
 
-    def run_compiled(self, bs: int, greedy: bool) -> None:
+    def run_compiled(self, bs: int, greedy: bool, logprobs: bool = False) -> None:
         """The compiled decode step over the first ``bs`` rows of the static buffers (what a graph
         captures)."""
         st = self.staging
         with forward_context(ForwardContext(ForwardMode.DECODE, self.attention, self.logits_rows[:bs])):
             step = self.compiled_one if bs == 1 else self.compiled
-            self.clock.run("decode", step, st.input_ids[:bs], st.prev_rows[:bs], st.positions[:bs], greedy)
+            self.clock.run("decode", step, st.input_ids[:bs], st.prev_rows[:bs], st.positions[:bs], greedy, logprobs)
 
     # -- capture -------------------------------------------------------------------------------------
     def idle_inputs(self, bs: int) -> None:
