@@ -37,9 +37,9 @@ def _record_logits(llm):
     def record(logits):
         seen.append(logits.detach().clone())
 
-    def sample(logits, all_greedy=False):
+    def sample(logits, *args):
         record(logits)
-        return original(logits, all_greedy)
+        return original(logits, *args)
 
     llm.runner.sampling.sample = sample
     return seen
