@@ -131,16 +131,17 @@ def _time_engine_construction(timer: PhaseTimer) -> None:
     """Wrap what ``tscompile.LLM(...)`` calls while it is built (INIT_PHASES), where it looks it up."""
     from tscompile.config import TscompileConfig
     from tscompile.models import Transformer
-    from tscompile.runtime import build, engine
+    from tscompile.runtime import build, engine, engine_setup
     from tscompile.runtime.model_runner import ModelRunner
 
     def runner_counted(runner, *args, **kwargs) -> float:  # reported as compile and capture already
         return runner.compile_seconds + runner.capture_seconds
 
-    engine.validate_engine_args = timer.wrap("validate", engine.validate_engine_args)
+    engine_setup.validate_engine_args = timer.wrap("validate", engine_setup.validate_engine_args)
     TscompileConfig.from_options = classmethod(timer.wrap("compile_config", TscompileConfig.from_options.__func__))
-    engine.check_piece_compiler_importable = timer.wrap("piece_compiler_check", engine.check_piece_compiler_importable)
-    engine.build_model_engine = timer.wrap("build", engine.build_model_engine)
+    engine_setup.check_piece_compiler_importable = timer.wrap("piece_compiler_check",
+                                                             engine_setup.check_piece_compiler_importable)
+    engine_setup.build_model_engine = timer.wrap("build", engine_setup.build_model_engine)
     build.create_attention_router = timer.wrap("attention_router", build.create_attention_router)
     build.resolve_cuda_graph_support = timer.wrap("graph_support", build.resolve_cuda_graph_support)
     build.pages_from_device_memory = timer.wrap("memory_profile", build.pages_from_device_memory)

@@ -257,7 +257,8 @@ def random_scheduled_batch(rng, specs, *, max_blocks: int, sampling, max_generat
     prompt, some not) then decodes (some with the last token still on the device), each request
     owning its own table row. ``sampling(rng)`` draws each request's ``SamplingParams``; decodes have
     generated 1..``max_generated`` tokens."""
-    from tscompile.runtime.scheduler import Request, ScheduledBatch
+    from tscompile.runtime.scheduler import Request
+    from tscompile.runtime.step_builder import ScheduledBatch
 
     n_ext, n_dec = int(rng.integers(0, 4)), int(rng.integers(0, 4))
     n_dec = max(n_dec, 1 - n_ext)

@@ -16,7 +16,8 @@ from tscompile.attention import (
 from tscompile.attention.torch_backend import TorchAttentionBackend
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache import CacheGroupSpec, KVCachePool, slot_from_block_table
-from tscompile.runtime.scheduler import Request, ScheduledBatch, build_step_plan
+from tscompile.runtime.scheduler import Request
+from tscompile.runtime.step_builder import ScheduledBatch, build_step_plan
 from tscompile.sampling import SamplingParams
 
 SPECS = [CacheGroupSpec("full", (0, 1), 2, 16), CacheGroupSpec("tail", (2,), 2, 16, window=3)]

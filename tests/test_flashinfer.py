@@ -638,7 +638,7 @@ def test_gpu_engine_async_equals_sync_and_replay_equals_eager_decode():
     llm = _engine("flashinfer")
     assert ids(llm.generate(ENGINE_PROMPTS, params)) == sync
     # one decode step with its graph and the same step without (same padded bs, same refresh)
-    from tscompile.runtime.scheduler import ScheduledBatch
+    from tscompile.runtime.step_builder import ScheduledBatch
     reqs = [llm.add_request(p, tscompile.SamplingParams(max_new_tokens=20)) for p in ENGINE_PROMPTS[:3]]
     while any(not r.prefill_done or not r.output for r in reqs):
         llm.step()

@@ -7,7 +7,7 @@ import torch
 import tscompile
 from tscompile import SamplingParams
 from tscompile.attention import AttentionMetadata
-from tscompile.runtime.scheduler import ScheduledBatch
+from tscompile.runtime.step_builder import ScheduledBatch
 from helpers import ids
 
 pytestmark = pytest.mark.gpu

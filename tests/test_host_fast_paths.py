@@ -14,11 +14,12 @@ import torch
 import tscompile
 from tscompile.kv_cache import CacheGroupSpec, kept_rows
 from tscompile.kv_cache.slots import slot_from_block_rows, slots_of_run
-from tscompile.runtime.engine import EngineDeadError
+from tscompile.runtime.device_faults import EngineDeadError
 from tscompile.runtime.arena import arena_places, upload_packed
 from tscompile.runtime.graph_runner import GraphRunner, HostGraphs
 from tscompile.runtime.prefill_buffers import ExtendBuffers
-from tscompile.runtime.scheduler import Request, ScheduledBatch, build_step_plan
+from tscompile.runtime.scheduler import Request
+from tscompile.runtime.step_builder import ScheduledBatch, build_step_plan
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import ON_DEVICE, GroupPlan, SamplingRows, StepPlan, put_rows, row_offsets

@@ -11,7 +11,8 @@ from tscompile.attention import create_attention_router
 from tscompile.kv_cache import CacheGroupSpec, KVCachePool
 from tscompile.kv_cache.slots import expand_block_table_rows
 from tscompile.runtime.prefill_buffers import WholeStepBuffers
-from tscompile.runtime.scheduler import Request, ScheduledBatch, Scheduler, build_step_plan
+from tscompile.runtime.scheduler import Request, Scheduler
+from tscompile.runtime.step_builder import ScheduledBatch, build_step_plan
 from tscompile.runtime.staging import DecodeStaging
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import ON_DEVICE, GroupPlan, arange_view, put_padded, row_offsets

@@ -20,7 +20,7 @@ from tscompile import SamplingParams
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.models import build_config, build_model
 from tscompile.runtime.build import profile_prompt_lengths
-from tscompile.runtime.engine import EngineDeadError, is_cuda_fault
+from tscompile.runtime.device_faults import EngineDeadError, is_cuda_fault
 from tscompile.runtime.memory import kv_cache_pages, pages_for_requests
 from tscompile.validation import validate_engine_args
 
@@ -416,7 +416,7 @@ FAULT_SCRIPT = textwrap.dedent("""
     import os, sys
     import torch, triton, triton.language as tl
     import tscompile
-    from tscompile.runtime.engine import EngineDeadError
+    from tscompile.runtime.device_faults import EngineDeadError
 
     @triton.jit
     def write_far(ptr):

@@ -38,14 +38,14 @@ def test_bad_speculative_config_is_refused_before_the_model_loads(config, words,
     def no_build(*a, **k):
         raise AssertionError("the model was built before the refusal")
 
-    monkeypatch.setattr("tscompile.runtime.engine.build_model_engine", no_build)
+    monkeypatch.setattr("tscompile.runtime.engine_setup.build_model_engine", no_build)
     with pytest.raises(ValueError, match="^tscompile: ") as e:
         small_llm(speculative_config=config)
     assert words in str(e.value)
 
 
 def test_draft_model_vocabulary_must_match_the_target(tmp_path, monkeypatch):
-    monkeypatch.setattr("tscompile.runtime.engine.build_model_engine",
+    monkeypatch.setattr("tscompile.runtime.engine_setup.build_model_engine",
                         lambda *a, **k: pytest.fail("the model was built before the refusal"))
     draft = _config_dir(tmp_path / "draft", 500)
     with pytest.raises(ValueError, match=r"^tscompile: .*vocabulary of 500 tokens, the target has 512"):

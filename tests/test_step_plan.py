@@ -8,7 +8,8 @@ import torch
 from tscompile.custom_ops.narrow import kept_row_mask
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache import CacheGroupSpec, kept_rows
-from tscompile.runtime.scheduler import Request, ScheduledBatch, Scheduler, build_step_plan
+from tscompile.runtime.scheduler import Request, Scheduler
+from tscompile.runtime.step_builder import ScheduledBatch, build_step_plan
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import ON_DEVICE
 from helpers import random_scheduled_batch

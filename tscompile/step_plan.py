@@ -1,7 +1,7 @@
 """One step, decided: the immutable plan the scheduler hands to a runner.
 
 A neutral module (it imports no runner, attention backend or model). The scheduler builds one
-``StepPlan`` per step (``runtime/scheduler.py``); the engine, the runners and the attention router
+``StepPlan`` per step (``runtime/step_builder.py``); the engine, the runners and the attention router
 read it; nothing reads the scheduler back. Every array lives on the host (numpy): runners upload
 what their kernels read, and host planners (FlashInfer's ``plan()``) read the host arrays directly.
 

@@ -10,70 +10,28 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from tscompile.config import TscompileConfig, check_piece_compiler_importable
 from tscompile.counters import counters
 from tscompile.forward_context import ForwardMode
 from tscompile.models import ModelConfig, Transformer
 from tscompile.outputs import EngineStats, RequestOutput
 from tscompile.prompts import Prompt, parse_prompts
-from tscompile.runtime.build import EngineParts, build_model_engine
-from tscompile.runtime.readback import PendingTokens
+from tscompile.runtime.blocking_calls import run_until_done, stream_text
+from tscompile.runtime.build import EngineParts
+from tscompile.runtime.device_faults import EngineDeadError, dead_engine_reason, is_cuda_fault
+from tscompile.runtime.engine_setup import build_llm_parts, verify_step_for
+from tscompile.runtime.inflight import InFlightStep, chained_input_rows, read_back
+from tscompile.runtime.request_io import new_request, request_output
 from tscompile.runtime.scheduler import Request
 from tscompile.sampling import SamplingParams
 from tscompile.spec_decode.config import SpeculativeConfig
-from tscompile.spec_decode.engine_checks import check_built_vocab, check_engine_speculation
-from tscompile.spec_decode.ngram import NgramDrafter
 from tscompile.spec_decode.verify import VerifyStep
-from tscompile.step_plan import StepPlan
-from tscompile.text import CompletionState, apply_chat_template
-from tscompile.utils import resolve_device
-from tscompile.validation import validate_engine_args
+from tscompile.text import apply_chat_template
 
 logger = logging.getLogger("tscompile")
-
-
-# Errors after which the CUDA context of the process is lost: a kernel fault is sticky, every later
-# CUDA call fails with it, so nothing can be retried, waited for or freed on the device. torch's own
-# checks raise torch.AcceleratorError (torch >= 2.8); Triton launches, cuBLAS and other libraries
-# raise plain RuntimeErrors that quote the CUDA error text, so the text is matched too.
-CUDA_FAULT_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
-                      "misaligned address", "illegal instruction")
-
-
-def is_cuda_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) means the CUDA context is lost. Running
-    out of memory is not such a fault (nothing was corrupted; the step can be retried), nor is a
-    ``KeyboardInterrupt``."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # absent before torch 2.8
-    while exc is not None:
-        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc):
-            return False
-        if accelerator_error is not None and isinstance(exc, accelerator_error):
-            return True
-        if isinstance(exc, Exception) and any(marker in str(exc) for marker in CUDA_FAULT_MARKERS):
-            return True
-        exc = exc.__cause__
-    return False
-
-
-class EngineDeadError(RuntimeError):
-    """A CUDA fault lost the device context: the engine refuses every call that would touch the
-    device; the process must be restarted."""
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A launched step whose tokens the host has not read yet."""
-
-    plan: StepPlan
-    requests: list[Request]
-    tokens: PendingTokens
-    launch: int  # the runner's launch count right after this step: anything launched since breaks a chain
 
 
 class LLM:
@@ -146,34 +104,14 @@ class LLM:
         tensor_parallel_size: int = 1,
         speculative_config: dict | None = None,
     ):
-        validate_engine_args(
-            model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        parts, spec = build_llm_parts(
+            model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
             compile_options=compile_options, seed=seed, async_scheduling=async_scheduling,
             gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
             enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel_size, speculative_config=speculative_config)
-        spec = check_engine_speculation(speculative_config, model=model, tensor_parallel_size=tensor_parallel_size)
-        device = resolve_device(device)
-        compile_config = None if enforce_eager else TscompileConfig.from_options(compile_options)
-        if compile_config is not None:
-            check_piece_compiler_importable(compile_config)  # refused here, not inside the first compile
-        build_kwargs = dict(
-            attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
-            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
-            compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-            model_impl=model_impl)
-        if spec is not None:
-            build_kwargs["max_verify_width"] = spec.verify_width
-        if tensor_parallel_size > 1:
-            from tscompile.distributed import build_tensor_parallel_engine
-
-            parts = build_tensor_parallel_engine(model, tensor_parallel_size, build_kwargs)
-        else:
-            parts = build_model_engine(model, **build_kwargs)
-        check_built_vocab(spec, parts.config.vocab_size)
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling,
                        enable_prefix_caching=enable_prefix_caching)
         if spec is not None:
@@ -198,7 +136,7 @@ class LLM:
         self._ids = itertools.count()
         self._rng = random.Random(seed)
         self._requests: dict[int, Request] = {}  # unfinished, or finished and not read back yet
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlightStep | None = None
         self._ready: list[Request] = []  # finished and read back, not yet returned by step()/sync()
         self._dead: str | None = None  # set by a CUDA fault: why every later call is refused
         self.speculative_config: SpeculativeConfig | None = None
@@ -207,13 +145,7 @@ class LLM:
     def _use_speculation(self, spec: SpeculativeConfig) -> None:
         """Decode steps become verify steps (``tscompile/spec_decode/verify.py``). A verify step
         waits for its accepted counts before the next is planned: asynchronous scheduling is off."""
-        if spec.method != "ngram":
-            raise ValueError(f"tscompile: speculative_config method={spec.method!r} is not run by the engine yet; "
-                             "use method='ngram'")
-        if self.model is None:
-            raise ValueError("tscompile: speculative_config needs the engine's own model (not a package)")
-        drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self._verify = VerifyStep(spec, drafter, self.scheduler, self.model, self.attention, self.device)
+        self._verify = verify_step_for(spec, self.parts)
         self.speculative_config = spec
         self.async_scheduling = False
 
@@ -252,9 +184,7 @@ class LLM:
     def _die(self, fault: BaseException) -> None:
         """Mark the engine dead after ``fault``. The step in flight is dropped unread (waiting on a
         faulted context fails or hangs) and every request is aborted on the host only."""
-        summary = str(fault).strip().splitlines()[0] if str(fault).strip() else ""
-        self._dead = (f"tscompile: the engine is unusable: a CUDA fault in a step ({type(fault).__name__}: "
-                      f"{summary}) lost the CUDA context of this process; restart the process to generate again")
+        self._dead = dead_engine_reason(fault)
         self._inflight = None
         self._ready = []
         for rid in list(self._requests):
@@ -288,23 +218,10 @@ class LLM:
 
     def _new_request(self, prompt: Prompt, params: SamplingParams) -> Request:
         """A validated request, not queued yet: a refusal raises here and changes nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"tscompile: sampling_params must be a tscompile.SamplingParams, got "
-                             f"{type(params).__name__}")
-        self.scheduler.validate(prompt.token_ids, params)
-        if self.speculative_config is not None:
-            self.speculative_config.check_sampling(params)
-        if params.logprobs is not None and (self.speculative_config is not None
-                                            or not getattr(self.runner, "returns_logprobs", False)):
-            what, fix = (("speculative decoding", "an engine without speculative_config") if self.speculative_config
-                         else ("a packaged program", "an engine built from the checkpoint (tscompile.LLM)"))
-            raise ValueError(f"tscompile: logprobs={params.logprobs} is not returned by {what}; pass "
-                             f"logprobs=None, or run on {fix}")
-        completion = CompletionState(params, self.eos_token_ids, self.tokenizer, prompt.token_ids)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(next(self._ids), prompt.token_ids, params, seed)  # parse_prompts made the list: no copy
-        req.completion, req.text_prompt = completion, prompt.text
-        return req
+        return new_request(prompt, params, ids=self._ids, scheduler=self.scheduler,
+                           speculative_config=self.speculative_config,
+                           returns_logprobs=getattr(self.runner, "returns_logprobs", False), tokenizer=self.tokenizer,
+                           rng=self._rng)
 
     def _queue(self, req: Request) -> Request:
         """Queue a request ``_new_request`` made (and validated)."""
@@ -372,7 +289,7 @@ class LLM:
                  and self.runner.can_chain(plan))
         prev_rows = None
         if chain:
-            prev_rows = self._prev_rows(plan, prev)
+            prev_rows = chained_input_rows(plan, prev)
             if max(prev_rows) >= 0:
                 counters["decode_chained"] += 1  # some input token came straight from the device
         else:
@@ -386,7 +303,7 @@ class LLM:
         self.scheduler.update(plan)
         if chain:
             self._read_back()
-        self._inflight = _InFlight(plan, requests, tokens, self.runner.launches)
+        self._inflight = InFlightStep(plan, requests, tokens, self.runner.launches)
         if not self.async_scheduling:
             self._read_back()
         return self._take_ready()
@@ -407,18 +324,8 @@ class LLM:
         sampled after its request stopped (asynchronous scheduling learns a stop one step late) is
         dropped, so the outputs equal those of synchronous steps."""
         flight, self._inflight = self._inflight, None
-        if flight is None:
-            return
-        tokens = flight.tokens.wait()
-        logprobs = flight.tokens.logprobs() or (None,) * len(tokens)
-        for r, emit, tok, lp in zip(flight.requests, flight.plan.emits, tokens, logprobs):
-            if not emit or r.completion.finished:
-                continue
-            r.output.append(tok)
-            if r.completion.append(tok, lp) is not None:
-                self.scheduler.remove(r)  # a stop before max_new_tokens frees its blocks now
-                self._requests.pop(r.rid, None)
-                self._ready.append(r)
+        if flight is not None:
+            read_back(flight, self._finish)
 
     def _finish(self, r: Request) -> None:
         """``r``'s completion finished on the host: free its blocks, hand it out."""
@@ -429,14 +336,6 @@ class LLM:
     def _take_ready(self) -> list[Request]:
         ready, self._ready = self._ready, []
         return ready
-
-    @staticmethod
-    def _prev_rows(plan: StepPlan, prev: _InFlight) -> list[int]:
-        """Per decode row: the row of ``prev``'s sample holding its input token, or -1 (on the host)."""
-        sampled = {rid: i for i, (rid, emit) in enumerate(zip(prev.plan.request_ids, prev.plan.emits.tolist())) if emit}
-        first = plan.num_extends
-        ids = plan.input_ids[plan.num_tokens - plan.num_decodes:].tolist()  # Python ints: no numpy scalar per row
-        return [sampled.get(rid, -1) if t < 0 else -1 for rid, t in zip(plan.request_ids[first:], ids)]
 
     @property
     def compile_seconds(self) -> float:
@@ -463,33 +362,6 @@ class LLM:
         if self._inflight is not None and not (self.scheduler.waiting or self.scheduler.running):
             self.sync()
 
-    def _run_until_done(self, reqs: list[Request]) -> None:
-        """Step until every request of ``reqs`` has finished. If a step raises (or the user
-        interrupts), the step in flight is waited for and every unfinished request of ``reqs`` is
-        aborted, so nothing of this call outlives it; the error then propagates unchanged (a
-        ``KeyboardInterrupt`` stays one). After a CUDA fault nothing is waited for: the engine is
-        dead and ``EngineDeadError`` propagates."""
-        try:
-            while not all(r.completion.finished for r in reqs):
-                if not self.has_unfinished():
-                    raise RuntimeError("tscompile: the engine drained with requests unfinished")
-                self.step()
-            self._settle()
-        except BaseException:
-            if self._dead is None:
-                try:
-                    self.sync()
-                finally:
-                    for r in reqs:
-                        if not r.completion.finished:
-                            self.abort(r.rid)
-            raise
-
-    def _output(self, r: Request) -> RequestOutput:
-        return RequestOutput(str(r.rid), r.text_prompt, list(r.prompt), [r.completion.output()],
-                             r.completion.finished, r.num_cached_tokens or 0, r.num_draft_tokens,
-                             r.num_accepted_drafts)
-
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Generate for one prompt or a list of prompts (a ``str``, a list of token ids, or
@@ -506,8 +378,8 @@ class LLM:
         reqs = [self._new_request(p, sp) for p, sp in zip(parsed, params)]
         for r in reqs:
             self._queue(r)
-        self._run_until_done(reqs)
-        return [self._output(r) for r in reqs]
+        run_until_done(self, reqs)
+        return [request_output(r) for r in reqs]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> RequestOutput:
         """One reply to ``messages`` (``[{"role": ..., "content": ...}, ...]``), rendered with the
@@ -520,24 +392,4 @@ class LLM:
         Abandoning the iterator aborts the request and frees its blocks. The request is queued when
         iteration starts; a dead engine refuses at once."""
         self._refuse_if_dead()
-        return self._stream(prompt, sampling_params)
-
-    def _stream(self, prompt, sampling_params: SamplingParams | None) -> Iterator[str]:
-        req = self.add_request(prompt, sampling_params)
-        shown = 0
-        try:
-            while not req.completion.finished:
-                self.step()
-                text = req.completion.settled_text
-                if len(text) > shown:
-                    yield text[shown:]
-                    shown = len(text)
-            self._settle()
-            if len(req.completion.text) > shown:
-                yield req.completion.text[shown:]
-        finally:
-            if not req.completion.finished:  # a dead engine aborted it already: no device wait
-                try:
-                    self.sync()
-                finally:
-                    self.abort(req.rid)
+        return stream_text(self, prompt, sampling_params)

@@ -23,7 +23,8 @@ import numpy as np
 
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_rows
 from tscompile.runtime.dynamic_sizes import min_logits_rows
-from tscompile.runtime.scheduler import Request, ScheduledBatch, build_step_plan
+from tscompile.runtime.scheduler import Request
+from tscompile.runtime.step_builder import ScheduledBatch, build_step_plan
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
 from tscompile.utils import bucket
