@@ -39,7 +39,7 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import compile_stats, kernel_table, package_mode, report, roofline
+from . import compile_stats, environment, kernel_table, package_mode, plot, report, roofline
 from .runner import Bench, backend_available
 
 FIXED_MODES = ("eager", "compile-default", "compile-reduce-overhead", "compile-reduce-overhead-tuned")
@@ -239,7 +239,7 @@ def _default_outputs(args: argparse.Namespace) -> None:
 def _dispatch(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from . import hf_model
+    from . import hf_args, hf_model
 
     if args.merge:
         from . import merge
@@ -266,7 +266,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                              "runs no engine mode")
         _default_outputs(args)
         return hf_model.run(args)
-    hf_model.check_hf_flags_unused(args)
+    hf_args.check_hf_flags_unused(args)
     if args.package_cuda_graphs and not (args.package or package_mode.PACKAGE_MODE in (args.modes or ())):
         raise ValueError("tscompile: --package-cuda-graphs changes the package mode, which this run does not "
                          "measure; add `package` to --modes or give --package")
@@ -329,7 +329,7 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mod
     decode_sizes, prefill_lens = bench.decode_sizes, bench.prefill_lens
     total = len(modes) * (len(decode_sizes) + len(prefill_lens))
     total += 0 if args.no_reference else len(decode_sizes)
-    env = {**report.environment(device), "torch_threads": torch.get_num_threads()}
+    env = {**environment.environment(device), "torch_threads": torch.get_num_threads()}
 
     def save(complete: bool) -> tuple[dict, str]:
         """Write the JSON and markdown of what is measured so far: a run killed by a time limit
@@ -358,7 +358,7 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mod
     print(md)
     if args.plot:
         try:
-            report.plot(result, args.plot)
+            plot.plot(result, args.plot)
         except ImportError as e:
             print(f"bench: --plot needs matplotlib ({e})", file=sys.stderr)
     failed = bench.failed_checks()  # a float32 mode that decodes other tokens than the reference: a bug

@@ -10,25 +10,24 @@ logits row of every length against eager's.
 
 All modes share one model object: ``nn.Module.compile`` (what ``torch.compile(model, ...)`` does,
 but in place) so that ``generate``, which calls ``self(...)``, runs the compiled forward too; the
-compiled call is dropped after the mode.
+compiled call is dropped after the mode. The ``--hf-*`` arguments are ``hf_args.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-from . import compile_stats, hf_report, report
+from . import compile_stats, environment, hf_report, report
+from .hf_args import check_model_spec, fill_defaults
 from .workloads import Timer
 
-HF_MODES = ("eager", "compile-default", "compile-reduce-overhead", "tscompile", "tscompile-split")
-# torch.compile keyword arguments of each mode (None: not compiled)
+# torch.compile keyword arguments of each mode of hf_args.HF_MODES (None: not compiled)
 MODE_COMPILE_KWARGS: dict[str, dict | None] = {
     "eager": None,
     "compile-default": {"dynamic": True},
@@ -36,7 +35,6 @@ MODE_COMPILE_KWARGS: dict[str, dict | None] = {
     "tscompile": {"backend": "tscompile", "mode": "reduce-overhead", "dynamic": True},
     "tscompile-split": {"backend": "tscompile", "dynamic": True, "options": {"split_sdpa": True, "cudagraphs": True}},
 }
-HF_PARTS = ("forward", "generate")
 
 
 def generate_compile_kwargs(mode: str) -> dict | None:
@@ -56,90 +54,8 @@ def generate_compile_kwargs(mode: str) -> dict | None:
 # them unless the caller marks a new step (torch.compiler.cudagraph_mark_step_begin) first
 GRAPH_TREE_MODES = ("compile-reduce-overhead", "tscompile")
 GENERATE_PROMPT_LEN = 32
-# Inductor's CUDA-graph trees run a new size once without a graph and record it on the next call:
-# two warm-ups per length, so the timed calls replay
-MIN_WARMUPS = 2
 TSCOMPILE_USER_KEYS = ("user_captures", "user_replays", "user_padded_pieces", "user_padded_runs", "user_live_pieces",
                        "user_above_ladder", "user_graphs_refused", "graphs", "pieces_compiled", "breaks")
-
-
-# -- arguments -------------------------------------------------------------------------------------
-def hf_presets() -> list[str]:
-    """The tscompile presets transformers' ``LlamaConfig`` can express (no narrowing layer)."""
-    from tscompile.models import PRESETS
-
-    return sorted(name for name, cfg in PRESETS.items() if cfg.narrow_layer is None and not cfg.qk_norm
-                  and not cfg.qkv_bias)
-
-
-def check_model_spec(spec: str) -> str:
-    """``"preset"`` or ``"checkpoint"``; refuses a directory without config.json and an unknown name."""
-    if os.path.isdir(spec):
-        if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise ValueError(f"tscompile: --hf-model {spec!r} is a directory without config.json; give a "
-                             f"transformers checkpoint directory or a preset ({', '.join(hf_presets())})")
-        return "checkpoint"
-    if spec not in hf_presets():
-        raise ValueError(f"tscompile: --hf-model {spec!r} is neither a checkpoint directory nor a preset; "
-                         f"presets: {', '.join(hf_presets())}")
-    return "preset"
-
-
-def resolve_modes(requested: list[str] | None) -> list[str]:
-    """The modes to run, in ``HF_MODES`` order; eager always runs first (the tokens and logits
-    columns compare every mode with it)."""
-    if not requested:
-        return list(HF_MODES)
-    unknown = [m for m in requested if m not in HF_MODES]
-    if unknown:
-        raise ValueError(f"tscompile: unknown --hf-modes {unknown}; allowed: {', '.join(HF_MODES)}")
-    return [m for m in HF_MODES if m in requested or m == "eager"]
-
-
-def resolve_parts(requested: list[str] | None) -> list[str]:
-    if not requested:
-        return list(HF_PARTS)
-    unknown = [p for p in requested if p not in HF_PARTS]
-    if unknown:
-        raise ValueError(f"tscompile: unknown --hf-parts {unknown}; allowed: {', '.join(HF_PARTS)}")
-    return [p for p in HF_PARTS if p in requested]
-
-
-def fill_defaults(args: argparse.Namespace) -> torch.device:
-    """Checks the ``--hf-*`` arguments and fills their device-dependent defaults; returns the device."""
-    from tscompile.utils import resolve_device, resolve_dtype
-
-    if getattr(args, "modes", None):
-        raise ValueError(f"tscompile: --modes {args.modes} picks the engine bench's modes; with --hf-model use "
-                         f"--hf-modes ({', '.join(HF_MODES)})")
-    args.hf_model_kind = check_model_spec(args.hf_model)
-    device = resolve_device(args.device)
-    args.device = str(device)
-    gpu = device.type == "cuda"
-    args.dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
-    args.hf_requested = list(args.hf_modes or HF_MODES)  # eager runs unasked; the exit status ignores it then
-    args.hf_modes = resolve_modes(args.hf_modes)
-    args.hf_parts = resolve_parts(getattr(args, "hf_parts", None))
-    args.hf_lens = args.hf_lens or ([32, 512, 2048] if gpu else [16, 40])
-    bad = [n for n in args.hf_lens if n < 1]
-    if bad:
-        raise ValueError(f"tscompile: --hf-lens {args.hf_lens} has lengths < 1 ({bad}); give prompt lengths >= 1")
-    args.hf_generate_tokens = args.hf_generate_tokens if args.hf_generate_tokens is not None else (64 if gpu else 16)
-    if args.hf_generate_tokens < 1:
-        raise ValueError(f"tscompile: --hf-generate-tokens {args.hf_generate_tokens} must be >= 1")
-    args.num_iters = args.num_iters if args.num_iters is not None else (5 if gpu else 2)
-    if args.num_iters < 1:
-        raise ValueError(f"tscompile: --num-iters {args.num_iters} must be >= 1")
-    args.hf_warmups = max(args.num_iters_warmup, MIN_WARMUPS)
-    return device
-
-
-def check_hf_flags_unused(args: argparse.Namespace) -> None:
-    """The engine bench refuses ``--hf-*`` flags given without ``--hf-model`` (they would do nothing)."""
-    given = [f"--{k.replace('_', '-')}" for k in ("hf_lens", "hf_generate_tokens", "hf_modes", "hf_parts")
-             if getattr(args, k, None) is not None]
-    if given:
-        raise ValueError(f"tscompile: {', '.join(given)} need --hf-model (a checkpoint directory or a preset)")
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -386,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
 def _environment(device: torch.device) -> dict:
     import transformers
 
-    return {**report.environment(device), "transformers_version": transformers.__version__,
+    return {**environment.environment(device), "transformers_version": transformers.__version__,
             "torch_threads": torch.get_num_threads()}
 
 

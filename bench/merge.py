@@ -16,7 +16,7 @@ import copy
 import json
 import os
 
-from . import package_mode, report
+from . import package_mode, plot, report
 
 # what two runs must share for their rows to sit in one table; args keys, then env keys
 SAME_ARGS = ("model", "dtype", "input_len", "output_len", "num_iters", "num_iters_warmup", "seed", "page_size",
@@ -254,5 +254,5 @@ def run(args) -> int:
     report.write_outputs(result, md, args)
     print(md)
     if args.plot:
-        report.plot(result, args.plot)
+        plot.plot(result, args.plot)
     return 0

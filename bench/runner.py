@@ -9,14 +9,13 @@ import gc
 import os
 import statistics
 import time
-import traceback
 
 import torch
 
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import autotune_record, compile_stats, gpu_clocks, kernel_table, reference, report, roofline, workloads
+from . import autotune_record, compile_stats, gpu_clocks, reference, report, roofline, row_kernels, workloads
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -251,50 +250,16 @@ class Bench:
             if row["mode"] == mode and not row.get("error") and "kernel_table" not in row:
                 bar.set_postfix_str(f"{mode} kernels bs={row['batch_size']}")
                 prompts = _prompts(a.seed, row["batch_size"], a.input_len, self.cfg.vocab_size)
-                row["kernel_table"] = self._guarded_table(lambda: self.decode_kernel_table(runner, prompts, row))
+                row["kernel_table"] = row_kernels.guarded_table(
+                    lambda: row_kernels.decode_kernel_table(runner, prompts, row, a, self.device, self.dtype), a.verbose)
                 self.on_row()
         for row in self.prefill:
             if row["mode"] == mode and not row.get("error") and "kernel_table" not in row:
                 bar.set_postfix_str(f"{mode} kernels prefill {row['prompt_len']}")
                 prompt = _prompts(a.seed, 1, row["prompt_len"], self.cfg.vocab_size)[0]
-                row["kernel_table"] = self._guarded_table(lambda: self.prefill_kernel_table(runner, prompt))
+                row["kernel_table"] = row_kernels.guarded_table(
+                    lambda: row_kernels.prefill_kernel_table(runner, prompt, a, self.device, self.dtype), a.verbose)
                 self.on_row()
-
-    def _guarded_table(self, build) -> dict:
-        """A profiling failure leaves the row's timed figures standing: the table carries the error."""
-        try:
-            return build()
-        except Exception as e:  # noqa: BLE001
-            if self.args.verbose:
-                traceback.print_exc()
-            return {"error": report.error_text(e)}
-
-    def decode_kernel_table(self, runner, prompts: list[list[int]], row: dict) -> dict:
-        """One more run of the row's batch, profiling ``--kernel-table-steps`` decode steps from the
-        middle of its decode (the mean context the roofline's bytes assume)."""
-        a = self.args
-        steps = row["decode_steps_per_iter"]
-        if steps < 1:
-            return {"error": "no decode step to profile"}
-        count = min(a.kernel_table_steps, steps)
-        window = kernel_table.StepWindow(self.device.type, (steps - count) // 2, count)
-        try:
-            runner.run_batch(prompts, a.output_len, window=window)
-        finally:
-            window.finish()
-        if window.steps < 1:
-            return {"error": "the profiled run had no decode step in its window"}
-        stats = kernel_table.stats_of(window.prof, self.device.type, self.dtype.itemsize)
-        return kernel_table.table(stats, window.steps, self.device.type, a.kernel_table_top, row["step_bytes"],
-                                  kernel_table.timeline_of(window.prof, self.device.type))
-
-    def prefill_kernel_table(self, runner, prompt: list[int]) -> dict:
-        a = self.args
-        prof = kernel_table.profile_calls(lambda: runner.run_prefill(prompt), a.kernel_table_steps, self.device.type)
-        stats = kernel_table.stats_of(prof, self.device.type, self.dtype.itemsize)
-        # a prefill is bound by its FLOPs, not its bytes: no step bandwidth (its TFLOP/s is in the row)
-        return kernel_table.table(stats, a.kernel_table_steps, self.device.type, a.kernel_table_top,
-                                  timeline=kernel_table.timeline_of(prof, self.device.type))
 
     def prefill_row(self, mode: str, runner, length: int) -> dict:
         a = self.args

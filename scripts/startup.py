@@ -27,6 +27,8 @@ The engine figures come from the runner's own compile and capture counters
 by the first prompt (``--prefill-capture lazy``, the engine's default) or while the engine starts
 (``--prefill-capture startup``), and its prefill part is reported apart (``prefill_capture_s``,
 ``init_prefill_capture_s``); a package compiles and captures nothing.
+
+The phase timers are ``startup_phases.py``'s, the markdown ``startup_report.py``'s (beside this file).
 """
 
 from __future__ import annotations
@@ -39,12 +41,10 @@ import sys
 import tempfile
 import time
 
+from startup_phases import PhaseTimer, compile_phases, time_engine_construction
+from startup_report import DECODE_TOKENS, START_NAMES, markdown
+
 _MARK = "STARTUP_JSON "
-TARGETS = {  # the start-up targets on an H200, in seconds
-    "cold": "decode ladder compiled and captured in <= 40 s (llama-8b)",
-    "warm": "<= 10 s plus weight loading",
-    "package": "<= 5 s plus weight loading",
-}
 
 
 # -- the children ----------------------------------------------------------------------------------
@@ -74,90 +74,6 @@ def _cuda_init(device) -> float | None:
     return time.perf_counter() - t0
 
 
-class PhaseTimer:
-    """Wall time of wrapped functions, each call's own time only: a wrapped function called inside
-    another is a phase of its own, named ``outer/inner``, and its time is not the outer one's, so the
-    phases never overlap and sum to at most the time around them. ``exclude(*args)`` reads seconds
-    that other figures report already (a runner's compile and capture); what it grew by during a call
-    is taken off that call."""
-
-    def __init__(self):
-        self.spent: dict[str, float] = {}  # in the order the phases first ran
-        self._open: list[list] = []  # per call in progress: [its name, seconds of wrapped calls inside]
-
-    def wrap(self, name: str, fn, exclude=None):
-        def wrapper(*args, **kwargs):
-            frame = [f"{self._open[-1][0]}/{name}" if self._open else name, 0.0]
-            self.spent.setdefault(frame[0], 0.0)  # listed where it starts: an outer phase before its inner ones
-            self._open.append(frame)
-            counted = exclude(*args, **kwargs) if exclude is not None else 0.0
-            begin = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - begin
-                if exclude is not None:
-                    counted = exclude(*args, **kwargs) - counted
-                self._open.pop()
-                self.spent[frame[0]] = self.spent.get(frame[0], 0.0) + elapsed - frame[1] - counted
-                if self._open:
-                    self._open[-1][1] += elapsed
-        return wrapper
-
-
-# the phases of tscompile.LLM(...) besides compile and capture, by the function each times (the leaf
-# of a phase's name: "build/memory_profile/profile_step" is profile_step inside memory_profile)
-INIT_PHASES = {
-    "validate": "argument checks",
-    "compile_config": "compile options to a TscompileConfig",
-    "piece_compiler_check": "the piece compiler's import check",
-    "build": "build_model_engine, its own lines",
-    "attention_router": "the attention backend's router",
-    "graph_support": "which CUDA graphs the backend allows",
-    "memory_profile": "KV pool sizing from device memory, its own lines (gc, empty_cache, sizing)",
-    "profile_step": "the profiled eager step of the largest batch (activation peak)",
-    "memory_probe": "reading free device memory (gc, synchronize, empty_cache, mem_get_info)",
-    "pool_and_scheduler": "KV pool allocation and the scheduler",
-    "runner": "ModelRunner construction (buffers, torch.compile wrappers)",
-    "bind_kv_cache": "binding the pool to the model",
-    "decode_graphs": "the decode capture path besides compile and capture",
-    "prefill_plans": "start-up prefill placeholder plans",
-    "prefill_graphs": "start-up prefill capture besides compile and capture",
-    "assemble": "the engine over its parts",
-}
-
-
-def _time_engine_construction(timer: PhaseTimer) -> None:
-    """Wrap what ``tscompile.LLM(...)`` calls while it is built (INIT_PHASES), where it looks it up."""
-    from tscompile.config import TscompileConfig
-    from tscompile.models import Transformer
-    from tscompile.runtime import build, engine, engine_setup
-    from tscompile.runtime.model_runner import ModelRunner
-
-    def runner_counted(runner, *args, **kwargs) -> float:  # reported as compile and capture already
-        return runner.compile_seconds + runner.capture_seconds
-
-    engine_setup.validate_engine_args = timer.wrap("validate", engine_setup.validate_engine_args)
-    TscompileConfig.from_options = classmethod(timer.wrap("compile_config", TscompileConfig.from_options.__func__))
-    engine_setup.check_piece_compiler_importable = timer.wrap("piece_compiler_check",
-                                                             engine_setup.check_piece_compiler_importable)
-    engine_setup.build_model_engine = timer.wrap("build", engine_setup.build_model_engine)
-    build.create_attention_router = timer.wrap("attention_router", build.create_attention_router)
-    build.resolve_cuda_graph_support = timer.wrap("graph_support", build.resolve_cuda_graph_support)
-    build.pages_from_device_memory = timer.wrap("memory_profile", build.pages_from_device_memory)
-    build.measure_activation_peak = timer.wrap("profile_step", build.measure_activation_peak)
-    build.measure_device_memory = timer.wrap("memory_probe", build.measure_device_memory)
-    build._pool_and_scheduler = timer.wrap("pool_and_scheduler", build._pool_and_scheduler)
-    build.ModelRunner = timer.wrap("runner", ModelRunner)
-    Transformer.bind_kv_cache = timer.wrap("bind_kv_cache", Transformer.bind_kv_cache)
-    ModelRunner.capture_decode_graphs = timer.wrap("decode_graphs", ModelRunner.capture_decode_graphs,
-                                                   exclude=runner_counted)
-    build.startup_plans = timer.wrap("prefill_plans", build.startup_plans)
-    ModelRunner.capture_prefill_graphs = timer.wrap("prefill_graphs", ModelRunner.capture_prefill_graphs,
-                                                    exclude=runner_counted)
-    engine.LLM._assemble = timer.wrap("assemble", engine.LLM._assemble)
-
-
 def _prompt(length: int, first: int, vocab_size: int) -> list[int]:
     """``length`` token ids from ``first`` on (wrapping inside the vocabulary, id 0 left out): prompts
     that share no prefix with another ``first``."""
@@ -176,7 +92,6 @@ def _generate(llm, device, prompt: list[int], new_tokens: int) -> tuple[float, f
 
 
 SECOND_PROMPT_EXTRA = 7  # the second prompt's length past --prompt-len: another size than the first
-DECODE_TOKENS = 8
 
 
 def _after_first_token(llm, device, prompt_len: int) -> dict:
@@ -220,7 +135,7 @@ def _child_engine(args) -> dict:
     _sync(device)
     weights = time.perf_counter() - t0
     timer = PhaseTimer()
-    _time_engine_construction(timer)
+    time_engine_construction(timer)
     modules_before = set(sys.modules)
     t0 = time.perf_counter()
     llm = tscompile.LLM(model, device=device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -233,7 +148,7 @@ def _child_engine(args) -> dict:
     first, first_compile, first_capture = _generate(llm, device, _prompt(args.prompt_len, 1, llm.config.vocab_size), 1)
     compile_s, capture_s, prefill_capture_s = llm.compile_seconds, llm.capture_seconds, llm.prefill_capture_seconds
     total = _since_spawn()
-    compile_phases = _compile_phases()  # the start's compiles, not those of the prompts after it
+    phases = compile_phases()  # the start's compiles, not those of the prompts after it
     after = _after_first_token(llm, device, args.prompt_len)
     other = total - started - imports - (cuda_init or 0.0) - weights - compile_s - capture_s
     # other holds the construction's phases (compile and capture apart) and the first generate's own
@@ -251,35 +166,7 @@ def _child_engine(args) -> dict:
             "first_token_other_s": first_token_other, **after,
             "enforce_eager": args.enforce_eager,
             "decode_ladder": list(getattr(llm.runner.graphs, "decode_ladder", []) or []),
-            "compile_phases": compile_phases}
-
-
-# the phases of torch.compile's own timers that say where a compile's time goes (nested: Dynamo's
-# _compile.compile_inner holds the rest); each is the sum over every compile of the process
-PHASES = {
-    "_compile.compile_inner": "Dynamo, all in (tracing plus the backend)",
-    "bytecode_tracing": "Dynamo tracing",
-    "OutputGraph.call_user_compiler": "backend (tscompile's split, pieces, Inductor)",
-    "create_aot_dispatcher_function": "AOTAutograd (joint trace, decompositions, Inductor inside)",
-    "compile_fx_inner": "Inductor, per graph",
-    "GraphLowering.codegen": "Inductor scheduling and code generation",
-    "async_compile.wait": "waiting for Triton's kernel compiles",
-    "PyCodeCache.load_by_key_path": "loading generated modules (kernel compiles on a cold cache)",
-    "CachingAutotuner.benchmark_all_configs": "autotuning (benchmarking configs)",
-    "coordinate_descent_tuning": "coordinate-descent tuning",
-    "build_guards": "Dynamo guards",
-}
-
-
-def _compile_phases() -> dict:
-    """Seconds per compile phase (PHASES, as torch's compile timers name them in this version; a phase
-    it does not time is left out), from ``torch._dynamo.utils.compilation_time_metrics``."""
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-    except ImportError:
-        return {}
-    totals = {name: sum(values) for name, values in compilation_time_metrics.items() if values}
-    return {name: round(totals[name], 3) for name in PHASES if name in totals}
+            "compile_phases": phases}
 
 
 def _child_package(args) -> dict:
@@ -426,131 +313,6 @@ def _spawn(kind: str, args, env: dict) -> dict:
     if run.returncode != 0 or not lines:
         return {"error": f"the {kind} process exited with {run.returncode}"}
     return json.loads(lines[-1][len(_MARK):])
-
-
-START_NAMES = ("cold", "warm", "package")
-
-
-def _seconds(v, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def _row(name: str, r: dict) -> str:
-    if r.get("error"):
-        return f"| {name} | {r['error']} |" + " |" * 9  # the table's other columns, empty
-    cells = [r[k] for k in ("total_s", "process_s", "imports_s")] + [r.get("cuda_init_s")]
-    cells += [r[k] for k in ("weights_s", "compile_s", "capture_s")] + [r.get("prefill_capture_s"), r["other_s"]]
-    return f"| {name} | " + " | ".join(_seconds(v) for v in cells) + f" | {TARGETS[name]} |"
-
-
-def _measured(result: dict, key: str) -> list[tuple[str, dict]]:
-    """The starts that measured ``key`` (an error or an older result has none)."""
-    return [(name, r) for name in START_NAMES if key in (r := result["starts"].get(name) or {})]
-
-
-def _after_first_token_md(result: dict) -> list[str]:
-    starts = _measured(result, "second_prefill_s")
-    if not starts:
-        return []
-    r0 = starts[0][1]
-    lines = ["", f"The first token beside what follows it in the same process (not in the figures above): a "
-                 f"{r0['second_prompt_len']}-token prompt to one token, then a fresh prompt to {DECODE_TOKENS} tokens; "
-                 f"seconds all in, with the compile and capture each did (a first call's one-time work is its "
-                 f"excess over the second prefill):", "",
-             "| start | first token | its compile | its capture | second prefill | its compile | its capture | "
-             f"{DECODE_TOKENS} new tokens | their compile | their capture |", "|---" * 10 + "|"]
-    keys = ("first_token_s", "first_token_compile_s", "first_token_capture_s", "second_prefill_s",
-            "second_prefill_compile_s", "second_prefill_capture_s", "decode_8_tokens_s", "decode_8_compile_s",
-            "decode_8_capture_s")
-    lines += [f"| {name} | " + " | ".join(_seconds(r.get(k), 2) for k in keys) + " |" for name, r in starts]
-    return lines
-
-
-def _init_phases_md(result: dict) -> list[str]:
-    starts = [(name, r) for name, r in _measured(result, "init_phases") if name != "package"]
-    if not starts:
-        return []
-    names = list(dict.fromkeys(n for _, r in starts for n in r["init_phases"]))  # in the order they ran
-    head = " | ".join(name for name, _ in starts)
-    lines = ["", "Where the engine's \"other\" goes (seconds): the phases of `tscompile.LLM(...)`, each its own time "
-                 "(a phase called inside another is named outer/inner and counted once; compile and capture apart), "
-                 "then the first token's own run:", "",
-             f"| phase | what | {head} |", "|---|---|" + "---|" * len(starts)]
-    for n in names:
-        cells = " | ".join(_seconds(r["init_phases"].get(n), 2) for _, r in starts)
-        lines.append(f"| `{n}` | {INIT_PHASES.get(n.rsplit('/', 1)[-1], '')} | {cells} |")
-    rows = (("first token besides its compile and capture", "first_token_other_s"),
-            ("unexplained: other minus the rows above", "other_unexplained_s"), ("other", "other_s"),
-            ("engine construction, all in (compile and capture included)", "engine_init_s"))
-    for what, key in rows:
-        lines.append(f"| {what} | | " + " | ".join(_seconds(r.get(key), 2) for _, r in starts) + " |")
-    for name, r in starts:
-        if r.get("init_imported"):  # imports the construction pays for land in the phase that makes them
-            top = ", ".join(f"{root} {count}" for root, count in list(r["init_imported"].items())[:6])
-            lines += ["", f"Modules first imported while the {name} engine was built (per package): {top}."]
-    return lines
-
-
-def _first_calls_md(result: dict) -> list[str]:
-    package = result["starts"].get("package") or {}
-    first = package.get("first_call_phases")
-    if not first:
-        return []
-    second = package.get("second_call_phases") or {}
-    lines = ["", "The package's first calls, each waited for on the device (seconds; the prefill program and its "
-                 "host metadata run in the first prompt and again in the second, the decode program in the "
-                 f"{DECODE_TOKENS}-token call):", "", "| call | first | second |", "|---|---|---|"]
-    lines += [f"| {name} | {secs:.3f} | {_seconds(second.get(name), 3)} |" for name, secs in first.items()]
-    return lines
-
-
-def markdown(result: dict) -> str:
-    a = result["args"]
-    lines = [f"## Start-up: {a['model']} ({result['env']})", "",
-             f"max_num_seqs {a['max_num_seqs']}, max_model_len {a['max_model_len']}, a {a['prompt_len']}-token "
-             f"prompt to its first token; seconds, each start a fresh process."
-             + (" The engine runs without torch.compile (--enforce-eager)." if a.get("enforce_eager") else "")
-             + (" The bs=1 decode graph is coordinate-descent tuned (--decode-tuning on)."
-                if a.get("decode_tuning") == "on" else "")
-             + (f" The engine starts use the decode ladder {tuple(a['decode_ladder'])} (--decode-ladder)."
-                if a.get("decode_ladder") else ""),
-             "",
-             "| start | to first token | process start | imports | CUDA init | weights | compile | capture | "
-             "of which prefill | other | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [_row(name, result["starts"][name]) for name in START_NAMES if name in result["starts"]]
-    export = result.get("export")
-    if export and not export.get("error"):
-        lines += ["", f"Package exported in {export['export_s']:.1f} s (AOTInductor build {export['build_s']:.1f} s, "
-                      f"C++ by {export['compiler'].get('path') or export['compiler'].get('command')})."]
-    lines += _after_first_token_md(result)
-    lines += _init_phases_md(result)
-    phases = (result["starts"].get("package") or {}).get("load_phases")
-    if phases:
-        lines += ["", "Where `load_package`'s time goes (seconds; nested: programs holds the AOTInductor loaders, "
-                      "the host check, the weights inside, the weights file and load_constants):", "",
-                  "| phase | seconds |", "|---|---|"]
-        lines += [f"| {name} | {secs:.2f} |" for name, secs in phases.items()]
-    lines += _first_calls_md(result)
-    cold = result["starts"].get("cold") or {}
-    if cold.get("compile_phases"):
-        warm_phases = (result["starts"].get("warm") or {}).get("compile_phases") or {}
-        lines += ["", "Where the compile time goes (torch.compile's own timers, seconds summed over every compile "
-                      "of the process; nested, so rows overlap):", "",
-                  "| phase | cold | warm |", "|---|---|---|"]
-        lines += [f"| {PHASES[name]} (`{name}`) | {secs:.1f} | "
-                  + (f"{warm_phases[name]:.1f}" if name in warm_phases else "-") + " |"
-                  for name, secs in cold["compile_phases"].items()]
-    lines += ["", "CUDA init = `torch.cuda.init()` and a first allocation, before anything else touches the device "
-                  "(results before this column had it inside the engine's weights and the package's other).",
-              "", "capture = decode and prefill graphs, compiling apart; \"of which prefill\" = the prefill "
-                  "graphs (by the first prompt under --prefill-capture lazy, the default; while the engine starts "
-                  "under startup, so that the first prompt of each size captures nothing).",
-              "", "other = pool sizing and the profiled step (the engine's phases above), the first prefill's own "
-                  "run, and for a package its libraries and the first call of its programs (``programs_s`` in "
-                  "the JSON: libraries and weights together; weights \"-\": a package with its weights inside "
-                  "loads them with its libraries, in one call)."]
-    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from tscompile.bench import hf_model
+from tscompile.bench import hf_args, hf_model
 from tscompile.cli import main as tscompile_main
 from helpers import one_thread_fixture
 
@@ -189,7 +189,7 @@ def test_presets_map_to_llama_configs():
     from tscompile.models import build_config
     from tscompile.models.hf_save import hf_llama_config
 
-    assert hf_model.hf_presets() == ["llama-1b", "llama-8b", "llama-tiny"]
+    assert hf_args.hf_presets() == ["llama-1b", "llama-8b", "llama-tiny"]
     cfg = hf_llama_config(build_config("llama-1b"))
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size) == (2048, 16, 32, 8, 8192, 128256)

@@ -189,14 +189,14 @@ def test_a_refused_mode_leaves_the_mode_to_the_run_that_measured_it(eager_run):
 
 
 def test_each_run_names_its_source_tree_in_the_merged_table(eager_run):
-    from tscompile.bench import report
+    from tscompile.bench import environment
 
-    assert eager_run["env"]["source_tree"] == report.source_tree()
+    assert eager_run["env"]["source_tree"] == environment.source_tree()
     other = _as_mode(eager_run, "compile-default", bandwidth=1.0)
     other["env"]["source_tree"] = "0123456789ab+dirty"
     md = bench_merge.runs_markdown(bench_merge.merge([eager_run, other], ["a.json", "b.json"]))
     assert "tscompile tree 0123456789ab+dirty" in md
-    assert (f"tscompile tree {report.source_tree()}" if report.source_tree() else "tscompile tree unknown") in md
+    assert (f"tscompile tree {environment.source_tree()}" if environment.source_tree() else "tscompile tree unknown") in md
 
 
 def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_names_them(eager_run):
@@ -234,7 +234,7 @@ def test_content_tree_names_the_files_as_they_are_whatever_the_head(tmp_path):
     """A GPU machine's copy of a checkout can carry an older .git than its files: the content tree is
     the tree of the commit holding exactly the files there, untracked ones included, ignored ones not,
     and the checkout's own index is left as it was."""
-    from tscompile.bench import report
+    from tscompile.bench import environment
 
     root = tmp_path / "repo"
     root.mkdir()
@@ -243,23 +243,23 @@ def test_content_tree_names_the_files_as_they_are_whatever_the_head(tmp_path):
     (root / "a.py").write_text("a = 1\n")
     _git(root, "add", "-A")
     _git(root, "commit", "-qm", "one")
-    assert report.content_tree(root) == _git(root, "rev-parse", "HEAD^{tree}")[:12]
-    assert report.source_tree(root) == _git(root, "rev-parse", "--short=12", "HEAD")  # clean: the commit alone
+    assert environment.content_tree(root) == _git(root, "rev-parse", "HEAD^{tree}")[:12]
+    assert environment.source_tree(root) == _git(root, "rev-parse", "--short=12", "HEAD")  # clean: the commit alone
     head = _git(root, "rev-parse", "--short=12", "HEAD")
     # a copy that lost a file's execute bit still names the commit; one that only gained a file does not
     os.chmod(root / "a.py", 0o755)
-    assert report.source_tree(root) == head
+    assert environment.source_tree(root) == head
     (root / "new.py").write_text("n = 1\n")
-    assert report.source_tree(root) == f"{head}+dirty, content tree {report.content_tree(root)}"
+    assert environment.source_tree(root) == f"{head}+dirty, content tree {environment.content_tree(root)}"
     (root / "new.py").unlink()
     os.chmod(root / "a.py", 0o644)
     # the files move on without the .git: changed and new files, an ignored one
     (root / "a.py").write_text("a = 2\n")
     (root / "b.py").write_text("b = 1\n")
     (root / "run.log").write_text("ignored\n")
-    seen = report.content_tree(root)
+    seen = environment.content_tree(root)
     stale_head = _git(root, "rev-parse", "--short=12", "HEAD")
-    assert report.source_tree(root) == f"{stale_head}+dirty, content tree {seen}"
+    assert environment.source_tree(root) == f"{stale_head}+dirty, content tree {seen}"
     assert _git(root, "diff", "--cached", "--name-only") == ""  # the checkout's index untouched
     _git(root, "add", "-A")
     _git(root, "commit", "-qm", "two")  # the commit that holds these files: the same tree
@@ -270,7 +270,7 @@ def test_content_tree_rehashes_a_same_second_same_size_rewrite(tmp_path):
     """A file rewritten in the second its index entry was written, at the same size, has a stat that
     matches the entry: only git's racy-entry rule (entries not older than the index file are hashed
     again) tells it apart, so the content tree must see the new text, not the cached hash."""
-    from tscompile.bench import report
+    from tscompile.bench import environment
 
     root = tmp_path / "repo"
     root.mkdir()
@@ -285,7 +285,7 @@ def test_content_tree_rehashes_a_same_second_same_size_rewrite(tmp_path):
     os.utime(index, (old, old))  # the index written in the same second as the entry
     (root / "a.py").write_text("a = 2\n")
     os.utime(root / "a.py", (old, old))
-    seen = report.content_tree(root)
+    seen = environment.content_tree(root)
     _git(root, "add", "-A")
     _git(root, "commit", "-qm", "two")
     assert seen == _git(root, "rev-parse", "HEAD^{tree}")[:12] != _git(root, "rev-parse", "HEAD~1^{tree}")[:12]

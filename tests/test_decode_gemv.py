@@ -280,26 +280,26 @@ def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypa
 def test_a_bench_run_records_the_kernel_choices_and_launch_tables_it_ran_with(monkeypatch):
     """A run's kernel_paths: each policy choice as it applies on this machine, and with a GEMV swap on
     its table (which projections left cuBLAS and at which launch); with the swaps off, no table."""
-    from tscompile.bench import report
+    from tscompile.bench import environment
 
     monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": False)
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     off = KernelPolicy(decode_gemv=False, batch_gemv=False)
-    assert report.kernel_paths(off) == {"decode_gemv": False, "batch_gemv": False, "decode_pdl": False,
-                                        "prefill_pdl": False}
+    assert environment.kernel_paths(off) == {"decode_gemv": False, "batch_gemv": False, "decode_pdl": False,
+                                             "prefill_pdl": False}
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
     monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})
-    paths = report.kernel_paths()
+    paths = environment.kernel_paths()
     assert paths["decode_gemv"] is True and paths["batch_gemv"] is True
     assert paths["decode_gemv_configs"] == {f"{n}x{k}": list(c) for (n, k), c in TINY_TABLE.items()}
     assert paths["decode_tuned_matmuls"] == {"512x256": "gemv", "256x256": "cublas"}
     assert paths["batch_gemv_configs"] == {"32x512x256": [64, 128, 1, 4, 4, "dot"]}
     monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": True)
-    assert report.kernel_paths()["decode_pdl"] is True and report.kernel_paths()["prefill_pdl"] is False
-    assert report.kernel_paths(KernelPolicy(decode_pdl=False, prefill_pdl=True))["prefill_pdl"] is True
+    assert environment.kernel_paths()["decode_pdl"] is True and environment.kernel_paths()["prefill_pdl"] is False
+    assert environment.kernel_paths(KernelPolicy(decode_pdl=False, prefill_pdl=True))["prefill_pdl"] is True
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA A100-SXM4-80GB")
-    paths = report.kernel_paths()  # on, but not the GPU the tables were timed on: no swap, no table
+    paths = environment.kernel_paths()  # on, but not the GPU the tables were timed on: no swap, no table
     assert paths["decode_gemv"] is False and paths["batch_gemv"] is False and "batch_gemv_configs" not in paths
 
 

@@ -4,6 +4,7 @@ phases that explain the rest of a start (the engine's construction, the first ca
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,18 +12,21 @@ import torch
 
 from shared_packages import BOUNDS, shared_package
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "startup.py"
-_spec = importlib.util.spec_from_file_location("startup_script", _PATH)
+_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(_SCRIPTS))  # startup.py imports its sibling modules, as when it runs from there
+_spec = importlib.util.spec_from_file_location("startup_script", _SCRIPTS / "startup.py")
 startup = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(startup)
+import startup_phases  # noqa: E402  (found through the path above)
+import startup_report  # noqa: E402
 
 
 def test_compile_phases_sum_this_process_compiles_and_keep_only_named_phases():
-    before = startup._compile_phases().get("_compile.compile_inner", 0.0)
+    before = startup_phases.compile_phases().get("_compile.compile_inner", 0.0)
     fn = torch.compile(lambda x: torch.cos(x) * 3 + x.sum(), backend="inductor")
     fn(torch.randn(17))
-    phases = startup._compile_phases()
-    assert set(phases) <= set(startup.PHASES)
+    phases = startup_phases.compile_phases()
+    assert set(phases) <= set(startup_phases.PHASES)
     assert phases["_compile.compile_inner"] > before
     # nested timers: the backend's share never exceeds Dynamo's all-in figure
     assert phases["OutputGraph.call_user_compiler"] <= phases["_compile.compile_inner"] + 1e-3
@@ -35,11 +39,11 @@ def test_markdown_lists_cold_phases_beside_warm_ones_and_dashes_missing_ones():
               "starts": {"cold": {**base, "compile_phases": {"_compile.compile_inner": 6.0,
                                                              "create_aot_dispatcher_function": 4.25}},
                          "warm": {**base, "compile_phases": {"_compile.compile_inner": 1.5}}}}
-    md = startup.markdown(result)
+    md = startup_report.markdown(result)
     assert "| Dynamo, all in (tracing plus the backend) (`_compile.compile_inner`) | 6.0 | 1.5 |" in md
     assert "(`create_aot_dispatcher_function`) | 4.2 | - |" in md
     del result["starts"]["cold"]["compile_phases"]
-    assert "Where the compile time goes" not in startup.markdown(result)
+    assert "Where the compile time goes" not in startup_report.markdown(result)
 
 
 # -- the phase timer -------------------------------------------------------------------------------
@@ -55,8 +59,8 @@ class FakeClock:
 
 def test_phase_timer_counts_each_call_once_names_inner_phases_and_takes_off_excluded_seconds(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(startup, "time", clock)
-    timer = startup.PhaseTimer()
+    monkeypatch.setattr(startup_phases, "time", clock)
+    timer = startup_phases.PhaseTimer()
     compiled = {"seconds": 0.0}
 
     def inner():
@@ -85,8 +89,8 @@ def test_phase_timer_counts_each_call_once_names_inner_phases_and_takes_off_excl
 
 def test_phase_timer_keeps_a_call_that_raises_and_leaves_no_phase_open(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(startup, "time", clock)
-    timer = startup.PhaseTimer()
+    monkeypatch.setattr(startup_phases, "time", clock)
+    timer = startup_phases.PhaseTimer()
 
     def fails():
         clock.now += 0.75
@@ -147,7 +151,7 @@ def test_engine_child_splits_construction_into_phases_and_times_the_second_promp
     r = startup._spawn("engine", args, _child_env(tmp_path))
     _assert_engine_start_explained(r)
     assert r["enforce_eager"] and r["compile_s"] == 0.0 and "compile_config" not in r["init_phases"]
-    md = startup.markdown({"args": vars(args), "env": "cpu", "starts": {"warm": r}})
+    md = startup_report.markdown({"args": vars(args), "env": "cpu", "starts": {"warm": r}})
     assert "| `build/runner` | ModelRunner construction" in md
     assert "| unexplained: other minus the rows above | | " in md
     assert f"| warm | {r['first_token_s']:.2f} | 0.00 | 0.00 | {r['second_prefill_s']:.2f} |" in md
@@ -208,7 +212,7 @@ def test_package_child_splits_its_first_token_into_first_calls(tmp_path, tmp_pat
     assert set(r["second_call_phases"]) == set(r["first_call_phases"])
     assert r["first_call_phases"]["prefill"] <= r["first_token_s"] + 1e-3
     assert r["second_call_phases"]["prefill"] <= r["second_prefill_s"] + 1e-3
-    md = startup.markdown({"args": vars(args), "env": "cpu", "starts": {"package": r}})
+    md = startup_report.markdown({"args": vars(args), "env": "cpu", "starts": {"package": r}})
     assert f"| prefill | {r['first_call_phases']['prefill']:.3f} | {r['second_call_phases']['prefill']:.3f} |" in md
 
 
@@ -216,7 +220,7 @@ def test_markdown_of_a_failed_start_fills_every_column_and_renders_results_witho
     a = {"model": "m", "max_num_seqs": 4, "max_model_len": 64, "prompt_len": 8}
     old = {"total_s": 10.0, "process_s": 0.1, "imports_s": 2.0, "weights_s": 1.0, "compile_s": 6.0,
            "capture_s": 0.5, "prefill_capture_s": 0.2, "other_s": 0.4}  # a result from before cuda_init_s
-    md = startup.markdown({"args": a, "env": "cpu", "starts": {"cold": {"error": "boom"}, "warm": old}})
+    md = startup_report.markdown({"args": a, "env": "cpu", "starts": {"cold": {"error": "boom"}, "warm": old}})
     header = next(line for line in md.splitlines() if line.startswith("| start | to first token"))
     failed = next(line for line in md.splitlines() if line.startswith("| cold |"))
     assert failed.count("|") == header.count("|")
@@ -259,5 +263,5 @@ def test_decode_ladder_reaches_the_engine_options_and_the_child_argv(monkeypatch
     i = seen["argv"].index("--decode-ladder")
     assert seen["argv"][i + 1:i + 3] == ["2", "4"]
     assert startup.parse_args(seen["argv"][2:]).decode_ladder == [2, 4]  # the child parses it back
-    md = startup.markdown({"args": vars(args), "env": "cpu", "starts": {}})
+    md = startup_report.markdown({"args": vars(args), "env": "cpu", "starts": {}})
     assert "The engine starts use the decode ladder (2, 4) (--decode-ladder)." in md

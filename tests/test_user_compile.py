@@ -8,7 +8,7 @@ import torch._dynamo.utils as dynamo_utils
 
 from tscompile.config import TscompileConfig
 from tscompile.counters import counters
-from tscompile import user_graphs
+from tscompile import token_padding, user_graphs
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,13 +81,13 @@ def test_padding_to_buckets_is_invisible_and_pieces_run_at_the_bucket(monkeypatc
     torch.compiler.reset()
     model = tiny_llama(layers=2)
     resized = []
-    orig = user_graphs._Shapes.resize
+    orig = token_padding.TokenShapes.resize
 
     def spy(self, args, rows, pad):
         resized.append((rows, pad))
         return orig(self, args, rows, pad)
 
-    monkeypatch.setattr(user_graphs._Shapes, "resize", spy)
+    monkeypatch.setattr(token_padding.TokenShapes, "resize", spy)
     opts = {"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 64, 128)}
     fwd = torch.compile(model.forward, backend="tscompile", dynamic=True, options=opts)
     before = dict(counters)

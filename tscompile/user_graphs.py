@@ -7,12 +7,8 @@ sees padding. Each padded piece is captured once per bucket (``capture_graph``, 
 graphs: the trees cost about 100 us of host work per piece) and replayed from then on; above the
 largest bucket the same compiled pieces run unpadded and without graphs.
 
-Which dimension is "the token dimension": the symbol of the attention query's row count (SDPA's
-dim -2, ``tscompile::attention``'s dim 0). Padding is only sound for pieces that are row-wise in it,
-so every compiled piece is checked at compile time: a piece that slices, reduces or reshapes the
-token dimension (``hidden[:, -1:]`` in transformers' ``logits_to_keep``) runs live and ungraphed,
-like a break. A graph with any other dynamic size (a growing KV length while decoding) is left
-entirely ungraphed: a capture per size would never be replayed.
+Which dimension carries the tokens, and which pieces may be padded in it, is decided by
+``token_padding.py`` (a graph it refuses runs without user graphs).
 
 Why outputs are copied: a replayed piece writes the same memory at every call; the caller's
 tensors must survive the next call, so the graph's outputs are cloned out of graph memory. That is
@@ -32,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import time
 from typing import Callable
 
@@ -41,8 +36,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from tscompile.counters import counters
-from tscompile.passes.split import SDPA_TARGETS, SplitPlan, op_name
+from tscompile.passes.split import SplitPlan
 from tscompile.piece_compiler import mutated_inputs
+from tscompile.token_padding import TokenShapes, Unsupported, check_row_wise, find_token_symbol, symbols_of
 from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
@@ -60,183 +56,6 @@ def pad_without_graphs():
         yield
     finally:
         _PAD_WITHOUT_GRAPHS.pop()
-
-
-class Unsupported(Exception):
-    """The graph cannot be padded; it runs without user graphs (the reason is logged)."""
-
-
-def _symbols(value) -> set:
-    if isinstance(value, torch.Tensor):
-        out = set()
-        for d in value.shape:
-            if isinstance(d, torch.SymInt):
-                out |= d.node.expr.free_symbols
-        return out
-    if isinstance(value, torch.SymInt):
-        return set(value.node.expr.free_symbols)
-    if isinstance(value, (tuple, list)):
-        return set().union(*(_symbols(v) for v in value)) if value else set()
-    return set()
-
-
-def _is_sym(d, sym) -> bool:
-    return isinstance(d, torch.SymInt) and d.node.expr == sym
-
-
-def token_dims(value, sym) -> tuple[int, ...]:
-    """The dims of a fake tensor whose size is exactly the token symbol; a dim that is any other
-    expression of it (``s * 64`` after a flatten, ``s - 1``) cannot be padded: Unsupported."""
-    dims = []
-    for i, d in enumerate(value.shape):
-        if _is_sym(d, sym):
-            dims.append(i)
-        elif isinstance(d, torch.SymInt) and sym in d.node.expr.free_symbols:
-            raise Unsupported(f"a tensor dim of size {d.node.expr} (not the token count {sym} itself)")
-    return tuple(dims)
-
-
-def _example(node: torch.fx.Node):
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def find_token_symbol(split: torch.fx.GraphModule, plan: SplitPlan):
-    """The symbol of the first attention break's query rows, or None (static rows: nothing to pad)."""
-    for piece in plan.of_kind("break"):
-        for node in split._modules[piece.name].graph.nodes:
-            if node.op != "call_function" or not node.args:
-                continue
-            if node.target in SDPA_TARGETS:
-                dim = -2
-            elif op_name(node.target) == "tscompile::attention" or getattr(node.target, "__name__", "") == "run_attention":
-                dim = 0
-            else:
-                continue
-            query = _example(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
-            if not isinstance(query, torch.Tensor):
-                raise Unsupported(f"no traced shape for the query of {node.name}")
-            rows = query.shape[dim]
-            if not isinstance(rows, torch.SymInt) or not rows.node.expr.is_Symbol:
-                return None
-            return rows.node.expr
-    return None
-
-
-def check_row_wise(gm: torch.fx.GraphModule, sym) -> str | None:
-    """Why padding ``gm``'s token dim could change its live rows, or None when it cannot.
-
-    A node whose inputs carry the token dim must keep it in its output (a reduction, an index or a
-    slice of the token dim would read padded rows into a live value)."""
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        out = _example(node)
-        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        if not outs:
-            continue
-        try:
-            for o in outs:
-                token_dims(o, sym)
-        except Unsupported as e:
-            return f"{node.format_node()}: {e}"
-        fed = any(sym in _symbols(_example(a)) for a in node.all_input_nodes if isinstance(_example(a), torch.Tensor))
-        if not fed or node.target in _READS_NO_ROWS:
-            continue
-        if node.target is operator.getitem:
-            why = _getitem_hazard(node, sym)
-            if why:
-                return f"{node.format_node()} {why}"
-            continue
-        if not any(token_dims(o, sym) for o in outs):
-            return f"{node.format_node()} drops the token dim"
-    return None
-
-
-# ops whose output takes only a dtype or device from a token-shaped input, never its rows
-_READS_NO_ROWS = {"new_ones", "new_zeros", "new_empty", "new_full", "type_as"}
-
-
-def _from_the_front(idx) -> bool:
-    """An index of the token dim that reads the same rows whether or not rows are padded at the
-    end: a non-negative int, or a slice from row 0 with a non-negative static stop (the trace's
-    guards already hold the live count at or above it)."""
-    if isinstance(idx, int):
-        return idx >= 0
-    if isinstance(idx, slice):
-        return idx.start in (None, 0) and idx.step in (None, 1) and (idx.stop is None
-                                                                       or (isinstance(idx.stop, int) and idx.stop >= 0))
-    return False
-
-
-def _getitem_hazard(node: torch.fx.Node, sym) -> str | None:
-    src = _example(node.args[0])
-    if not isinstance(src, torch.Tensor):
-        return None
-    dims = token_dims(src, sym)
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    per_dim = [i for i in index if i is not None]  # None adds an output dim and reads no input dim
-    if sum(i is Ellipsis for i in per_dim) > 1:
-        return "indexes with two Ellipses"
-    if Ellipsis in per_dim:
-        k = per_dim.index(Ellipsis)
-        per_dim[k:k + 1] = [slice(None)] * (src.dim() - len(per_dim) + 1)
-    for d in dims:
-        if d < len(per_dim) and not _from_the_front(per_dim[d]):
-            return "reads rows counted from the end (or by a tensor) of the token dim"
-    return None
-
-
-class _Shapes:
-    """Where the token count sits among a callable's arguments (or outputs): per position, the
-    token dims of a tensor, True for a SymInt equal to the token count, else None."""
-
-    def __init__(self, fakes, sym):
-        self.where = []
-        for f in fakes:
-            if isinstance(f, torch.Tensor):
-                self.where.append(token_dims(f, sym) or None)
-            elif isinstance(f, torch.SymInt):
-                if f.node.expr == sym:
-                    self.where.append(True)
-                elif sym in f.node.expr.free_symbols:
-                    raise Unsupported(f"a size argument {f.node.expr} derived from the token count {sym}")
-                else:
-                    self.where.append(None)
-            else:
-                self.where.append(None)
-
-    def resize(self, args, rows: int, pad: bool):
-        """``args`` with every token dim at ``rows`` (sliced views when shrinking, zero-padded copies
-        when growing and ``pad``) and every token-count SymInt replaced by ``rows``."""
-        out = list(args)
-        for i, w in enumerate(self.where):
-            if w is True:
-                out[i] = rows
-            elif w:
-                out[i] = _resize(args[i], w, rows, pad)
-        return out
-
-
-def _resize(t: torch.Tensor, dims: tuple[int, ...], rows: int, pad: bool) -> torch.Tensor:
-    for d in dims:
-        size = t.shape[d]
-        if size > rows:
-            t = t.narrow(d, 0, rows)
-        elif size < rows and pad:
-            grown = _zeros_like_layout(t, d, rows)
-            grown.narrow(d, 0, size).copy_(t)
-            t = grown
-    return t
-
-
-def _zeros_like_layout(t: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
-    """Zeros shaped like ``t`` with ``rows`` at ``dim``, dims laid out in ``t``'s stride order: the
-    compiled pieces assert their inputs' strides (an attention output is often a transposed view)."""
-    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))  # outermost first
-    shape = list(t.shape)
-    shape[dim] = rows
-    dense = t.new_zeros([shape[i] for i in order])
-    return dense.permute([order.index(i) for i in range(t.dim())])
 
 
 class UserGraphRuntime:
@@ -274,7 +93,8 @@ class PaddedPiece:
     one when its address differs (the live rows only: a padded row's contents never reach a live
     row of a row-wise piece)."""
 
-    def __init__(self, name: str, fn: Callable, shapes: _Shapes, written: frozenset[int], runtime: UserGraphRuntime):
+    def __init__(self, name: str, fn: Callable, shapes: TokenShapes, written: frozenset[int],
+                 runtime: UserGraphRuntime):
         self.name, self.fn, self.shapes, self.written, self.runtime = name, fn, shapes, written, runtime
         self.graphs: dict[tuple, _Entry] = {}
 
@@ -331,7 +151,7 @@ class PaddedPiece:
 class LiveBreak:
     """An attention break (or a piece that is not row-wise): its token dims sliced to the live rows."""
 
-    def __init__(self, fn: Callable, shapes: _Shapes, runtime: UserGraphRuntime):
+    def __init__(self, fn: Callable, shapes: TokenShapes, runtime: UserGraphRuntime):
         self.fn, self.shapes, self.runtime = fn, shapes, runtime
 
     def __call__(self, *args):
@@ -362,16 +182,16 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
     if sym is None:
         raise Unsupported("the attention rows are static")
     everything = list(fake_args.values()) + [list(example_inputs), pytree.tree_leaves(fake_result)]
-    others = set().union(*(_symbols(list(a)) for a in everything)) - {sym}
+    others = set().union(*(symbols_of(list(a)) for a in everything)) - {sym}
     if others:
         raise Unsupported(f"sizes other than the token count are dynamic ({sorted(map(str, others))})")
-    entry = _Shapes(list(example_inputs), sym)
+    entry = TokenShapes(list(example_inputs), sym)
     if not any(entry.where):
         raise Unsupported(f"no input carries the token count {sym}")
     runtime = UserGraphRuntime(ladder)
     padded = 0
     for piece in plan.pieces:
-        shapes = _Shapes(list(fake_args[piece.name]), sym)
+        shapes = TokenShapes(list(fake_args[piece.name]), sym)
         module = split._modules[piece.name]
         fn = split.__dict__.get(piece.name, module)
         why = check_row_wise(module, sym) if piece.kind == "compiled" else piece.kind
@@ -386,7 +206,7 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
                 logger.info("tscompile: piece %s runs at the live rows, ungraphed: %s", piece.name, why)
                 counters["user_live_pieces"] += 1
             split.__dict__[piece.name] = LiveBreak(fn, shapes, runtime)
-    outputs = _Shapes(pytree.tree_leaves(fake_result), sym)
+    outputs = TokenShapes(pytree.tree_leaves(fake_result), sym)
     forward = split.forward
 
     def run(*args):
