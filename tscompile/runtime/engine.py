@@ -27,7 +27,7 @@ from tscompile.runtime.scheduler import Request
 from tscompile.sampling import SamplingParams
 from tscompile.spec_decode.config import SpeculativeConfig
 from tscompile.spec_decode.engine_checks import check_built_vocab, check_engine_speculation
-from tscompile.spec_decode.ngram import NgramDrafter
+from tscompile.spec_decode.engine_drafters import build_draft_parts, make_drafter
 from tscompile.spec_decode.verify import VerifyStep
 from tscompile.step_plan import StepPlan
 from tscompile.text import CompletionState, apply_chat_template
@@ -165,8 +165,11 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
             compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             model_impl=model_impl)
+        draft_parts = None
         if spec is not None:
             build_kwargs["max_verify_width"] = spec.verify_width
+            # built before the target: on CUDA the target's pool is sized from the memory left after it
+            draft_parts = build_draft_parts(spec, model, build_kwargs)
         if tensor_parallel_size > 1:
             from tscompile.distributed import build_tensor_parallel_engine
 
@@ -177,7 +180,7 @@ class LLM:
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling,
                        enable_prefix_caching=enable_prefix_caching)
         if spec is not None:
-            self._use_speculation(spec)
+            self._use_speculation(spec, draft_parts)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, *, seed: int = 0, async_scheduling: bool = True,
@@ -204,18 +207,25 @@ class LLM:
         self.speculative_config: SpeculativeConfig | None = None
         self._verify: VerifyStep | None = None
 
-    def _use_speculation(self, spec: SpeculativeConfig) -> None:
+    def _use_speculation(self, spec: SpeculativeConfig, draft_parts=None) -> None:
         """Decode steps become verify steps (``tscompile/spec_decode/verify.py``). A verify step
-        waits for its accepted counts before the next is planned: asynchronous scheduling is off."""
-        if spec.method != "ngram":
-            raise ValueError(f"tscompile: speculative_config method={spec.method!r} is not run by the engine yet; "
-                             "use method='ngram'")
+        waits for its accepted counts before the next is planned: asynchronous scheduling is off.
+        ``draft_parts``: the draft model's engine parts (``method="draft_model"``)."""
         if self.model is None:
             raise ValueError("tscompile: speculative_config needs the engine's own model (not a package)")
-        drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafter = make_drafter(spec, draft_parts)
         self._verify = VerifyStep(spec, drafter, self.scheduler, self.model, self.attention, self.device)
         self.speculative_config = spec
         self.async_scheduling = False
+
+    def set_replay_references(self, references) -> None:
+        """``method="replay"`` only (benchmarks): ``references`` maps a prompt's token ids (a tuple)
+        to the continuation to propose for it (the target's own greedy output, so every draft is
+        accepted); requests queued later with that prompt replay it, others get no drafts."""
+        if self.speculative_config is None or self.speculative_config.method != "replay":
+            raise ValueError("tscompile: set_replay_references needs speculative_config method='replay'; build the "
+                             "engine with {'method': 'replay', 'num_speculative_tokens': k}")
+        self._verify.drafter.set_references(references)
 
     # -- request level ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -333,6 +343,8 @@ class LLM:
         if req is None:
             return  # finished, aborted already, or never added: nothing to stop
         self.scheduler.remove(req)
+        if self._verify is not None:
+            self._verify.release(req)
         if not req.completion.finished:
             req.completion.finish_reason = "abort"
 
@@ -428,6 +440,9 @@ class LLM:
 
     def _take_ready(self) -> list[Request]:
         ready, self._ready = self._ready, []
+        if self._verify is not None:
+            for r in ready:  # the drafter's state of a finished request (its draft cache, its history)
+                self._verify.release(r)
         return ready
 
     @staticmethod

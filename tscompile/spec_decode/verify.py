@@ -43,6 +43,20 @@ class VerifyStep:
         self.model, self.attention, self.device = model, attention, device
         self.width = spec.verify_width
         self.accepted_drafts = self.proposed_drafts = self.verify_steps = 0
+        self._histories: dict[object, TokenHistory] = {}
+
+    def release(self, request) -> None:
+        """``request`` finished or was aborted: drop its history and what the drafter keeps for it."""
+        if self._histories.pop(request.rid, None) is not None:
+            self.drafter.release(request.rid)
+
+    def _history(self, r) -> np.ndarray:
+        """``r``'s prompt then output, grown by the tokens read since its last verify step (no
+        O(length) rebuild per step)."""
+        h = self._histories.get(r.rid)
+        if h is None:
+            h = self._histories[r.rid] = TokenHistory(r.prompt)
+        return h.extend_to(r.output)
 
     def summary(self) -> dict:
         """``EngineStats``' speculative fields."""
@@ -75,7 +89,7 @@ class VerifyStep:
             return False
         k, n, bs = self.spec.num_speculative_tokens, self.width, len(requests)
         batch = DraftBatch(tuple(r.rid for r in requests),
-                           tuple(np.asarray(r.prompt + r.output, dtype=np.int64) for r in requests),
+                           tuple(self._history(r) for r in requests),
                            tuple(len(r.prompt) for r in requests), k)
         drafts = self.drafter.propose(batch)
         tokens = drafts.tokens.copy()
@@ -129,6 +143,28 @@ class VerifyStep:
             if r.num_computed >= r.publish_at:
                 self.scheduler.prefix_cache.publish(r)
             if r.completion.finished:
-                self.drafter.release(r.rid)
                 finish(r)
         return True
+
+
+class TokenHistory:
+    """One request's tokens (prompt, then output) in a numpy buffer that doubles when full: a verify
+    step appends the tokens emitted since the last one and hands the drafter a view."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt_len = len(prompt)
+        self.buffer = np.empty(max(2 * self.prompt_len, 64), dtype=np.int64)
+        self.buffer[: self.prompt_len] = prompt
+        self.length = self.prompt_len
+
+    def extend_to(self, output: list[int]) -> np.ndarray:
+        new = output[self.length - self.prompt_len:]
+        if new:
+            end = self.length + len(new)
+            if end > self.buffer.shape[0]:
+                grown = np.empty(max(2 * self.buffer.shape[0], end), dtype=np.int64)
+                grown[: self.length] = self.buffer[: self.length]
+                self.buffer = grown
+            self.buffer[self.length: end] = new
+            self.length = end
+        return self.buffer[: self.length]

@@ -1,0 +1,110 @@
+"""The replay and draft-model drafters in the engine: greedy output with speculation equals plain
+greedy decode token for token (float32, CPU), on mixed chunked batches, under preemption, with a stop
+token inside an accepted run, eager and compiled; the draft model's own KV is rolled back by counter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tscompile
+from tscompile.models import build_model
+from tests.helpers import ids, small_llm
+
+# repetitive prompts, a short one, and lengths that chunk under a small budget
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], [9, 8, 7],
+           [11, 12, 11, 12, 11, 12, 13, 11, 12, 11, 12, 11]]
+REPLAY = {"method": "replay", "num_speculative_tokens": 3}
+# the target drafting for itself (every draft accepted: the draft cache stays in step)
+SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "model": "llama-tiny"}
+METHODS = {"replay": REPLAY, "draft_model": SELF_DRAFT}
+
+
+def _greedy(n: int, **kw) -> tscompile.SamplingParams:
+    return tscompile.SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
+
+
+def _run(config, prompts, params, want=None, **kw):
+    """``prompts`` through a float32 engine with ``config``; a replay engine replays ``want``."""
+    kw.setdefault("dtype", torch.float32)
+    kw.setdefault("enforce_eager", True)
+    llm = small_llm(speculative_config=config, **kw)
+    if config["method"] == "replay":
+        llm.set_replay_references({tuple(p): w for p, w in zip(prompts, want)})
+    return llm, ids(llm.generate(prompts, params))
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_equals_plain_decode_on_mixed_chunked_batches(method):
+    params = [_greedy(n) for n in (14, 9, 5, 12)]  # max_new_tokens ends requests at different steps
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True, max_num_batched_tokens=8).generate(PROMPTS, params))
+    llm, got = _run(METHODS[method], PROMPTS, params, want, max_num_batched_tokens=8)
+    assert got == want
+    stats = llm.stats()
+    assert stats.spec_verify_steps > 0
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0  # these drafters propose the target's tokens
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_stop_token_inside_an_accepted_run_ends_the_request_there(method):
+    free = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(PROMPTS[:2], _greedy(16)))
+    for prompt, out in zip(PROMPTS[:2], free):
+        stop = out[len(out) // 2]
+        _, got = _run(METHODS[method], [prompt], _greedy(16, stop_token_ids=[stop]), [out])
+        assert got == [out[: out.index(stop) + 1]]
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_equals_plain_decode_under_preemption(method):
+    kw = dict(num_pages=14, max_num_seqs=4, page_size=4)
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True, **kw).generate(PROMPTS, _greedy(14)))
+    llm, got = _run(METHODS[method], PROMPTS, _greedy(14), want, **kw)
+    assert got == want
+    assert llm.stats().num_preemptions > 0 and llm.stats().spec_verify_steps > 0
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_compiled_engine_equals_plain_decode(method):
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True, max_num_seqs=2).generate(PROMPTS[:2], _greedy(8)))
+    llm, got = _run(METHODS[method], PROMPTS[:2], _greedy(8), want, enforce_eager=False, max_num_seqs=2)
+    assert got == want and llm.stats().spec_verify_steps > 0
+
+
+def test_a_draft_model_with_other_weights_is_rejected_and_rolled_back():
+    """A target with other random weights than the draft: drafts are mostly rejected, the draft
+    cache's rejected rows are written over by counter, and the output is still plain greedy's."""
+    plain_model = build_model("llama-tiny", seed=1)
+    want = ids(small_llm(plain_model, dtype=torch.float32, enforce_eager=True).generate(PROMPTS, _greedy(12)))
+    target = build_model("llama-tiny", seed=1)
+    llm = small_llm(target, dtype=torch.float32, enforce_eager=True, speculative_config=SELF_DRAFT)
+    assert ids(llm.generate(PROMPTS, _greedy(12))) == want
+    stats = llm.stats()
+    assert stats.spec_verify_steps > 0 and stats.spec_accepted_tokens < stats.spec_draft_tokens
+    drafter = llm._verify.drafter
+    assert drafter.cached == {} and drafter.runner._rows == {}  # finished requests released their draft cache
+    assert drafter.runner.allocator.num_free == drafter.runner.allocator.num_blocks - 1
+
+
+def test_replay_without_references_drafts_nothing_and_set_replay_references_needs_replay():
+    llm = small_llm(dtype=torch.float32, enforce_eager=True, speculative_config=REPLAY)
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(PROMPTS[:1], _greedy(6)))
+    assert ids(llm.generate(PROMPTS[:1], _greedy(6))) == want
+    assert llm.stats().spec_draft_tokens == 0
+    with pytest.raises(ValueError, match=r"^tscompile: set_replay_references needs speculative_config method='replay'"):
+        small_llm(dtype=torch.float32, enforce_eager=True).set_replay_references({})
+
+
+def test_draft_model_on_real_weights_equals_plain_decode():
+    """SmolLM2-135M drafting for itself, float32: every draft accepted, the tokens of plain decode."""
+    from tests.real_weights import checkpoint_or_skip
+
+    path = str(checkpoint_or_skip())
+    kw = dict(enforce_eager=True, device="cpu", attention_backend="torch", dtype=torch.float32, max_model_len=128,
+              max_num_seqs=1, page_size=16)
+    prompt = list(range(100, 124))
+    params = tscompile.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = ids(tscompile.LLM(path, **kw).generate([prompt], params))
+    spec = tscompile.LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                                   "model": path}, **kw)
+    assert ids(spec.generate([prompt], params)) == plain
+    assert spec.stats().spec_accepted_tokens == spec.stats().spec_draft_tokens > 0
