@@ -108,3 +108,26 @@ def test_draft_model_on_real_weights_equals_plain_decode():
                                                    "model": path}, **kw)
     assert ids(spec.generate([prompt], params)) == plain
     assert spec.stats().spec_accepted_tokens == spec.stats().spec_draft_tokens > 0
+
+
+def test_verify_steps_run_through_the_decode_graphs_per_batch_size_and_width():
+    """Host graphs on the CPU: a verify step pads to the decode ladder and replays the graph keyed
+    (bs, bs * N, N); the tokens equal plain greedy decode's."""
+    from tscompile.runtime.graph_runner import HostGraphs
+
+    params = [_greedy(n) for n in (12, 9, 15)]
+    want = ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(PROMPTS[:3], params))
+    llm = small_llm(dtype=torch.float32, enforce_eager=True, speculative_config=REPLAY)
+    llm.runner.use_graphs(HostGraphs())
+    llm.set_replay_references({tuple(p): w for p, w in zip(PROMPTS, want)})
+    assert ids(llm.generate(PROMPTS[:3], params)) == want
+    keys = {(k.batch_size, k.tokens, k.width) for k in llm.runner.graphs.graphs if k.width > 1}
+    assert (4, 16, 4) in keys and keys <= {(1, 4, 4), (2, 8, 4), (4, 16, 4)}  # 3 requests pad to 4
+
+
+def test_verify_graph_memory_counts_every_window_row():
+    from tscompile.runtime.memory import verify_graph_bytes
+
+    assert verify_graph_bytes(32, 1, 128256, 4096, 2) == 0  # plain decode: the decode margin covers it
+    four = verify_graph_bytes(32, 4, 128256, 4096, 2)
+    assert four == 2 * verify_graph_bytes(16, 4, 128256, 4096, 2) > 32 * 4 * 128256 * 4

@@ -214,7 +214,8 @@ class LLM:
         if self.model is None:
             raise ValueError("tscompile: speculative_config needs the engine's own model (not a package)")
         drafter = make_drafter(spec, draft_parts)
-        self._verify = VerifyStep(spec, drafter, self.scheduler, self.model, self.attention, self.device)
+        self._verify = VerifyStep(spec, drafter, self.scheduler, self.runner)
+        self.runner.verify.capture_ladder(spec.verify_width)  # the greedy verify graphs, as decode's at start-up
         self.speculative_config = spec
         self.async_scheduling = False
 

@@ -36,7 +36,8 @@ from tscompile.kv_cache.prefix_cache import BlockChain, PrefixCache
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
 from tscompile.runtime.cached_admission import NEVER, CachedAdmission
 from tscompile.sampling import SamplingParams
-from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
+from tscompile.step_plan import (NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, no_drafts,
+                                 seed_cached)
 from tscompile.utils import cdiv
 
 MAX_STOP_IDS_BANNED = 8  # stop_token_ids a request may ban (before min_tokens) besides the model's eos ids
@@ -235,6 +236,7 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
         mode=batch.mode, request_ids=tuple([r.rid for r in reqs]), num_extends=len(extends),
         input_ids=ids, positions=pos, query_lens=query_lens, prefix_lens=a32[b: 2 * b],
         completes=flags[:b], emits=flags[b:], groups=tuple(groups), logits_rows=a64[:b], sampling=sampling,
+        verify_width=1, draft_tokens=no_drafts(b),
     )
     first_decode = len(ids) - d
     unread = [first_decode + i for i, t in enumerate(last_tokens) if t == ON_DEVICE]

@@ -20,7 +20,7 @@ import torch
 
 from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
 from tscompile.runtime.arena import upload_packed
-from tscompile.step_plan import GroupPlan, SamplingRows, StepPlan, row_offsets
+from tscompile.step_plan import GroupPlan, SamplingRows, StepPlan, no_drafts, row_offsets
 from tscompile.utils import cdiv
 
 
@@ -79,7 +79,7 @@ class EngineDraftRunner:
                               True, False)
         group = GroupPlan(q_lens, seq_lens.astype(np.int32), self.table.take(rows, axis=0), self.block_size)
         plan = StepPlan(ForwardMode.EXTEND, tuple(request_ids), bs, ids, positions, q_lens, starts, ones, ones,
-                        (group,), (qo[1:] - 1).astype(np.int64), greedy)
+                        (group,), (qo[1:] - 1).astype(np.int64), greedy, 1, no_drafts(bs))
         with torch.inference_mode():
             arrays = self.attention.extend_host_arrays(plan, {})
             dev = upload_packed([ids, positions, plan.logits_rows, qo, ones, *arrays], self.device)
