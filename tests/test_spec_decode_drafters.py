@@ -131,3 +131,40 @@ def test_verify_graph_memory_counts_every_window_row():
     assert verify_graph_bytes(32, 1, 128256, 4096, 2) == 0  # plain decode: the decode margin covers it
     four = verify_graph_bytes(32, 4, 128256, 4096, 2)
     assert four == 2 * verify_graph_bytes(16, 4, 128256, 4096, 2) > 32 * 4 * 128256 * 4
+
+
+def test_staging_of_width_one_keeps_the_plain_layout_and_a_wider_one_stages_windows():
+    """Width 1: the plain decode layout (ids, positions, seeds, steps, prev rows, bans), nothing
+    more; width 3: ``bs * 3`` ids and positions and the drafts, padding requests without drafts."""
+    import numpy as np
+
+    from tscompile.runtime.staging import DecodeStaging
+    from tscompile.spec_decode.verify import verify_plan
+
+    cpu = torch.device("cpu")
+    plain = DecodeStaging(4, 1, 5, 3, cpu)
+    base = plain.d64.data_ptr()
+    offsets = [(t.data_ptr() - base) // 8 for t in (plain.positions, plain.sampling_inputs.seeds,
+                                                     plain.sampling_inputs.steps, plain.prev_rows,
+                                                     plain.sampling_inputs.banned)]
+    assert offsets == [4, 8, 12, 16, 20] and plain.d64.numel() == 20 + 4 * 3 and plain.drafts.numel() == 0
+
+    llm = small_llm(dtype=torch.float32, enforce_eager=True)
+    wide = DecodeStaging(4, 1, llm.scheduler.max_blocks, llm.scheduler.banned_width, cpu, max_width=3)
+    llm.add_request([3, 4, 5], _greedy(4))
+    llm.add_request([6, 7], _greedy(4))
+    llm.step()
+    llm.sync()
+    plan = llm.scheduler.schedule()
+    reqs = [llm._requests[rid] for rid in plan.request_ids]
+    window = np.array([[r.output[-1], 10 + i, -1] for i, r in enumerate(reqs)])
+    start = np.array([r.num_computed for r in reqs])
+    tables = llm.scheduler.block_tables[0].take([r.slot for r in reqs], 0)
+    verify = verify_plan(plan, window, start, tables)
+    assert verify.verify_width == 3 and verify.draft_tokens.tolist() == [[10, -1], [11, -1]]
+    wide.fill_verify(verify, 4)
+    wide.upload()
+    assert wide.input_ids[:12].tolist() == [reqs[0].output[-1], 10, 0, reqs[1].output[-1], 11, 0] + [0] * 6
+    assert wide.positions[:6].tolist() == [3, 4, 5, 2, 3, 4]
+    assert wide.drafts[:8].tolist() == [10, -1, 11, -1, -1, -1, -1, -1]
+    assert wide.decode_inputs(2).seq_lens[0].tolist() == [6, 5]

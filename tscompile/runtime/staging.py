@@ -57,6 +57,7 @@ class DecodeStaging:
         # int64: ids, positions [rows] each; seeds, steps, prev_rows [b] each; banned ids [b, banned_width];
         # drafts [b * (max_width - 1)]
         # int32: per group seq lens [G, b] and block tables [G, b, max_blocks]; top_k [b]
+        self._positions_at = rows
         self._seeds_at, self._steps_at, self._prev_at = 2 * rows, 2 * rows + b, 2 * rows + 2 * b
         self._banned_at = 2 * rows + 3 * b
         self._drafts_at = self._banned_at + b * banned_width
@@ -115,9 +116,14 @@ class DecodeStaging:
                 n64[n:bs] = 0
         else:
             put_rows(n64, 0, plan.input_ids, n, bs, 0)
-        put_rows(n64, b * self.max_width, plan.positions, n, bs, 0)
+        put_rows(n64, self._positions_at, plan.positions, n, bs, 0)
         put_rows(n64, self._prev_at, -1 if prev_rows is None else prev_rows, n, bs, -1)
-        self._fill_tables(host, plan, bs if pad_tables else n)
+        live = bs if pad_tables else n
+        mb = self.max_blocks
+        for g, group in enumerate(plan.groups):  # inline, not _fill_tables: a call costs on every step
+            put_rows(n32, g * b, group.seq_lens, n, live, 0)
+            # block 0 is the null block (the allocator never hands it out)
+            put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
         self._fill_sampling(host, plan.sampling, bs)
 
     def fill_verify(self, plan: StepPlan, bs: int) -> None:
@@ -128,18 +134,18 @@ class DecodeStaging:
         n, width = plan.num_requests, plan.verify_width
         host = self._writable_set()
         n64 = host.n64
-        rows, k = self.max_bs * self.max_width, width - 1
+        k = width - 1
         put_rows(n64, 0, plan.input_ids, n * width, bs * width, 0)
-        put_rows(n64, rows, plan.positions, n * width, bs * width, 0)
+        put_rows(n64, self._positions_at, plan.positions, n * width, bs * width, 0)
         put_rows(n64, self._drafts_at, plan.draft_tokens.reshape(-1), n * k, bs * k, -1)
         self._fill_tables(host, plan, n)
         self._fill_sampling(host, plan.sampling, bs)
 
     def _fill_tables(self, host: _HostSet, plan: StepPlan, live: int) -> None:
+        """A verify step's tables and lengths (``fill`` writes a plain step's inline)."""
         n, b, mb, n32 = plan.num_requests, self.max_bs, self.max_blocks, host.n32
         for g, group in enumerate(plan.groups):
             put_rows(n32, g * b, group.seq_lens, n, live, 0)
-            # block 0 is the null block (the allocator never hands it out)
             put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
 
     def fill_sampling(self, rows: SamplingRows, bs: int | None = None) -> None:
