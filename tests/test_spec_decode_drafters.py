@@ -168,3 +168,20 @@ def test_staging_of_width_one_keeps_the_plain_layout_and_a_wider_one_stages_wind
     assert wide.positions[:6].tolist() == [3, 4, 5, 2, 3, 4]
     assert wide.drafts[:8].tolist() == [10, -1, 11, -1, -1, -1, -1, -1]
     assert wide.decode_inputs(2).seq_lens[0].tolist() == [6, 5]
+
+
+def test_draft_runner_steps_through_its_engine_equal_the_argmax_of_its_logits():
+    """``next_tokens`` (the draft engine's runner: an extend step, then decode steps) picks the
+    argmax of ``forward``'s logits, over the same draft cache rows."""
+    import numpy as np
+
+    llm = small_llm(dtype=torch.float32, enforce_eager=True, speculative_config=SELF_DRAFT)
+    runner = llm._verify.drafter.runner
+    feed = [np.array(p, dtype=np.int64) for p in PROMPTS[:3]]
+    starts = np.zeros(3, dtype=np.int64)
+    want = torch.argmax(runner.forward(["a", "b", "c"], feed, starts), -1).tolist()
+    assert runner.next_tokens(["a", "b", "c"], feed, starts).tolist() == want
+    starts = np.array([len(p) for p in PROMPTS[:3]])
+    step = [np.array([t]) for t in want]
+    want = torch.argmax(runner.forward(["a", "b", "c"], step, starts), -1).tolist()
+    assert runner.next_tokens(["a", "b", "c"], step, starts).tolist() == want  # a decode step

@@ -1,5 +1,6 @@
 """The engine's drafter for a ``SpeculativeConfig``: n-gram lookup, a replay of given continuations
-(benchmarks), or a draft model with its own engine parts (``draft_runner.py``).
+(benchmarks), or a draft model with its own engine parts (``draft_runner.py``), compiled and graphed
+as the target is.
 
 The draft model is built before the target: on CUDA the target's KV pool is sized from the device
 memory left once the model is loaded, so the draft's weights and cache must already be there. Its
@@ -39,7 +40,8 @@ def target_max_model_len(model, max_model_len: int | None) -> int:
 
 
 def build_draft_parts(spec: SpeculativeConfig, model, build_kwargs: dict):
-    """The draft model's ``EngineParts`` (eager, its own pool), or None for a method without a model.
+    """The draft model's ``EngineParts`` (its own pool; compiled and graphed as the target), or None
+    for a method without a model.
     ``build_kwargs``: the target's ``build_model_engine`` arguments."""
     if spec.method != "draft_model":
         return None
@@ -53,7 +55,7 @@ def build_draft_parts(spec: SpeculativeConfig, model, build_kwargs: dict):
         spec.model, attention_backend=build_kwargs["attention_backend"], max_num_seqs=seqs, max_model_len=length,
         page_size=page, pages_per_block=1, num_pages=seqs * (length // page) + 1,
         max_num_batched_tokens=build_kwargs["max_num_batched_tokens"], dtype=build_kwargs["dtype"],
-        device=build_kwargs["device"], compile_config=None, seed=build_kwargs["seed"],
+        device=build_kwargs["device"], compile_config=build_kwargs["compile_config"], seed=build_kwargs["seed"],
         model_impl=build_kwargs["model_impl"])
 
 
