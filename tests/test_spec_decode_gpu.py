@@ -70,5 +70,9 @@ def test_gpu_speculative_greedy_equals_plain_with_graphs(model, backend, num_pro
         _free()
     assert got == want
     assert stats.spec_verify_steps > 0 and 4 in widths  # verify steps ran as (bs, N = 4) graphs
-    if method == "replay" or (method == "draft_model" and DRAFT_OF[model] == model):
+    if method == "replay":  # the target's own tokens: every draft is accepted
         assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    elif method == "draft_model" and DRAFT_OF[model] == model:
+        # the same weights through other kernels (the draft's decode steps, the target's verify
+        # window): a float32 near-tie may flip an argmax, so nearly every draft
+        assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens > 0
