@@ -185,3 +185,19 @@ def test_draft_runner_steps_through_its_engine_equal_the_argmax_of_its_logits():
     step = [np.array([t]) for t in want]
     want = torch.argmax(runner.forward(["a", "b", "c"], step, starts), -1).tolist()
     assert runner.next_tokens(["a", "b", "c"], step, starts).tolist() == want  # a decode step
+
+
+def test_sampled_requests_with_a_draft_model_replay_the_sampled_verify_graph():
+    """A sampled request makes the step a rejection-sampling step: its graph (greedy=False) is
+    captured on first use; seeded draws repeat, and a temperature-0 row is still plain greedy."""
+    from tscompile.runtime.graph_runner import HostGraphs
+
+    sampled = tscompile.SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)
+    params = [_greedy(8), sampled]
+    llm = small_llm(dtype=torch.float32, enforce_eager=True, speculative_config=SELF_DRAFT)
+    llm.runner.use_graphs(HostGraphs())
+    first = ids(llm.generate(PROMPTS[:2], params))
+    assert first == ids(llm.generate(PROMPTS[:2], params))
+    assert first[0] == ids(small_llm(dtype=torch.float32, enforce_eager=True).generate(PROMPTS[:1], _greedy(8)))[0]
+    assert any(not k.greedy and k.width == 4 for k in llm.runner.graphs.graphs)
+    assert len(first[1]) == 8 and llm.stats().spec_accepted_tokens > 0
