@@ -190,11 +190,15 @@ def add_parser(sub) -> None:
                     help="each request's own tokens (per chat turn) (default 64 cuda, 8 cpu)")
     px.add_argument("--chat-turns", type=int, default=None, help="turns of the chat workload (default 4 cuda, 2 cpu)")
     ps = p.add_argument_group("speculative decoding (bench/spec_workload.py)")
-    ps.add_argument("--speculative", choices=["ngram"], default=None,
-                    help="instead of the modes: plain decode against speculative decoding with this method, one "
-                         "engine per --num-speculative-tokens value, on prompts that repeat a block")
-    ps.add_argument("--num-speculative-tokens", default="2,4", help="k values, comma-separated (default 2,4)")
-    ps.add_argument("--spec-requests", type=int, default=None, help="requests (default 8 cuda, 2 cpu)")
+    ps.add_argument("--speculative", nargs="+", choices=["ngram", "replay", "draft_model", "all"], default=None,
+                    help="instead of the modes: plain decode against speculative decoding with these methods (all: "
+                         "every one), one engine per method and --num-speculative-tokens value, on prompts that "
+                         "repeat a block; replay proposes plain decode's own output (every draft accepted)")
+    ps.add_argument("--num-speculative-tokens", default="3", help="k values, comma-separated (default 3)")
+    ps.add_argument("--draft-model", default=None,
+                    help="the draft checkpoint or preset of --speculative draft_model (default: the model itself)")
+    ps.add_argument("--spec-requests", default=None,
+                    help="batch sizes, comma-separated: requests per run (default 1,32 cuda, 2 cpu)")
     ps.add_argument("--spec-block", type=int, default=16, help="tokens of the block each prompt repeats")
     ps.add_argument("--spec-repeats", type=int, default=4, help="times each prompt repeats its block")
     p.add_argument("--output-json", default=None, metavar="PATH", help="the run's JSON here")

@@ -1,17 +1,22 @@
-"""``tscompile bench --speculative ngram``: speculative decoding against plain decode, one engine per
-k (``--num-speculative-tokens``, a list) over the same model and prompts.
+"""``tscompile bench --speculative ngram replay draft_model`` (or ``all``): speculative decoding
+against plain decode, every method and k in one process, over the same model and prompts.
 
 Prompts repeat a random block (``--spec-block`` tokens, ``--spec-repeats`` times), so the n-gram
-drafter finds drafts. Each engine runs the batch once unmeasured (compiles, captures), then
-measured. Per row (k = 0 is plain decode, N = k + 1): the mean time of a decode step (a verify step
-with speculation; each timed with the device synchronized), output tokens per request and decode step, output
-tokens/s over the wall time and its ratio to plain decode, the acceptance rate, and whether the
-greedy outputs equal plain decode's.
+drafter finds drafts. Per batch size (``--spec-requests``, a list) plain decode runs first: its
+greedy outputs are the replay drafter's references (every replayed draft is accepted: the verify
+path's ceiling) and its decode step is the N = 1 baseline. Then one engine per method and k
+(``--num-speculative-tokens``, a list; ``--draft-model`` for ``draft_model``, default the target
+itself). Each engine runs the batch once unmeasured (compiles, captures), then measured. Per row:
+the mean time of a decode step (a verify step of N = k + 1 rows with speculation; each timed with
+the device synchronized, host drafting and commit included) and its ratio to the N = 1 step at the
+same batch size, output tokens per request and step, output tokens/s over the wall time and its
+ratio to plain decode, the acceptance rate, and whether the greedy outputs equal plain decode's.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -21,10 +26,18 @@ from tscompile.utils import resolve_device, resolve_dtype
 from . import report
 from .workloads import Timer
 
+METHODS = ("replay", "ngram", "draft_model")
+
 
 def repetitive_prompts(seed: int, vocab: int, num_requests: int, block: int, repeats: int) -> list[list[int]]:
     rng = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (block,), generator=rng).tolist() * repeats for _ in range(num_requests)]
+
+
+def methods_of(names: list[str]) -> list[str]:
+    """``--speculative``'s methods in bench order; ``all`` is every one."""
+    chosen = set(METHODS) if "all" in names else set(names)
+    return [m for m in METHODS if m in chosen]
 
 
 def _run(llm, prompts: list[list[int]], output_len: int, device: torch.device) -> dict:
@@ -54,15 +67,37 @@ def _run(llm, prompts: list[list[int]], output_len: int, device: torch.device) -
             "output_tokens_per_s": sum(len(r.output) for r in reqs) / wall, "outputs": [list(r.output) for r in reqs]}
 
 
+def _measure(make_llm, prompts, output_len, device, references=None) -> dict:
+    """One engine: a warm-up run, then the measured one (acceptance from the stats between)."""
+    llm = make_llm()
+    try:
+        if references is not None:
+            llm.set_replay_references(references)
+        _run(llm, prompts, output_len, device)  # warm-up: compiles and graph captures
+        before = llm.stats()
+        row = _run(llm, prompts, output_len, device)
+        after = llm.stats()
+    finally:
+        del llm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    drafts = after.spec_draft_tokens - before.spec_draft_tokens
+    row["acceptance_rate"] = (after.spec_accepted_tokens - before.spec_accepted_tokens) / drafts if drafts else 0.0
+    row["draft_tokens"] = drafts
+    return row
+
+
 def markdown(result: dict) -> str:
-    lines = [f"## Speculative decoding ({result['method']}): {result['model']}, {result['device']}, {result['dtype']}",
-             "", result["shape"], "",
-             "| k | N | decode step ms | tokens/step/request | output tok/s | vs plain | acceptance | outputs equal |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"## Speculative decoding: {result['model']}, {result['device']}, {result['dtype']}", "",
+             result["shape"], "",
+             "| bs | method | k | N | step ms | vs N=1 step | tokens/step/request | output tok/s | vs plain | "
+             "acceptance | outputs equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['k']} | {r['k'] + 1} | {r['decode_step_ms']:.2f} | {r['tokens_per_step']:.2f} | "
-                     f"{r['output_tokens_per_s']:.0f} | {r['ratio_to_plain']:.2f}x | {r['acceptance_rate']:.1%} | "
-                     f"{r['outputs_equal']} |")
+        lines.append(f"| {r['batch_size']} | {r['method']} | {r['k']} | {r['k'] + 1} | {r['decode_step_ms']:.3f} | "
+                     f"{r['step_ratio']:.2f}x | {r['tokens_per_step']:.2f} | {r['output_tokens_per_s']:.0f} | "
+                     f"{r['ratio_to_plain']:.2f}x | {r['acceptance_rate']:.1%} | {r['outputs_equal']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -73,36 +108,43 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     gpu = device.type == "cuda"
     dtype = resolve_dtype(args.dtype, device)
+    methods = methods_of(args.speculative)
     ks = [int(k) for k in str(args.num_speculative_tokens).split(",")]
-    requests = args.spec_requests or (8 if gpu else 2)
+    sizes = [int(b) for b in str(args.spec_requests or ("1,32" if gpu else "2")).split(",")]
     output_len = args.output_len or (128 if gpu else 16)
+    draft = args.draft_model or args.model
     model = build_model(args.model, dtype=dtype, device=device, seed=args.seed)
-    prompts = repetitive_prompts(args.seed, model.config.vocab_size, requests, args.spec_block, args.spec_repeats)
     page = args.page_size
     longest = args.spec_block * args.spec_repeats + output_len
-    rows, plain = [], None
-    for k in [0, *ks]:
-        spec = None if k == 0 else {"method": args.speculative, "num_speculative_tokens": k}
-        llm = tscompile.LLM(model, attention_backend=(args.attention_backends or ["auto"])[0], device=device,
-                            dtype=dtype, max_num_seqs=requests, max_model_len=-(-longest // page) * page,
-                            page_size=page, seed=args.seed, compile_options=args.tscompile_options,
-                            speculative_config=spec)
-        _run(llm, prompts, output_len, device)  # warm-up: compiles and graph captures
-        before = llm.stats()
-        row = _run(llm, prompts, output_len, device)
-        after = llm.stats()
-        drafts = after.spec_draft_tokens - before.spec_draft_tokens
-        row.update(k=k, acceptance_rate=(after.spec_accepted_tokens - before.spec_accepted_tokens) / drafts
-                   if drafts else 0.0)
-        outputs = row.pop("outputs")
-        if plain is None:
-            plain = (outputs, row["output_tokens_per_s"])
-        row.update(outputs_equal=outputs == plain[0], ratio_to_plain=row["output_tokens_per_s"] / plain[1])
-        rows.append(row)
-        del llm
-    shape = (f"{requests} requests, a {args.spec_block}-token block repeated {args.spec_repeats} times, "
-             f"{output_len} greedy tokens each")
-    result = {"method": args.speculative, "model": args.model, "device": str(device),
+    max_len = -(-(longest + max(ks) + 1) // page) * page
+    rows = []
+    for bs in sizes:
+        prompts = repetitive_prompts(args.seed + bs, model.config.vocab_size, bs, args.spec_block, args.spec_repeats)
+
+        def make(spec=None, bs=bs):
+            return tscompile.LLM(model, attention_backend=(args.attention_backends or ["auto"])[0], device=device,
+                                 dtype=dtype, max_num_seqs=bs, max_model_len=max_len, page_size=page, seed=args.seed,
+                                 compile_options=args.tscompile_options, speculative_config=spec)
+
+        plain = _measure(make, prompts, output_len, device)
+        outputs = plain.pop("outputs")
+        references = {tuple(p): o for p, o in zip(prompts, outputs)}
+        plain.update(batch_size=bs, method="plain", k=0, outputs_equal=True, ratio_to_plain=1.0, step_ratio=1.0)
+        rows.append(plain)
+        for method in methods:
+            for k in ks:
+                spec = {"method": method, "num_speculative_tokens": k}
+                if method == "draft_model":
+                    spec["model"] = draft
+                row = _measure(lambda: make(spec), prompts, output_len, device,
+                               references if method == "replay" else None)
+                row.update(batch_size=bs, method=method, k=k, outputs_equal=row.pop("outputs") == outputs,
+                           ratio_to_plain=row["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                           step_ratio=row["decode_step_ms"] / plain["decode_step_ms"])
+                rows.append(row)
+    shape = (f"batch sizes {sizes}, prompts of a {args.spec_block}-token block repeated {args.spec_repeats} times, "
+             f"{output_len} greedy tokens each; draft model {draft}")
+    result = {"methods": methods, "model": args.model, "draft_model": draft, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "shape": shape, "rows": rows,
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}
     md = markdown(result)

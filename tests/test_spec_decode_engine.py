@@ -152,11 +152,6 @@ def test_sampled_requests_use_rejection_sampling_and_greedy_rows_stay_exact():
     assert all(len(t) == 12 and all(0 <= x < 512 for x in t) for t in first)
 
 
-def test_other_methods_are_refused_until_the_engine_runs_them():
-    with pytest.raises(ValueError, match=r"^tscompile: speculative_config method='replay' is not run"):
-        small_llm(speculative_config={"method": "replay", "num_speculative_tokens": 2})
-
-
 def test_ngram_on_real_weights_equals_plain_decode():
     """SmolLM2-135M-Instruct, float32: a prompt that repeats itself, greedy with and without n-gram
     speculation token for token; prints the acceptance rate (docs/speculative_decoding.md)."""

@@ -85,7 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="processes the model is split over (one GPU each on cuda; gloo on cpu)")
     p.add_argument("--speculative-method", choices=("ngram", "draft_model", "replay"), default=None,
-                   help="speculative decoding (speculative_config's method; the engine runs ngram); default off")
+                   help="speculative decoding (speculative_config's method; replay has no references "
+                        "here, so it drafts nothing); default off")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per request per step (k)")
     p.add_argument("--draft-model", default=None, help="the draft checkpoint of --speculative-method draft_model")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="shortest n-gram the ngram method matches")

@@ -87,6 +87,18 @@ def put_padded(dst: np.ndarray, src: np.ndarray, pad) -> None:
     put_rows(dst, 0, src, src.shape[0], dst.shape[0], pad)
 
 
+_NO_DRAFTS: dict[int, np.ndarray] = {}
+
+
+def no_drafts(num_requests: int) -> np.ndarray:
+    """``[num_requests, 0]`` int64, read-only and made once per count: a plain step's ``draft_tokens``."""
+    empty = _NO_DRAFTS.get(num_requests)
+    if empty is None:
+        empty = _NO_DRAFTS[num_requests] = np.zeros((num_requests, 0), dtype=np.int64)
+        empty.setflags(write=False)
+    return empty
+
+
 ON_DEVICE = -1  # an input id the host has not read yet: the previous step's sample, still on the device
 NO_ROWS = np.zeros(0, dtype=np.int64)
 NO_ROWS.setflags(write=False)
@@ -188,6 +200,11 @@ class StepPlan:
     emits:       [B] bool  this step's sample becomes an output token (an open chunk's is discarded).
     groups:      per cache group, its ``GroupPlan``.
     logits_rows: [B] int64 the row of each request's sample among the last layer's rows.
+    verify_width: N, the query rows of each decode request: 1 for a plain step; N > 1 for a
+                 speculative verify step (decode only: each request's newest token then its N - 1
+                 drafts; input_ids and positions hold B * N rows, query_lens are N).
+    draft_tokens: [B, N - 1] int64 the drafts of a verify step, -1 where a request has fewer
+                 (the -1s are token 0 in input_ids); [B, 0] for a plain step (``no_drafts``).
     """
 
     mode: ForwardMode
@@ -202,14 +219,17 @@ class StepPlan:
     groups: tuple[GroupPlan, ...]
     logits_rows: np.ndarray
     sampling: SamplingRows
+    verify_width: int
+    draft_tokens: np.ndarray
 
     def __init__(self, mode: ForwardMode, request_ids: tuple[int, ...], num_extends: int, input_ids: np.ndarray,
                  positions: np.ndarray, query_lens: np.ndarray, prefix_lens: np.ndarray, completes: np.ndarray,
-                 emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows):
+                 emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows,
+                 verify_width: int, draft_tokens: np.ndarray):
         self.__dict__.update(mode=mode, request_ids=request_ids, num_extends=num_extends, input_ids=input_ids,
                              positions=positions, query_lens=query_lens, prefix_lens=prefix_lens,
                              completes=completes, emits=emits, groups=groups, logits_rows=logits_rows,
-                             sampling=sampling)
+                             sampling=sampling, verify_width=verify_width, draft_tokens=draft_tokens)
 
     @property
     def num_requests(self) -> int:

@@ -23,7 +23,7 @@ from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, 
 from tscompile.models.parallel import TensorParallel, min_over_ranks
 from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
                                       measure_activation_peak, measure_device_memory, pages_for_requests,
-                                      prefill_graph_bytes)
+                                      prefill_graph_bytes, verify_graph_bytes)
 from tscompile.runtime.model_runner import ModelRunner
 from tscompile.runtime.prefill_capture import startup_plans
 from tscompile.runtime.readback import PendingTokens
@@ -140,7 +140,7 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
                              gpu_memory_utilization: float,
                              page_size: int, pages_per_block: int, dtype: torch.dtype, device: torch.device,
                              max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                             eos_token_ids: tuple[int, ...]) -> tuple[int, MemoryProfile]:
+                             eos_token_ids: tuple[int, ...], max_verify_width: int = 1) -> tuple[int, MemoryProfile]:
     """Pages per cache group for a CUDA engine whose model is loaded (see ``runtime/memory.py``).
 
     The activation peak is measured by one eager step of the real runner code over a temporary pool
@@ -151,7 +151,8 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     runner alive: the runner's persistent buffers (decode staging, sampling, readback, attention
     decode buffers) are those the real runner allocates again, and the kernels and library
     workspaces the step loaded stay. The graph margin: ``DECODE_GRAPH_MARGIN_BYTES``, plus
-    ``prefill_graph_bytes`` over ``prefill_graph_buckets`` when prefill graphs are on. Counters are
+    ``prefill_graph_bytes`` over ``prefill_graph_buckets`` when prefill graphs are on, plus
+    ``verify_graph_bytes`` for speculative verify windows of ``max_verify_width`` rows. Counters are
     left as they were."""
     block = page_size * pages_per_block
     lengths = profile_prompt_lengths(max_num_seqs, max_model_len, max_num_batched_tokens)
@@ -183,7 +184,7 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     torch.cuda.empty_cache()
     margin = DECODE_GRAPH_MARGIN_BYTES + prefill_graph_bytes(
         prefill_graph_buckets(compile_config, graph_support, max_num_batched_tokens), cfg.n_layers, cfg.dim,
-        dtype.itemsize)
+        dtype.itemsize) + verify_graph_bytes(max_num_seqs, max_verify_width, vocab, cfg.dim, dtype.itemsize)
     profile = MemoryProfile(total, used, peak, margin, gpu_memory_utilization)
     pages = kv_cache_pages(
         total_bytes=total, used_bytes=used, activation_peak_bytes=peak, margin_bytes=margin,
@@ -245,7 +246,7 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
             built, attention, specs, graph_support, compile_config, gpu_memory_utilization=gpu_memory_utilization,
             page_size=page_size, pages_per_block=pages_per_block, dtype=dtype, device=device,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-            eos_token_ids=eos_token_ids)
+            eos_token_ids=eos_token_ids, max_verify_width=max_verify_width)
         num_pages = min_over_ranks(num_pages, tensor_parallel, device)  # one pool size the rank-0 scheduler plans
     pool, scheduler = build_pool_and_scheduler(
         specs, attention, num_pages=num_pages, page_size=page_size, pages_per_block=pages_per_block, dtype=dtype,

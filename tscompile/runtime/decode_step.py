@@ -43,7 +43,7 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
                  sampling: SpareRowSampling, *, max_num_seqs: int, device: torch.device,
                  config: TscompileConfig | None, clock: CompileClock):
         self.model, self.attention, self.staging, self.sampling = model, attention, staging, sampling
-        self.device, self.clock = device, clock
+        self.device, self.clock, self.config = device, clock, config
         self.logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
         self.graphs: GraphRunner | None = None
         self._said_above_ladder = False
@@ -114,13 +114,14 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
             self.clock.run("decode", step, st.input_ids[:bs], st.prev_rows[:bs], st.positions[:bs], greedy, logprobs)
 
     # -- capture -------------------------------------------------------------------------------------
-    def idle_inputs(self, bs: int) -> None:
-        """Before a capture: the idle refresh, and every static input of ``bs`` rows a padding row."""
-        self.attention.refresh_idle_decode_metadata(bs)
+    def idle_inputs(self, bs: int, width: int = 1) -> None:
+        """Before a capture: the idle refresh, and every static input of ``bs`` requests (of ``width``
+        query rows each) a padding row."""
+        self.attention.refresh_idle_decode_metadata(bs, width)
         st = self.staging
-        st.input_ids[:bs].zero_()
+        st.input_ids[:bs * width].zero_()
         st.prev_rows[:bs].fill_(-1)
-        st.positions[:bs].zero_()
+        st.positions[:bs * width].zero_()
         s = st.sampling_inputs
         for t, value in ((s.temperature, 0.0), (s.top_k, 1), (s.top_p, 1.0), (s.seeds, 0), (s.steps, 0),
                          (s.banned, -1)):

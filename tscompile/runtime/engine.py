@@ -104,7 +104,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         speculative_config: dict | None = None,
     ):
-        parts, spec = build_llm_parts(
+        parts, spec, draft_parts = build_llm_parts(
             model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device, enforce_eager=enforce_eager,
@@ -115,7 +115,7 @@ class LLM:
         self._assemble(parts, seed=seed, async_scheduling=async_scheduling,
                        enable_prefix_caching=enable_prefix_caching)
         if spec is not None:
-            self._use_speculation(spec)
+            self._use_speculation(spec, draft_parts)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, *, seed: int = 0, async_scheduling: bool = True,
@@ -142,12 +142,22 @@ class LLM:
         self.speculative_config: SpeculativeConfig | None = None
         self._verify: VerifyStep | None = None
 
-    def _use_speculation(self, spec: SpeculativeConfig) -> None:
+    def _use_speculation(self, spec: SpeculativeConfig, draft_parts: EngineParts | None = None) -> None:
         """Decode steps become verify steps (``tscompile/spec_decode/verify.py``). A verify step
-        waits for its accepted counts before the next is planned: asynchronous scheduling is off."""
-        self._verify = verify_step_for(spec, self.parts)
+        waits for its accepted counts before the next is planned: asynchronous scheduling is off.
+        ``draft_parts``: the draft model's engine parts (``method="draft_model"``)."""
+        self._verify = verify_step_for(spec, self.parts, draft_parts)
         self.speculative_config = spec
         self.async_scheduling = False
+
+    def set_replay_references(self, references) -> None:
+        """``method="replay"`` only (benchmarks): ``references`` maps a prompt's token ids (a tuple)
+        to the continuation to propose for it (the target's own greedy output, so every draft is
+        accepted); requests queued later with that prompt replay it, others get no drafts."""
+        if self.speculative_config is None or self.speculative_config.method != "replay":
+            raise ValueError("tscompile: set_replay_references needs speculative_config method='replay'; build the "
+                             "engine with {'method': 'replay', 'num_speculative_tokens': k}")
+        self._verify.drafter.set_references(references)
 
     # -- request level ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -250,6 +260,8 @@ class LLM:
         if req is None:
             return  # finished, aborted already, or never added: nothing to stop
         self.scheduler.remove(req)
+        if self._verify is not None:
+            self._verify.release(req)
         if not req.completion.finished:
             req.completion.finish_reason = "abort"
 
@@ -335,6 +347,9 @@ class LLM:
 
     def _take_ready(self) -> list[Request]:
         ready, self._ready = self._ready, []
+        if self._verify is not None:
+            for r in ready:  # the drafter's state of a finished request (its draft cache, its history)
+                self._verify.release(r)
         return ready
 
     @property

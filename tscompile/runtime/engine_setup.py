@@ -11,7 +11,7 @@ from tscompile.models import ModelConfig, Transformer
 from tscompile.runtime.build import EngineParts, build_model_engine
 from tscompile.spec_decode.config import SpeculativeConfig
 from tscompile.spec_decode.engine_checks import check_built_vocab, check_engine_speculation
-from tscompile.spec_decode.ngram import NgramDrafter
+from tscompile.spec_decode.engine_drafters import build_draft_parts, make_drafter
 from tscompile.spec_decode.verify import VerifyStep
 from tscompile.utils import resolve_device
 from tscompile.validation import validate_engine_args
@@ -24,9 +24,10 @@ def build_llm_parts(
     enforce_eager: bool, compile_options: dict | None, seed: int, async_scheduling: bool,
     gpu_memory_utilization: float, model_impl: str, enable_prefix_caching: bool, tensor_parallel_size: int,
     speculative_config: dict | None,
-) -> tuple[EngineParts, SpeculativeConfig | None]:
-    """The parts of an engine of ``LLM``'s arguments, and its parsed speculative configuration (None
-    without one). A refused argument raises before anything is built."""
+) -> tuple[EngineParts, SpeculativeConfig | None, EngineParts | None]:
+    """The parts of an engine of ``LLM``'s arguments, its parsed speculative configuration (None
+    without one) and a draft model's own parts (None unless ``method="draft_model"``). A refused
+    argument raises before anything is built."""
     validate_engine_args(
         model=model, attention_backend=attention_backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         page_size=page_size, pages_per_block=pages_per_block, num_pages=num_pages,
@@ -46,8 +47,11 @@ def build_llm_parts(
         max_num_batched_tokens=max_num_batched_tokens, dtype=dtype, device=device,
         compile_config=compile_config, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
         model_impl=model_impl)
+    draft_parts = None
     if spec is not None:
         build_kwargs["max_verify_width"] = spec.verify_width
+        # built before the target: on CUDA the target's pool is sized from the memory left after it
+        draft_parts = build_draft_parts(spec, model, build_kwargs)
     if tensor_parallel_size > 1:
         from tscompile.distributed import build_tensor_parallel_engine
 
@@ -55,16 +59,16 @@ def build_llm_parts(
     else:
         parts = build_model_engine(model, **build_kwargs)
     check_built_vocab(spec, parts.config.vocab_size)
-    return parts, spec
+    return parts, spec, draft_parts
 
 
-def verify_step_for(spec: SpeculativeConfig, parts: EngineParts) -> VerifyStep:
-    """The verify step that runs an engine's decode steps under ``spec`` (n-gram drafts over the
-    engine's own model); other methods and a package's runner are refused."""
-    if spec.method != "ngram":
-        raise ValueError(f"tscompile: speculative_config method={spec.method!r} is not run by the engine yet; "
-                         "use method='ngram'")
+def verify_step_for(spec: SpeculativeConfig, parts: EngineParts, draft_parts: EngineParts | None = None) -> VerifyStep:
+    """The verify step that runs an engine's decode steps under ``spec``, its drafter made from
+    ``spec`` (and ``draft_parts`` for ``method="draft_model"``); a package's runner is refused. The
+    greedy verify graphs are captured here, as decode's are at start-up."""
     if parts.model is None:
         raise ValueError("tscompile: speculative_config needs the engine's own model (not a package)")
-    drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return VerifyStep(spec, drafter, parts.scheduler, parts.model, parts.attention, parts.device)
+    drafter = make_drafter(spec, draft_parts)
+    verify = VerifyStep(spec, drafter, parts.scheduler, parts.runner)
+    parts.runner.verify.capture_ladder(spec.verify_width)
+    return verify

@@ -44,6 +44,21 @@ def prefill_graph_bytes(buckets: tuple[int, ...] | list[int], n_layers: int, dim
     return PREFILL_GRAPH_VARIANTS * sum(buckets) * n_layers * PREFILL_GRAPH_WIDTHS_PER_LAYER * dim * itemsize
 
 
+# Verify graphs (speculative decoding) are decode graphs of bs * N query rows, in the decode pool.
+# Beyond what the decode margin covers, the largest keeps per window row its float32 logits and,
+# in the sampled variant, the rejection sampler's float64 p, q and residual over the vocabulary,
+# plus the step's activations (about 16 x dim per row, as a decode row's).
+VERIFY_BYTES_PER_VOCAB_ENTRY = 4 + 3 * 8
+VERIFY_WIDTHS_PER_ROW = 16
+
+
+def verify_graph_bytes(max_bs: int, width: int, vocab: int, dim: int, itemsize: int) -> int:
+    """The verify graphs' share of the graph margin: 0 without speculation (``width`` 1)."""
+    if width <= 1:
+        return 0
+    return max_bs * width * (vocab * VERIFY_BYTES_PER_VOCAB_ENTRY + VERIFY_WIDTHS_PER_ROW * dim * itemsize)
+
+
 def format_bytes(n: int | float) -> str:
     """GiB above one GiB, MiB below: a refusal must show numbers a reader can compare."""
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"

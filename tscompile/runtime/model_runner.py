@@ -37,6 +37,7 @@ from tscompile.runtime.prefill_capture import request_ladder
 from tscompile.runtime.prefill_step import PrefillStep
 from tscompile.runtime.readback import PendingTokens, TokenReadback
 from tscompile.runtime.staging import DecodeStaging
+from tscompile.runtime.verify_graphs import VerifyGraphs
 from tscompile.step_plan import StepPlan
 
 # what counts steps run, not graphs: start-up placeholder steps leave these as they were
@@ -115,7 +116,8 @@ class ModelRunner:
         attention.bind_query_heads(model.config.n_heads)  # host planners (FlashInfer) size their plans by it
         # persistent buffers: sized by max_num_seqs, used with or without graphs
         attention.allocate_decode_buffers(max_num_seqs, max_verify_width)
-        self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device)
+        self.staging = DecodeStaging(max_num_seqs, len(attention.specs), max_blocks, banned_width, device,
+                                     max_width=max_verify_width)
         self.sampling = SpareRowSampling(self.staging.sampling_inputs)  # why the spare row: dynamic_sizes.py
         self.readback = TokenReadback(max_num_seqs, device)
         self._sampled_views: dict[int, torch.Tensor] = {}
@@ -130,6 +132,9 @@ class ModelRunner:
                                  clock=self.clock)
         self.prefill = PrefillStep(*parts, max_num_seqs=max_num_seqs, device=device, config=compile_config,
                                    clock=self.clock)
+        # speculative verify steps: the decode step's buffers, metadata and graphs at width N > 1
+        self.verify = (VerifyGraphs(self.decode, max_num_seqs=max_num_seqs, max_width=max_verify_width)
+                       if max_verify_width > 1 else None)
         self.graphs: GraphRunner | None = None
         support = graph_support.support
         if compile_config is not None and compile_config.cudagraphs and device.type == "cuda":
@@ -188,6 +193,17 @@ class ModelRunner:
         n = plan.num_requests
         logprobs = self.sampling.logprobs[:n] if plan.sampling.logprobs else None
         return self.readback.start(self._sampled_rows(n), n, logprobs)
+
+    def launch_verify(self, plan: StepPlan) -> torch.Tensor:
+        """Launch one speculative verify step (``plan.verify_width`` > 1, decode only); returns
+        ``[n, N + 1]`` int64 on the device: each request's emitted tokens (-1 padded), then how many
+        drafts it accepted (``runtime/verify_graphs.py``)."""
+        if self.verify is None or plan.verify_width > self.verify.tokens.shape[0] // self.max_num_seqs:
+            raise ValueError(f"tscompile: a verify step of width {plan.verify_width} needs a runner built with "
+                             "max_verify_width >= it (LLM(speculative_config=...) builds one)")
+        with _inference_mode(True):
+            self.launches += 1
+            return self.verify.run(plan)
 
     def _sampled_rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the sampled-token buffer (a view made once per ``n``: a torch

@@ -44,31 +44,43 @@ class _HostSet:
 
 
 class DecodeStaging:
-    def __init__(self, max_bs: int, num_groups: int, max_blocks: int, banned_width: int, device: torch.device):
+    """``max_width``: the widest verify window a step stages (1 without speculation): token ids and
+    positions hold ``max_bs * max_width`` rows, and a verify step's drafts ``max_bs * (max_width - 1)``
+    ids at the end of the int64 region (none at width 1, where the layout is the plain decode's)."""
+
+    def __init__(self, max_bs: int, num_groups: int, max_blocks: int, banned_width: int, device: torch.device,
+                 max_width: int = 1):
         self.max_bs, self.num_groups, self.max_blocks, self.banned_width = max_bs, num_groups, max_blocks, banned_width
+        self.max_width = max_width
         pin = device.type == "cuda"
-        b = max_bs
-        # int64: ids, positions, seeds, steps, prev_rows [b] each; banned ids [b, banned_width]
+        b, rows = max_bs, max_bs * max_width
+        # int64: ids, positions [rows] each; seeds, steps, prev_rows [b] each; banned ids [b, banned_width];
+        # drafts [b * (max_width - 1)]
         # int32: per group seq lens [G, b] and block tables [G, b, max_blocks]; top_k [b]
+        self._positions_at = rows
+        self._seeds_at, self._steps_at, self._prev_at = 2 * rows, 2 * rows + b, 2 * rows + 2 * b
+        self._banned_at = 2 * rows + 3 * b
+        self._drafts_at = self._banned_at + b * banned_width
         self._tables_at = num_groups * b
         self._topk_at = self._tables_at + num_groups * b * max_blocks
         # float32: temperature, top_p
-        sizes = (5 * b + b * banned_width, self._topk_at + b, 2 * b)
+        sizes = (self._drafts_at + b * (max_width - 1), self._topk_at + b, 2 * b)
         self._sets = [_HostSet(sizes, pin), _HostSet(sizes, pin)]
         self._turn = 0
         self.arena = self._sets[0].arena.to(device, copy=True)
         layout = _layout(sizes)
         self.d64, self.d32, self.df = typed_views(self.arena, layout, arena_places(layout)[0])
 
-        self.input_ids, self.positions = self.d64[:b], self.d64[b:2 * b]
+        self.input_ids, self.positions = self.d64[:rows], self.d64[rows:2 * rows]
         # row of the sampled-token buffer that holds this row's input token (the previous step's
         # sample, still on the device), or -1: the token is input_ids'
-        self.prev_rows = self.d64[4 * b:5 * b]
+        self.prev_rows = self.d64[self._prev_at:self._prev_at + b]
+        self.drafts = self.d64[self._drafts_at:]  # a verify step's drafts, request-major, -1 padded
         # the sampling op's inputs are views of this staging: the decode upload writes them
         self.sampling_inputs = SamplingInputs(temperature=self.df[:b], top_k=self.d32[self._topk_at:],
-                                              top_p=self.df[b:], seeds=self.d64[2 * b:3 * b],
-                                              steps=self.d64[3 * b:4 * b],
-                                              banned=self.d64[5 * b:].view(b, banned_width))
+                                              top_p=self.df[b:], seeds=self.d64[self._seeds_at:self._steps_at],
+                                              steps=self.d64[self._steps_at:self._prev_at],
+                                              banned=self.d64[self._banned_at:self._drafts_at].view(b, banned_width))
         self._decode_inputs: dict[int, DecodeInputs] = {}
 
     def decode_inputs(self, n: int, plan: StepPlan | None = None) -> DecodeInputs:
@@ -104,15 +116,37 @@ class DecodeStaging:
                 n64[n:bs] = 0
         else:
             put_rows(n64, 0, plan.input_ids, n, bs, 0)
-        put_rows(n64, b, plan.positions, n, bs, 0)
-        put_rows(n64, 4 * b, -1 if prev_rows is None else prev_rows, n, bs, -1)
+        put_rows(n64, self._positions_at, plan.positions, n, bs, 0)
+        put_rows(n64, self._prev_at, -1 if prev_rows is None else prev_rows, n, bs, -1)
         live = bs if pad_tables else n
         mb = self.max_blocks
-        for g, group in enumerate(plan.groups):
+        for g, group in enumerate(plan.groups):  # inline, not _fill_tables: a call costs on every step
             put_rows(n32, g * b, group.seq_lens, n, live, 0)
             # block 0 is the null block (the allocator never hands it out)
             put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
         self._fill_sampling(host, plan.sampling, bs)
+
+    def fill_verify(self, plan: StepPlan, bs: int) -> None:
+        """A verify step's host writes (``plan.verify_width`` = N > 1): ``n * N`` token ids and
+        positions, the drafts, tables, lengths and sampling rows; requests ``[n, bs)`` are padding
+        (token 0 at position 0, no drafts). Every input token is on the host (a verify step waits
+        for the step before it)."""
+        n, width = plan.num_requests, plan.verify_width
+        host = self._writable_set()
+        n64 = host.n64
+        k = width - 1
+        put_rows(n64, 0, plan.input_ids, n * width, bs * width, 0)
+        put_rows(n64, self._positions_at, plan.positions, n * width, bs * width, 0)
+        put_rows(n64, self._drafts_at, plan.draft_tokens.reshape(-1), n * k, bs * k, -1)
+        self._fill_tables(host, plan, n)
+        self._fill_sampling(host, plan.sampling, bs)
+
+    def _fill_tables(self, host: _HostSet, plan: StepPlan, live: int) -> None:
+        """A verify step's tables and lengths (``fill`` writes a plain step's inline)."""
+        n, b, mb, n32 = plan.num_requests, self.max_bs, self.max_blocks, host.n32
+        for g, group in enumerate(plan.groups):
+            put_rows(n32, g * b, group.seq_lens, n, live, 0)
+            put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
 
     def fill_sampling(self, rows: SamplingRows, bs: int | None = None) -> None:
         """An extend or mixed step's sampling rows (the sampling op reads these buffers in every
@@ -130,9 +164,9 @@ class DecodeStaging:
         """Rows ``[n, bs)`` become padding: greedy, nothing banned."""
         n, b, k = rows.seeds.shape[0], self.max_bs, self.banned_width
         n64, n32, nf = host.n64, host.n32, host.nf
-        put_rows(n64, 2 * b, rows.seeds, n, bs, 0)
-        put_rows(n64, 3 * b, rows.steps, n, bs, 0)
-        put_rows(n64, 5 * b, rows.banned.reshape(-1), n * k, bs * k, -1)
+        put_rows(n64, self._seeds_at, rows.seeds, n, bs, 0)
+        put_rows(n64, self._steps_at, rows.steps, n, bs, 0)
+        put_rows(n64, self._banned_at, rows.banned.reshape(-1), n * k, bs * k, -1)
         put_rows(n32, self._topk_at, rows.top_k, n, bs, 1)
         put_rows(nf, 0, rows.temperature, n, bs, 0.0)
         put_rows(nf, b, rows.top_p, n, bs, 1.0)

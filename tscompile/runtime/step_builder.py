@@ -12,7 +12,8 @@ import numpy as np
 
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
-from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
+from tscompile.step_plan import (NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, no_drafts,
+                                 seed_cached)
 
 if TYPE_CHECKING:
     from tscompile.runtime.scheduler import Request
@@ -138,6 +139,7 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
         mode=batch.mode, request_ids=tuple([r.rid for r in reqs]), num_extends=len(extends),
         input_ids=ids, positions=pos, query_lens=query_lens, prefix_lens=a32[b: 2 * b],
         completes=flags[:b], emits=flags[b:], groups=tuple(groups), logits_rows=a64[:b], sampling=sampling,
+        verify_width=1, draft_tokens=no_drafts(b),
     )
     first_decode = len(ids) - d
     unread = [first_decode + i for i, t in enumerate(last_tokens) if t == ON_DEVICE]

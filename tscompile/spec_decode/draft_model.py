@@ -27,6 +27,8 @@ class DraftModelRunner(Protocol):
     forward: append ``new_tokens[i]`` ([n_i] int64, n_i >= 1) to request ``request_ids[i]``'s draft
         cache at positions ``start_positions[i] ..`` (rows past them are stale and overwritten) and
         return ``[bs, V]`` float logits of each request's last new row, on the verify device.
+    next_tokens (optional): the same step, returning the argmax of those logits ``[bs]`` int64 on the
+        host; greedy drafting uses it where the runner has it (it may pick the token on the device).
     release: free a request's draft cache."""
 
     vocab_size: int
@@ -56,9 +58,12 @@ class DraftModelDrafter(Drafter):
         feed = [np.asarray(t[s:], dtype=np.int64) for t, s in zip(batch.token_ids, starts)]
         tokens = np.full((bs, k), -1, dtype=np.int64)
         probs = [] if sampling is not None else None
+        greedy_runner = getattr(self.runner, "next_tokens", None) if sampling is None else None
         for step in range(k):
-            logits = self.runner.forward(ids, feed, starts)
-            chosen, q = self._choose(logits, sampling)
+            if greedy_runner is not None:  # the runner picks the argmax itself (its own graphs)
+                chosen, q = greedy_runner(ids, feed, starts), None
+            else:
+                chosen, q = self._choose(self.runner.forward(ids, feed, starts), sampling)
             tokens[:, step] = chosen
             if probs is not None:
                 probs.append(q)

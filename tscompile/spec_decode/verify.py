@@ -16,33 +16,42 @@ shapes are uniform), a cut or missing draft is -1, which the acceptance ops neve
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from tscompile.attention.router import AttentionRouter, DecodeInputs
-from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
+from tscompile.forward_context import ForwardMode
 from tscompile.spec_decode.commit import commit_emitted
 from tscompile.spec_decode.config import SpeculativeConfig
 from tscompile.spec_decode.drafter import DraftBatch, Drafter
-from tscompile.step_plan import StepPlan
+from tscompile.step_plan import GroupPlan, StepPlan
 from tscompile.utils import cdiv
-
-import tscompile.custom_ops.acceptance  # noqa: F401  registers tscompile::accept_greedy / accept_rejection
 
 
 class VerifyStep:
     """``run(plan, requests, finish)``: one verify step of a decode plan (see the module docstring);
     ``accepted_drafts`` / ``proposed_drafts`` / ``verify_steps`` count what it did."""
 
-    def __init__(self, spec: SpeculativeConfig, drafter: Drafter, scheduler, model, attention: AttentionRouter,
-                 device: torch.device):
+    def __init__(self, spec: SpeculativeConfig, drafter: Drafter, scheduler, runner):
         if len(scheduler.specs) != 1 or scheduler.specs[0].window is not None:
             raise ValueError("tscompile: speculative_config needs a model with one full-attention cache group; "
                              f"this model has cache groups {[s.name for s in scheduler.specs]}; leave "
                              "speculative_config unset for it")
         self.spec, self.drafter, self.scheduler = spec, drafter, scheduler
-        self.model, self.attention, self.device = model, attention, device
+        self.runner = runner  # the engine's ModelRunner: launch_verify runs the step (eager or graphed)
         self.width = spec.verify_width
         self.accepted_drafts = self.proposed_drafts = self.verify_steps = 0
+        self._histories: dict[object, TokenHistory] = {}
+
+    def release(self, request) -> None:
+        """``request`` finished or was aborted: drop its history and what the drafter keeps for it."""
+        if self._histories.pop(request.rid, None) is not None:
+            self.drafter.release(request.rid)
+
+    def _history(self, r) -> np.ndarray:
+        """``r``'s prompt then output, grown by the tokens read since its last verify step (no
+        O(length) rebuild per step)."""
+        h = self._histories.get(r.rid)
+        if h is None:
+            h = self._histories[r.rid] = TokenHistory(r.prompt)
+        return h.extend_to(r.output)
 
     def summary(self) -> dict:
         """``EngineStats``' speculative fields."""
@@ -73,9 +82,9 @@ class VerifyStep:
         of a request whose completion just finished. Returns whether the step ran."""
         if plan.mode is not ForwardMode.DECODE or not self._reserve_lookahead(requests):
             return False
-        k, n, bs = self.spec.num_speculative_tokens, self.width, len(requests)
+        k, n = self.spec.num_speculative_tokens, self.width
         batch = DraftBatch(tuple(r.rid for r in requests),
-                           tuple(np.asarray(r.prompt + r.output, dtype=np.int64) for r in requests),
+                           tuple(self._history(r) for r in requests),
                            tuple(len(r.prompt) for r in requests), k)
         drafts = self.drafter.propose(batch)
         tokens = drafts.tokens.copy()
@@ -83,35 +92,11 @@ class VerifyStep:
             tokens[i, max(r.params.max_new_tokens - r.num_generated - 1, 0):] = -1
         last = np.array([r.output[-1] if r.output else r.prompt[-1] for r in requests], dtype=np.int64)
         window = np.concatenate([last[:, None], tokens], axis=1)
-        ids = np.where(window >= 0, window, 0).reshape(-1)
         start = np.array([r.num_computed for r in requests], dtype=np.int64)
-        positions = (start[:, None] + np.arange(n)).reshape(-1)
-        seq_lens = (start + n).astype(np.int32)
-        tables = self.scheduler.block_tables[0].take([r.slot for r in requests], axis=0)
-        dev = self.device
-        with torch.inference_mode():
-            inputs = DecodeInputs((torch.from_numpy(tables).to(dev),), (torch.from_numpy(seq_lens).to(dev),),
-                                  (tables,), (seq_lens,), n)
-            self.attention.refresh_decode_metadata(bs, inputs)
-            rows = torch.arange(bs * n, device=dev)
-            with forward_context(ForwardContext(ForwardMode.DECODE, self.attention, rows)):
-                logits = self.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev))
-            out_tokens = torch.full((bs, n), -1, dtype=torch.int64, device=dev)
-            out_accepted = torch.zeros(bs, dtype=torch.int32, device=dev)
-            flat = torch.from_numpy(tokens.reshape(-1)).to(dev)
-            indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * k
-            s = plan.sampling
-            if s.all_greedy:
-                torch.ops.tscompile.accept_greedy(logits, flat, indptr, out_tokens, out_accepted)
-            else:
-                probs = drafts.probs if drafts.probs is not None else torch.zeros(0, 0, device=dev)
-                torch.ops.tscompile.accept_rejection(
-                    logits, flat, probs, indptr, torch.from_numpy(s.temperature).to(dev),
-                    torch.from_numpy(s.top_k).to(dev), torch.from_numpy(s.top_p).to(dev),
-                    torch.from_numpy(s.seeds).to(dev), torch.from_numpy(s.steps).to(dev), out_tokens, out_accepted)
-            # the step's one read-back: the emitted tokens and, in the last column, the accepted counts
-            both = torch.cat([out_tokens, out_accepted[:, None].to(torch.int64)], dim=1).cpu().numpy()
-            emitted, accepted = both[:, :n], both[:, n]
+        verify = verify_plan(plan, window, start, self.scheduler.block_tables[0].take([r.slot for r in requests], 0))
+        # the step's one read-back: the emitted tokens and, in the last column, the accepted counts
+        both = self.runner.launch_verify(verify).cpu().numpy()
+        emitted, accepted = both[:, :n], both[:, n]
         self.verify_steps += 1
         self.drafter.on_accepted(batch.request_ids, accepted)
         for i, r in enumerate(requests):
@@ -129,6 +114,42 @@ class VerifyStep:
             if r.num_computed >= r.publish_at:
                 self.scheduler.prefix_cache.publish(r)
             if r.completion.finished:
-                self.drafter.release(r.rid)
                 finish(r)
         return True
+
+
+def verify_plan(plan: StepPlan, window: np.ndarray, start: np.ndarray, tables: np.ndarray) -> StepPlan:
+    """The width-N plan of a decode ``plan``'s verify step. ``window``: [B, N] int64, each request's
+    newest token then its drafts (-1 where it has fewer); ``start``: [B] its cached KV length (the
+    newest token's position); ``tables``: [B, max_blocks] its block-table rows."""
+    bs, width = window.shape
+    positions = (start[:, None] + np.arange(width)).reshape(-1)
+    q_lens = np.full(bs, width, dtype=np.int32)
+    group = GroupPlan(q_lens, (start + width).astype(np.int32), tables, plan.groups[0].block_size)
+    return StepPlan(ForwardMode.DECODE, plan.request_ids, 0, np.where(window >= 0, window, 0).reshape(-1), positions,
+                    q_lens, start.astype(np.int32), plan.completes, plan.emits, (group,),
+                    np.arange(bs * width, dtype=np.int64), plan.sampling, verify_width=width,
+                    draft_tokens=window[:, 1:])
+
+
+class TokenHistory:
+    """One request's tokens (prompt, then output) in a numpy buffer that doubles when full: a verify
+    step appends the tokens emitted since the last one and hands the drafter a view."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt_len = len(prompt)
+        self.buffer = np.empty(max(2 * self.prompt_len, 64), dtype=np.int64)
+        self.buffer[: self.prompt_len] = prompt
+        self.length = self.prompt_len
+
+    def extend_to(self, output: list[int]) -> np.ndarray:
+        new = output[self.length - self.prompt_len:]
+        if new:
+            end = self.length + len(new)
+            if end > self.buffer.shape[0]:
+                grown = np.empty(max(2 * self.buffer.shape[0], end), dtype=np.int64)
+                grown[: self.length] = self.buffer[: self.length]
+                self.buffer = grown
+            self.buffer[self.length: end] = new
+            self.length = end
+        return self.buffer[: self.length]

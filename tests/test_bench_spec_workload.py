@@ -1,0 +1,38 @@
+"""``tscompile bench --speculative all``: every method and k against plain decode in one process, on
+a tiny eager engine: the same greedy tokens, full acceptance for replay and a self-drafting model,
+the verify-step and tokens/s ratios in the report."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+
+import tscompile
+from tscompile.bench import spec_workload
+
+
+def test_methods_of_expands_all_in_bench_order():
+    assert spec_workload.methods_of(["all"]) == ["replay", "ngram", "draft_model"]
+    assert spec_workload.methods_of(["draft_model", "ngram"]) == ["ngram", "draft_model"]
+
+
+def test_every_method_equals_plain_decode_and_reports_ratios(tmp_path, monkeypatch, capsys):
+    torch.set_num_threads(1)
+    monkeypatch.setattr(tscompile, "LLM", functools.partial(tscompile.LLM, enforce_eager=True))
+    args = argparse.Namespace(
+        device="cpu", dtype="float32", speculative=["all"], num_speculative_tokens="2", spec_requests="2",
+        output_len=6, draft_model=None, model="llama-tiny", seed=0, page_size=4, spec_block=4, spec_repeats=3,
+        attention_backends=["torch"], tscompile_options=None, output_json=str(tmp_path / "r.json"),
+        output_md=str(tmp_path / "r.md"))
+    assert spec_workload.run(args) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [(r["method"], r["k"]) for r in rows] == [("plain", 0), ("replay", 2), ("ngram", 2), ("draft_model", 2)]
+    assert all(r["outputs_equal"] for r in rows)
+    by = {r["method"]: r for r in rows}
+    assert by["replay"]["acceptance_rate"] == by["draft_model"]["acceptance_rate"] == 1.0
+    assert by["replay"]["tokens_per_step"] > 2 and by["plain"]["step_ratio"] == 1.0
+    assert all(r["step_ratio"] > 0 and r["ratio_to_plain"] > 0 for r in rows)
+    assert "| 2 | replay | 2 | 3 |" in (tmp_path / "r.md").read_text()
