@@ -188,6 +188,8 @@ class StepPlan:
     emits:       [B] bool  this step's sample becomes an output token (an open chunk's is discarded).
     groups:      per cache group, its ``GroupPlan``.
     logits_rows: [B] int64 the row of each request's sample among the last layer's rows.
+    state_slots: [B] int64 each request's recurrent-state slot (``kv_cache/state_pool.py``), beside
+                 its block-table rows; empty for a model without recurrent-state layers.
     """
 
     mode: ForwardMode
@@ -202,14 +204,16 @@ class StepPlan:
     groups: tuple[GroupPlan, ...]
     logits_rows: np.ndarray
     sampling: SamplingRows
+    state_slots: np.ndarray
 
     def __init__(self, mode: ForwardMode, request_ids: tuple[int, ...], num_extends: int, input_ids: np.ndarray,
                  positions: np.ndarray, query_lens: np.ndarray, prefix_lens: np.ndarray, completes: np.ndarray,
-                 emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows):
+                 emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows,
+                 state_slots: np.ndarray = NO_ROWS):
         self.__dict__.update(mode=mode, request_ids=request_ids, num_extends=num_extends, input_ids=input_ids,
                              positions=positions, query_lens=query_lens, prefix_lens=prefix_lens,
                              completes=completes, emits=emits, groups=groups, logits_rows=logits_rows,
-                             sampling=sampling)
+                             sampling=sampling, state_slots=state_slots)
 
     @property
     def num_requests(self) -> int:

@@ -10,7 +10,8 @@ import os
 
 import torch
 
-from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root, is_checkpoint_dir, load_checkpoint
+from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root, is_checkpoint_dir, load_checkpoint, \
+    native_model
 from tscompile.models.demo import NAMED_MODELS, is_named_model
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config
 from tscompile.models.narrow import NarrowingTransformer
@@ -83,7 +84,7 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int,
                   tp: TensorParallel | None = None) -> Transformer:
     with torch.device(device):
-        model = NarrowingTransformer(cfg) if cfg.narrow_layer is not None else Transformer(cfg, tp)
+        model = NarrowingTransformer(cfg) if cfg.narrow_layer is not None else native_model(cfg, tp)
     model.init_weights(seed)
     model = model.to(dtype=dtype).eval()
     model.reset_rope(device)  # RoPE stays float32 in any dtype

@@ -35,6 +35,7 @@ from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.prefix_cache import BlockChain, PrefixCache
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_row_count
 from tscompile.runtime.cached_admission import NEVER, CachedAdmission
+from tscompile.runtime.state_slots import StateSlots
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import NO_ROWS, ON_DEVICE, GroupPlan, SamplingRows, StepPlan, arange_view, seed_cached
 from tscompile.utils import cdiv
@@ -164,12 +165,14 @@ def _join(extend_parts: list[np.ndarray], decode_rows: np.ndarray | None) -> np.
 
 
 def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_tables: list[np.ndarray],
-                    block_size: int, eos_token_ids: tuple[int, ...] = (), banned_width: int = 1) -> StepPlan:
+                    block_size: int, eos_token_ids: tuple[int, ...] = (), banned_width: int = 1,
+                    state_slots: np.ndarray = NO_ROWS) -> StepPlan:
     """The plan of ``batch`` from the requests' state before the step (a pure function).
 
     ``block_tables[g]`` is the scheduler's ``[max_num_seqs, max_blocks]`` table of group ``g``;
     request ``r`` owns row ``r.slot``. ``eos_token_ids`` are the model's, banned (with each request's
     stop ids) until it has ``min_tokens`` tokens; ``banned_width`` is the engine's ban-list width.
+    ``state_slots``: the requests' recurrent-state slots in row order (``runtime/state_slots.py``).
 
     At a handful of requests a numpy call costs more than the Python work it does, so the
     per-request facts are gathered as Python lists and become one array per dtype (int32, int64,
@@ -235,6 +238,7 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
         mode=batch.mode, request_ids=tuple([r.rid for r in reqs]), num_extends=len(extends),
         input_ids=ids, positions=pos, query_lens=query_lens, prefix_lens=a32[b: 2 * b],
         completes=flags[:b], emits=flags[b:], groups=tuple(groups), logits_rows=a64[:b], sampling=sampling,
+        state_slots=state_slots,
     )
     first_decode = len(ids) - d
     unread = [first_decode + i for i, t in enumerate(last_tokens) if t == ON_DEVICE]
@@ -253,12 +257,15 @@ def _last_layer_group(specs: list[CacheGroupSpec]) -> int:
 class Scheduler:
     def __init__(self, specs: list[CacheGroupSpec], num_blocks: list[int], *, block_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), limit_note: str = "", enable_prefix_caching: bool = False):
+                 eos_token_ids: tuple[int, ...] = (), limit_note: str = "", enable_prefix_caching: bool = False,
+                 state_slots: StateSlots | None = None):
         """``max_blocks``: the block-table width (default: enough for ``max_model_len``; a package
         keeps the width its programs were exported with). ``eos_token_ids``: the model's end-of-sequence
         ids (banned, with a request's stop ids, until it has ``min_tokens`` tokens). ``limit_note``
         follows ``max_model_len`` in refusals (a package names its bound). ``enable_prefix_caching``:
-        see ``set_prefix_caching``."""
+        see ``set_prefix_caching``. ``state_slots``: a model with recurrent-state layers' slots, given
+        at admission and taken back at release (``runtime/state_slots.py``)."""
+        self.state_slots = state_slots
         self.specs = specs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -287,7 +294,8 @@ class Scheduler:
     def prefix_caching_supported(self) -> bool:
         """One cache group that keeps every position: a narrowed group keeps rows by chunk boundary,
         so its KV depends on how a prompt was chunked, not only on its tokens."""
-        return len(self.specs) == 1 and not self.specs[0].narrowed
+        # a recurrent state folds every token in: a cached KV prefix has no state to resume from
+        return len(self.specs) == 1 and not self.specs[0].narrowed and self.state_slots is None
 
     def set_prefix_caching(self, enabled: bool) -> bool:
         """Turn prefix caching on or off (off forgets every cached block) while no request is queued
@@ -361,6 +369,8 @@ class Scheduler:
             table[req.slot, : len(blocks)] = blocks
         self.running.append(req)
         self._by_id[req.rid] = req
+        if self.state_slots is not None:
+            self.state_slots.admit(req)
         return True
 
     def _blocks_short(self) -> list[Request]:
@@ -416,6 +426,8 @@ class Scheduler:
             alloc.free(blocks)
             table[req.slot, :] = 0
         self.free_slots.append(req.slot)
+        if self.state_slots is not None:
+            self.state_slots.release(req)
         self.running.remove(req)
         del self._by_id[req.rid]
         req.slot, req.blocks = -1, []
@@ -446,8 +458,9 @@ class Scheduler:
         return self.plan(ScheduledBatch(extends, decodes))
 
     def plan(self, batch: ScheduledBatch) -> StepPlan:
+        slots = NO_ROWS if self.state_slots is None else self.state_slots.plan_slots(batch.requests)
         return build_step_plan(batch, self.specs, self.block_tables, self.block_size, self.eos_token_ids,
-                               self.banned_width)
+                               self.banned_width, slots)
 
     def resolve_host_tokens(self, plan: StepPlan) -> StepPlan:
         """``plan`` with every ``ON_DEVICE`` input id the host has read since planning filled in."""
