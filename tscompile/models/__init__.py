@@ -16,6 +16,9 @@ from tscompile.models.demo import NAMED_MODELS, is_named_model
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config
 from tscompile.models.narrow import NarrowingTransformer
 from tscompile.models.parallel import TensorParallel
+from tscompile.models.qwen3_next import QWEN3_NEXT_PRESETS, Qwen3NextConfig, Qwen3NextTransformer
+
+PRESETS.update(QWEN3_NEXT_PRESETS)  # one preset table for every family (it lives in llama.py)
 
 
 def build_model(config: ModelConfig | str | os.PathLike, *, dtype: torch.dtype = torch.float32,
@@ -91,6 +94,7 @@ def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
     return model
 
 
-__all__ = ["NAMED_MODELS", "PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "TensorParallel",
+__all__ = ["NAMED_MODELS", "PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "Qwen3NextConfig",
+           "Qwen3NextTransformer", "TensorParallel",
            "Transformer", "build_config", "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model",
            "model_config", "resolve_model"]

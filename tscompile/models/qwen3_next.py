@@ -245,3 +245,18 @@ class Qwen3NextTransformer(Transformer):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
         return self
+
+
+# Random-weight presets (registered into ``llama.PRESETS`` by ``tscompile.models``). The 1B shape is
+# Qwen3-Next's layout (three Gated DeltaNet layers to each gated-attention layer, 16 key / 32 value
+# linear heads of 128, 16 query / 2 KV heads of 256 rotated a quarter) scaled to Llama-3.2-1B's
+# width, depth and parameter count (1.23B with tied embeddings), with dense MLPs.
+QWEN3_NEXT_PRESETS: dict[str, Qwen3NextConfig] = {
+    "qwen3-next-tiny": Qwen3NextConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
+                                       intermediate_size=512, norm_eps=1e-6, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32),
+    "qwen3-next-1b": Qwen3NextConfig(vocab_size=151936, dim=2048, n_layers=16, n_heads=16, n_kv_heads=2, head_dim=256,
+                                     intermediate_size=4096, rope_theta=10000000.0, norm_eps=1e-6,
+                                     max_position=32768, tie_embeddings=True, linear_num_key_heads=16,
+                                     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+}
