@@ -73,7 +73,8 @@ def resolve_model(model):
 def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
     """The native config of a preset, a ``ModelConfig`` or a checkpoint directory (its config.json
     only: no weight is read)."""
-    from tscompile.models.hf_config import model_config_from_hf, read_json_object
+    from tscompile.models.hf_config import read_json_object
+    from tscompile.models.qwen3_next_checkpoint import native_config_from_hf
 
     if isinstance(model, ModelConfig):
         return model
@@ -81,7 +82,7 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
         return build_config(model)
     # an unknown name is refused with the presets, the named models and the checkpoint hint
     root = checkpoint_root(resolve_model(model))
-    return model_config_from_hf(read_json_object(root / "config.json"))
+    return native_config_from_hf(read_json_object(root / "config.json"))
 
 
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int,

@@ -28,9 +28,10 @@ except ImportError:  # older safetensors do not export it: any failure to open a
 from tqdm import tqdm
 
 from tscompile.models.hf_config import architecture_of, check_sliding_window, checkpoint_dtype, eos_token_ids, \
-    model_config_from_hf, read_json_object
+    read_json_object
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer
 from tscompile.models.parallel import ShardLayout, TensorParallel
+from tscompile.models.qwen3_next_checkpoint import native_config_from_hf
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -308,7 +309,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     root = checkpoint_root(path)
     raw = read_json_object(root / "config.json")
     architecture, _ = architecture_of(raw)
-    cfg = model_config_from_hf(raw)
+    cfg = native_config_from_hf(raw)
     check_sliding_window(raw, cfg.max_position if max_model_len is None else max_model_len)
     files = tensor_files(root)
     found, stored_dtypes = stored_shapes(files)

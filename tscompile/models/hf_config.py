@@ -127,12 +127,12 @@ def eos_token_ids(*sources: dict | None) -> tuple[int, ...]:
 
 
 def model_config_from_hf(raw: dict) -> ModelConfig:
-    """The native config of a supported architecture's ``config.json`` (as a dict)."""
+    """The native config of a Llama-family architecture's ``config.json`` (as a dict); a hybrid
+    Qwen3-Next config goes through ``qwen3_next_checkpoint.native_config_from_hf``."""
     name, spec = architecture_of(raw)
-    if name == "Qwen3NextForCausalLM":
-        from tscompile.models.qwen3_next_checkpoint import qwen3_next_config_from_hf
-
-        return qwen3_next_config_from_hf(raw)
+    if name == "Qwen3NextForCausalLM":  # its own reader (models/qwen3_next_checkpoint.py), which imports this one
+        raise ValueError("tscompile: a Qwen3-Next config.json is read by native_config_from_hf, not by the Llama "
+                         "family's model_config_from_hf")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
         raise ValueError(f"tscompile: quantized checkpoints (quantization_config, quant_method {method!r}) are not "

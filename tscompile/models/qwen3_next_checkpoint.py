@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tscompile.models.hf_config import _required, rope_from_hf
+from tscompile.models.hf_config import _required, architecture_of, model_config_from_hf, rope_from_hf
+from tscompile.models.llama import ModelConfig
 from tscompile.models.qwen3_next import Qwen3NextConfig
 from tscompile.models.qwen3_next_linear import check_dense
 
@@ -27,6 +28,13 @@ def _without_partial_rotary(raw: dict) -> tuple[dict, float]:
         if raw.get(key):
             stripped[key] = {k: v for k, v in raw[key].items() if k != "partial_rotary_factor"}
     return stripped, factor
+
+
+def native_config_from_hf(raw: dict) -> ModelConfig:
+    """The native config of any supported architecture's ``config.json``: Qwen3-Next's here, the
+    Llama family's through ``hf_config.model_config_from_hf``."""
+    name, _ = architecture_of(raw)
+    return qwen3_next_config_from_hf(raw) if name == ARCHITECTURE else model_config_from_hf(raw)
 
 
 def qwen3_next_config_from_hf(raw: dict) -> Qwen3NextConfig:
