@@ -4,6 +4,9 @@ prompt costs, the matmul peak).
 A decode step reads every weight once (the embedding table only for its ``bs`` gathered rows, unless
 it is tied to the output projection, which reads it whole) plus the K and V of every cached token
 of every request in every layer. Roofline ms/step = those bytes / the measured copy bandwidth.
+A hybrid model (Qwen3-Next) has K and V in its full-attention layers only; its linear-attention
+layers read and write each request's float32 recurrent state (convolution window and state matrix)
+once per step instead, which the roofline counts as state bytes.
 
 A bs=1 prefill of ``L`` tokens multiplies every token through every layer's linears and the last
 token through the output projection (every mode computes logits of the last row only), plus causal
@@ -24,10 +27,30 @@ from tscompile.models.llama import ModelConfig
 class StepBytes:
     weight_bytes: int
     kv_bytes: int
+    state_bytes: int = 0  # recurrent state read + written (hybrid models)
 
     @property
     def total(self) -> int:
-        return self.weight_bytes + self.kv_bytes
+        return self.weight_bytes + self.kv_bytes + self.state_bytes
+
+
+def _hybrid(cfg: ModelConfig):
+    """The layer kinds' parameter counts of a hybrid config, from its model built on ``meta``
+    (no memory), or None for a plain decoder: (layer params, linear-matmul params, the model)."""
+    from tscompile.models.qwen3_next import Qwen3NextConfig, Qwen3NextTransformer
+
+    if not isinstance(cfg, Qwen3NextConfig):
+        return None
+    with torch.device("meta"):
+        model = Qwen3NextTransformer(cfg)
+    layers = sum(p.numel() for p in model.layers.parameters())
+    matmuls = sum(p.numel() for n, p in model.layers.named_parameters() if p.dim() == 2)
+    return layers, matmuls, model
+
+
+def _attention_layers(cfg: ModelConfig) -> int:
+    types = getattr(cfg, "layer_types", None)
+    return cfg.n_layers if types is None else sum(t == "full_attention" for t in types)
 
 
 def linear_params_per_layer(cfg: ModelConfig) -> int:
@@ -43,8 +66,10 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:
     of the output projection over the last one, plus causal attention (query ``i`` reads ``i + 1``
     keys: ``L (L + 1) / 2`` score entries per head, 2 FLOPs each for QK^T and again for PV)."""
     L = prompt_len
-    matmuls = 2 * L * cfg.n_layers * linear_params_per_layer(cfg) + 2 * cfg.vocab_size * cfg.dim
-    attention = cfg.n_layers * 4 * (L * (L + 1) // 2) * cfg.n_heads * cfg.head_dim
+    hybrid = _hybrid(cfg)  # a hybrid's linear layers' recurrence is not counted (it is not a matmul peak's work)
+    layer_matmuls = cfg.n_layers * linear_params_per_layer(cfg) if hybrid is None else hybrid[1]
+    matmuls = 2 * L * layer_matmuls + 2 * cfg.vocab_size * cfg.dim
+    attention = _attention_layers(cfg) * 4 * (L * (L + 1) // 2) * cfg.n_heads * cfg.head_dim
     return matmuls + attention
 
 
@@ -68,18 +93,27 @@ def weight_params_per_step(cfg: ModelConfig, batch_size: int) -> int:
     )
     output = cfg.vocab_size * cfg.dim
     embedding = 0 if cfg.tie_embeddings else min(batch_size, cfg.vocab_size) * cfg.dim
-    return cfg.n_layers * per_layer + cfg.dim + output + embedding  # + final norm
+    hybrid = _hybrid(cfg)
+    layers = cfg.n_layers * per_layer if hybrid is None else hybrid[0]
+    return layers + cfg.dim + output + embedding  # + final norm
 
 
 def kv_bytes_per_step(cfg: ModelConfig, batch_size: int, context_len: float, dtype_bytes: int) -> int:
     """K and V read by one decode step: every layer, every request, ``context_len`` cached tokens."""
-    per_token = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    per_token = _attention_layers(cfg) * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
     return int(round(batch_size * context_len * per_token))
+
+
+def state_bytes_per_step(cfg: ModelConfig, batch_size: int) -> int:
+    """Recurrent state a decode step reads and writes (float32, every live request's slot once each)."""
+    hybrid = _hybrid(cfg)
+    return 0 if hybrid is None else hybrid[2].state_spec().decode_step_bytes(batch_size)
 
 
 def decode_step_bytes(cfg: ModelConfig, batch_size: int, context_len: float, dtype_bytes: int) -> StepBytes:
     return StepBytes(weight_params_per_step(cfg, batch_size) * dtype_bytes,
-                     kv_bytes_per_step(cfg, batch_size, context_len, dtype_bytes))
+                     kv_bytes_per_step(cfg, batch_size, context_len, dtype_bytes),
+                     state_bytes_per_step(cfg, batch_size))
 
 
 def mean_decode_context(input_len: int, output_len: int) -> float:

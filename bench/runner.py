@@ -47,7 +47,9 @@ def _cleanup(device: torch.device) -> None:
 
 def _fingerprint(model) -> float:
     with torch.no_grad():
-        return float(model.output.weight[:64].float().sum() + model.layers[0].attention.wqkv.weight[:64].float().sum())
+        layer = model.layers[0]  # a hybrid model's first layer may be a linear-attention one
+        first = layer.attention.wqkv.weight if hasattr(layer, "attention") else layer.linear_attn.in_proj_qkvz.weight
+        return float(model.output.weight[:64].float().sum() + first[:64].float().sum())
 
 
 def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -108,6 +110,8 @@ class Bench:
         from tscompile.models import build_model
 
         a = self.args
+        if getattr(self.cfg, "layer_types", None) is not None:
+            self.reference_info["skipped"] = "hybrid"  # the static-cache reference has no linear-attention layers
         if self.reference_info["skipped"]:
             return
         t0 = time.perf_counter()
@@ -231,7 +235,7 @@ class Bench:
         ctx = roofline.mean_decode_context(a.input_len, a.output_len)
         nbytes = roofline.decode_step_bytes(self.cfg, bs, ctx, self.dtype.itemsize)
         row.update(context_len=ctx, weight_bytes=nbytes.weight_bytes, kv_bytes=nbytes.kv_bytes,
-                   step_bytes=nbytes.total, roofline_ms=roofline.roofline_ms(nbytes.total, self.bw))
+                   state_bytes=nbytes.state_bytes, step_bytes=nbytes.total, roofline_ms=roofline.roofline_ms(nbytes.total, self.bw))
         applies, why = roofline.roofline_applies(self.device, nbytes.total)
         row["roofline_note"] = why or None
         if tpot["median"]:

@@ -205,6 +205,8 @@ class StepPlan:
                  drafts; input_ids and positions hold B * N rows, query_lens are N).
     draft_tokens: [B, N - 1] int64 the drafts of a verify step, -1 where a request has fewer
                  (the -1s are token 0 in input_ids); [B, 0] for a plain step (``no_drafts``).
+    state_slots: [B] int64 each request's recurrent-state slot (``kv_cache/state_pool.py``), beside
+                 its block-table rows; empty for a model without recurrent-state layers.
     """
 
     mode: ForwardMode
@@ -221,15 +223,17 @@ class StepPlan:
     sampling: SamplingRows
     verify_width: int
     draft_tokens: np.ndarray
+    state_slots: np.ndarray
 
     def __init__(self, mode: ForwardMode, request_ids: tuple[int, ...], num_extends: int, input_ids: np.ndarray,
                  positions: np.ndarray, query_lens: np.ndarray, prefix_lens: np.ndarray, completes: np.ndarray,
                  emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows,
-                 verify_width: int, draft_tokens: np.ndarray):
+                 verify_width: int, draft_tokens: np.ndarray, state_slots: np.ndarray = NO_ROWS):
         self.__dict__.update(mode=mode, request_ids=request_ids, num_extends=num_extends, input_ids=input_ids,
                              positions=positions, query_lens=query_lens, prefix_lens=prefix_lens,
                              completes=completes, emits=emits, groups=groups, logits_rows=logits_rows,
-                             sampling=sampling, verify_width=verify_width, draft_tokens=draft_tokens)
+                             sampling=sampling, verify_width=verify_width, draft_tokens=draft_tokens,
+                             state_slots=state_slots)
 
     @property
     def num_requests(self) -> int:

@@ -40,6 +40,8 @@ class DecodeInputs:
     host_block_tables: tuple[np.ndarray, ...] | None = None
     host_seq_lens: tuple[np.ndarray, ...] | None = None
     width: int = 1
+    # [n] int64 the live rows' state slots (a model with recurrent-state layers; the plan's)
+    host_state_slots: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -47,11 +49,13 @@ class DecodeInputs:
 
     def with_host_rows(self, block_tables: tuple[np.ndarray, ...], seq_lens: tuple[np.ndarray, ...]) -> "DecodeInputs":
         """These device views with the step's host arrays (the device views are reused, not copied)."""
-        return DecodeInputs(self.block_tables, self.seq_lens, tuple(block_tables), tuple(seq_lens), self.width)
+        return DecodeInputs(self.block_tables, self.seq_lens, tuple(block_tables), tuple(seq_lens), self.width,
+                            self.host_state_slots)
 
     def with_width(self, width: int) -> "DecodeInputs":
         """The same rows as a verify window of ``width`` query rows per request."""
-        return DecodeInputs(self.block_tables, self.seq_lens, self.host_block_tables, self.host_seq_lens, width)
+        return DecodeInputs(self.block_tables, self.seq_lens, self.host_block_tables, self.host_seq_lens, width,
+                            self.host_state_slots)
 
 
 class AttentionRouter(AttentionBackend):
@@ -75,9 +79,16 @@ class AttentionRouter(AttentionBackend):
         # per group, the last extend metadata published: a whole-step bucket's persistent buffers are
         # the same tensors every step, and a frozen dataclass costs microseconds to build
         self._extend_meta: list[AttentionMetadata | None] = [None] * len(specs)
+        # the recurrent-state layers' backend (attention/state_backend.py), or None: refreshed with the leaves
+        self.state = None
+
+    def attach_state_backend(self, state) -> None:
+        """Serve a model's recurrent-state layers too: ``state`` (a ``StateBackend``) gets every decode
+        refresh and extend publish the leaves get, and joins the graph-support composition."""
+        self.state = state
 
     def child_backends(self) -> list[AttentionBackend]:
-        return list(self.leaves)
+        return list(self.leaves) + ([self.state] if self.state is not None else [])
 
     # -- pool ------------------------------------------------------------------------------------
     def validate_cache_pool(self, pool: KVCachePool) -> None:
@@ -124,12 +135,15 @@ class AttentionRouter(AttentionBackend):
         # host placeholders too: a host planner plans the idle refresh like any other
         self._idle_inputs = DecodeInputs((empty_table,) * groups, (empty_lens,) * groups,
                                          (np.zeros((0, self.max_blocks), dtype=np.int32),) * groups,
-                                         (np.zeros(0, dtype=np.int32),) * groups)
+                                         (np.zeros(0, dtype=np.int32),) * groups,
+                                         host_state_slots=np.zeros(0, dtype=np.int64))
         for leaf in self.leaves:
             if max_width == 1:  # a leaf that predates verify windows keeps its one-argument form
                 leaf.allocate_decode_buffers(max_decode_bs)
             else:
                 leaf.allocate_decode_buffers(max_decode_bs, max_width)
+        if self.state is not None:
+            self.state.allocate_decode_buffers(max_decode_bs, max_width)
 
     def _decode_write_locs(self, bs: int, width: int = 1) -> tuple[torch.Tensor, ...]:
         views = self._decode_write_locs_by_bs.get((bs, width))
@@ -161,6 +175,11 @@ class AttentionRouter(AttentionBackend):
                                          None if host_tables is None else host_tables[gid],
                                          None if host_lens is None else host_lens[gid])
         self.decode_write_locations = write_locs
+        if self.state is not None:
+            if inputs.host_state_slots is None:
+                raise ValueError("tscompile: a decode refresh for a model with recurrent-state layers got no state "
+                                 "slots; pass the plan's (DecodeInputs.host_state_slots)")
+            self.state.refresh_decode_metadata(bs, inputs.host_state_slots)
 
     def refresh_idle_decode_metadata(self, bs: int, width: int = 1) -> None:
         """The refresh a graph capture runs: every row padding, over placeholder tables. It is the
@@ -233,6 +252,8 @@ class AttentionRouter(AttentionBackend):
             leaf.init_forward_metadata(group, meta)
             write_locs.append(slots)
         self.extend_write_locations = tuple(write_locs)
+        if self.state is not None:
+            self.state.init_forward_metadata(plan)
 
     # -- what the model reads ----------------------------------------------------------------------
     def write_locations(self, layer_id: int, mode: ForwardMode) -> torch.Tensor:
@@ -241,6 +262,13 @@ class AttentionRouter(AttentionBackend):
         if locs is None:
             raise RuntimeError(f"no {mode.value} write locations published")
         return locs[self.layer_group[layer_id]]
+
+    def state_metadata(self, mode: ForwardMode):
+        """The recurrent-state layers' ``StateMetadata`` of the current forward."""
+        if self.state is None:
+            raise RuntimeError("no state backend attached: the model has recurrent-state layers the engine did not "
+                               "set up")
+        return self.state.metadata(mode)
 
     def metadata(self, layer_id: int, mode: ForwardMode) -> AttentionMetadata:
         return self.leaves[self.layer_group[layer_id]].metadata(mode)

@@ -26,6 +26,7 @@ def check_tensor_parallel_model(model, size: int, device: torch.device) -> None:
     """Refuse what cannot be split ``size`` ways, before any process starts."""
     from tscompile.models import Transformer, model_config
     from tscompile.models.parallel import check_tensor_parallel
+    from tscompile.models.qwen3_next import Qwen3NextConfig
 
     if isinstance(model, Transformer):
         raise ValueError(f"tscompile: tensor_parallel_size {size} needs a preset name, a ModelConfig or a checkpoint "
@@ -36,7 +37,11 @@ def check_tensor_parallel_model(model, size: int, device: torch.device) -> None:
     if device.type == "cuda" and not launched_externally() and size > torch.cuda.device_count():
         raise ValueError(f"tscompile: tensor_parallel_size {size} needs {size} GPUs, {torch.cuda.device_count()} "
                          "are visible; use a smaller tensor_parallel_size")
-    check_tensor_parallel(model_config(model), size)
+    cfg = model_config(model)
+    if isinstance(cfg, Qwen3NextConfig):
+        raise ValueError(f"tscompile: tensor_parallel_size {size} is not supported for a model with recurrent-state "
+                         "(linear-attention) layers (hybrid Qwen3-Next); use tensor_parallel_size=1")
+    check_tensor_parallel(cfg, size)
 
 
 def build_tensor_parallel_engine(model, size: int, build_kwargs: dict) -> EngineParts:

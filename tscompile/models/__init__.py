@@ -10,11 +10,15 @@ import os
 
 import torch
 
-from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root, is_checkpoint_dir, load_checkpoint
+from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root, is_checkpoint_dir, load_checkpoint, \
+    native_model
 from tscompile.models.demo import NAMED_MODELS, is_named_model
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer, build_config
 from tscompile.models.narrow import NarrowingTransformer
 from tscompile.models.parallel import TensorParallel
+from tscompile.models.qwen3_next import QWEN3_NEXT_PRESETS, Qwen3NextConfig, Qwen3NextTransformer
+
+PRESETS.update(QWEN3_NEXT_PRESETS)  # one preset table for every family (it lives in llama.py)
 
 
 def build_model(config: ModelConfig | str | os.PathLike, *, dtype: torch.dtype = torch.float32,
@@ -69,7 +73,8 @@ def resolve_model(model):
 def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
     """The native config of a preset, a ``ModelConfig`` or a checkpoint directory (its config.json
     only: no weight is read)."""
-    from tscompile.models.hf_config import model_config_from_hf, read_json_object
+    from tscompile.models.hf_config import read_json_object
+    from tscompile.models.qwen3_next_checkpoint import native_config_from_hf
 
     if isinstance(model, ModelConfig):
         return model
@@ -77,19 +82,20 @@ def model_config(model: ModelConfig | str | os.PathLike) -> ModelConfig:
         return build_config(model)
     # an unknown name is refused with the presets, the named models and the checkpoint hint
     root = checkpoint_root(resolve_model(model))
-    return model_config_from_hf(read_json_object(root / "config.json"))
+    return native_config_from_hf(read_json_object(root / "config.json"))
 
 
 def _random_model(cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, seed: int,
                   tp: TensorParallel | None = None) -> Transformer:
     with torch.device(device):
-        model = NarrowingTransformer(cfg) if cfg.narrow_layer is not None else Transformer(cfg, tp)
+        model = NarrowingTransformer(cfg) if cfg.narrow_layer is not None else native_model(cfg, tp)
     model.init_weights(seed)
     model = model.to(dtype=dtype).eval()
     model.reset_rope(device)  # RoPE stays float32 in any dtype
     return model
 
 
-__all__ = ["NAMED_MODELS", "PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "TensorParallel",
+__all__ = ["NAMED_MODELS", "PRESETS", "CheckpointInfo", "ModelConfig", "NarrowingTransformer", "Qwen3NextConfig",
+           "Qwen3NextTransformer", "TensorParallel",
            "Transformer", "build_config", "build_model", "is_checkpoint_dir", "load_checkpoint", "load_model",
            "model_config", "resolve_model"]

@@ -28,9 +28,10 @@ except ImportError:  # older safetensors do not export it: any failure to open a
 from tqdm import tqdm
 
 from tscompile.models.hf_config import architecture_of, check_sliding_window, checkpoint_dtype, eos_token_ids, \
-    model_config_from_hf, read_json_object
+    read_json_object
 from tscompile.models.llama import PRESETS, ModelConfig, Transformer
 from tscompile.models.parallel import ShardLayout, TensorParallel
+from tscompile.models.qwen3_next_checkpoint import native_config_from_hf
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -133,9 +134,22 @@ def stored_shapes(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], d
     return shapes, dtypes
 
 
+def native_model(cfg: ModelConfig, tp: TensorParallel | None = None) -> Transformer:
+    """The native model class of ``cfg``'s family, built (on the current default device)."""
+    from tscompile.models.qwen3_next import Qwen3NextConfig, Qwen3NextTransformer
+
+    return Qwen3NextTransformer(cfg, tp) if isinstance(cfg, Qwen3NextConfig) else Transformer(cfg, tp)
+
+
 def weight_plan(cfg: ModelConfig) -> dict[str, _Target]:
     """Checkpoint tensor name -> where it lands in the native model (the weight names every supported
     architecture shares). Fused parameters get one entry per part: wqkv = [q; k; v], w13 = [gate; up]."""
+    from tscompile.models.qwen3_next import Qwen3NextConfig
+
+    if isinstance(cfg, Qwen3NextConfig):
+        from tscompile.models.qwen3_next_checkpoint import qwen3_next_weight_plan
+
+        return qwen3_next_weight_plan(cfg, _Target)
     q, kv, inter = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
     plan = {
         "model.embed_tokens.weight": _Target("tok_embeddings.weight", 0, cfg.vocab_size),
@@ -196,7 +210,9 @@ def sharded_weight_plan(layout: ShardLayout) -> dict[str, _Target]:
 def _redundant(name: str, cfg: ModelConfig) -> bool:
     """Stored tensors that carry nothing the model needs: RoPE tables (recomputed from the config) and a
     tied head (transformers ties it to the embedding, so the stored copy is the embedding)."""
-    return name.endswith(".rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+    # mtp.*: Qwen3-Next's multi-token-prediction head, which transformers does not load either
+    return (name.endswith(".rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+            or name.startswith("mtp."))
 
 
 def check_tensors(plan: dict[str, _Target], params: dict[str, torch.Tensor], found: dict[str, tuple[int, ...]],
@@ -233,7 +249,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     it); no host copy of the weights is ever made. ``rope_positions``: rows of its RoPE tables
     (``Transformer.reset_rope``)."""
     with torch.device("meta"):
-        model = Transformer(cfg, tp)
+        model = native_model(cfg, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty gives each module its own tensor, which unties them
         model.output.weight = model.tok_embeddings.weight
@@ -293,7 +309,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
     root = checkpoint_root(path)
     raw = read_json_object(root / "config.json")
     architecture, _ = architecture_of(raw)
-    cfg = model_config_from_hf(raw)
+    cfg = native_config_from_hf(raw)
     check_sliding_window(raw, cfg.max_position if max_model_len is None else max_model_len)
     files = tensor_files(root)
     found, stored_dtypes = stored_shapes(files)
@@ -303,7 +319,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None
                                                               torch.float32)
     dtype = dtype or (stored if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
-        params = dict(Transformer(cfg).named_parameters())
+        params = dict(native_model(cfg).named_parameters())
     check_tensors(plan, params, found, cfg, repr(str(root)))
 
     # a max_model_len above max_position is the engine's to refuse, with its own message

@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "MistralForCausalLM": ArchitectureSpec(),
     "Qwen2ForCausalLM": ArchitectureSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchitectureSpec(qk_norm=True),
+    # the hybrid family: its own config reader and weight plan (models/qwen3_next_checkpoint.py)
+    "Qwen3NextForCausalLM": ArchitectureSpec(qk_norm=True),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,8 +127,12 @@ def eos_token_ids(*sources: dict | None) -> tuple[int, ...]:
 
 
 def model_config_from_hf(raw: dict) -> ModelConfig:
-    """The native config of a supported architecture's ``config.json`` (as a dict)."""
-    _, spec = architecture_of(raw)
+    """The native config of a Llama-family architecture's ``config.json`` (as a dict); a hybrid
+    Qwen3-Next config goes through ``qwen3_next_checkpoint.native_config_from_hf``."""
+    name, spec = architecture_of(raw)
+    if name == "Qwen3NextForCausalLM":  # its own reader (models/qwen3_next_checkpoint.py), which imports this one
+        raise ValueError("tscompile: a Qwen3-Next config.json is read by native_config_from_hf, not by the Llama "
+                         "family's model_config_from_hf")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
         raise ValueError(f"tscompile: quantized checkpoints (quantization_config, quant_method {method!r}) are not "

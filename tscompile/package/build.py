@@ -74,6 +74,18 @@ def check_exportable_backend(attention_backend: str) -> None:
                          "cannot run; export with attention_backend='triton', 'torch' or 'auto'")
 
 
+def check_exportable_model(model) -> None:
+    """A package's programs carry KV pages only: a model with recurrent-state layers (hybrid
+    Qwen3-Next) has per-request state the package runtime does not allocate or schedule."""
+    from tscompile.models import model_config
+    from tscompile.models.qwen3_next import Qwen3NextConfig
+
+    if isinstance(model_config(model), Qwen3NextConfig):
+        raise ValueError(f"tscompile: {os.fspath(model) if isinstance(model, (str, os.PathLike)) else 'the model'} has "
+                         "recurrent-state (linear-attention) layers, which packages do not carry; run it through "
+                         "tscompile.LLM instead of exporting it")
+
+
 def export_package(
     model: str | ModelConfig = "llama-tiny",
     out: str | os.PathLike = "model.pt2",
@@ -111,6 +123,7 @@ def export_package(
     backend = default_backend_name(device) if attention_backend == "auto" else attention_backend
     check_exportable_backend(backend)
     leaf_class(backend)  # unknown or unimportable backends refuse here, before any work (the load included)
+    check_exportable_model(model)
     with export_phase(f"loading {os.fspath(model) if isinstance(model, (str, os.PathLike)) else 'the model'} "
                       f"({device.type}, {str(dtype).removeprefix('torch.')})"):
         built, checkpoint = load_model(model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len)

@@ -14,11 +14,13 @@ import torch
 
 from tscompile.attention import create_attention_router, resolve_cuda_graph_support
 from tscompile.attention.router import AttentionRouter
+from tscompile.attention.state_backend import StateBackend
 from tscompile.attention.support import ResolvedGraphSupport
 from tscompile.config import TscompileConfig
 from tscompile.counters import counters
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
+from tscompile.kv_cache.state_pool import StatePool
 from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, load_model
 from tscompile.models.parallel import TensorParallel, min_over_ranks
 from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
@@ -28,6 +30,7 @@ from tscompile.runtime.model_runner import ModelRunner
 from tscompile.runtime.prefill_capture import startup_plans
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request, Scheduler
+from tscompile.runtime.state_slots import StateSlots
 from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
 from tscompile.text import load_tokenizer, stop_ids_of
@@ -87,10 +90,11 @@ def _pool_and_scheduler(specs: list[CacheGroupSpec], attention: AttentionRouter,
     pool = KVCachePool.allocate(specs, [num_pages] * len(specs), page_size=page_size,
                                 pages_per_block=pages_per_block, dtype=dtype, device=device)
     attention.set_cache_pool(pool)
+    state_slots = StateSlots(max_num_seqs) if attention.state is not None else None
     scheduler = Scheduler(specs, [pool.num_blocks(g) for g in range(len(specs))], block_size=page_size * pages_per_block,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens, vocab_size=vocab_size, max_blocks=max_blocks,
-                          eos_token_ids=eos_token_ids, limit_note=limit_note)
+                          eos_token_ids=eos_token_ids, limit_note=limit_note, state_slots=state_slots)
     return pool, scheduler
 
 
@@ -194,6 +198,18 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     return pages, profile
 
 
+def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_seqs: int,
+                        device: torch.device) -> None:
+    """A model with recurrent-state layers (``state_spec``): its state pool (a slot per running request
+    plus the null slot, float32), bound to the model and served by a ``StateBackend`` under the
+    router. The state kernels: Triton on CUDA, the torch reference on the CPU."""
+    if not hasattr(model, "state_spec"):
+        return
+    pool = StatePool.allocate(model.state_spec(), max_num_seqs + 1, device)
+    model.bind_state_pool(pool, "triton" if device.type == "cuda" else "torch")
+    attention.attach_state_backend(StateBackend(pool, device))
+
+
 def build_model_engine(model: str | ModelConfig | Transformer, *, attention_backend: str, max_num_seqs: int,
                        max_model_len: int | None, page_size: int, pages_per_block: int, num_pages: int | None,
                        max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
@@ -239,6 +255,7 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     attention = create_attention_router(attention_backend, specs, max_model_len=max_model_len, page_size=page_size,
                                         pages_per_block=pages_per_block, device=device,
                                         kernels=compile_config.kernels if compile_config is not None else None)
+    attach_state_layers(built, attention, max_num_seqs, device)
     graph_support = resolve_cuda_graph_support(attention)
     memory = None
     if num_pages is None and device.type == "cuda":

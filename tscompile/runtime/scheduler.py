@@ -34,9 +34,10 @@ from tscompile.kv_cache.pool import BlockAllocator
 from tscompile.kv_cache.prefix_cache import BlockChain, PrefixCache
 from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.runtime.cached_admission import NEVER, CachedAdmission
+from tscompile.runtime.state_slots import StateSlots
 from tscompile.sampling import SamplingParams
 from tscompile.runtime.step_builder import ScheduledBatch, build_step_plan
-from tscompile.step_plan import ON_DEVICE, StepPlan
+from tscompile.step_plan import NO_ROWS, ON_DEVICE, StepPlan
 from tscompile.utils import cdiv
 
 MAX_STOP_IDS_BANNED = 8  # stop_token_ids a request may ban (before min_tokens) besides the model's eos ids
@@ -118,12 +119,15 @@ class Request:
 class Scheduler:
     def __init__(self, specs: list[CacheGroupSpec], num_blocks: list[int], *, block_size: int, max_num_seqs: int,
                  max_model_len: int, max_num_batched_tokens: int, vocab_size: int, max_blocks: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), limit_note: str = "", enable_prefix_caching: bool = False):
+                 eos_token_ids: tuple[int, ...] = (), limit_note: str = "", enable_prefix_caching: bool = False,
+                 state_slots: StateSlots | None = None):
         """``max_blocks``: the block-table width (default: enough for ``max_model_len``; a package
         keeps the width its programs were exported with). ``eos_token_ids``: the model's end-of-sequence
         ids (banned, with a request's stop ids, until it has ``min_tokens`` tokens). ``limit_note``
         follows ``max_model_len`` in refusals (a package names its bound). ``enable_prefix_caching``:
-        see ``set_prefix_caching``."""
+        see ``set_prefix_caching``. ``state_slots``: a model with recurrent-state layers' slots, given
+        at admission and taken back at release (``runtime/state_slots.py``)."""
+        self.state_slots = state_slots
         self.specs = specs
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -152,7 +156,8 @@ class Scheduler:
     def prefix_caching_supported(self) -> bool:
         """One cache group that keeps every position: a narrowed group keeps rows by chunk boundary,
         so its KV depends on how a prompt was chunked, not only on its tokens."""
-        return len(self.specs) == 1 and not self.specs[0].narrowed
+        # a recurrent state folds every token in: a cached KV prefix has no state to resume from
+        return len(self.specs) == 1 and not self.specs[0].narrowed and self.state_slots is None
 
     def set_prefix_caching(self, enabled: bool) -> bool:
         """Turn prefix caching on or off (off forgets every cached block) while no request is queued
@@ -226,6 +231,8 @@ class Scheduler:
             table[req.slot, : len(blocks)] = blocks
         self.running.append(req)
         self._by_id[req.rid] = req
+        if self.state_slots is not None:
+            self.state_slots.admit(req)
         return True
 
     def _blocks_short(self) -> list[Request]:
@@ -281,6 +288,8 @@ class Scheduler:
             alloc.free(blocks)
             table[req.slot, :] = 0
         self.free_slots.append(req.slot)
+        if self.state_slots is not None:
+            self.state_slots.release(req)
         self.running.remove(req)
         del self._by_id[req.rid]
         req.slot, req.blocks = -1, []
@@ -311,8 +320,9 @@ class Scheduler:
         return self.plan(ScheduledBatch(extends, decodes))
 
     def plan(self, batch: ScheduledBatch) -> StepPlan:
+        slots = NO_ROWS if self.state_slots is None else self.state_slots.plan_slots(batch.requests)
         return build_step_plan(batch, self.specs, self.block_tables, self.block_size, self.eos_token_ids,
-                               self.banned_width)
+                               self.banned_width, slots)
 
     def resolve_host_tokens(self, plan: StepPlan) -> StepPlan:
         """``plan`` with every ``ON_DEVICE`` input id the host has read since planning filled in."""

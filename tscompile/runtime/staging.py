@@ -99,7 +99,7 @@ class DecodeStaging:
         groups = plan.groups
         # the device views with the step's host arrays (``with_host_rows`` without its tuple copies)
         return DecodeInputs(inputs.block_tables, inputs.seq_lens, tuple([g.block_tables for g in groups]),
-                            tuple([g.seq_lens for g in groups]))
+                            tuple([g.seq_lens for g in groups]), host_state_slots=plan.state_slots)
 
     def fill(self, plan: StepPlan, bs: int, prev_rows=None, *, pad_tables: bool = False) -> None:
         """Host-side writes for the plan's ``n`` decode rows; rows ``[n, bs)`` become padding

@@ -68,12 +68,14 @@ def _join(extend_parts: list[np.ndarray], decode_rows: np.ndarray | None) -> np.
 
 
 def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_tables: list[np.ndarray],
-                    block_size: int, eos_token_ids: tuple[int, ...] = (), banned_width: int = 1) -> StepPlan:
+                    block_size: int, eos_token_ids: tuple[int, ...] = (), banned_width: int = 1,
+                    state_slots: np.ndarray = NO_ROWS) -> StepPlan:
     """The plan of ``batch`` from the requests' state before the step (a pure function).
 
     ``block_tables[g]`` is the scheduler's ``[max_num_seqs, max_blocks]`` table of group ``g``;
     request ``r`` owns row ``r.slot``. ``eos_token_ids`` are the model's, banned (with each request's
     stop ids) until it has ``min_tokens`` tokens; ``banned_width`` is the engine's ban-list width.
+    ``state_slots``: the requests' recurrent-state slots in row order (``runtime/state_slots.py``).
 
     At a handful of requests a numpy call costs more than the Python work it does, so the
     per-request facts are gathered as Python lists and become one array per dtype (int32, int64,
@@ -139,7 +141,7 @@ def build_step_plan(batch: ScheduledBatch, specs: list[CacheGroupSpec], block_ta
         mode=batch.mode, request_ids=tuple([r.rid for r in reqs]), num_extends=len(extends),
         input_ids=ids, positions=pos, query_lens=query_lens, prefix_lens=a32[b: 2 * b],
         completes=flags[:b], emits=flags[b:], groups=tuple(groups), logits_rows=a64[:b], sampling=sampling,
-        verify_width=1, draft_tokens=no_drafts(b),
+        verify_width=1, draft_tokens=no_drafts(b), state_slots=state_slots,
     )
     first_decode = len(ids) - d
     unread = [first_decode + i for i, t in enumerate(last_tokens) if t == ON_DEVICE]

@@ -1,0 +1,228 @@
+"""The hybrid Qwen3-Next model end to end: a tiny checkpoint written by transformers (three Gated
+DeltaNet layers, two gated-attention layers, dense MLPs, every weight random), loaded natively and
+run by the engine; greedy tokens equal transformers' ``generate`` in float32, eager and compiled,
+with mixed batches, chunked prefill and preemption; what hybrid models refuse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import tscompile
+from tscompile.forward_context import ForwardMode
+from tscompile.models import PRESETS, load_checkpoint, model_config
+from tscompile.models.qwen3_next import Qwen3NextConfig, Qwen3NextTransformer
+
+transformers = pytest.importorskip("transformers")
+
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=LAYER_TYPES, num_experts=0, mlp_only_layers=list(range(5)), tie_word_embeddings=False)
+PROMPTS = [[17], [5, 250, 3, 99, 42], list(range(7, 20)), [(i * 37) % 300 for i in range(30)]]
+NEW_TOKENS = 8
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every weight drawn, norms too (offset norms around 0, the gated norm around 1), decays spread."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if name.endswith("A_log"):
+                p.copy_((0.5 + 3 * torch.rand(p.shape, generator=gen)).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * r)
+            elif "norm" in name:
+                p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.3 * r)
+            elif "embed_tokens" in name:
+                p.copy_(r)
+            else:
+                p.copy_(r / p.shape[-1] ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(checkpoint directory, the transformers model it holds, its greedy tokens for PROMPTS)."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**TINY)).eval()
+    _randomize(hf, 0)
+    path = tmp_path_factory.mktemp("qwen3_next")
+    hf.save_pretrained(path)
+    hf.generation_config.eos_token_id = None  # both sides run the full length
+    hf.generation_config.pad_token_id = 0
+    want = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS)
+            want.append(out[0, len(p):].tolist())
+    return path, hf, want
+
+
+def _engine(path, **kw):
+    kw.setdefault("enforce_eager", True)
+    kw.setdefault("page_size", 4)
+    return tscompile.LLM(str(path), device="cpu", attention_backend="torch", max_model_len=64, **kw)
+
+
+def _generate(llm, prompts=PROMPTS):
+    params = tscompile.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def _record_plans(llm) -> list:
+    """Every plan the engine's scheduler hands out from now on."""
+    plans, schedule = [], llm.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        if plan is not None:
+            plans.append(plan)
+        return plan
+
+    llm.scheduler.schedule = recording
+    return plans
+
+
+def _all_slots_free(llm) -> bool:
+    slots = llm.scheduler.state_slots.allocator
+    return slots.num_free == slots.num_slots - 1
+
+
+def test_checkpoint_loads_into_the_native_hybrid_model(checkpoint):
+    path, hf, _ = checkpoint
+    model, info = load_checkpoint(path, device="cpu")
+    cfg = model.config
+    assert info.architecture == "Qwen3NextForCausalLM" and isinstance(cfg, Qwen3NextConfig)
+    assert cfg.layer_types == tuple(LAYER_TYPES) and cfg.rotary_dim == 4  # transformers' default factor 0.25
+    assert [g.layer_ids for g in model.cache_groups()] == [(1, 4)]
+    assert model.state_spec().layer_ids == (0, 2, 3)
+    # the fused q/gate, k, v rows are transformers' projections, in that order
+    attn, sd = model.layers[1].attention, hf.state_dict()
+    fused = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(attn.wqkv.weight, fused)
+
+
+def test_eager_engine_equals_transformers_with_mixed_batches_and_chunked_prefill(checkpoint):
+    """Chunks of at most 8 tokens: the 13- and 30-token prompts prefill over several steps while the
+    short ones decode beside them (mixed steps), and their later chunks continue the state."""
+    path, _, want = checkpoint
+    llm = _engine(path, max_num_seqs=4, max_num_batched_tokens=8)
+    plans = _record_plans(llm)
+    assert _generate(llm) == want
+    assert any(p.mode is ForwardMode.MIXED for p in plans)
+    assert any(p.num_extends and (p.prefix_lens[: p.num_extends] > 0).any() for p in plans)  # a later chunk
+    for p in plans:  # each running request its own slot, never the null slot
+        assert len(set(p.state_slots.tolist())) == p.num_requests and 0 not in p.state_slots.tolist()
+    assert _all_slots_free(llm)
+
+
+def test_preemption_recomputes_the_state(checkpoint):
+    """19 pages of 2 tokens for four requests growing to 9-38 tokens: a request is preempted, gives
+    its state slot back and re-prefills from zero state into another slot; tokens do not change."""
+    path, _, want = checkpoint
+    llm = _engine(path, max_num_seqs=4, page_size=2, num_pages=20)
+    plans = _record_plans(llm)
+    assert _generate(llm) == want
+    assert llm.scheduler.num_preemptions >= 1
+    assert _all_slots_free(llm)
+    # some request prefilled from position 0 twice: once admitted, once re-admitted after preemption
+    first_chunks = [r for p in plans for r, pre in zip(p.request_ids[: p.num_extends], p.prefix_lens) if pre == 0]
+    assert len(first_chunks) > len(set(first_chunks))
+
+
+def test_compiled_engine_equals_transformers_batched_and_one_at_a_time(checkpoint):
+    """enforce_eager=False: the decode step compiled whole (its state metadata lifted as graph inputs),
+    the prefill compiled; mixed chunked batches, then each prompt alone."""
+    path, _, want = checkpoint
+    llm = _engine(path, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=8)
+    assert _generate(llm) == want
+    assert [_generate(llm, [p])[0] for p in PROMPTS] == want
+    assert _all_slots_free(llm)
+
+
+def test_the_state_backend_turns_prefill_graphs_off_and_keeps_decode_graphs(checkpoint):
+    from tscompile.attention import resolve_cuda_graph_support
+
+    llm = _engine(checkpoint[0], max_num_seqs=2)
+    support = resolve_cuda_graph_support(llm.attention)
+    assert support.support.decode_graph and not support.support.prefill_graph
+    assert support.prefill_culprits == ("StateBackend",)
+    assert not llm.scheduler.prefix_caching_supported  # a cached KV prefix has no recurrent state
+
+
+def test_config_mapping_and_moe_refusal(checkpoint, tmp_path):
+    path = checkpoint[0]
+    cfg = model_config(str(path))
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim) == (2, 4, 8)
+    assert cfg.partial_rotary_factor == 0.25 and cfg.head_dim == 16 and cfg.qk_norm
+    moe = tmp_path / "moe"
+    shutil.copytree(path, moe)
+    raw = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**raw, "num_experts": 4, "mlp_only_layers": [0, 1]}))
+    with pytest.raises(ValueError, match=r"^tscompile: Qwen3-Next layers \[2, 3, 4\] use a mixture of experts"):
+        load_checkpoint(moe, device="cpu")
+
+
+def test_speculative_decoding_tensor_parallel_and_export_are_refused(checkpoint, tmp_path):
+    from tscompile.distributed.engine import check_tensor_parallel_model
+    from tscompile.package.build import export_package
+
+    path = checkpoint[0]
+    with pytest.raises(ValueError, match=r"^tscompile: a verify window of 3 rows is not supported with recurrent"):
+        _engine(path, max_num_seqs=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"^tscompile: tensor_parallel_size 2 is not supported for a model with"):
+        check_tensor_parallel_model(str(path), 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^tscompile: qwen3-next-tiny has recurrent-state"):
+        export_package("qwen3-next-tiny", tmp_path / "m.pt2", device="cpu")
+
+
+def test_presets_and_the_roofline_count_state_bytes():
+    from tscompile.bench import roofline
+
+    cfg = PRESETS["qwen3-next-1b"]
+    assert cfg.layer_types.count("full_attention") == 4 and cfg.n_layers == 16
+    bs, ctx = 32, 100.0
+    got = roofline.decode_step_bytes(cfg, bs, ctx, 2)
+    # per slot: 12 linear layers x (conv window 8192 x 3 + state 32 x 128 x 128) float32; read + written
+    slot = 12 * 4 * (8192 * 3 + 32 * 128 * 128)
+    assert got.state_bytes == 2 * bs * slot
+    assert got.kv_bytes == round(bs * ctx * 4 * 2 * 2 * 256 * 2)  # 4 attention layers, 2 KV heads of 256
+    assert got.total == got.weight_bytes + got.kv_bytes + got.state_bytes
+    # every weight once (the tied embedding as the head): the model's parameter count
+    with torch.device("meta"):
+        model = Qwen3NextTransformer(cfg)
+    assert got.weight_bytes == 2 * sum(p.numel() for p in model.parameters())
+
+
+def test_a_preset_runs_through_the_engine():
+    llm = tscompile.LLM("qwen3-next-tiny", device="cpu", attention_backend="torch", enforce_eager=True,
+                        max_model_len=64, max_num_seqs=2, page_size=8)
+    outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4] * 9}],
+                        tscompile.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_transformers_in_float32(checkpoint):
+    """On the GPU with graphs on (decode graphs per ladder size, the state kernels in Triton; prefill
+    graphs are off for hybrid models): the greedy tokens of transformers in float32, batched with
+    padding rows (3 and 4 live rows in the bs 4 graph) and one request at a time (bs 1 graph)."""
+    from tscompile.counters import counters
+
+    path, _, want = checkpoint
+    llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
+                        max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
+                        compile_options={"decode_ladder": (1, 2, 4)})
+    before = counters["decode_replays"]
+    assert _generate(llm) == want
+    assert [_generate(llm, [p])[0] for p in PROMPTS] == want
+    assert counters["decode_replays"] > before
+    assert _all_slots_free(llm)

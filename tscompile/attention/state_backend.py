@@ -1,0 +1,91 @@
+"""The state backend: the recurrent-state layers' node of the backend tree, beside the paged leaves.
+
+It publishes what a linear-attention layer reads for the current forward (``StateMetadata``: each
+request's state slot, its row offsets and whether it continues a state) through the router's two
+metadata paths, so one refresh serves KV pages and state slots alike:
+
+- decode: ``refresh_decode_metadata`` rewrites per-bs buffers in place (``StateSlotMetadata``),
+  pointer-stable for capture and replay; padding rows read and write the null slot and start fresh;
+  every live decode row continues its state (a request decodes only after its prompt's chunks ran).
+- extend / mixed: fresh tensors from the plan: its ``state_slots``, its row offsets, and
+  ``prefix_lens > 0`` (a first chunk, or a preempted request's re-prefill, starts from zeros).
+
+Prefill graphs are declared unsupported: the state kernels run inside the split pieces' eager
+breaks only as attention does, and the extend metadata here is fresh storage per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tscompile.attention.base import AttentionBackend
+from tscompile.attention.support import CudaGraphSupport
+from tscompile.forward_context import ForwardMode
+from tscompile.kv_cache.state_pool import StatePool, StateSlotMetadata
+from tscompile.step_plan import StepPlan
+
+
+@dataclass(frozen=True)
+class StateMetadata:
+    """state_slots: [R] int64; cu_seqlens: [R + 1] int32 (request r's rows); has_state: [R] bool."""
+
+    state_slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    has_state: torch.Tensor
+
+
+class StateBackend(AttentionBackend):
+    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=False, whole_prefill_graph=False)
+
+    def __init__(self, pool: StatePool, device: torch.device | str):
+        self.pool = pool
+        self.device = torch.device(device)
+        self._slots = StateSlotMetadata(self.device)
+        self._decode_offsets: torch.Tensor | None = None  # [max_decode_bs + 1] int32: arange
+        self._decode_views: dict[int, StateMetadata] = {}
+        self.forward_decode_metadata: StateMetadata | None = None
+        self.forward_extend_metadata: StateMetadata | None = None
+
+    def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
+        if max_width != 1:
+            raise ValueError(f"tscompile: a verify window of {max_width} rows is not supported with recurrent-state "
+                             "layers (the state would need one checkpoint per row); turn speculative decoding off "
+                             "for this model")
+        self._decode_offsets = torch.arange(max_decode_bs + 1, dtype=torch.int32, device=self.device)
+        self._decode_views = {}
+
+    def decode_views(self, bs: int) -> StateMetadata:
+        """The one per-bs builder shared by capture and refresh; the views never move once built."""
+        views = self._decode_views.get(bs)
+        if views is None:
+            if self._decode_offsets is None or not 0 < bs < self._decode_offsets.shape[0]:
+                raise ValueError(f"tscompile: state decode batch {bs} outside the allocated decode buffers")
+            slots, flags = self._slots.buffers(bs)
+            views = self._decode_views[bs] = StateMetadata(slots, self._decode_offsets[: bs + 1], flags)
+        return views
+
+    def refresh_decode_metadata(self, bs: int, host_state_slots: np.ndarray) -> None:
+        """Write the live rows' slots (``host_state_slots``: [n] int64, n <= bs) into the ``bs``
+        buffers in place; rows ``[n, bs)`` take the null slot, fresh."""
+        views = self.decode_views(bs)
+        n = host_state_slots.shape[0]
+        self._slots.refresh(host_state_slots.tolist(), [True] * n, bs)
+        self.forward_decode_metadata = views
+
+    def init_forward_metadata(self, plan: StepPlan) -> None:
+        if plan.state_slots.shape[0] != plan.num_requests:
+            raise ValueError(f"tscompile: the step plan carries {plan.state_slots.shape[0]} state slots for "
+                             f"{plan.num_requests} requests; a model with recurrent-state layers needs a scheduler "
+                             "that gives every request a state slot")
+        host = (plan.state_slots.astype(np.int64), plan.qo_indptr.astype(np.int32), plan.prefix_lens > 0)
+        self.forward_extend_metadata = StateMetadata(*(torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+                                                       for a in host))
+
+    def metadata(self, mode: ForwardMode) -> StateMetadata:
+        meta = self.forward_decode_metadata if mode.is_decode else self.forward_extend_metadata
+        if meta is None:
+            raise RuntimeError(f"no {mode.value} state metadata published")
+        return meta
