@@ -228,7 +228,7 @@ class StepPlan:
     def __init__(self, mode: ForwardMode, request_ids: tuple[int, ...], num_extends: int, input_ids: np.ndarray,
                  positions: np.ndarray, query_lens: np.ndarray, prefix_lens: np.ndarray, completes: np.ndarray,
                  emits: np.ndarray, groups: tuple[GroupPlan, ...], logits_rows: np.ndarray, sampling: SamplingRows,
-                 verify_width: int, draft_tokens: np.ndarray, state_slots: np.ndarray = NO_ROWS):
+                 verify_width: int, draft_tokens: np.ndarray, state_slots: np.ndarray):
         self.__dict__.update(mode=mode, request_ids=request_ids, num_extends=num_extends, input_ids=input_ids,
                              positions=positions, query_lens=query_lens, prefix_lens=prefix_lens,
                              completes=completes, emits=emits, groups=groups, logits_rows=logits_rows,

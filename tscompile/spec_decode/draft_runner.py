@@ -27,7 +27,7 @@ import torch
 
 from tscompile.forward_context import ForwardContext, ForwardMode, forward_context
 from tscompile.runtime.arena import upload_packed
-from tscompile.step_plan import GroupPlan, SamplingRows, StepPlan, no_drafts, row_offsets
+from tscompile.step_plan import NO_ROWS, GroupPlan, SamplingRows, StepPlan, no_drafts, row_offsets
 from tscompile.utils import cdiv
 
 
@@ -90,7 +90,7 @@ class EngineDraftRunner:
         extends = bs if mode is ForwardMode.EXTEND else 0
         return StepPlan(mode, tuple(request_ids), extends, ids, positions, q_lens, starts,
                         ones if extends else ~ones, ones, (group,), (qo[1:] - 1).astype(np.int64), greedy, 1,
-                        no_drafts(bs))
+                        no_drafts(bs), NO_ROWS)
 
     def next_tokens(self, request_ids: Sequence, new_tokens: Sequence[np.ndarray],
                     start_positions: np.ndarray) -> np.ndarray:

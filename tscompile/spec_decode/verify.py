@@ -129,7 +129,7 @@ def verify_plan(plan: StepPlan, window: np.ndarray, start: np.ndarray, tables: n
     return StepPlan(ForwardMode.DECODE, plan.request_ids, 0, np.where(window >= 0, window, 0).reshape(-1), positions,
                     q_lens, start.astype(np.int32), plan.completes, plan.emits, (group,),
                     np.arange(bs * width, dtype=np.int64), plan.sampling, verify_width=width,
-                    draft_tokens=window[:, 1:])
+                    draft_tokens=window[:, 1:], state_slots=plan.state_slots)
 
 
 class TokenHistory:
