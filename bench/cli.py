@@ -256,10 +256,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.speculative:
         from . import spec_workload
 
+        _default_outputs(args)
         return spec_workload.run(args)
     if args.prefix_workload:
         from . import prefix_workload
 
+        _default_outputs(args)
         return prefix_workload.run(args)
     if args.hf_model:
         if args.tscompile_options is not None:

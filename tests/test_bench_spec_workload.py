@@ -36,3 +36,17 @@ def test_every_method_equals_plain_decode_and_reports_ratios(tmp_path, monkeypat
     assert by["replay"]["tokens_per_step"] > 2 and by["plain"]["step_ratio"] == 1.0
     assert all(r["step_ratio"] > 0 and r["ratio_to_plain"] > 0 for r in rows)
     assert "| 2 | replay | 2 | 3 |" in (tmp_path / "r.md").read_text()
+
+
+def test_the_cli_writes_its_results_into_the_output_dir_by_default(tmp_path, monkeypatch):
+    from tscompile.bench import cli
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(tscompile, "LLM", functools.partial(tscompile.LLM, enforce_eager=True))
+    assert cli.main(["--model", "llama-tiny", "--device", "cpu", "--speculative", "ngram",
+                     "--num-speculative-tokens", "2", "--spec-requests", "1", "--output-len", "4",
+                     "--attention-backends", "torch", "--output-dir", str(tmp_path)]) == 0
+    written = sorted(p.suffix for p in tmp_path.iterdir())
+    assert written == [".json", ".md"]
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "ngram"]
