@@ -7,7 +7,8 @@
    llama-tiny engine under pressure (4 sequences, a small token budget, a pool of one request)
    reused for every composition, against a compiled engine running each prompt alone.
 2. Graph replay equals the run without graphs at the same padded size (``fuzz_lib.GraphCheck``):
-   each composition runs again on the same pressured engine with replay switched off
+   each composition runs again, from an empty prefix cache as the first run, on the same pressured
+   engine with replay switched off
    (``llm.runner.graphs.replay = False``, the one switch of decode, whole-step prefill and
    piecewise graphs: the same ladder padding, the same metadata refresh, the same compiled step,
    launched without its graph); the tokens must be identical, the batched run must have replayed
