@@ -147,6 +147,24 @@ def test_compiled_engine_equals_transformers_batched_and_one_at_a_time(checkpoin
     assert _all_slots_free(llm)
 
 
+def test_graphed_pieces_run_the_state_ops_eagerly_and_equal_transformers(checkpoint):
+    """Decode graphs and piecewise prefill graphs (``HostGraphs``: each bucket's pieces captured
+    once and replayed, as on CUDA): the state ops are split ops, so a replayed piece never keeps the
+    state slots and row offsets of the step that captured it; padded token buckets, chunked mixed
+    batches (the GPU test's engine shape)."""
+    from tscompile.counters import counters
+    from tscompile.runtime.graph_runner import HostGraphs
+
+    path, _, want = checkpoint
+    llm = _engine(path, enforce_eager=False, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
+                  compile_options={"decode_ladder": (1, 2, 4)})
+    llm.runner.use_graphs(HostGraphs(), decode=True, prefill="piecewise")
+    before = counters["prefill_replays"], counters["decode_replays"]
+    assert _generate(llm) == want
+    assert counters["prefill_replays"] > before[0] and counters["decode_replays"] > before[1]
+    assert _all_slots_free(llm)
+
+
 def test_the_state_backend_turns_prefill_graphs_off_and_keeps_decode_graphs(checkpoint):
     from tscompile.attention import resolve_cuda_graph_support
 

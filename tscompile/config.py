@@ -71,7 +71,9 @@ class TscompileConfig:
     """
 
     piece_compiler: str = "inductor"
-    split_ops: tuple[str, ...] = ("tscompile::attention",)
+    # the recurrent-state ops read per-step metadata (each request's slot, its row offsets) that a
+    # piece graphed per token bucket would keep from its capture: they run eagerly, as attention does
+    split_ops: tuple[str, ...] = ("tscompile::attention", "tscompile::causal_conv1d", "tscompile::gated_delta_rule")
     split_sdpa: bool = False
     split_narrowing: bool = True
     token_ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER
