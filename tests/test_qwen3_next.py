@@ -188,13 +188,43 @@ def test_config_mapping_and_moe_refusal(checkpoint, tmp_path):
         load_checkpoint(moe, device="cpu")
 
 
-def test_speculative_decoding_tensor_parallel_and_export_are_refused(checkpoint, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "replay"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_speculative_greedy_tokens_equal_transformers(checkpoint, method, eager):
+    """Verify windows of 4 rows over the state layers: a request that keeps fewer rows than its
+    window gets its state back and re-advances through the kept ones; the greedy tokens stay
+    transformers' (n-gram drafts are mostly rejected on random weights, replayed ones all kept).
+    Compiled, the verify steps replay graphs per (bs, 4) and the prefill pieces per bucket."""
+    from tscompile.counters import counters
+    from tscompile.runtime.graph_runner import HostGraphs
+
+    path, _, want = checkpoint
+    llm = _engine(path, enforce_eager=eager, max_num_seqs=4, max_num_batched_tokens=8,
+                  speculative_config={"method": method, "num_speculative_tokens": 3,
+                                      "prompt_lookup_min": 1, "prompt_lookup_max": 2} if method == "ngram"
+                  else {"method": method, "num_speculative_tokens": 3})
+    if not eager:
+        llm.runner.use_graphs(HostGraphs(), decode=True, prefill="piecewise")
+    if method == "replay":
+        llm.set_replay_references({tuple(p): w for p, w in zip(PROMPTS, want)})
+    replays = counters["decode_replays"]
+    assert _generate(llm) == want
+    assert eager or counters["decode_replays"] > replays
+    assert [_generate(llm, [p])[0] for p in PROMPTS] == want
+    verify = llm._verify
+    assert verify.verify_steps > 0 and verify.proposed_drafts > 0
+    if method == "replay":  # every draft kept: no state is put back
+        assert verify.accepted_drafts == verify.proposed_drafts and verify.rollback.readvanced_requests == 0
+    else:
+        assert verify.accepted_drafts < verify.proposed_drafts and verify.rollback.readvanced_requests > 0
+    assert _all_slots_free(llm)
+
+
+def test_tensor_parallel_and_export_are_refused(checkpoint, tmp_path):
     from tscompile.distributed.engine import check_tensor_parallel_model
     from tscompile.package.build import export_package
 
     path = checkpoint[0]
-    with pytest.raises(ValueError, match=r"^tscompile: a verify window of 3 rows is not supported with recurrent"):
-        _engine(path, max_num_seqs=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"^tscompile: tensor_parallel_size 2 is not supported for a model with"):
         check_tensor_parallel_model(str(path), 2, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"^tscompile: qwen3-next-tiny has recurrent-state"):

@@ -179,7 +179,7 @@ class AttentionRouter(AttentionBackend):
             if inputs.host_state_slots is None:
                 raise ValueError("tscompile: a decode refresh for a model with recurrent-state layers got no state "
                                  "slots; pass the plan's (DecodeInputs.host_state_slots)")
-            self.state.refresh_decode_metadata(bs, inputs.host_state_slots)
+            self.state.refresh_decode_metadata(bs, inputs.host_state_slots, inputs.width)
 
     def refresh_idle_decode_metadata(self, bs: int, width: int = 1) -> None:
         """The refresh a graph capture runs: every row padding, over placeholder tables. It is the

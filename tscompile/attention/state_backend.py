@@ -7,6 +7,9 @@ metadata paths, so one refresh serves KV pages and state slots alike:
 - decode: ``refresh_decode_metadata`` rewrites per-bs buffers in place (``StateSlotMetadata``),
   pointer-stable for capture and replay; padding rows read and write the null slot and start fresh;
   every live decode row continues its state (a request decodes only after its prompt's chunks ran).
+  A speculative verify window of N rows per request is the same refresh with row offsets ``r * N``:
+  the state advances through the whole window, and the verify step puts it back to the kept
+  tokens (``spec_decode/verify.py``).
 - extend / mixed: fresh tensors from the plan: its ``state_slots``, its row offsets, and
   ``prefix_lens > 0`` (a first chunk, or a preempted request's re-prefill, starts from zeros).
 
@@ -44,33 +47,32 @@ class StateBackend(AttentionBackend):
         self.pool = pool
         self.device = torch.device(device)
         self._slots = StateSlotMetadata(self.device)
-        self._decode_offsets: torch.Tensor | None = None  # [max_decode_bs + 1] int32: arange
-        self._decode_views: dict[int, StateMetadata] = {}
+        self._max_decode_bs, self._max_width = 0, 0
+        self._decode_views: dict[tuple[int, int], StateMetadata] = {}  # (bs, width): built once, never moved
         self.forward_decode_metadata: StateMetadata | None = None
         self.forward_extend_metadata: StateMetadata | None = None
 
     def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
-        if max_width != 1:
-            raise ValueError(f"tscompile: a verify window of {max_width} rows is not supported with recurrent-state "
-                             "layers (the state would need one checkpoint per row); turn speculative decoding off "
-                             "for this model")
-        self._decode_offsets = torch.arange(max_decode_bs + 1, dtype=torch.int32, device=self.device)
+        self._max_decode_bs, self._max_width = max_decode_bs, max_width
         self._decode_views = {}
 
-    def decode_views(self, bs: int) -> StateMetadata:
-        """The one per-bs builder shared by capture and refresh; the views never move once built."""
-        views = self._decode_views.get(bs)
+    def decode_views(self, bs: int, width: int) -> StateMetadata:
+        """The one per-(bs, width) builder shared by capture and refresh; the views never move once
+        built. Request ``r`` owns rows ``[r * width, (r + 1) * width)``."""
+        views = self._decode_views.get((bs, width))
         if views is None:
-            if self._decode_offsets is None or not 0 < bs < self._decode_offsets.shape[0]:
-                raise ValueError(f"tscompile: state decode batch {bs} outside the allocated decode buffers")
+            if not (0 < bs <= self._max_decode_bs and 0 < width <= self._max_width):
+                raise ValueError(f"tscompile: state decode batch {bs} x {width} rows outside the allocated decode "
+                                 f"buffers ({self._max_decode_bs} x {self._max_width})")
             slots, flags = self._slots.buffers(bs)
-            views = self._decode_views[bs] = StateMetadata(slots, self._decode_offsets[: bs + 1], flags)
+            offsets = torch.arange(0, (bs + 1) * width, width, dtype=torch.int32, device=self.device)
+            views = self._decode_views[(bs, width)] = StateMetadata(slots, offsets, flags)
         return views
 
-    def refresh_decode_metadata(self, bs: int, host_state_slots: np.ndarray) -> None:
+    def refresh_decode_metadata(self, bs: int, host_state_slots: np.ndarray, width: int) -> None:
         """Write the live rows' slots (``host_state_slots``: [n] int64, n <= bs) into the ``bs``
-        buffers in place; rows ``[n, bs)`` take the null slot, fresh."""
-        views = self.decode_views(bs)
+        buffers in place; rows ``[n, bs)`` take the null slot, fresh. ``width``: rows per request."""
+        views = self.decode_views(bs, width)
         n = host_state_slots.shape[0]
         self._slots.refresh(host_state_slots.tolist(), [True] * n, bs)
         self.forward_decode_metadata = views

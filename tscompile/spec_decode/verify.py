@@ -21,6 +21,7 @@ from tscompile.forward_context import ForwardMode
 from tscompile.spec_decode.commit import commit_emitted
 from tscompile.spec_decode.config import SpeculativeConfig
 from tscompile.spec_decode.drafter import DraftBatch, Drafter
+from tscompile.spec_decode.state_rollback import StateRollback
 from tscompile.step_plan import GroupPlan, StepPlan
 from tscompile.utils import cdiv
 
@@ -39,6 +40,8 @@ class VerifyStep:
         self.width = spec.verify_width
         self.accepted_drafts = self.proposed_drafts = self.verify_steps = 0
         self._histories: dict[object, TokenHistory] = {}
+        state = getattr(runner.attention, "state", None)  # a model with recurrent-state layers
+        self.rollback = None if state is None else StateRollback(state.pool, scheduler.banned_width)
 
     def release(self, request) -> None:
         """``request`` finished or was aborted: drop its history and what the drafter keeps for it."""
@@ -94,11 +97,13 @@ class VerifyStep:
         window = np.concatenate([last[:, None], tokens], axis=1)
         start = np.array([r.num_computed for r in requests], dtype=np.int64)
         verify = verify_plan(plan, window, start, self.scheduler.block_tables[0].take([r.slot for r in requests], 0))
+        saved = None if self.rollback is None else self.rollback.snapshot(verify.state_slots)
         # the step's one read-back: the emitted tokens and, in the last column, the accepted counts
         both = self.runner.launch_verify(verify).cpu().numpy()
         emitted, accepted = both[:, :n], both[:, n]
         self.verify_steps += 1
         self.drafter.on_accepted(batch.request_ids, accepted)
+        short: list[tuple[int, int]] = []  # (row, kept) of live requests whose state ran past their kept tokens
         for i, r in enumerate(requests):
             run = emitted[i, : int(accepted[i]) + 1].tolist()
             kept = commit_emitted(r.completion, run)
@@ -115,6 +120,13 @@ class VerifyStep:
                 self.scheduler.prefix_cache.publish(r)
             if r.completion.finished:
                 finish(r)
+            elif kept < n:
+                short.append((i, kept))
+        if saved is not None and short:
+            rows, kept_rows = [i for i, _ in short], [k for _, k in short]
+            self.rollback.restore(saved, rows)
+            self.runner.launch(self.rollback.readvance_plan(verify, rows, kept_rows)).wait()
+            self.rollback.readvanced_requests += len(rows)
         return True
 
 
