@@ -40,7 +40,7 @@ class VerifyStep:
         self.width = spec.verify_width
         self.accepted_drafts = self.proposed_drafts = self.verify_steps = 0
         self._histories: dict[object, TokenHistory] = {}
-        state = getattr(runner.attention, "state", None)  # a model with recurrent-state layers
+        state = getattr(getattr(runner, "attention", None), "state", None)  # a model with recurrent-state layers
         self.rollback = None if state is None else StateRollback(state.pool, scheduler.banned_width)
 
     def release(self, request) -> None:
