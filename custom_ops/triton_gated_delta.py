@@ -50,6 +50,9 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(state * q[:, None], axis=0)
         tl.store(out_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+    # threads of several warps may hold the same state element: all of them must have read the slot
+    # before any writes it back (a request with no rows has no reduction in between to order them)
+    tl.debug_barrier()
     tl.store(state_ptr + state_offs, state, mask=state_mask)
 
 
@@ -74,7 +77,8 @@ def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, ha
 @triton.jit
 def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
                           stride_xt, stride_ot, stride_ps, stride_pc, channels,
-                          WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+                          WIDTH: tl.constexpr, WINDOW_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SILU: tl.constexpr, BLOCK_C: tl.constexpr):
     req = tl.program_id(0)
     cblock = tl.program_id(1)
     offs_c = cblock * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -102,15 +106,21 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, h
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + (lo + t) * stride_ot + offs_c, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
-    # the new window: the last WIDTH - 1 inputs. Entry j reads old entry length + j > j when it
-    # still comes from the window, so writing in ascending j never reads an overwritten entry.
-    for j in tl.static_range(WIDTH - 1):
-        pos = offs_c * 0 + (length - (WIDTH - 1) + j)
-        from_x = tl.load(x_ptr + (lo + pos) * stride_xt + offs_c, mask=mask_c & (pos >= 0), other=0.0)
-        from_window = tl.load(window_base + (WIDTH - 1 + pos), mask=mask_c & (pos < 0), other=0.0)
-        from_window = tl.where(keep, from_window, 0.0)
-        value = from_x.to(tl.float32) + from_window.to(tl.float32)
-        tl.store(window_base + j, value.to(pool_ptr.dtype.element_ty), mask=mask_c)
+    # the new window: the last WIDTH - 1 inputs, entry j at position length - (WIDTH - 1) + j (from the
+    # window itself while that is before the request's first row). A channel's element may live in
+    # several threads of different warps, and nothing above synchronises them, so every read of the
+    # old window has to land before the barrier and every write after it: otherwise a warp that ran
+    # ahead rewrites an entry another warp has yet to read.
+    entry = tl.arange(0, WINDOW_BLOCK)
+    mask_entry = mask_c[:, None] & (entry[None, :] < WIDTH - 1)
+    pos = length - (WIDTH - 1) + entry[None, :] + offs_c[:, None] * 0
+    from_x = tl.load(x_ptr + (lo + pos) * stride_xt + offs_c[:, None], mask=mask_entry & (pos >= 0), other=0.0)
+    old_window = pool_ptr + slot * stride_ps + offs_c[:, None] * stride_pc
+    from_window = tl.load(old_window + (WIDTH - 1 + pos), mask=mask_entry & (pos < 0), other=0.0)
+    from_window = tl.where(keep, from_window, 0.0)
+    value = from_x.to(tl.float32) + from_window.to(tl.float32)
+    tl.debug_barrier()
+    tl.store(old_window + entry[None, :], value.to(pool_ptr.dtype.element_ty), mask=mask_entry)
 
 
 def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation):
@@ -124,4 +134,4 @@ def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, ha
     _causal_conv1d_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_pool, state_slots, cu_seqlens, has_state, out,
         x.stride(0), out.stride(0), conv_pool.stride(0), conv_pool.stride(1), channels,
-        WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c)
+        WIDTH=width, WINDOW_BLOCK=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c)
