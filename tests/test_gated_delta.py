@@ -178,3 +178,37 @@ def test_unknown_impl_and_activation_are_refused():
         torch.ops.tscompile.causal_conv1d(*args, "cuda", "silu")
     with pytest.raises(ValueError, match="tscompile: causal_conv1d activation 'gelu'"):
         torch.ops.tscompile.causal_conv1d(*args, "torch", "gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["conv", "delta"])
+def test_triton_decode_steps_on_small_heads_update_each_slot_once(op):
+    """Decode-shaped calls (one row per request, every request continuing its slot) at head and
+    channel sizes smaller than a block's threads, so each element lives in several warps: a slot
+    read after another warp already wrote it back shows up as a drift from the torch oracle. Many
+    fresh draws, because a lost ordering shows only under some warp schedules."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(150):
+        reqs = 1 + trial % 4
+        slots, cu = torch.arange(1, reqs + 1), torch.arange(reqs + 1, dtype=torch.int32)
+        keep = torch.ones(reqs, dtype=torch.bool)
+        if op == "conv":
+            x, weight = torch.randn(reqs, 64, generator=gen), torch.randn(64, 4, generator=gen)
+            pool = torch.randn(reqs + 1, 64, 3, generator=gen)
+            tail = (slots, cu, keep)
+            run = lambda impl, p, o, dev: torch.ops.tscompile.causal_conv1d(  # noqa: E731
+                *_on(dev, x, weight), None, p, *_on(dev, *tail), o, impl, "silu")
+            out_like = x
+        else:
+            q, k, v, g, beta = _inputs(gen, reqs, 2, 4, 8, 8)
+            pool = torch.randn(reqs + 1, 4, 8, 8, generator=gen)
+            run = lambda impl, p, o, dev: torch.ops.tscompile.gated_delta_rule(  # noqa: E731
+                *_on(dev, q, k, v, g, beta), p, *_on(dev, slots, cu, keep), o, impl, True, 8)
+            out_like = v
+        want_pool, want_out = pool.clone(), torch.full_like(out_like, float("nan"))
+        run("torch", want_pool, want_out, "cpu")
+        got_pool, got_out = pool.cuda(), torch.full_like(out_like, float("nan")).cuda()
+        run("triton", got_pool, got_out, "cuda")
+        torch.testing.assert_close(got_out.cpu(), want_out, rtol=1e-4, atol=1e-4, msg=f"trial {trial}")
+        torch.testing.assert_close(got_pool.cpu(), want_pool, rtol=1e-4, atol=1e-4, msg=f"trial {trial}")
