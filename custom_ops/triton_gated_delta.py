@@ -50,8 +50,8 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(state * q[:, None], axis=0)
         tl.store(out_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
-    # threads of several warps may hold the same state element: all of them must have read the slot
-    # before any writes it back (a request with no rows has no reduction in between to order them)
+    # threads of several warps may hold the same state element, and the walk's reductions need not
+    # cross warps: all of them must have read the slot before any writes it back
     tl.debug_barrier()
     tl.store(state_ptr + state_offs, state, mask=state_mask)
 
@@ -115,12 +115,11 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, h
     mask_entry = mask_c[:, None] & (entry[None, :] < WIDTH - 1)
     pos = length - (WIDTH - 1) + entry[None, :] + offs_c[:, None] * 0
     from_x = tl.load(x_ptr + (lo + pos) * stride_xt + offs_c[:, None], mask=mask_entry & (pos >= 0), other=0.0)
-    old_window = pool_ptr + slot * stride_ps + offs_c[:, None] * stride_pc
-    from_window = tl.load(old_window + (WIDTH - 1 + pos), mask=mask_entry & (pos < 0), other=0.0)
+    from_window = tl.load(window_base[:, None] + (WIDTH - 1 + pos), mask=mask_entry & (pos < 0), other=0.0)
     from_window = tl.where(keep, from_window, 0.0)
     value = from_x.to(tl.float32) + from_window.to(tl.float32)
     tl.debug_barrier()
-    tl.store(old_window + entry[None, :], value.to(pool_ptr.dtype.element_ty), mask=mask_entry)
+    tl.store(window_base[:, None] + entry[None, :], value.to(pool_ptr.dtype.element_ty), mask=mask_entry)
 
 
 def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation):
@@ -134,4 +133,5 @@ def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, ha
     _causal_conv1d_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_pool, state_slots, cu_seqlens, has_state, out,
         x.stride(0), out.stride(0), conv_pool.stride(0), conv_pool.stride(1), channels,
-        WIDTH=width, WINDOW_BLOCK=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c)
+        WIDTH=width, WINDOW_BLOCK=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
+        SILU=activation == "silu", BLOCK_C=block_c)
