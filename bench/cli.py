@@ -219,7 +219,14 @@ def add_parser(sub) -> None:
     hf.add_argument("--hf-generate-tokens", type=int, default=None,
                     help="new tokens of the static-cache generate (default 64 cuda, 16 cpu)")
     hf.add_argument("--hf-parts", nargs="+", default=None,
-                    help="forward, generate or both (default both); each part compiles afresh")
+                    help="forward, generate, stream (default forward generate); each part compiles afresh")
+    hf.add_argument("--hf-stream-prompts", type=int, default=None,
+                    help="the stream part: this many prompts of distinct lengths, twice (default 200 cuda, 6 cpu)")
+    hf.add_argument("--hf-stream-lens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="the stream's lengths are drawn from LO..HI (default 17 2048 cuda, 17 64 cpu)")
+    hf.add_argument("--hf-use-cache", action="store_true",
+                    help="forward and stream calls with transformers' default cache (use_cache=True) instead of "
+                         "use_cache=False")
     hf.add_argument("--hf-modes", nargs="+", default=None,
                     help="subset of eager, compile-default, compile-reduce-overhead, tscompile, tscompile-split "
                          "(default: all; eager always runs, as the reference)")

@@ -10,7 +10,8 @@ import os
 import torch
 
 HF_MODES = ("eager", "compile-default", "compile-reduce-overhead", "tscompile", "tscompile-split")  # in run order
-HF_PARTS = ("forward", "generate")
+HF_PARTS = ("forward", "generate", "stream")
+DEFAULT_PARTS = ("forward", "generate")  # the stream is asked for: it takes minutes per mode
 # Inductor's CUDA-graph trees run a new size once without a graph and record it on the next call:
 # two warm-ups per length, so the timed calls replay
 MIN_WARMUPS = 2
@@ -50,7 +51,7 @@ def resolve_modes(requested: list[str] | None) -> list[str]:
 
 def resolve_parts(requested: list[str] | None) -> list[str]:
     if not requested:
-        return list(HF_PARTS)
+        return list(DEFAULT_PARTS)
     unknown = [p for p in requested if p not in HF_PARTS]
     if unknown:
         raise ValueError(f"tscompile: unknown --hf-parts {unknown}; allowed: {', '.join(HF_PARTS)}")
@@ -79,6 +80,12 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
     args.hf_generate_tokens = args.hf_generate_tokens if args.hf_generate_tokens is not None else (64 if gpu else 16)
     if args.hf_generate_tokens < 1:
         raise ValueError(f"tscompile: --hf-generate-tokens {args.hf_generate_tokens} must be >= 1")
+    args.hf_stream_prompts = args.hf_stream_prompts if args.hf_stream_prompts is not None else (200 if gpu else 6)
+    lo, hi = args.hf_stream_lens = args.hf_stream_lens or ([17, 2048] if gpu else [17, 64])
+    if not 1 <= lo <= hi or hi - lo + 1 < args.hf_stream_prompts or args.hf_stream_prompts < 1:
+        raise ValueError(f"tscompile: --hf-stream-prompts {args.hf_stream_prompts} distinct lengths do not fit "
+                         f"--hf-stream-lens {lo} {hi}; give 1 <= LO <= HI with at least that many lengths between")
+    args.use_cache = bool(getattr(args, "hf_use_cache", False))
     args.num_iters = args.num_iters if args.num_iters is not None else (5 if gpu else 2)
     if args.num_iters < 1:
         raise ValueError(f"tscompile: --num-iters {args.num_iters} must be >= 1")
@@ -88,7 +95,10 @@ def fill_defaults(args: argparse.Namespace) -> torch.device:
 
 def check_hf_flags_unused(args: argparse.Namespace) -> None:
     """The engine bench refuses ``--hf-*`` flags given without ``--hf-model`` (they would do nothing)."""
-    given = [f"--{k.replace('_', '-')}" for k in ("hf_lens", "hf_generate_tokens", "hf_modes", "hf_parts")
+    given = [f"--{k.replace('_', '-')}" for k in ("hf_lens", "hf_generate_tokens", "hf_modes", "hf_parts",
+                                                  "hf_stream_prompts", "hf_stream_lens")
              if getattr(args, k, None) is not None]
+    if getattr(args, "hf_use_cache", False):
+        given.append("--hf-use-cache")
     if given:
         raise ValueError(f"tscompile: {', '.join(given)} need --hf-model (a checkpoint directory or a preset)")

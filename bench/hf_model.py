@@ -2,11 +2,14 @@
 ``torch.compile`` and ``torch.compile(backend="tscompile")`` (the torch.compile users' path,
 docs/torch_compile_users.md), one process, a fresh Dynamo state per mode.
 
-Per mode: the forward over one bs=1 prompt (``use_cache=False``) at every ``--hf-lens`` length, the
-first call's wall time (the compile) apart; Dynamo's compiles, recompiles and graph breaks after the
+Per mode: the forward over one bs=1 prompt (``use_cache=False``, or the default cache with
+``--hf-use-cache``) at every ``--hf-lens`` length, the first call's wall time (the compile) apart; Dynamo's compiles, recompiles and graph breaks after the
 first call and after every length, with tscompile's ``user_*`` counters; transformers ``generate``
 with a static cache (greedy) timed per new token and compared with eager's tokens; and the last
-logits row of every length against eager's.
+logits row of every length against eager's. The stream part (``--hf-parts stream``) is a serving-like
+load: prompts of many distinct lengths, each once, from a fresh compile (compiles and captures
+included), then the same lengths again in another order; the graphs recorded and the CUDA memory
+held afterwards.
 
 All modes share one model object: ``nn.Module.compile`` (what ``torch.compile(model, ...)`` does,
 but in place) so that ``generate``, which calls ``self(...)``, runs the compiled forward too; the
@@ -54,8 +57,9 @@ def generate_compile_kwargs(mode: str) -> dict | None:
 # them unless the caller marks a new step (torch.compiler.cudagraph_mark_step_begin) first
 GRAPH_TREE_MODES = ("compile-reduce-overhead", "tscompile")
 GENERATE_PROMPT_LEN = 32
-TSCOMPILE_USER_KEYS = ("user_captures", "user_replays", "user_padded_pieces", "user_padded_runs", "user_live_pieces",
-                       "user_above_ladder", "user_graphs_refused", "graphs", "pieces_compiled", "breaks")
+TSCOMPILE_USER_KEYS = ("user_captures", "user_replays", "user_whole_graphs", "user_padded_pieces", "user_padded_runs",
+                       "user_live_pieces", "user_above_ladder", "user_graphs_refused", "graphs", "pieces_compiled",
+                       "breaks")
 
 
 # -- the model -------------------------------------------------------------------------------------
@@ -148,7 +152,7 @@ class HFBench:
             # stock reduce-overhead (and tscompile's unsplit graph under the same trees): the previous
             # call's outputs are dead, so the trees may replay into their memory
             torch.compiler.cudagraph_mark_step_begin()
-        return call(input_ids=ids, use_cache=False).logits
+        return call(input_ids=ids, use_cache=self.args.use_cache).logits
 
     def forward_rows(self, mode: str, row: dict, bar) -> None:
         a, model = self.args, self.model
@@ -188,6 +192,38 @@ class HFBench:
         row["graphs_after_first_call"] = row["counters_after_first_call"]["graphs_compiled"]
         diffs = [e["max_abs_diff_vs_eager"] for e in row["lengths"].values() if e["max_abs_diff_vs_eager"] is not None]
         row["max_abs_diff_vs_eager"] = max(diffs) if diffs else None
+
+    def stream_row(self, mode: str, row: dict, bar) -> None:
+        """Every stream length once from a fresh compile, then again in another order: wall times,
+        graphs recorded, CUDA memory held (reserved after the stream, less before the compile)."""
+        a, cuda = self.args, self.device.type == "cuda"
+        lengths = stream_lengths(a.seed, a.hf_stream_prompts, *a.hf_stream_lens)
+        prompts = {n: _prompt(a.seed + 2, n, self.vocab, self.device) for n in lengths}
+        again = list(reversed(lengths))
+        bar.set_postfix_str(f"{mode} stream")
+        snap0, trees0 = counter_snapshot(), _tree_graphs(self.device)
+        reserved0 = torch.cuda.memory_reserved(self.device) if cuda else None
+        with torch.no_grad():
+            passes = []
+            for order in (lengths, again):
+                start = time.perf_counter()
+                for n in order:
+                    self._forward(self.model, prompts[n], mode)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                passes.append(time.perf_counter() - start)
+        delta = counter_delta(snap0, counter_snapshot())
+        trees = _tree_graphs(self.device)
+        gc.collect()
+        row["stream"] = {
+            "prompts": len(lengths), "lens": list(a.hf_stream_lens), "first_pass_s": passes[0],
+            "second_pass_s": passes[1], "second_pass_ms_per_prompt": passes[1] / len(lengths) * 1e3,
+            "recompiles": delta["recompiles"], "graphs_compiled": delta["graphs_compiled"],
+            "graphs_recorded": (trees - trees0 if trees is not None and trees0 is not None else 0)
+            + delta["user_captures"],
+            "held_gib": ((torch.cuda.memory_reserved(self.device) - reserved0) / 2**30) if cuda else None,
+            "counters": delta}
+        bar.update(1)
 
     def _generate(self, ids: torch.Tensor) -> tuple[list[int], object, float]:
         n = self.args.hf_generate_tokens
@@ -239,7 +275,8 @@ class HFBench:
         errors = []
         try:
             parts = {"forward": (self.forward_rows, len(self.args.hf_lens), MODE_COMPILE_KWARGS[mode]),
-                     "generate": (self.generate_row, 1, generate_compile_kwargs(mode))}
+                     "generate": (self.generate_row, 1, generate_compile_kwargs(mode)),
+                     "stream": (self.stream_row, 1, MODE_COMPILE_KWARGS[mode])}
             for part in self.args.hf_parts:
                 fn, steps, kwargs = parts[part]
                 done = bar.n
@@ -268,6 +305,26 @@ class HFBench:
 
     def _report(self, mode: str, where: str, e: BaseException, bar) -> str:
         return report.report_failure(mode, where, e, bar, self.args.verbose)
+
+
+def stream_lengths(seed: int, count: int, lo: int, hi: int) -> list[int]:
+    """``count`` distinct prompt lengths from ``lo..hi`` in a seeded random order."""
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randperm(hi - lo + 1, generator=g)[:count] + lo
+    return picks.tolist()
+
+
+def _tree_graphs(device: torch.device) -> int | None:
+    """The graphs Inductor's CUDA-graph trees have recorded on ``device`` (0 before any), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_container(device.index or 0).tree_manager
+    if manager is None:
+        return 0
+    # itertools.count has no read: its repr is "count(N)", N the next graph id
+    return int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
 
 
 def _compare_tokens(tokens: list[int], eager: list[int] | None) -> str | None:
@@ -328,7 +385,8 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, tqd
         report.write_outputs(result, md, args)
         return result, md
 
-    total = len(modes) * (len(args.hf_lens) * ("forward" in args.hf_parts) + ("generate" in args.hf_parts))
+    total = len(modes) * (len(args.hf_lens) * ("forward" in args.hf_parts) + ("generate" in args.hf_parts)
+                          + ("stream" in args.hf_parts))
     with torch._dynamo.config.patch(cache_size_limit=64), \
             tqdm(total=total, desc="bench --hf-model", disable=args.no_progress, file=sys.stderr) as bar:
         for mode in modes:

@@ -28,6 +28,21 @@ def summary_table(result: dict) -> str:
     return _table(header, rows)
 
 
+def stream_table(result: dict) -> str:
+    header = ["mode", "first pass s (compiles and captures in)", "second pass ms/prompt", "graphs recorded",
+              "Dynamo graphs", "recompiles", "CUDA memory held GiB", "error"]
+    rows = []
+    for r in result["rows"]:
+        st = r.get("stream")
+        if st is None and not r.get("error"):
+            continue
+        st = st or {}
+        rows.append([r["mode"], _fmt(st.get("first_pass_s"), ".1f"), _fmt(st.get("second_pass_ms_per_prompt"), ".2f"),
+                     _fmt(st.get("graphs_recorded")), _fmt(st.get("graphs_compiled")), _fmt(st.get("recompiles")),
+                     _fmt(st.get("held_gib"), ".2f"), _error(r)])
+    return _table(header, rows)
+
+
 COUNTER_COLUMNS = [("graphs (1st call)", "counters_first_call", "graphs_compiled"),
                    ("graphs (all lengths)", "counters_forward", "graphs_compiled"),
                    ("graphs after 1st call", "counters_after_first_call", "graphs_compiled"),
@@ -54,7 +69,7 @@ def markdown(result: dict) -> str:
     head = (f"## tscompile bench --hf-model {result['hf_model']} ({result['model_class']}) on {hw} "
             f"({result['device']}, {result['dtype']})\n\n"
             f"{result['date']} · torch {result['torch_version']} · transformers {result['transformers_version']} · "
-            f"triton {env.get('triton_version')} · bs=1 forward, use_cache=False · iters {args['num_iters']} "
+            f"triton {env.get('triton_version')} · bs=1 forward, use_cache={args.get('use_cache', False)} · iters {args['num_iters']} "
             f"(+{args['hf_warmups']} warm-up) · generate: {args['hf_generate_tokens']} new tokens, static cache, "
             f"greedy, compiled afresh · parts: {', '.join(args.get('hf_parts') or ['forward', 'generate'])}\n")
     if result.get("complete") is False:
@@ -70,5 +85,12 @@ def markdown(result: dict) -> str:
         "", "Counters: Dynamo's graphs and frames, Inductor's CUDA-graph skips and tscompile's `user_*` counters "
         "(captures and replays of per-bucket piece graphs, pieces that run padded or at the live rows, graphs "
         "refused) over the forward calls; generate's compiles apart."]
-    return "\n".join([head, summary_table(result), "", "### Compiles and graphs", "", counters_table(result),
-                      *notes, ""])
+    parts = [head, summary_table(result), "", "### Compiles and graphs", "", counters_table(result), *notes, ""]
+    if "stream" in (args.get("hf_parts") or []):
+        lo, hi = args["hf_stream_lens"]
+        parts += ["### A stream of distinct lengths", "",
+                  f"{args['hf_stream_prompts']} bs=1 prompts of distinct lengths from {lo} to {hi}, each once from a "
+                  "fresh compile (first pass), then again in reverse order (second pass). Graphs recorded: Inductor's "
+                  "CUDA-graph trees' graphs plus tscompile's captures. Memory held: CUDA memory reserved after the "
+                  "stream less before its compile (the graphs' pools and cached blocks).", "", stream_table(result), ""]
+    return "\n".join(parts)

@@ -161,7 +161,31 @@ def test_generate_part_alone_compiles_afresh(tmp_path, monkeypatch, eager_pieces
     assert "parts: generate" in md
 
 
+def test_stream_part_runs_distinct_lengths_twice_with_no_recompile(tmp_path, eager_pieces):
+    """``--hf-parts stream``: every mode runs the same distinct lengths twice; the compiled mode
+    compiles once (dynamic=True), then never again, and the markdown has the stream table."""
+    rc, result, md = run_cli(tmp_path, extra=("--hf-parts", "stream", "--hf-stream-prompts", "4",
+                                              "--hf-stream-lens", "9", "30", "--hf-use-cache"))
+    assert rc == 0 and result["args"]["use_cache"] is True
+    rows = {r["mode"]: r for r in result["rows"]}
+    for mode in ("eager", "tscompile-split"):
+        st = rows[mode]["stream"]
+        assert rows[mode]["error"] is None and st["prompts"] == 4 and st["lens"] == [9, 30]
+        assert st["first_pass_s"] > 0 and st["second_pass_ms_per_prompt"] > 0
+    split = rows["tscompile-split"]["stream"]
+    assert split["graphs_compiled"] == 1 and split["recompiles"] == 0
+    assert rows["eager"]["stream"]["graphs_compiled"] == 0
+    assert "### A stream of distinct lengths" in md and "use_cache=True" in md
+    lengths = hf_model.stream_lengths(0, 4, 9, 30)
+    assert len(set(lengths)) == 4 and all(9 <= n <= 30 for n in lengths)
+    assert lengths == hf_model.stream_lengths(0, 4, 9, 30) != hf_model.stream_lengths(1, 4, 9, 30)
+
+
 @pytest.mark.parametrize("extra, needle", [
+    (["--hf-model", "llama-tiny", "--hf-parts", "stream", "--hf-stream-prompts", "50", "--hf-stream-lens", "17", "40"],
+     "--hf-stream-prompts 50 distinct lengths do not fit --hf-stream-lens 17 40"),
+    (["--hf-stream-prompts", "5"], "--hf-stream-prompts need --hf-model"),
+    (["--hf-use-cache"], "--hf-use-cache need --hf-model"),
     (["--hf-model", "llama-tiny", "--hf-parts", "decode"], "unknown --hf-parts ['decode']"),
     (["--hf-model", "llama-tiny", "--hf-modes", "fast"], "unknown --hf-modes ['fast']"),
     (["--hf-model", "llama-tiny", "--hf-lens", "16", "0"], "--hf-lens [16, 0] has lengths < 1"),

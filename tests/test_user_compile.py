@@ -77,7 +77,10 @@ def test_default_dynamic_compiles_twice_at_most_and_mark_dynamic_once():
     assert unique_graphs() - before == 1
 
 
-def test_padding_to_buckets_is_invisible_and_pieces_run_at_the_bucket(monkeypatch):
+def test_padding_to_buckets_is_invisible_and_the_whole_graph_runs_at_the_bucket(monkeypatch):
+    """A transformers decoder's forward: every piece is row-wise (the mask builder's position-id
+    gathers read row i into row i) and every break is SDPA over the token rows, so the whole graph
+    runs at the bucket, breaks included; the caller sees only its own rows."""
     torch.compiler.reset()
     model = tiny_llama(layers=2)
     resized = []
@@ -93,12 +96,54 @@ def test_padding_to_buckets_is_invisible_and_pieces_run_at_the_bucket(monkeypatc
     before = dict(counters)
     with user_graphs.pad_without_graphs():
         run_lengths(fwd, model, (17, 32, 100, 200))
-    padded = counters["user_padded_runs"] - before.get("user_padded_runs", 0)
-    assert counters["user_padded_pieces"] - before.get("user_padded_pieces", 0) >= 2  # the layers' pieces
-    assert padded >= 2 * 3  # every padded piece ran at the three lengths within the ladder
+    grew = {k: counters[k] - before.get(k, 0) for k in ("user_whole_graphs", "user_padded_runs", "user_live_pieces",
+                                                         "user_above_ladder")}
+    assert grew == {"user_whole_graphs": 1, "user_padded_runs": 3, "user_live_pieces": 0, "user_above_ladder": 1}
     assert {r for r, pad in resized if pad} == {32, 128}  # 17 -> 32, 32 stays, 100 -> 128; 200 above
-    assert {r for r, pad in resized if not pad} >= {17, 100}  # sliced back at breaks and outputs
-    assert counters["user_above_ladder"] - before.get("user_above_ladder", 0) == 1
+    assert {r for r, pad in resized if not pad} == {17, 32, 100}  # only the outputs are sliced back
+
+
+class Attend(torch.nn.Module):
+    """SDPA over the token rows (dim 2) of ``q``, with or without a mask, then a row-wise op."""
+
+    def __init__(self, is_causal=False):
+        super().__init__()
+        self.is_causal = is_causal
+
+    def forward(self, q, mask=None):
+        a = torch.nn.functional.scaled_dot_product_attention(q, q * 0.5, q + 1, attn_mask=mask, is_causal=self.is_causal)
+        return a * 2 + 1
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "float"])
+def test_attention_at_the_bucket_never_reads_a_padded_key(mask_kind):
+    """Bidirectional attention, a boolean and an additive mask given by the caller (padded with
+    zeros: 'masked' for a bool, 'attend' for a float) and a causal call: at the bucket, every live row
+    attends to exactly its unpadded keys. Without the key mask the padded keys would change the rows."""
+    torch.compiler.reset()
+    m = Attend(is_causal=mask_kind == "causal")
+    fwd = torch.compile(m, backend="tscompile", options={"split_sdpa": True, "cudagraphs": True,
+                                                         "piece_compiler": "eager", "token_ladder": (16,)})
+    before = counters["user_whole_graphs"], counters["user_padded_runs"]
+    gen = torch.Generator().manual_seed(4)
+    with user_graphs.pad_without_graphs():
+        for n in (5, 11, 16):
+            q = torch.randn(1, 2, n, 8, generator=gen)
+            torch._dynamo.mark_dynamic(q, 2)
+            args = [q]
+            if mask_kind == "bool":
+                args.append(torch.rand(n, n, generator=gen) > 0.3)
+                args[1].diagonal().fill_(True)  # no row without a key
+            elif mask_kind == "float":
+                args.append(torch.randn(n, n, generator=gen))
+            for a in args[1:]:
+                torch._dynamo.mark_dynamic(a, 0)
+                torch._dynamo.mark_dynamic(a, 1)
+            out = torch.full((1, 2, n, 8), float("nan"))
+            out.copy_(fwd(*args))
+            torch.testing.assert_close(out, m(*args), rtol=1e-5, atol=1e-5, msg=f"{mask_kind} at {n} rows")
+    assert counters["user_whole_graphs"] - before[0] == 1
+    assert counters["user_padded_runs"] - before[1] == 3
 
 
 def test_without_the_switch_a_cpu_graph_runs_unpadded():
@@ -134,7 +179,7 @@ def test_a_piece_reading_rows_from_the_end_runs_live():
             return (a * 2)[:, :, -1:, :] + 1
 
     torch.compiler.reset()
-    before = counters["user_live_pieces"]
+    before, whole = counters["user_live_pieces"], counters["user_whole_graphs"]
     m = LastRow()
     fwd = torch.compile(m, backend="tscompile", options={"split_sdpa": True, "cudagraphs": True,
                                                          "piece_compiler": "eager", "token_ladder": (16,)})
@@ -144,6 +189,7 @@ def test_a_piece_reading_rows_from_the_end_runs_live():
             torch._dynamo.mark_dynamic(q, 2)  # only the token dim: other dynamic sizes turn graphs off
             torch.testing.assert_close(fwd(q), m(q))
     assert counters["user_live_pieces"] - before == 1
+    assert counters["user_whole_graphs"] == whole  # a live piece: padded piece by piece, not whole
 
 
 @pytest.mark.parametrize("options, needle", [

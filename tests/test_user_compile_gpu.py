@@ -1,6 +1,7 @@
-"""torch.compile users' CUDA graphs (needs CUDA): per-bucket piece graphs replay bitwise equal to the
-same padded pieces run without graphs and within bf16 tolerance of eager, no capture or recompile
-inside a bucket, unsplit graphs under Inductor's CUDA-graph trees, transformers generate."""
+"""torch.compile users' CUDA graphs (needs CUDA): a transformers decoder's split graph captured whole
+per bucket replays bitwise equal to the same padded graph run without graphs and within bf16
+tolerance of eager, no capture or recompile inside a bucket, unsplit graphs under Inductor's
+CUDA-graph trees, transformers generate (its last-row logits piece runs live: piece graphs)."""
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def logits(fwd, ids):
     return fwd(input_ids=ids, use_cache=False).logits
 
 
-def test_piece_graphs_replay_bitwise_equal_to_padded_pieces_and_close_to_eager():
+def test_whole_graphs_replay_bitwise_equal_to_the_padded_graph_and_close_to_eager():
     torch.compiler.reset()
     model = tiny_llama(torch.bfloat16)
     fwd = split_graphs(model)
@@ -56,6 +57,7 @@ def test_piece_graphs_replay_bitwise_equal_to_padded_pieces_and_close_to_eager()
             assert torch.equal(replayed, replayed_again), f"length {n}: the first call's output was overwritten"
             torch.testing.assert_close(replayed.float(), eager.float(), rtol=3e-2, atol=3e-2, msg=f"length {n}")
     assert counters["user_replays"] > replays, graph_counters()
+    assert counters["user_whole_graphs"] == 1 and counters["user_captures"] == 2, graph_counters()  # at 32 and 128
 
 
 def test_no_capture_or_recompile_inside_a_bucket_and_none_above_the_ladder():

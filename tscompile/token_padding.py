@@ -41,7 +41,7 @@ def symbols_of(value) -> set:
     return set()
 
 
-def _is_sym(d, sym) -> bool:
+def is_token_count(d, sym) -> bool:
     return isinstance(d, torch.SymInt) and d.node.expr == sym
 
 
@@ -50,7 +50,7 @@ def token_dims(value, sym) -> tuple[int, ...]:
     expression of it (``s * 64`` after a flatten, ``s - 1``) cannot be padded: Unsupported."""
     dims = []
     for i, d in enumerate(value.shape):
-        if _is_sym(d, sym):
+        if is_token_count(d, sym):
             dims.append(i)
         elif isinstance(d, torch.SymInt) and sym in d.node.expr.free_symbols:
             raise Unsupported(f"a tensor dim of size {d.node.expr} (not the token count {sym} itself)")
@@ -143,9 +143,44 @@ def _getitem_hazard(node: torch.fx.Node, sym) -> str | None:
         k = per_dim.index(Ellipsis)
         per_dim[k:k + 1] = [slice(None)] * (src.dim() - len(per_dim) + 1)
     for d in dims:
-        if d < len(per_dim) and not _from_the_front(per_dim[d]):
+        if d < len(per_dim) and not (_from_the_front(per_dim[d]) or _is_row_identity(per_dim[d], sym)):
             return "reads rows counted from the end (or by a tensor) of the token dim"
     return None
+
+
+# index-shaping steps that keep an index tensor's values: added size-1 dims, + 0
+_ADDS_DIMS = {torch.unsqueeze, "unsqueeze"}
+_ADDS = {operator.add, torch.add, "add"}
+
+
+def _is_row_identity(index, sym) -> bool:
+    """Whether an index tensor holds 0, 1, ..., n-1 along the token dim (``arange(n)``, with size-1
+    dims added or + 0): indexing with it reads row i into row i, as transformers' mask builders do
+    with position ids, so padding at the end leaves the live rows' reads alone."""
+    node = index
+    while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method"):
+        target, args = node.target, node.args
+        if target is torch.arange:
+            bounds = list(args) + [node.kwargs.get(k) for k in ("start", "end", "step") if k in node.kwargs]
+            if len(bounds) == 1:
+                end, start, step = bounds[0], 0, 1
+            elif len(bounds) in (2, 3):
+                start, end, step = bounds[0], bounds[1], bounds[2] if len(bounds) == 3 else 1
+            else:
+                return False
+            end = example_value(end) if isinstance(end, torch.fx.Node) else end
+            return start == 0 and step == 1 and is_token_count(end, sym)
+        if target is operator.getitem:
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if not all(i is None or i == slice(None) for i in idx):
+                return False
+        elif target in _ADDS:
+            if len(args) != 2 or args[1] != 0:
+                return False
+        elif target not in _ADDS_DIMS:
+            return False
+        node = args[0]
+    return False
 
 
 class TokenShapes:

@@ -10,6 +10,14 @@ largest bucket the same compiled pieces run unpadded and without graphs.
 Which dimension carries the tokens, and which pieces may be padded in it, is decided by
 ``token_padding.py`` (a graph it refuses runs without user graphs).
 
+Whole-graph capture: when every compiled piece is row-wise and every break is an SDPA call over the
+token rows (a transformers decoder's forward), the breaks need not run at the live rows either. At
+the bucket, ``sdpa_over_live_keys`` masks the padded keys out of every query row, so a live row
+attends to exactly the keys it attends to unpadded; the whole forward then runs at the bucket and
+is captured as one graph per bucket (``WholeGraph``). A call is then one copy of the inputs, one
+replay and one copy of the outputs, instead of a replay per piece with an eager attention call
+and its slicing between each two.
+
 Why outputs are copied: a replayed piece writes the same memory at every call; the caller's
 tensors must survive the next call, so the graph's outputs are cloned out of graph memory. That is
 what lets a user call the compiled model in a loop with nothing to do per step.
@@ -36,14 +44,45 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from tscompile.counters import counters
-from tscompile.passes.split import SplitPlan
+from tscompile.passes.split import SDPA_TARGETS, SplitPlan
 from tscompile.piece_compiler import mutated_inputs
-from tscompile.token_padding import TokenShapes, Unsupported, check_row_wise, find_token_symbol, symbols_of
+from tscompile.token_padding import (TokenShapes, Unsupported, check_row_wise, example_value, find_token_symbol,
+                                     is_token_count, symbols_of)
 from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
 
 _PAD_WITHOUT_GRAPHS = [False]
+# per query row, which key rows are live, while a whole graph runs at a bucket (None otherwise)
+_LIVE_KEYS: list[torch.Tensor | None] = [None]
+
+
+@contextlib.contextmanager
+def _attending_live_keys(valid: torch.Tensor):
+    _LIVE_KEYS.append(valid)
+    try:
+        yield
+    finally:
+        _LIVE_KEYS.pop()
+
+
+def sdpa_over_live_keys(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False):
+    """``scaled_dot_product_attention`` that, inside a whole graph run at a bucket, never attends to a
+    padded key: the padded keys are masked out of the caller's mask (a causal call without a mask
+    already hides keys after the query's row, so it runs as it is). Padded query rows see the live
+    keys at least (never a row with no key, which would be NaN); their outputs are sliced off."""
+    valid = _LIVE_KEYS[-1]
+    if valid is not None and not (is_causal and attn_mask is None):
+        if attn_mask is None:
+            attn_mask = valid.unsqueeze(0)  # [1, keys]: SDPA wants a query dim to broadcast
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & valid
+        else:
+            attn_mask = attn_mask.masked_fill(~valid, float("-inf"))
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                            is_causal=is_causal, scale=scale, **extra)
 
 
 @contextlib.contextmanager
@@ -85,6 +124,24 @@ class _Entry:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
 
 
+def _refill(inputs: list[tuple[int, torch.Tensor]], args, shapes: TokenShapes, written, what: str) -> None:
+    """Bring a call's tensors into a capture's inputs: one at the captured address is already there;
+    any other is copied in (its live rows only: the padded rows of a row-wise graph never reach a live
+    row). A parameter, or a tensor the graph writes to, that moved is refused: the capture reads and
+    writes the old address."""
+    for i, static in inputs:
+        a = args[i]
+        if a.data_ptr() == static.data_ptr():
+            continue
+        if i in written or isinstance(a, torch.nn.Parameter):
+            raise RuntimeError(f"tscompile: {what}: input {i} (a parameter, or a tensor the graph writes to) "
+                               f"moved since capture; keep weights and written buffers in place")
+        dst = static
+        for d in shapes.where[i] or ():
+            dst = dst.narrow(d, 0, a.shape[d])
+        dst.copy_(a)
+
+
 class PaddedPiece:
     """A compiled piece run at the call's bucket: captured once per bucket and replayed on CUDA.
 
@@ -111,18 +168,7 @@ class PaddedPiece:
         if entry is None:
             entry = self.graphs[key] = self._capture(args)
             counters["user_captures"] += 1
-        for i, static in entry.inputs:
-            a = args[i]
-            if a.data_ptr() == static.data_ptr():
-                continue
-            if i in self.written or isinstance(a, torch.nn.Parameter):
-                raise RuntimeError(f"tscompile: piece {self.name}: input {i} (a parameter, or a tensor the piece "
-                                   f"writes to) moved since capture; keep weights and written buffers in place")
-            w = self.shapes.where[i]
-            dst = static
-            for d in w or ():
-                dst = dst.narrow(d, 0, a.shape[d])
-            dst.copy_(a)
+        _refill(entry.inputs, args, self.shapes, self.written, f"piece {self.name}")
         entry.graph.replay()
         counters["user_replays"] += 1
         return entry.outputs
@@ -146,6 +192,91 @@ class PaddedPiece:
         rt.capture_seconds += time.perf_counter() - start
         rt.captured_ptrs.update(o.data_ptr() for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor))
         return _Entry(graph, inputs, outputs)
+
+
+class WholeGraph:
+    """A split graph whose breaks all run at the bucket (``sdpa_over_live_keys``): the whole forward
+    at the call's bucket, captured once per bucket (and per the shapes of its other inputs) on CUDA."""
+
+    def __init__(self, forward: Callable, inputs: TokenShapes, runtime: UserGraphRuntime):
+        self.forward, self.inputs, self.runtime = forward, inputs, runtime
+        self.graphs: dict[tuple, _Entry] = {}
+        self.live_count: torch.Tensor | None = None  # the live row count of the replay, on the device
+
+    def run_padded(self, args, live: int, rows: int):
+        """The forward at the bucket, without graphs (``pad_without_graphs``)."""
+        counters["user_padded_runs"] += 1
+        padded = self.inputs.resize(args, rows, pad=True)
+        device = next(a.device for a, w in zip(args, self.inputs.where) if w and w is not True)
+        with _attending_live_keys(torch.arange(rows, device=device) < live):
+            return self.forward(*padded)
+
+    def replay(self, args, live: int, rows: int):
+        key = (rows,) + tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a
+                              for a, w in zip(args, self.inputs.where) if not w)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(args, live, rows)
+            counters["user_captures"] += 1
+        _refill(entry.inputs, args, self.inputs, (), "the whole graph")
+        self.live_count.fill_(live)
+        entry.graph.replay()
+        counters["user_replays"] += 1
+        return entry.outputs
+
+    def _capture(self, args, live: int, rows: int) -> _Entry:
+        from tscompile.runtime.graph_runner import capture_graph
+
+        rt = self.runtime
+        # the token-shaped inputs as padded buffers of our own (a fresh copy even at the bucket's own
+        # length: the caller's tensor is theirs); weights and other tensors captured in place
+        padded = self.inputs.resize(args, rows, pad=True)
+        static = [p.clone() if w and w is not True and p is a else p
+                  for a, p, w in zip(args, padded, self.inputs.where)]
+        inputs = [(i, s) for i, s in enumerate(static) if isinstance(s, torch.Tensor)]
+        device = next(s.device for _, s in inputs)
+        if self.live_count is None:
+            self.live_count = torch.zeros((), dtype=torch.int64, device=device)
+        self.live_count.fill_(live)
+        keys = torch.arange(rows, device=device)
+
+        def forward():
+            with _attending_live_keys(keys < self.live_count):
+                return self.forward(*static)
+
+        pool, stream = rt.graphs_for(device)
+        start = time.perf_counter()
+        graph, outputs = capture_graph(forward, device, stream, pool, f"the whole graph at {rows} tokens")
+        rt.capture_seconds += time.perf_counter() - start
+        return _Entry(graph, inputs, outputs)
+
+
+def _attends_over_token_rows(break_module: torch.fx.GraphModule, sym) -> bool:
+    """Whether a break is SDPA alone, its queries and keys both the token rows: then it can run at the
+    bucket with the padded keys masked (``sdpa_over_live_keys``)."""
+    for node in break_module.graph.nodes:
+        if node.op in ("call_method", "call_module"):
+            return False
+        if node.op != "call_function":
+            continue
+        if node.target not in SDPA_TARGETS or len(node.args) < 3:
+            return False
+        q, k = (example_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
+        if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 and is_token_count(t.shape[-2], sym) for t in (q, k)):
+            return False
+        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+        mask = example_value(mask) if isinstance(mask, torch.fx.Node) else mask
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() >= 1
+                                     and (is_token_count(mask.shape[-1], sym) or mask.shape[-1] == 1)):
+            return False  # a mask whose key dim is not the token rows: the padded keys cannot be masked
+    return True
+
+
+def _mask_padded_keys(break_module: torch.fx.GraphModule) -> None:
+    for node in break_module.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_TARGETS:
+            node.target = sdpa_over_live_keys
+    break_module.recompile()
 
 
 class LiveBreak:
@@ -185,11 +316,13 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
     others = set().union(*(symbols_of(list(a)) for a in everything)) - {sym}
     if others:
         raise Unsupported(f"sizes other than the token count are dynamic ({sorted(map(str, others))})")
-    entry = TokenShapes(list(example_inputs), sym)
+    placeholders = [example_value(n) for n in split.graph.nodes if n.op == "placeholder"]
+    entry = TokenShapes(placeholders if len(placeholders) == len(example_inputs) else list(example_inputs), sym)
     if not any(entry.where):
         raise Unsupported(f"no input carries the token count {sym}")
     runtime = UserGraphRuntime(ladder)
     padded = 0
+    whole = all(_attends_over_token_rows(split._modules[p.name], sym) for p in plan.of_kind("break"))
     for piece in plan.pieces:
         shapes = TokenShapes(list(fake_args[piece.name]), sym)
         module = split._modules[piece.name]
@@ -199,15 +332,22 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
             written = mutated_inputs(module)
             if any(shapes.where[i] for i in written):
                 raise Unsupported(f"piece {piece.name} writes in place to a token-shaped input")
+            whole = whole and not written  # a whole graph's inputs are copied in: no write may be lost
             split.__dict__[piece.name] = PaddedPiece(piece.name, fn, shapes, written, runtime)
             padded += 1
         else:
             if piece.kind == "compiled":
                 logger.info("tscompile: piece %s runs at the live rows, ungraphed: %s", piece.name, why)
                 counters["user_live_pieces"] += 1
+                whole = False
             split.__dict__[piece.name] = LiveBreak(fn, shapes, runtime)
     outputs = TokenShapes(pytree.tree_leaves(fake_result), sym)
     forward = split.forward
+    if whole:
+        for piece in plan.of_kind("break"):
+            _mask_padded_keys(split._modules[piece.name])
+        whole_graph = WholeGraph(forward, entry, runtime)
+        counters["user_whole_graphs"] += 1
 
     def run(*args):
         live = next(a if w is True else a.shape[w[0]] for a, w in zip(args, entry.where) if w)
@@ -219,11 +359,16 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
         runtime.replay = cuda and not _PAD_WITHOUT_GRAPHS[-1]
         if not cuda and not _PAD_WITHOUT_GRAPHS[-1]:
             return forward(*args)  # no graphs on this device: padding would only cost
-        runtime.live, runtime.rows = live, rows
-        try:
-            out = forward(*args)
-        finally:
-            runtime.live = runtime.rows = None
+        if whole and runtime.replay:
+            out = whole_graph.replay(args, live, rows)
+        elif whole:
+            out = whole_graph.run_padded(args, live, rows)
+        else:
+            runtime.live, runtime.rows = live, rows
+            try:
+                out = forward(*args)
+            finally:
+                runtime.live = runtime.rows = None
         leaves, spec = pytree.tree_flatten(out)
         live_leaves = outputs.resize(leaves, live, pad=False)
         if runtime.replay:  # graph memory is rewritten by the next call: hand out copies
