@@ -103,6 +103,28 @@ def test_padding_to_buckets_is_invisible_and_the_whole_graph_runs_at_the_bucket(
     assert {r for r, pad in resized if not pad} == {17, 32, 100}  # only the outputs are sliced back
 
 
+def test_the_default_cache_is_padded_and_sliced_like_the_logits():
+    """use_cache=True: the graph also returns every layer's keys and values; at the bucket they are
+    sliced back to the live rows with the logits, and equal eager's."""
+    torch.compiler.reset()
+    model = tiny_llama(layers=2)
+    fwd = torch.compile(model.forward, backend="tscompile", dynamic=True,
+                        options={"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 64)})
+    before = counters["user_padded_runs"]
+    with torch.no_grad(), user_graphs.pad_without_graphs():
+        for n in (9, 40):
+            ids = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n))
+            got, ref = fwd(input_ids=ids, use_cache=True), model(input_ids=ids, use_cache=True)
+            torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+            for layer in range(2):
+                for side in ("keys", "values"):
+                    a = getattr(got.past_key_values.layers[layer], side)
+                    b = getattr(ref.past_key_values.layers[layer], side)
+                    assert a.shape == b.shape == (1, 2, n, 8)
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counters["user_padded_runs"] - before == 2
+
+
 class Attend(torch.nn.Module):
     """SDPA over the token rows (dim 2) of ``q``, with or without a mask, then a row-wise op."""
 
