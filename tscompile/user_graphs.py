@@ -238,10 +238,10 @@ class WholeGraph:
         if self.live_count is None:
             self.live_count = torch.zeros((), dtype=torch.int64, device=device)
         self.live_count.fill_(live)
-        keys = torch.arange(rows, device=device)
 
         def forward():
-            with _attending_live_keys(keys < self.live_count):
+            # every tensor the graph reads must outlive it: the key positions are made inside it
+            with _attending_live_keys(torch.arange(rows, device=device) < self.live_count):
                 return self.forward(*static)
 
         pool, stream = rt.graphs_for(device)
