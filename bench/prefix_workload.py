@@ -24,7 +24,8 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import report
+from . import environment, report
+from .report import machine_line
 from .workloads import Timer
 
 PREFIX_WORKLOADS = ("shared", "chat")
@@ -140,7 +141,7 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     lines = [f"## Prefix caching: `{result['workload']}` workload ({result['model']}, {result['device']}, "
              f"{result['dtype']}, attention={result['attention_backend']})", "",
-             f"{result['shape']}", "",
+             machine_line(result), "", f"{result['shape']}", "",
              "| prefix caching | TTFT mean ms | TTFT median ms | prefill ms | wall ms | tokens/s | output tok/s | "
              "hit rate | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -177,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
     shape = (f"{args.prefix_requests} {'requests' if args.prefix_workload == 'shared' else 'chats'}, "
              f"{args.prefix_len}-token shared prefix, {args.prefix_suffix_len} own tokens"
              f"{f' per turn, {turns} turns' if turns > 1 else ''}, {args.output_len} new tokens each")
-    result = {"workload": args.prefix_workload, "model": args.model, "device": str(device),
+    result = {"date": report.now_iso(), "env": environment.environment(device),
+              "workload": args.prefix_workload, "model": args.model, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "attention_backend": type(llm.attention.leaves[0]).__name__,
               "shape": shape, "rows": rows, "outputs_equal": outputs_equal,
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}

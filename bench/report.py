@@ -13,6 +13,14 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def machine_line(result: dict) -> str:
+    """Where and when a workload result was measured: the GPU (or CPU), the software, the date."""
+    env = result.get("env") or {}
+    hw = env.get("gpu_name") or env.get("cpu_name") or result.get("device")
+    return (f"{hw} · torch {env.get('torch_version')} · triton {env.get('triton_version')} · "
+            f"{result.get('date', 'undated')}")
+
+
 def write_json(result: dict, path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:

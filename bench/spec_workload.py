@@ -23,7 +23,8 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import report
+from . import environment, report
+from .report import machine_line
 from .workloads import Timer
 
 METHODS = ("replay", "ngram", "draft_model")
@@ -90,7 +91,7 @@ def _measure(make_llm, prompts, output_len, device, references=None) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"## Speculative decoding: {result['model']}, {result['device']}, {result['dtype']}", "",
-             result["shape"], "",
+             machine_line(result), "", result["shape"], "",
              "| bs | method | k | N | step ms | vs N=1 step | tokens/step/request | output tok/s | vs plain | "
              "acceptance | outputs equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -144,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row)
     shape = (f"batch sizes {sizes}, prompts of a {args.spec_block}-token block repeated {args.spec_repeats} times, "
              f"{output_len} greedy tokens each; draft model {draft}")
-    result = {"methods": methods, "model": args.model, "draft_model": draft, "device": str(device),
+    result = {"date": report.now_iso(), "env": environment.environment(device),
+              "methods": methods, "model": args.model, "draft_model": draft, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "shape": shape, "rows": rows,
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}
     md = markdown(result)

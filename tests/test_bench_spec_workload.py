@@ -28,7 +28,10 @@ def test_every_method_equals_plain_decode_and_reports_ratios(tmp_path, monkeypat
         attention_backends=["torch"], tscompile_options=None, output_json=str(tmp_path / "r.json"),
         output_md=str(tmp_path / "r.md"))
     assert spec_workload.run(args) == 0
-    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    result = json.loads((tmp_path / "r.json").read_text())
+    rows = result["rows"]
+    assert result["env"]["torch_version"] == torch.__version__ and result["date"]
+    assert f"torch {torch.__version__}" in (tmp_path / "r.md").read_text()  # where it was measured
     assert [(r["method"], r["k"]) for r in rows] == [("plain", 0), ("replay", 2), ("ngram", 2), ("draft_model", 2)]
     assert all(r["outputs_equal"] for r in rows)
     by = {r["method"]: r for r in rows}
