@@ -195,14 +195,17 @@ class HFBench:
 
     def stream_row(self, mode: str, row: dict, bar) -> None:
         """Every stream length once from a fresh compile, then again in another order: wall times,
-        graphs recorded, CUDA memory held (reserved after the stream, less before the compile)."""
+        graphs recorded, CUDA memory held after the stream and at its peak (both less what was held
+        before the compile)."""
         a, cuda = self.args, self.device.type == "cuda"
         lengths = stream_lengths(a.seed, a.hf_stream_prompts, *a.hf_stream_lens)
         prompts = {n: _prompt(a.seed + 2, n, self.vocab, self.device) for n in lengths}
         again = list(reversed(lengths))
         bar.set_postfix_str(f"{mode} stream")
         snap0, trees0 = counter_snapshot(), _tree_graphs(self.device)
-        reserved0 = torch.cuda.memory_reserved(self.device) if cuda else None
+        reserved0 = _settled_reserved(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         with torch.no_grad():
             passes = []
             for order in (lengths, again):
@@ -214,14 +217,15 @@ class HFBench:
                 passes.append(time.perf_counter() - start)
         delta = counter_delta(snap0, counter_snapshot())
         trees = _tree_graphs(self.device)
-        gc.collect()
+        held = _settled_reserved(self.device)
         row["stream"] = {
             "prompts": len(lengths), "lens": list(a.hf_stream_lens), "first_pass_s": passes[0],
             "second_pass_s": passes[1], "second_pass_ms_per_prompt": passes[1] / len(lengths) * 1e3,
             "recompiles": delta["recompiles"], "graphs_compiled": delta["graphs_compiled"],
             "graphs_recorded": (trees - trees0 if trees is not None and trees0 is not None else 0)
             + delta["user_captures"],
-            "held_gib": ((torch.cuda.memory_reserved(self.device) - reserved0) / 2**30) if cuda else None,
+            "held_gib": (held - reserved0) / 2**30 if cuda else None,
+            "peak_gib": (torch.cuda.max_memory_reserved(self.device) - reserved0) / 2**30 if cuda else None,
             "counters": delta}
         bar.update(1)
 
@@ -312,6 +316,18 @@ def stream_lengths(seed: int, count: int, lo: int, hi: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     picks = torch.randperm(hi - lo + 1, generator=g)[:count] + lo
     return picks.tolist()
+
+
+def _settled_reserved(device: torch.device) -> int | None:
+    """CUDA memory reserved once dead tensors are collected and the allocator's free blocks are handed
+    back: what live tensors and graph pools hold (the previous part's cached blocks would otherwise
+    hide a mode's new allocations)."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
 
 
 def _tree_graphs(device: torch.device) -> int | None:

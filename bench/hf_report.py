@@ -30,7 +30,7 @@ def summary_table(result: dict) -> str:
 
 def stream_table(result: dict) -> str:
     header = ["mode", "first pass s (compiles and captures in)", "second pass ms/prompt", "graphs recorded",
-              "Dynamo graphs", "recompiles", "CUDA memory held GiB", "error"]
+              "Dynamo graphs", "recompiles", "CUDA memory held GiB", "peak GiB", "error"]
     rows = []
     for r in result["rows"]:
         st = r.get("stream")
@@ -39,7 +39,7 @@ def stream_table(result: dict) -> str:
         st = st or {}
         rows.append([r["mode"], _fmt(st.get("first_pass_s"), ".1f"), _fmt(st.get("second_pass_ms_per_prompt"), ".2f"),
                      _fmt(st.get("graphs_recorded")), _fmt(st.get("graphs_compiled")), _fmt(st.get("recompiles")),
-                     _fmt(st.get("held_gib"), ".2f"), _error(r)])
+                     _fmt(st.get("held_gib"), ".2f"), _fmt(st.get("peak_gib"), ".2f"), _error(r)])
     return _table(header, rows)
 
 
@@ -92,5 +92,7 @@ def markdown(result: dict) -> str:
                   f"{args['hf_stream_prompts']} bs=1 prompts of distinct lengths from {lo} to {hi}, each once from a "
                   "fresh compile (first pass), then again in reverse order (second pass). Graphs recorded: Inductor's "
                   "CUDA-graph trees' graphs plus tscompile's captures. Memory held: CUDA memory reserved after the "
-                  "stream less before its compile (the graphs' pools and cached blocks).", "", stream_table(result), ""]
+                  "stream, dead tensors collected and free cached blocks released, less the same before its compile "
+                  "(the graphs' pools and what they keep alive); peak: the most reserved during the stream, less the "
+                  "same base.", "", stream_table(result), ""]
     return "\n".join(parts)
