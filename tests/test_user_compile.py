@@ -232,3 +232,14 @@ def test_options_are_validated(options, needle):
         chain.append(err)
         err = err.__cause__ or getattr(err, "inner_exception", None)
     assert any(isinstance(x, ValueError) and str(x).startswith("tscompile: ") and needle in str(x) for x in chain)
+
+
+def test_a_capture_is_keyed_by_the_value_of_a_cpu_scalar():
+    """A launch reads a CPU scalar input on the host, so a graph captured with one value must not be
+    replayed for another: the key holds it, beside the shapes of the other inputs."""
+    weight, ids = torch.randn(4, 4), torch.zeros(1, 9, dtype=torch.long)
+    where = [None, (1,), None, None]
+    key = user_graphs._capture_key([weight, ids, torch.tensor(0.5), 3], where)
+    assert key == ((4, 4), ((), 0.5), 3)
+    assert user_graphs._capture_key([weight, ids, torch.tensor(0.25), 3], where) != key
+    assert user_graphs._capture_key([torch.randn(4, 4), torch.ones(1, 9), torch.tensor(0.5), 3], where) == key

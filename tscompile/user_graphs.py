@@ -124,6 +124,21 @@ class _Entry:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
 
 
+def _capture_key(args, where) -> tuple:
+    """What besides the bucket a capture is only good for: the shapes of the inputs without the
+    token dim, every non-tensor input, and the value of a CPU scalar (Dynamo passes a float
+    attribute of a module as one; a launch reads it on the host, so the capture keeps its value)."""
+    key = []
+    for a, w in zip(args, where):
+        if w:
+            continue
+        if isinstance(a, torch.Tensor):
+            key.append((tuple(a.shape), a.item()) if a.device.type == "cpu" and a.numel() == 1 else tuple(a.shape))
+        else:
+            key.append(a)
+    return tuple(key)
+
+
 def _refill(inputs: list[tuple[int, torch.Tensor]], args, shapes: TokenShapes, written, what: str) -> None:
     """Bring a call's tensors into a capture's inputs: one at the captured address is already there;
     any other is copied in (its live rows only: the padded rows of a row-wise graph never reach a live
@@ -162,8 +177,7 @@ class PaddedPiece:
         if not rt.replay:
             counters["user_padded_runs"] += 1
             return self.fn(*self.shapes.resize(args, rt.rows, pad=True))
-        key = (rt.rows,) + tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a
-                                for a, w in zip(args, self.shapes.where) if not w)
+        key = (rt.rows,) + _capture_key(args, self.shapes.where)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(args)
@@ -212,8 +226,7 @@ class WholeGraph:
             return self.forward(*padded)
 
     def replay(self, args, live: int, rows: int):
-        key = (rows,) + tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a
-                              for a, w in zip(args, self.inputs.where) if not w)
+        key = (rows,) + _capture_key(args, self.inputs.where)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(args, live, rows)
