@@ -274,3 +274,21 @@ def test_cuda_graphs_equal_transformers_in_float32(checkpoint):
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     assert counters["decode_replays"] > before
     assert _all_slots_free(llm)
+
+
+def test_a_compiled_hybrid_on_cuda_is_warned_of_its_known_defect(caplog):
+    """The GPU test above fails for the compiled engine (a request decoding alone drifts from
+    transformers' tokens): until it passes, a user building one on CUDA is told, and pointed to the
+    eager engine; a dense model, the eager engine and the CPU are not."""
+    from tscompile.runtime.build import warn_compiled_state_layers_on_cuda
+
+    with torch.device("meta"):
+        hybrid = Qwen3NextTransformer(PRESETS["qwen3-next-tiny"])
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING", logger="tscompile"):
+        assert warn_compiled_state_layers_on_cuda(hybrid, cuda, compiled=True)
+        assert not warn_compiled_state_layers_on_cuda(hybrid, cuda, compiled=False)
+        assert not warn_compiled_state_layers_on_cuda(hybrid, torch.device("cpu"), compiled=True)
+        assert not warn_compiled_state_layers_on_cuda(torch.nn.Linear(2, 2), cuda, compiled=True)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "enforce_eager=True" in caplog.records[0].message

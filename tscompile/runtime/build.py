@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +36,8 @@ from tscompile.sampling import SamplingParams
 from tscompile.step_plan import StepPlan
 from tscompile.text import load_tokenizer, stop_ids_of
 from tscompile.utils import bucket, cdiv, resolve_dtype
+
+logger = logging.getLogger("tscompile")
 
 
 class StepRunner(Protocol):
@@ -210,6 +213,19 @@ def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_
     attention.attach_state_backend(StateBackend(pool, device))
 
 
+def warn_compiled_state_layers_on_cuda(model: Transformer, device: torch.device, compiled: bool) -> bool:
+    """A known defect, said where a user sees it: on CUDA the compiled recurrent-state model's greedy
+    tokens drift from transformers' in float32 when requests decode one at a time (a single request,
+    or the last one left of a batch), while the eager engine gives transformers' tokens. Returns
+    whether it warned."""
+    if not (hasattr(model, "state_spec") and device.type == "cuda" and compiled):
+        return False
+    logger.warning("tscompile: known defect: a compiled model with recurrent-state layers can give wrong tokens on "
+                   "CUDA once a request decodes alone (its float32 greedy tokens drift from transformers'); pass "
+                   "enforce_eager=True for exact output until it is fixed")
+    return True
+
+
 def build_model_engine(model: str | ModelConfig | Transformer, *, attention_backend: str, max_num_seqs: int,
                        max_model_len: int | None, page_size: int, pages_per_block: int, num_pages: int | None,
                        max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
@@ -256,6 +272,7 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                                         pages_per_block=pages_per_block, device=device,
                                         kernels=compile_config.kernels if compile_config is not None else None)
     attach_state_layers(built, attention, max_num_seqs, device)
+    warn_compiled_state_layers_on_cuda(built, device, compile_config is not None)
     graph_support = resolve_cuda_graph_support(attention)
     memory = None
     if num_pages is None and device.type == "cuda":
