@@ -277,7 +277,7 @@ def test_cuda_graphs_equal_transformers_in_float32(checkpoint):
 
 
 def test_a_compiled_hybrid_on_cuda_is_warned_of_its_known_defect(caplog):
-    """The GPU test above fails for the compiled engine (a request decoding alone drifts from
+    """The GPU test above fails for the compiled engine (a step of a single row drifts from
     transformers' tokens): until it passes, a user building one on CUDA is told, and pointed to the
     eager engine; a dense model, the eager engine and the CPU are not."""
     from tscompile.runtime.build import warn_compiled_state_layers_on_cuda

@@ -215,13 +215,13 @@ def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_
 
 def warn_compiled_state_layers_on_cuda(model: Transformer, device: torch.device, compiled: bool) -> bool:
     """A known defect, said where a user sees it: on CUDA the compiled recurrent-state model's greedy
-    tokens drift from transformers' in float32 when requests decode one at a time (a single request,
-    or the last one left of a batch), while the eager engine gives transformers' tokens. Returns
-    whether it warned."""
+    tokens drift from transformers' in float32 once a step holds a single row (a request decoding
+    alone, a one-token prompt), while the eager engine gives transformers' tokens. Returns whether it
+    warned."""
     if not (hasattr(model, "state_spec") and device.type == "cuda" and compiled):
         return False
     logger.warning("tscompile: known defect: a compiled model with recurrent-state layers can give wrong tokens on "
-                   "CUDA once a request decodes alone (its float32 greedy tokens drift from transformers'); pass "
+                   "CUDA once a step holds a single row (a request decoding alone, a one-token prompt); pass "
                    "enforce_eager=True for exact output until it is fixed")
     return True
 
