@@ -102,8 +102,10 @@ def split_graph(gm: torch.fx.GraphModule, *, split_ops: tuple[str, ...] = ("tsco
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         if node.op == "call_function" and node.target is operator.getitem and node.args[0] in part \
-                and kinds[part[node.args[0]]][0] != "compiled":
-            part[node] = part[node.args[0]]  # a tuple output stays with its break
+                and kinds[part[node.args[0]]][0] != "compiled" and isinstance(node.args[1], int):
+            # a tuple output stays with its break (an int index: indexing the break's tensor output by
+            # another piece's tensor would tie the two pieces in a cycle)
+            part[node] = part[node.args[0]]
             continue
         narrow = split_narrowing and _is_narrow(node)
         if narrow or _is_break(node, split_ops, split_sdpa):

@@ -303,3 +303,23 @@ def test_each_engine_compiles_its_own_steps():
     assert ids(second.generate(PROMPTS[:2], params)) == tokens  # same preset and seed: same tokens
     assert len(entries(own)) == n_first and len(entries(shared)) == n_shared  # nothing landed on either
     assert len(entries(second.runner.prefill.compiled.__wrapped__.__code__)) >= 1
+
+
+def test_indexing_a_break_output_by_a_later_tensor_splits_without_a_cycle():
+    """``attention(q)[..., index]`` with ``index`` made after the break: the indexing belongs to the
+    next piece (only a tuple output's int getitem stays with its break)."""
+    import operator
+
+    from tscompile.passes.split import split_graph
+
+    def f(q):
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return a[:, :, torch.arange(q.shape[2]).flip(0)] * 2
+
+    gm = torch.fx.symbolic_trace(f)
+    split, plan = split_graph(gm, split_ops=(), split_sdpa=True)
+    assert [p.kind for p in plan.pieces] == ["break", "compiled"]
+    q = torch.randn(1, 2, 5, 8)
+    torch.testing.assert_close(split(q), f(q))
+    compiled = getattr(split, plan.of_kind("compiled")[0].name)
+    assert any(n.target is operator.getitem for n in compiled.graph.nodes)  # the indexing runs there

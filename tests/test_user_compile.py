@@ -243,3 +243,35 @@ def test_a_capture_is_keyed_by_the_value_of_a_cpu_scalar():
     assert key == ((4, 4), ((), 0.5), 3)
     assert user_graphs._capture_key([weight, ids, torch.tensor(0.25), 3], where) != key
     assert user_graphs._capture_key([torch.randn(4, 4), torch.ones(1, 9), torch.tensor(0.5), 3], where) == key
+
+
+class Gather(torch.nn.Module):
+    """Attention, then its rows gathered by an index tensor built from ``arange`` of the token count."""
+
+    def __init__(self, reverse: bool):
+        super().__init__()
+        self.reverse = reverse
+
+    def forward(self, q):
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        rows = torch.arange(q.shape[2], device=q.device)
+        index = rows.flip(0) if self.reverse else rows + 0
+        return a[:, :, index] * 2
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_an_arange_index_keeps_the_graph_whole_and_a_reversed_one_runs_live(reverse):
+    """Gathering row i into row i (transformers' position-id gathers) is row-wise; the reversed
+    index reads the last rows, padded ones at the bucket, so that piece must run at the live rows."""
+    torch.compiler.reset()
+    m = Gather(reverse)
+    fwd = torch.compile(m, backend="tscompile", options={"split_sdpa": True, "cudagraphs": True,
+                                                         "piece_compiler": "eager", "token_ladder": (16,)})
+    before = counters["user_whole_graphs"], counters["user_live_pieces"]
+    with user_graphs.pad_without_graphs():
+        for n in (5, 11):
+            q = torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n))
+            torch._dynamo.mark_dynamic(q, 2)
+            torch.testing.assert_close(fwd(q), m(q))
+    grew = counters["user_whole_graphs"] - before[0], counters["user_live_pieces"] - before[1]
+    assert grew == ((0, 1) if reverse else (1, 0))
