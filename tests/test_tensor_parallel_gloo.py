@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -110,9 +111,13 @@ def test_qwen3_two_ranks_share_one_kv_head_and_give_the_one_process_tokens_then_
         assert_like_one_process(llm, references["qwen3"])
     finally:
         processes = llm.runner.workers.context.processes
+        control = weakref.ref(llm.runner.group.control)
         llm.close()
     assert not any(p.is_alive() for p in processes)
     assert [p.exitcode for p in processes] == [0]
+    # the control group is freed by close, not left to the interpreter's exit (where its gloo threads
+    # could be destroyed unjoined and abort a process that had finished its work)
+    assert control() is None and llm.runner.group.control is None
     llm.close()  # idempotent
     with pytest.raises(RuntimeError, match="tscompile: the tensor-parallel engine is closed"):
         llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))

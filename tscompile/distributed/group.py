@@ -8,6 +8,8 @@ sends each step's plan: a plan is host data, and on CUDA it then never waits beh
 
 from __future__ import annotations
 
+import gc
+
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,11 +66,15 @@ class RankGroup:
         return out
 
     def close(self) -> None:
-        """Leave the group: destroys the control group, and the default group if the engine made it."""
-        if not dist.is_initialized():
+        """Leave the group: destroys the control group, and the default group if the engine made it.
+        The control group object is dropped here too: left to the interpreter's teardown, its gloo
+        threads can be destroyed unjoined, which aborts a process that has finished its work
+        ("terminate called without an active exception", about one torchrun exit in three)."""
+        control, self.control = self.control, None
+        if control is None or not dist.is_initialized():
             return
         try:
-            dist.destroy_process_group(self.control)
+            dist.destroy_process_group(control)
             if self.owns_default_group:
                 dist.destroy_process_group()
         except (RuntimeError, ValueError):  # a peer died or the group is gone already: nothing left to free
@@ -76,6 +82,8 @@ class RankGroup:
         finally:
             if self.owns_default_group:
                 _ENGINE_GROUP[0] = False
+            del control
+            gc.collect()  # a reference cycle may still hold the group: free it now, not at exit
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:

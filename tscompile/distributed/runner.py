@@ -90,6 +90,7 @@ class TensorParallelRunner:
                 clean = False  # a worker is gone already
         if self.workers is not None:
             self.workers.stop(timeout=JOIN_SECONDS if clean else 0.0)
+        self.channel.control = None  # the group's last reference goes with ``group.close``
         self.group.close()
 
     def __del__(self):
