@@ -3,8 +3,9 @@
 docs/torch_compile_users.md), one process, a fresh Dynamo state per mode.
 
 Per mode: the forward over one bs=1 prompt (``use_cache=False``, or the default cache with
-``--hf-use-cache``) at every ``--hf-lens`` length, the first call's wall time (the compile) apart; Dynamo's compiles, recompiles and graph breaks after the
-first call and after every length, with tscompile's ``user_*`` counters; transformers ``generate``
+``--hf-use-cache``) at every ``--hf-lens`` length, the first call's wall time (the compile) apart;
+Dynamo's compiles, recompiles and graph breaks after the first call and after every length, with
+tscompile's ``user_*`` counters; transformers ``generate``
 with a static cache (greedy) timed per new token and compared with eager's tokens; and the last
 logits row of every length against eager's. The stream part (``--hf-parts stream``) is a serving-like
 load: prompts of many distinct lengths, each once, from a fresh compile (compiles and captures
@@ -222,8 +223,7 @@ class HFBench:
             "prompts": len(lengths), "lens": list(a.hf_stream_lens), "first_pass_s": passes[0],
             "second_pass_s": passes[1], "second_pass_ms_per_prompt": passes[1] / len(lengths) * 1e3,
             "recompiles": delta["recompiles"], "graphs_compiled": delta["graphs_compiled"],
-            "graphs_recorded": (trees - trees0 if trees is not None and trees0 is not None else 0)
-            + delta["user_captures"],
+            "graphs_recorded": (trees - trees0 if cuda else 0) + delta["user_captures"],
             "held_gib": (held - reserved0) / 2**30 if cuda else None,
             "peak_gib": (torch.cuda.max_memory_reserved(self.device) - reserved0) / 2**30 if cuda else None,
             "counters": delta}

@@ -236,13 +236,14 @@ def test_options_are_validated(options, needle):
 
 def test_a_capture_is_keyed_by_the_value_of_a_cpu_scalar():
     """A launch reads a CPU scalar input on the host, so a graph captured with one value must not be
-    replayed for another: the key holds it, beside the shapes of the other inputs."""
-    weight, ids = torch.randn(4, 4), torch.zeros(1, 9, dtype=torch.long)
-    where = [None, (1,), None, None]
-    key = user_graphs._capture_key([weight, ids, torch.tensor(0.5), 3], where)
-    assert key == ((4, 4), ((), 0.5), 3)
-    assert user_graphs._capture_key([weight, ids, torch.tensor(0.25), 3], where) != key
-    assert user_graphs._capture_key([torch.randn(4, 4), torch.ones(1, 9), torch.tensor(0.5), 3], where) == key
+    replayed for another: the key holds the bucket and each CPU scalar's value, nothing else."""
+    # a weight, a CPU scalar, a one-element vector, an int; sizes are static here (no token symbol)
+    shapes = token_padding.TokenShapes([torch.randn(4, 4), torch.tensor(0.5), torch.randn(1), 3], None)
+    assert shapes.host_scalars == (1,)
+    key = user_graphs._capture_key(32, [torch.randn(4, 4), torch.tensor(0.5), None, 3], shapes)
+    assert key == (32, 0.5)
+    assert user_graphs._capture_key(32, [torch.randn(4, 4), torch.tensor(0.25), None, 3], shapes) != key
+    assert user_graphs._capture_key(64, [torch.randn(4, 4), torch.tensor(0.5), None, 3], shapes) != key
 
 
 class Gather(torch.nn.Module):

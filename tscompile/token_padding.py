@@ -189,6 +189,9 @@ class TokenShapes:
 
     def __init__(self, fakes, sym):
         self.where = []
+        # positions of CPU scalar tensors: a launch reads their values on the host
+        self.host_scalars = tuple(i for i, f in enumerate(fakes) if isinstance(f, torch.Tensor)
+                                  and f.device.type == "cpu" and f.dim() == 0)
         for f in fakes:
             if isinstance(f, torch.Tensor):
                 self.where.append(token_dims(f, sym) or None)

@@ -124,19 +124,11 @@ class _Entry:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
 
 
-def _capture_key(args, where) -> tuple:
-    """What besides the bucket a capture is only good for: the shapes of the inputs without the
-    token dim, every non-tensor input, and the value of a CPU scalar (Dynamo passes a float
-    attribute of a module as one; a launch reads it on the host, so the capture keeps its value)."""
-    key = []
-    for a, w in zip(args, where):
-        if w:
-            continue
-        if isinstance(a, torch.Tensor):
-            key.append((tuple(a.shape), a.item()) if a.device.type == "cpu" and a.numel() == 1 else tuple(a.shape))
-        else:
-            key.append(a)
-    return tuple(key)
+def _capture_key(rows: int, args, shapes: TokenShapes) -> tuple:
+    """What a capture is good for: its bucket and the value of each CPU scalar input (Dynamo passes
+    a float attribute of a module as one; a launch reads it on the host, so the capture keeps its
+    value). Every other size is static under Dynamo's guards (``_wrap`` refuses other dynamic sizes)."""
+    return (rows, *(args[i].item() for i in shapes.host_scalars))
 
 
 def _refill(inputs: list[tuple[int, torch.Tensor]], args, shapes: TokenShapes, written, what: str) -> None:
@@ -177,7 +169,7 @@ class PaddedPiece:
         if not rt.replay:
             counters["user_padded_runs"] += 1
             return self.fn(*self.shapes.resize(args, rt.rows, pad=True))
-        key = (rt.rows,) + _capture_key(args, self.shapes.where)
+        key = _capture_key(rt.rows, args, self.shapes)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(args)
@@ -226,7 +218,7 @@ class WholeGraph:
             return self.forward(*padded)
 
     def replay(self, args, live: int, rows: int):
-        key = (rows,) + _capture_key(args, self.inputs.where)
+        key = _capture_key(rows, args, self.inputs)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._capture(args, live, rows)
@@ -329,8 +321,8 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
     others = set().union(*(symbols_of(list(a)) for a in everything)) - {sym}
     if others:
         raise Unsupported(f"sizes other than the token count are dynamic ({sorted(map(str, others))})")
-    placeholders = [example_value(n) for n in split.graph.nodes if n.op == "placeholder"]
-    entry = TokenShapes(placeholders if len(placeholders) == len(example_inputs) else list(example_inputs), sym)
+    # the traced inputs (their sizes symbolic): the example inputs hold the first call's plain sizes
+    entry = TokenShapes([example_value(n) for n in split.graph.nodes if n.op == "placeholder"], sym)
     if not any(entry.where):
         raise Unsupported(f"no input carries the token count {sym}")
     runtime = UserGraphRuntime(ladder)

@@ -8,8 +8,6 @@ sends each step's plan: a plan is host data, and on CUDA it then never waits beh
 
 from __future__ import annotations
 
-import gc
-
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,8 +80,6 @@ class RankGroup:
         finally:
             if self.owns_default_group:
                 _ENGINE_GROUP[0] = False
-            del control
-            gc.collect()  # a reference cycle may still hold the group: free it now, not at exit
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
