@@ -19,6 +19,11 @@ Modes, all on the same seeded weights (``build_model(preset, dtype, device, seed
                                  (decode only). Also reports load to first token.
 A mode or a batch size that fails becomes an error row; the others still run.
 
+--model-impl native transformers: every engine mode (eager, tscompile-*) runs once per model
+implementation, native first, on the same weights; the native rows keep the mode's name, the
+transformers rows are labelled <mode>+transformers, and the markdown adds their time ratio per
+decode batch size and prefill length. The static-cache baselines and package run once.
+
 --kernel-table: after every timed row of a mode (never before one: a finished profiler run may
 slow what is timed after it), a few steps of each row's workload under torch.profiler: the top
 kernels per step (CPU ops on the CPU) with count, time and share.
@@ -39,7 +44,7 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import compile_stats, environment, kernel_table, package_mode, plot, report, roofline
+from . import compile_stats, environment, impls, kernel_table, package_mode, plot, report, roofline
 from .runner import Bench, backend_available
 
 FIXED_MODES = ("eager", "compile-default", "compile-reduce-overhead", "compile-reduce-overhead-tuned")
@@ -140,11 +145,12 @@ def add_parser(sub) -> None:
     p.add_argument("--package-cuda-graphs", action="store_true",
                    help="the package mode loads its package with cuda_graphs=True: decode steps replay CUDA graphs "
                         "(CUDA only)")
-    p.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+    p.add_argument("--model-impl", nargs="+", choices=impls.CHOICES, default="auto",
                    help="the code the eager and tscompile-* modes run (tscompile.LLM's model_impl): transformers runs "
                         "transformers' modeling code with the paged attention; a preset's seeded weights are then "
                         "written once as a transformers checkpoint in a temporary directory (default auto: native "
-                        "where it exists)")
+                        "where it exists). `native transformers`: each engine mode runs with both, the transformers "
+                        "rows labelled <mode>+transformers, and the markdown gives their time ratio")
     p.add_argument("--tscompile-options", type=_json_object, default=None, metavar="JSON",
                    help="compile options of the compiled tscompile modes (TscompileConfig's fields), e.g. "
                         "'{\"decode_ladder\": [2, 4, 8]}': a variant measured against the defaults of another run")
@@ -252,9 +258,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     from . import hf_args, hf_model
 
+    impls.check_model_impls(args)
     if args.merge:
         from . import merge
 
+        impls.refuse_several(args, "--merge", "runs nothing (its rows keep the labels their runs gave them)")
         if args.hf_model or args.modes or args.package or args.tscompile_options is not None:
             raise ValueError("tscompile: --merge combines finished runs; it runs nothing, so it takes no "
                              "--hf-model, --modes, --package or --tscompile-options")
@@ -263,20 +271,22 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.speculative:
         from . import spec_workload
 
+        impls.refuse_several(args, "--speculative", "runs the native model only")
         _default_outputs(args)
         return spec_workload.run(args)
     if args.prefix_workload:
         from . import prefix_workload
 
+        impls.refuse_several(args, "--prefix-workload", "runs the native model only")
         _default_outputs(args)
         return prefix_workload.run(args)
     if args.hf_model:
         if args.tscompile_options is not None:
             raise ValueError("tscompile: --tscompile-options sets the engine modes' compile options; the "
                              "--hf-model bench compiles a transformers model with its own --hf-modes")
-        if getattr(args, "model_impl", "auto") != "auto":
-            raise ValueError("tscompile: --model-impl picks the engine modes' model code; the --hf-model bench "
-                             "runs no engine mode")
+        if impls.model_impls(args) != ["auto"]:
+            raise ValueError(f"tscompile: --model-impl {' '.join(impls.model_impls(args))} picks the engine modes' "
+                             f"model code; the --hf-model bench runs no engine mode: leave --model-impl out")
         _default_outputs(args)
         return hf_model.run(args)
     hf_args.check_hf_flags_unused(args)
@@ -288,6 +298,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     modes = resolve_modes(args, device)
     if args.tscompile_options is not None:
         _check_tscompile_options(args.tscompile_options, modes)
+    impls.check_some_engine_mode(modes, impls.model_impls(args))
+    modes = impls.labelled_modes(modes, impls.model_impls(args))  # several implementations: a row label each
     _default_outputs(args)
     threads = torch.get_num_threads()
     if args.cpu_threads:

@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from . import impls
+
 
 def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -319,6 +321,49 @@ def _reference_line(result: dict) -> str:
                    f"token trails the reference's by more than {threshold} logits.")
 
 
+def _row_times(rows: list[dict], size_key: str, time_key: str) -> dict[tuple[str, int], float]:
+    """(row label, batch size or prompt length) -> the row's time, for the rows that have one."""
+    return {(r["mode"], r[size_key]): r[time_key] for r in rows if not r.get("error") and r.get(time_key)}
+
+
+def impl_ratio_markdown(result: dict, impl: str = "transformers") -> list[str]:
+    """"transformers backend vs native" (``--model-impl native transformers``, bench/impls.py): per
+    engine mode that ran both ways, the transformers rows' median time over the native rows' (decode
+    TPOT per batch size, prefill time per prompt length) and the largest ratio; [] when no mode ran
+    both ways."""
+    decode = _row_times(result["results"], "batch_size", "tpot_ms_median")
+    prefill = _row_times(result["prefill"], "prompt_len", "prefill_ms")
+    run = result.get("modes_run", [])
+    both_ways = [m for m in run if impls.SEPARATOR not in m and impls.label(m, impl) in run]
+    if not both_ways:
+        return []
+    sizes = sorted({r["batch_size"] for r in result["results"] if r["mode"] in both_ways})
+    lens = sorted({r["prompt_len"] for r in result["prefill"] if r["mode"] in both_ways})
+    columns = [(decode, n, f"decode bs={n}") for n in sizes] + [(prefill, n, f"prefill {n}") for n in lens]
+    rows, worst = [], None
+    for mode in both_ways:
+        cells = []
+        for times, n, name in columns:
+            theirs, native = times.get((impls.label(mode, impl), n)), times.get((mode, n))
+            ratio = theirs / native if theirs and native else None
+            cells.append(_fmt(ratio, ".3f"))
+            if ratio is not None and (worst is None or ratio > worst[0]):
+                worst = (ratio, f"{mode} {name}")
+        rows.append([mode, *cells])
+    note = (f"The {impl} implementation's time / the native implementation's time on the same weights "
+            f"(`<mode>{impls.SEPARATOR}{impl}` rows over `<mode>` rows): median TPOT for decode, median prefill "
+            f"time for prefill. Below 1 the {impl} backend is faster; \"-\" where a row of either failed.")
+    if worst is None:
+        largest = "No row has both times."
+    elif worst[0] > 1:
+        largest = (f"Largest ratio: {worst[0]:.3f} ({worst[1]}): the {impl} backend is at most "
+                   f"{100 * (worst[0] - 1):.1f}% slower than native here.")
+    else:
+        largest = f"Largest ratio: {worst[0]:.3f} ({worst[1]}): the {impl} backend is nowhere slower than native here."
+    return [f"### {impl} backend vs native", "", note, "",
+            _table(["mode", *(name for _, _, name in columns)], rows), "", largest, ""]
+
+
 def markdown(result: dict) -> str:
     env, args = result["env"], result["args"]
     hw = env.get("gpu_name") or env.get("cpu_name")
@@ -369,4 +414,5 @@ def markdown(result: dict) -> str:
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
                       "### Compiles per mode", "", compile_table(result.get("modes", {})), "", *phase_part,
                       "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, "",
-                      *kernels_markdown(result), *autotune_markdown(result.get("modes", {}))])
+                      *impl_ratio_markdown(result), *kernels_markdown(result),
+                      *autotune_markdown(result.get("modes", {}))])

@@ -15,7 +15,7 @@ import torch
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import autotune_record, compile_stats, gpu_clocks, reference, report, roofline, row_kernels, workloads
+from . import autotune_record, compile_stats, gpu_clocks, impls, reference, report, roofline, row_kernels, workloads
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -102,6 +102,7 @@ class Bench:
         self.references: dict[int, reference.ReferenceRun] = {}  # batch size -> its first request's run
         self.reference_info: dict = {"error": None, "skipped": bool(getattr(args, "no_reference", False))}
         self.on_row = lambda: None  # called after every row: the caller saves what is measured so far
+        self.impls = impls.model_impls(args)  # --model-impl: several label their rows (bench/impls.py)
         self._hf_checkpoint: str | None = None  # --model-impl transformers of a preset: its weights' checkpoint
 
     # -- the float32 reference ---------------------------------------------------------------------
@@ -138,7 +139,9 @@ class Bench:
         _cleanup(self.device)
 
     # -- one mode ----------------------------------------------------------------------------------
-    def make_runner(self, mode: str, model):
+    def make_runner(self, mode: str, model, model_impl: str | None = None):
+        """The runner of ``mode`` (a mode's name, no label); an engine mode runs ``model_impl``
+        (default: the run's one --model-impl value)."""
         a = self.args
         if mode in workloads.STATIC_MODES:
             return workloads.StaticCacheRunner(model, mode, self.device)
@@ -155,7 +158,7 @@ class Bench:
             if not ok:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
         options = None if mode == "eager" else getattr(a, "tscompile_options", None)
-        impl = getattr(a, "model_impl", "auto")
+        impl = model_impl or self.impls[0]
         tp = getattr(a, "tensor_parallel_size", 1)
         return workloads.EngineRunner(self.engine_model(model, impl) if tp == 1 else a.model, attention_backend=backend,
                                       enforce_eager=mode == "eager", device=self.device, dtype=self.dtype,
@@ -227,7 +230,7 @@ class Bench:
         else:
             for key, attr in (("compile_s", "compile_seconds"), ("capture_s", "capture_seconds")):
                 cur = getattr(runner, attr)
-                if cur is None and mode == "eager":
+                if cur is None and impls.split_label(mode, self.impls)[0] == "eager":
                     cur = 0.0
                 row[key] = None if cur is None else cur - prev.get(key, 0.0)
                 prev[key] = cur or 0.0
@@ -292,11 +295,16 @@ class Bench:
         return row
 
     def run_mode(self, mode: str, bar) -> None:
+        """Every row of one mode; ``mode`` is its row label (``tscompile-triton+transformers`` names
+        the transformers implementation's run in a run of several, bench/impls.py)."""
         from tscompile.models import build_model
 
         a = self.args
+        plain_mode, impl = impls.split_label(mode, self.impls)
         info: dict = {"error": None}
         self.modes[mode] = info
+        if len(self.impls) > 1 and impls.is_engine_mode(plain_mode):
+            info["model_impl"] = impl
         torch._dynamo.reset()
         compiled_before, modules_before = compile_stats.snapshot(), autotune_record.snapshot()
 
@@ -310,11 +318,11 @@ class Bench:
         runner = model = None
         try:
             t0 = time.perf_counter()
-            sharded = getattr(a, "tensor_parallel_size", 1) > 1 and mode not in workloads.STATIC_MODES
-            if mode != PACKAGE_MODE and not sharded:  # a package brings its own weights; ranks build their shards
+            sharded = getattr(a, "tensor_parallel_size", 1) > 1 and plain_mode not in workloads.STATIC_MODES
+            if plain_mode != PACKAGE_MODE and not sharded:  # a package brings its own weights; ranks build their shards
                 model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
                 info["weights_fingerprint"] = _fingerprint(model)
-            runner = self.make_runner(mode, model)
+            runner = self.make_runner(plain_mode, model, impl)
             info["setup_s"] = time.perf_counter() - t0
             if isinstance(runner, workloads.StaticCacheRunner):
                 info["gqa"], info["gqa_why"] = runner.gqa, runner.gqa_why
@@ -365,8 +373,8 @@ class Bench:
     def mark_agreement(self) -> None:
         """``reference_check``: the first request's greedy tokens against the float32 reference's
         (``reference.compare``; in a float32 run any difference fails); ``match_eager``: how many
-        requests' tokens equal eager's at the same batch size (a consistency figure, not a correctness
-        check: eager runs in the bench dtype too)."""
+        requests' tokens equal eager's (of the row's own implementation) at the same batch size (a
+        consistency figure, not a correctness check: eager runs in the bench dtype too)."""
         threshold = self.args.margin_threshold
         exact = self.dtype == torch.float32  # the reference's own dtype: any difference is a bug
         for row in self.results:
@@ -379,7 +387,7 @@ class Bench:
                                                            logprobs=self.logprobs.get((row["mode"], row["batch_size"])))
             elif self.reference_info.get("error"):
                 row["reference_check"] = {"error": self.reference_info["error"]}
-            eager = self.tokens.get(("eager", row["batch_size"]))
+            eager = self.tokens.get((impls.same_impl(row["mode"], "eager"), row["batch_size"]))
             if eager is not None:
                 row["match_eager"] = f"{sum(x == y for x, y in zip(got, eager))}/{len(eager)}"
 
