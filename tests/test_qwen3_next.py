@@ -292,3 +292,29 @@ def test_a_compiled_hybrid_on_cuda_is_warned_of_its_known_defect(caplog):
         assert not warn_compiled_state_layers_on_cuda(torch.nn.Linear(2, 2), cuda, compiled=True)
     warned = [r.getMessage() for r in caplog.records if r.name == "tscompile"]
     assert len(warned) == 1 and "enforce_eager=True" in warned[0]
+
+
+def test_a_hybrid_model_compiles_without_combo_kernels_unless_asked(monkeypatch):
+    """Every graph of a model with recurrent-state layers compiles with combo kernels off (the CUDA
+    default for static graphs keeps them for dense models); a user's own setting wins."""
+    from tscompile import piece_compiler
+    from tscompile.runtime.build import without_combo_kernels
+    from tscompile.config import TscompileConfig
+
+    seen = []
+    original = piece_compiler.piece_inductor_patches
+
+    def spy(config, *args, **kwargs):
+        seen.append(dict(config.inductor_options).get("combo_kernels"))
+        return original(config, *args, **kwargs)
+
+    monkeypatch.setattr(piece_compiler, "piece_inductor_patches", spy)
+    llm = tscompile.LLM("qwen3-next-tiny", device="cpu", attention_backend="torch", max_model_len=64, max_num_seqs=2,
+                        page_size=8)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], tscompile.SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert seen and set(seen) == {False}
+    patches = original(without_combo_kernels(TscompileConfig()), True, device_type="cuda", split_piece=False,
+                       cudagraph_trees=False)
+    assert patches["combo_kernels"] is False
+    mine = TscompileConfig.from_options({"inductor_options": {"combo_kernels": True}})
+    assert without_combo_kernels(mine) is mine

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -226,6 +227,19 @@ def warn_compiled_state_layers_on_cuda(model: Transformer, device: torch.device,
     return True
 
 
+def without_combo_kernels(config: TscompileConfig) -> TscompileConfig:
+    """``config`` with Inductor's combo kernels off, unless its ``inductor_options`` set them.
+
+    Experiment for models with recurrent-state layers: on the GPU their compiled graphs of static
+    shapes (the batch-1 decode step, a one-token prefill) gave wrong tokens whatever the PDL and GEMV
+    choices, the dynamic-shape ones right tokens, and combo kernels are what tscompile adds to static
+    graphs only (piece_compiler.CUDA_INDUCTOR_DEFAULTS)."""
+    options = dict(config.inductor_options)
+    if "combo_kernels" in options:
+        return config
+    return dataclasses.replace(config, inductor_options={**options, "combo_kernels": False})
+
+
 def build_model_engine(model: str | ModelConfig | Transformer, *, attention_backend: str, max_num_seqs: int,
                        max_model_len: int | None, page_size: int, pages_per_block: int, num_pages: int | None,
                        max_num_batched_tokens: int, dtype: torch.dtype | None, device: torch.device,
@@ -273,6 +287,8 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                                         kernels=compile_config.kernels if compile_config is not None else None)
     attach_state_layers(built, attention, max_num_seqs, device)
     warn_compiled_state_layers_on_cuda(built, device, compile_config is not None)
+    if hasattr(built, "state_spec") and compile_config is not None:
+        compile_config = without_combo_kernels(compile_config)
     graph_support = resolve_cuda_graph_support(attention)
     memory = None
     if num_pages is None and device.type == "cuda":
