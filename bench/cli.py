@@ -217,9 +217,10 @@ def add_parser(sub) -> None:
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed modes")
     hf = p.add_argument_group("torch.compile users' bench (a stock transformers model instead of the engine modes)")
     hf.add_argument("--hf-model", default=None, metavar="DIR|PRESET",
-                    help="a transformers causal-LM checkpoint directory, or a preset shape as a LlamaConfig with "
-                         "seeded random weights (llama-tiny, llama-1b, llama-8b); runs eager, stock torch.compile "
-                         "and backend='tscompile' on it (bench/hf_model.py) instead of the engine modes")
+                    help="a transformers causal-LM checkpoint directory, or a preset shape with seeded random "
+                         "weights: llama-tiny, llama-1b, llama-8b (LlamaForCausalLM), qwen3-next-tiny, qwen3-next-1b "
+                         "(Qwen3NextForCausalLM); runs eager, stock torch.compile and backend='tscompile' on it "
+                         "(bench/hf_model.py) instead of the engine modes")
     hf.add_argument("--hf-lens", type=int, nargs="+", default=None,
                     help="bs=1 forward prompt lengths (default 32 512 2048 cuda, 16 40 cpu)")
     hf.add_argument("--hf-generate-tokens", type=int, default=None,

@@ -9,20 +9,14 @@ import os
 
 import torch
 
+from .hf_presets import hf_presets
+
 HF_MODES = ("eager", "compile-default", "compile-reduce-overhead", "tscompile", "tscompile-split")  # in run order
 HF_PARTS = ("forward", "generate", "stream")
 DEFAULT_PARTS = ("forward", "generate")  # the stream is asked for: it takes minutes per mode
 # Inductor's CUDA-graph trees run a new size once without a graph and record it on the next call:
 # two warm-ups per length, so the timed calls replay
 MIN_WARMUPS = 2
-
-
-def hf_presets() -> list[str]:
-    """The tscompile presets transformers' ``LlamaConfig`` can express (no narrowing layer)."""
-    from tscompile.models import PRESETS
-
-    return sorted(name for name, cfg in PRESETS.items() if cfg.narrow_layer is None and not cfg.qk_norm
-                  and not cfg.qkv_bias)
 
 
 def check_model_spec(spec: str) -> str:

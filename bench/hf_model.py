@@ -29,6 +29,7 @@ import torch
 
 from . import compile_stats, environment, hf_report, report
 from .hf_args import check_model_spec, fill_defaults
+from .hf_presets import build_preset_model
 from .workloads import Timer
 
 # torch.compile keyword arguments of each mode of hf_args.HF_MODES (None: not compiled)
@@ -66,27 +67,14 @@ TSCOMPILE_USER_KEYS = ("user_captures", "user_replays", "user_whole_graphs", "us
 # -- the model -------------------------------------------------------------------------------------
 def load_hf_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int):
     """A transformers causal LM on ``device`` in ``dtype``, SDPA attention (``split_sdpa`` breaks at
-    it): a checkpoint directory's weights, or a preset's shape as a ``LlamaConfig`` with weights drawn
-    by transformers' own initialisation under ``seed``."""
+    it): a checkpoint directory's weights, or a preset's shape in its family's transformers config
+    with weights drawn by transformers' own initialisation under ``seed`` (``hf_presets.py``)."""
     import transformers
 
     if check_model_spec(spec) == "checkpoint":
         model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="sdpa")
         return model.to(device).eval()
-    from tscompile.models import build_config
-    from tscompile.models.hf_save import hf_llama_config
-
-    cfg = hf_llama_config(build_config(spec))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # drawn in the bench dtype: no float32 copy of a large model
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return build_preset_model(spec, dtype, device, seed)
 
 
 def _prompt(seed: int, length: int, vocab: int, device: torch.device) -> torch.Tensor:

@@ -163,6 +163,11 @@ class StaticCacheModel(nn.Module):
             raise ValueError(f"tscompile: gqa={gqa!r} is not a GQA formulation; allowed: {GQA_FORMULATIONS}")
         if cfg.narrow_layer is not None:
             raise ValueError("tscompile: the static-cache baseline has no narrowing; use a plain Llama preset")
+        if getattr(cfg, "layer_types", None) is not None:  # a hybrid's linear-attention layers
+            raise ValueError("tscompile: the static-cache baseline has no linear-attention (Gated DeltaNet) layers, "
+                             "so the engine bench has no stock baseline of a hybrid Qwen3-Next model; measure "
+                             "stock torch.compile of transformers' model of the shape with "
+                             "`tscompile bench --hf-model PRESET` (qwen3-next-tiny, qwen3-next-1b)")
         if max_len > cfg.max_position:
             raise ValueError(f"tscompile: static cache length {max_len} exceeds max_position {cfg.max_position}")
         self.config, self.batch_size, self.max_len = cfg, batch_size, max_len

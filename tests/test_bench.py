@@ -42,9 +42,12 @@ def test_static_cache_model_greedy_equals_engine(max_len):
     assert static == ref
 
 
-def test_static_cache_model_refuses_narrowing_and_overflow():
+def test_static_cache_model_refuses_narrowing_hybrids_and_overflow():
     with pytest.raises(ValueError, match="narrowing"):
         StaticCacheModel(build_model("narrow-tiny", seed=0), batch_size=1, max_len=16)
+    with pytest.raises(ValueError, match=r"^tscompile: the static-cache baseline has no linear-attention .* "
+                                         r"`tscompile bench --hf-model PRESET` \(qwen3-next-tiny"):
+        StaticCacheModel(build_model("qwen3-next-tiny", seed=0), batch_size=1, max_len=16)
     model = build_model("llama-tiny", seed=0)
     runner = StaticCacheRunner(model, "compile-default", torch.device("cpu"), compiled=False, cache_len=8)
     with pytest.raises(ValueError, match="exceed the static cache"):

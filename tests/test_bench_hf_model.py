@@ -91,7 +91,8 @@ def _patch_mode(monkeypatch, mode: str, backend) -> None:
     monkeypatch.setattr(hf_model, "MODE_COMPILE_KWARGS", kwargs)
 
 
-def test_a_wrong_mode_is_caught_and_eager_runs_first_unnamed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen3-next-tiny"])  # both with a vocabulary of 512
+def test_a_wrong_mode_is_caught_and_eager_runs_first_unnamed(tmp_path, monkeypatch, model):
     """A mode that negates the logits (a wrong compiler) is caught by both columns: greedy tokens
     differ at the first step, logits far from eager's. Eager runs first though not named."""
 
@@ -103,7 +104,7 @@ def test_a_wrong_mode_is_caught_and_eager_runs_first_unnamed(tmp_path, monkeypat
         return run
 
     _patch_mode(monkeypatch, "compile-default", negate)
-    rc, result, _ = run_cli(tmp_path, modes=("compile-default",))
+    rc, result, _ = run_cli(tmp_path, model=model, modes=("compile-default",))
     assert rc == 0
     rows = {r["mode"]: r for r in result["rows"]}
     assert list(rows) == ["eager", "compile-default"]
@@ -213,7 +214,7 @@ def test_presets_map_to_llama_configs():
     from tscompile.models import build_config
     from tscompile.models.hf_save import hf_llama_config
 
-    assert hf_args.hf_presets() == ["llama-1b", "llama-8b", "llama-tiny"]
+    assert hf_args.hf_presets() == ["llama-1b", "llama-8b", "llama-tiny", "qwen3-next-1b", "qwen3-next-tiny"]
     cfg = hf_llama_config(build_config("llama-1b"))
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size) == (2048, 16, 32, 8, 8192, 128256)

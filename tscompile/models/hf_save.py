@@ -12,13 +12,9 @@ import torch
 from tscompile.models.llama import ModelConfig, Transformer
 
 
-def hf_llama_config(cfg: ModelConfig):
-    """transformers' ``LlamaConfig`` of a native config (RoPE ``default`` or ``llama3``)."""
-    import transformers
-
-    if cfg.qkv_bias or cfg.qk_norm or cfg.narrow_layer is not None:
-        raise ValueError("tscompile: only a plain Llama layout (no q/k/v bias, no q/k norm, no narrowing) is "
-                         "written as a transformers checkpoint")
+def hf_rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers 5's ``rope_parameters`` of a native config (RoPE ``default``, ``llama3`` or
+    ``linear``), the inverse of ``hf_config.rope_from_hf``."""
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     scaling = dict(cfg.rope_scaling or ())
     kind = scaling.get("rope_type", "llama3") if scaling else "default"
@@ -28,11 +24,22 @@ def hf_llama_config(cfg: ModelConfig):
                     original_max_position_embeddings=int(scaling["original_max_position"]))
     elif kind == "linear":
         rope.update(rope_type="linear", factor=scaling["factor"])
+    return rope
+
+
+def hf_llama_config(cfg: ModelConfig):
+    """transformers' ``LlamaConfig`` of a native config (RoPE ``default`` or ``llama3``)."""
+    import transformers
+
+    if cfg.qkv_bias or cfg.qk_norm or cfg.narrow_layer is not None:
+        raise ValueError("tscompile: only a plain Llama layout (no q/k/v bias, no q/k norm, no narrowing) is "
+                         "written as a transformers checkpoint")
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.norm_eps,
-        rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, eos_token_id=None, bos_token_id=None)
+        rope_parameters=hf_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings, eos_token_id=None,
+        bos_token_id=None)
 
 
 def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:

@@ -1,13 +1,15 @@
 """A transformers ``Qwen3NextForCausalLM`` checkpoint (model_type ``qwen3_next``) -> the native hybrid
 model: its ``config.json`` read into a ``Qwen3NextConfig`` (mixture-of-experts layers refused) and
 the plan of where each stored tensor lands (q/gate, k and v fused into ``wqkv``, gate/up into
-``w13``; the linear-attention tensors load under their own names)."""
+``w13``; the linear-attention tensors load under their own names). The way back for the config:
+``hf_qwen3_next_config``, transformers' ``Qwen3NextConfig`` of a native one."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from tscompile.models.hf_config import _required, architecture_of, model_config_from_hf, rope_from_hf
+from tscompile.models.hf_save import hf_rope_parameters
 from tscompile.models.llama import ModelConfig
 from tscompile.models.qwen3_next import Qwen3NextConfig
 from tscompile.models.qwen3_next_linear import check_dense
@@ -67,6 +69,24 @@ def qwen3_next_config_from_hf(raw: dict) -> Qwen3NextConfig:
         linear_conv_kernel_dim=_required(raw, "linear_conv_kernel_dim"),
         partial_rotary_factor=partial,
     )
+
+
+def hf_qwen3_next_config(cfg: Qwen3NextConfig):
+    """transformers' ``Qwen3NextConfig`` of a native config (the inverse of ``qwen3_next_config_from_hf``):
+    the same layer types and shapes, every MLP dense, no token ids (nothing stops a generation)."""
+    import transformers
+
+    rope = {**hf_rope_parameters(cfg), "partial_rotary_factor": cfg.partial_rotary_factor}
+    return transformers.Qwen3NextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False,
+        layer_types=list(cfg.layer_types), linear_num_key_heads=cfg.linear_num_key_heads,
+        linear_num_value_heads=cfg.linear_num_value_heads, linear_key_head_dim=cfg.linear_key_head_dim,
+        linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
+        num_experts=0, mlp_only_layers=list(range(cfg.n_layers)),
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
 def qwen3_next_weight_plan(cfg: Qwen3NextConfig, target) -> dict:
