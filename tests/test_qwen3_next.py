@@ -276,24 +276,6 @@ def test_cuda_graphs_equal_transformers_in_float32(checkpoint):
     assert _all_slots_free(llm)
 
 
-def test_a_compiled_hybrid_on_cuda_is_warned_of_its_known_defect(caplog):
-    """The GPU test above fails for the compiled engine (a step of a single row drifts from
-    transformers' tokens): until it passes, a user building one on CUDA is told, and pointed to the
-    eager engine; a dense model, the eager engine and the CPU are not."""
-    from tscompile.runtime.build import warn_compiled_state_layers_on_cuda
-
-    with torch.device("meta"):
-        hybrid = Qwen3NextTransformer(PRESETS["qwen3-next-tiny"])
-    cuda = torch.device("cuda")
-    with caplog.at_level("WARNING", logger="tscompile"):
-        assert warn_compiled_state_layers_on_cuda(hybrid, cuda, compiled=True)
-        assert not warn_compiled_state_layers_on_cuda(hybrid, cuda, compiled=False)
-        assert not warn_compiled_state_layers_on_cuda(hybrid, torch.device("cpu"), compiled=True)
-        assert not warn_compiled_state_layers_on_cuda(torch.nn.Linear(2, 2), cuda, compiled=True)
-    warned = [r.getMessage() for r in caplog.records if r.name == "tscompile"]
-    assert len(warned) == 1 and "enforce_eager=True" in warned[0]
-
-
 def test_a_hybrid_model_compiles_without_combo_kernels_unless_asked(monkeypatch):
     """Every graph of a model with recurrent-state layers compiles with combo kernels off (the CUDA
     default for static graphs keeps them for dense models); a user's own setting wins."""

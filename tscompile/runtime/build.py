@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,7 +37,6 @@ from tscompile.step_plan import StepPlan
 from tscompile.text import load_tokenizer, stop_ids_of
 from tscompile.utils import bucket, cdiv, resolve_dtype
 
-logger = logging.getLogger("tscompile")
 
 
 class StepRunner(Protocol):
@@ -214,26 +212,15 @@ def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_
     attention.attach_state_backend(StateBackend(pool, device))
 
 
-def warn_compiled_state_layers_on_cuda(model: Transformer, device: torch.device, compiled: bool) -> bool:
-    """A known defect, said where a user sees it: on CUDA the compiled recurrent-state model's greedy
-    tokens drift from transformers' in float32 once a step holds a single row (a request decoding
-    alone, a one-token prompt), while the eager engine gives transformers' tokens. Returns whether it
-    warned."""
-    if not (hasattr(model, "state_spec") and device.type == "cuda" and compiled):
-        return False
-    logger.warning("tscompile: known defect: a compiled model with recurrent-state layers can give wrong tokens on "
-                   "CUDA once a step holds a single row (a request decoding alone, a one-token prompt); pass "
-                   "enforce_eager=True for exact output until it is fixed")
-    return True
-
-
 def without_combo_kernels(config: TscompileConfig) -> TscompileConfig:
     """``config`` with Inductor's combo kernels off, unless its ``inductor_options`` set them.
 
-    Experiment for models with recurrent-state layers: on the GPU their compiled graphs of static
-    shapes (the batch-1 decode step, a one-token prefill) gave wrong tokens whatever the PDL and GEMV
-    choices, the dynamic-shape ones right tokens, and combo kernels are what tscompile adds to static
-    graphs only (piece_compiler.CUDA_INDUCTOR_DEFAULTS)."""
+    For models with recurrent-state layers: on the GPU, with combo kernels on, their compiled graphs
+    of static shapes (the batch-1 decode step, a one-token prefill) gave tokens that drift from
+    transformers' in float32, whatever the PDL and GEMV choices, while the dynamic-shape graphs and
+    the eager engine gave transformers' tokens; combo kernels are what tscompile adds to static graphs
+    only (``piece_compiler.CUDA_INDUCTOR_DEFAULTS``). Without them the GPU test of the compiled hybrid
+    (tests/test_qwen3_next.py, ``-m gpu``) passes."""
     options = dict(config.inductor_options)
     if "combo_kernels" in options:
         return config
@@ -286,7 +273,6 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                                         pages_per_block=pages_per_block, device=device,
                                         kernels=compile_config.kernels if compile_config is not None else None)
     attach_state_layers(built, attention, max_num_seqs, device)
-    warn_compiled_state_layers_on_cuda(built, device, compile_config is not None)
     if hasattr(built, "state_spec") and compile_config is not None:
         compile_config = without_combo_kernels(compile_config)
     graph_support = resolve_cuda_graph_support(attention)
