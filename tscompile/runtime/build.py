@@ -38,7 +38,6 @@ from tscompile.text import load_tokenizer, stop_ids_of
 from tscompile.utils import bucket, cdiv, resolve_dtype
 
 
-
 class StepRunner(Protocol):
     """What the engine needs of a runner (``ModelRunner``, a package's ``PackageRunner``)."""
 
