@@ -36,6 +36,7 @@ def test_every_method_equals_plain_decode_and_reports_ratios(tmp_path, monkeypat
     assert all(r["outputs_equal"] for r in rows)
     by = {r["method"]: r for r in rows}
     assert by["replay"]["acceptance_rate"] == by["draft_model"]["acceptance_rate"] == 1.0
+    assert by["replay"]["warmup_runs"] == 1  # float32: plain decode's output is already the fixed point
     assert by["replay"]["tokens_per_step"] > 2 and by["plain"]["step_ratio"] == 1.0
     assert all(r["step_ratio"] > 0 and r["ratio_to_plain"] > 0 for r in rows)
     assert "| 2 | replay | 2 | 3 |" in (tmp_path / "r.md").read_text()
@@ -53,3 +54,41 @@ def test_the_cli_writes_its_results_into_the_output_dir_by_default(tmp_path, mon
     assert written == [".json", ".md"]
     rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
     assert [r["method"] for r in rows] == ["plain", "ngram"]
+
+
+def _tiny_engine(bs: int, spec=None):
+    return tscompile.LLM("llama-tiny", attention_backend="torch", device="cpu", dtype="float32", max_num_seqs=bs,
+                         max_model_len=32, page_size=4, seed=0, enforce_eager=True, speculative_config=spec)
+
+
+def test_replay_settles_on_the_engines_own_output_when_plain_decodes_differs():
+    """Plain decode's continuation stands in for a bf16 run whose greedy choice flipped: a reference
+    wrong from its third token on. The first warm-up run gives the engine's own tokens, the second
+    gives them back, and the measured run accepts every draft."""
+    torch.set_num_threads(1)
+    prompts = spec_workload.repetitive_prompts(0, 256, 2, 4, 3)
+    plain = spec_workload._run(_tiny_engine(2), prompts, 6, torch.device("cpu"))["outputs"]
+    wrong = {tuple(p): o[:2] + [(o[2] + 1) % 256] + o[3:] for p, o in zip(prompts, plain)}
+    row = spec_workload._measure(lambda: _tiny_engine(2, {"method": "replay", "num_speculative_tokens": 2}),
+                                 prompts, 6, torch.device("cpu"), wrong)
+    assert row["warmup_runs"] == 2
+    assert row["acceptance_rate"] == 1.0 and row["outputs"] == plain
+
+
+def test_settle_replay_stops_at_its_run_limit_and_keeps_the_last_output(monkeypatch):
+    """An engine whose output never repeats (each run's token moves on): the last run's output is what
+    the measured run is handed."""
+    handed = []
+
+    class Engine:
+        def set_replay_references(self, references):
+            handed.append(dict(references))
+
+    def run(llm, prompts, output_len, device):
+        return {"outputs": [[len(handed)] * output_len for _ in prompts]}
+
+    monkeypatch.setattr(spec_workload, "_run", run)
+    prompts = [[1, 2], [3, 4]]
+    assert spec_workload.settle_replay(Engine(), prompts, 3, None, {(1, 2): [0] * 3, (3, 4): [0] * 3},
+                                       max_runs=3) == 3
+    assert len(handed) == 4 and handed[-1] == {(1, 2): [3] * 3, (3, 4): [3] * 3}
