@@ -101,6 +101,19 @@ def record_modes(llm) -> list:
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 250, 11], [300], list(range(1, 20)), [77, 66, 55]]
 
 
+def record_built_models(monkeypatch) -> list:
+    """The model object of every ``tscompile.LLM`` built from now on, in order."""
+    built = []
+    real = tscompile.LLM.__init__
+
+    def spy(self, model, **kw):
+        real(self, model, **kw)
+        built.append(self.model)
+
+    monkeypatch.setattr(tscompile.LLM, "__init__", spy)
+    return built
+
+
 def record_inductor_patches(monkeypatch) -> list[dict]:
     """The ``config_patches`` of every Inductor compile from now on (``compile_fx`` re-enters itself
     without patches once they are applied; those calls are not recorded)."""

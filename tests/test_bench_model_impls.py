@@ -15,13 +15,12 @@ import re
 import pytest
 import torch
 
-import tscompile
 from tscompile.bench import cli as bench_cli
 from tscompile.bench import impls, workloads
 from tscompile.cli import main as tscompile_main
 from tscompile.models import Transformer
 from tscompile.models.hf_transformers import TransformersModel
-from helpers import one_thread_fixture
+from helpers import one_thread_fixture, record_built_models
 
 pytest.importorskip("transformers")
 one_thread = pytest.fixture(autouse=True)(one_thread_fixture)
@@ -39,19 +38,6 @@ class UncompiledStaticRunner(workloads.StaticCacheRunner):
         super().__init__(*args, compiled=False, **kwargs)
 
 
-def _engines_built(monkeypatch) -> list:
-    """The model object of every engine the bench builds, in order."""
-    built = []
-    real = tscompile.LLM.__init__
-
-    def spy(self, model, **kw):
-        real(self, model, **kw)
-        built.append(self.model)
-
-    monkeypatch.setattr(tscompile.LLM, "__init__", spy)
-    return built
-
-
 def _section(md: str, heading: str) -> str:
     """The markdown under ``heading`` up to the next heading."""
     return md.split(heading, 1)[1].split("\n### ", 1)[0]
@@ -63,7 +49,7 @@ def both_run(tmp_path_factory) -> tuple[dict, str, list, str]:
     other order than they run): its JSON, markdown, the engines it built, and the JSON's path."""
     mp = pytest.MonkeyPatch()
     try:
-        built = _engines_built(mp)
+        built = record_built_models(mp)
         mp.setattr(workloads, "StaticCacheRunner", UncompiledStaticRunner)
         folder = tmp_path_factory.mktemp("impls")
         out_json, out_md = folder / "both.json", folder / "both.md"
@@ -165,7 +151,7 @@ def test_merge_and_plot_keep_the_labels_and_the_ratio(both_run, tmp_path, monkey
 
 
 def test_one_implementation_keeps_the_modes_names(tmp_path, monkeypatch):
-    built = _engines_built(monkeypatch)
+    built = record_built_models(monkeypatch)
     out_json, out_md = tmp_path / "one.json", tmp_path / "one.md"
     argv = ["bench", *WORKLOAD, "--batch-size", "1", "--prefill-lens", "8", "--modes", "eager", "--model-impl",
             "transformers", "--output-json", str(out_json), "--output-md", str(out_md)]

@@ -21,7 +21,7 @@ import torch
 import tscompile
 from tscompile.models import Transformer
 from tscompile.models.hf_transformers import TransformersModel
-from helpers import ids, save_tokenizer
+from helpers import ids, record_built_models, save_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -283,14 +283,7 @@ def test_bench_model_impl_transformers_runs_the_presets_weights_through_transfor
     checkpoint of the same seeded weights, so it decodes the native float32 reference's tokens."""
     from tscompile.cli import main
 
-    built = []
-    real = tscompile.LLM.__init__
-
-    def spy(self, model, **kw):
-        real(self, model, **kw)
-        built.append(self.model)
-
-    monkeypatch.setattr(tscompile.LLM, "__init__", spy)
+    built = record_built_models(monkeypatch)
     out_json = tmp_path / "bench.json"
     argv = ["bench", "--model", "llama-tiny", "--device", "cpu", "--batch-size", "2", "--input-len", "8",
             "--output-len", "4", "--prefill-lens", "8", "--num-iters", "1", "--modes", "eager", "--model-impl",
