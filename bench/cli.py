@@ -199,7 +199,8 @@ def add_parser(sub) -> None:
     ps.add_argument("--speculative", nargs="+", choices=["ngram", "replay", "draft_model", "all"], default=None,
                     help="instead of the modes: plain decode against speculative decoding with these methods (all: "
                          "every one), one engine per method and --num-speculative-tokens value, on prompts that "
-                         "repeat a block; replay proposes the engine's own greedy output of an earlier run (every draft accepted)")
+                         "repeat a block; replay proposes the engine's own greedy output of an earlier run "
+                         "(every draft accepted)")
     ps.add_argument("--num-speculative-tokens", default="3", help="k values, comma-separated (default 3)")
     ps.add_argument("--draft-model", default=None,
                     help="the draft checkpoint or preset of --speculative draft_model (default: the model itself)")

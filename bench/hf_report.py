@@ -69,7 +69,8 @@ def markdown(result: dict) -> str:
     head = (f"## tscompile bench --hf-model {result['hf_model']} ({result['model_class']}) on {hw} "
             f"({result['device']}, {result['dtype']})\n\n"
             f"{result['date']} · torch {result['torch_version']} · transformers {result['transformers_version']} · "
-            f"triton {env.get('triton_version')} · bs=1 forward, use_cache={args.get('use_cache', False)} · iters {args['num_iters']} "
+            f"triton {env.get('triton_version')} · bs=1 forward, use_cache={args.get('use_cache', False)} · "
+            f"iters {args['num_iters']} "
             f"(+{args['hf_warmups']} warm-up) · generate: {args['hf_generate_tokens']} new tokens, static cache, "
             f"greedy, compiled afresh · parts: {', '.join(args.get('hf_parts') or ['forward', 'generate'])}\n")
     if result.get("complete") is False:
