@@ -4,6 +4,7 @@ llama-1b; every block is free or cached afterwards. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 
@@ -30,12 +31,35 @@ def _workloads(rng: random.Random, vocab: int, n: int, prefix_lens: list[int]):
     return out
 
 
+def _first_divergences(llm, prompts, params) -> list[str]:
+    """Both runs again with the sampled tokens' logprobs: per differing request, where it diverges, the
+    two picks with their logprobs and the largest logprob difference before (a float32 near-tie shows
+    two picks within ~1e-5 and noise of that size; a bug shows a wide gap)."""
+    params = [dataclasses.replace(sp, logprobs=0) for sp in params]
+    runs = []
+    for caching in (False, True):
+        llm.scheduler.set_prefix_caching(caching)
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params)])
+    lines = []
+    for i, (a, b) in enumerate(zip(*runs)):
+        la = [next(iter(d.values())).logprob for d in a.logprobs]
+        lb = [next(iter(d.values())).logprob for d in b.logprobs]
+        k = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if k is not None:
+            noise = max((abs(x - y) for x, y in zip(la[:k], lb[:k])), default=0.0)
+            lines.append(f"request {i}: token {k}: off {a.token_ids[k]} (logprob {la[k]:.7f}), on {b.token_ids[k]} "
+                         f"(logprob {lb[k]:.7f}); largest logprob difference before: {noise:.2e}")
+    return lines
+
+
 def _off_then_on(llm, workloads) -> None:
     llm.scheduler.set_prefix_caching(False)
     want = [ids(llm.generate(p, sp)) for p, sp in workloads]
     assert llm.scheduler.set_prefix_caching(True)
     got = [ids(llm.generate(p, sp)) for p, sp in workloads]
-    assert got == want
+    for n, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            pytest.fail(f"workload {n}: caching on differs from off:\n" + "\n".join(_first_divergences(llm, *workloads[n])))
     assert llm.stats().prefix_cache_hits > 0
     assert_idle(llm, "prefix caching on the GPU")
 
