@@ -10,6 +10,8 @@ import pytest  # noqa: E402
 
 import tscompile  # noqa: F401  (registers the ops)
 
+pytest_plugins = ["failure_log"]
+
 
 def _threads_per_worker() -> int | None:
     """Under pytest-xdist: this worker's share of the cores the run may use (None otherwise)."""

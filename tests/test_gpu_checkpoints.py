@@ -13,7 +13,7 @@ from tscompile import SamplingParams
 from tscompile.models.hf_save import save_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_alone]  # an 8B model in two engines and transformers
 
 PROMPTS = [[(13 * i + 7 * j) % 30000 + 5 for j in range(17 + 11 * i)] for i in range(4)]
 

@@ -370,6 +370,7 @@ def _cuda_llm(**kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # reads the device's free memory
 def test_gpu_pool_is_sized_from_gpu_memory_utilization(caplog):
     """A model whose requests could use more than half the GPU (128 x 1M tokens of 1 KiB): the pool
     is what the budget leaves, in whole blocks, and everything the engine holds stays inside half of
@@ -400,12 +401,14 @@ def test_gpu_pool_is_sized_from_gpu_memory_utilization(caplog):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # reads the device's free memory
 def test_gpu_pool_is_capped_at_what_the_requests_could_use():
     llm = _cuda_llm(gpu_memory_utilization=0.9)
     assert llm.pool.num_blocks(0) == 4 * 256 // 16 + 1 and llm.parts.memory is not None
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # reads the device's free memory
 def test_gpu_too_small_a_fraction_is_refused():
     with pytest.raises(ValueError, match=r"^tscompile: gpu_memory_utilization 0.001 leaves .* for the KV cache "
                                          r"\(0.001 x .* GiB total"):

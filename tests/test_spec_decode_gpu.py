@@ -48,6 +48,7 @@ def _plain(model: str, backend: str, num_prompts: int, params) -> list[list[int]
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # llama-8b in float32 beside its draft
 @pytest.mark.parametrize("method", ["replay", "ngram", "draft_model"])
 @pytest.mark.parametrize("num_prompts", [1, 32])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
