@@ -183,6 +183,12 @@ def add_parser(sub) -> None:
                    help="no run: one table from these bench JSONs of the same workload and machine kind, each mode "
                         "from one of them (an all-mode table whose modes ran in separate processes); "
                         "RUN.json:MODE,MODE takes only those modes of a run")
+    p.add_argument("--compare", nargs=2, default=None, metavar=("BEFORE.json", "AFTER.json"),
+                   help="no run: each row both runs measured (decode TPOT, prefill ms) with its ratio after / before "
+                        "and whether the first request's tokens changed; exits 1 when a row is slower than "
+                        "--compare-tolerance allows or its tokens changed (an A/B of a change)")
+    p.add_argument("--compare-tolerance", type=float, default=0.03,
+                   help="the slowdown --compare accepts, a fraction (default 0.03)")
     px = p.add_argument_group("prefix caching (bench/prefix_workload.py)")
     px.add_argument("--no-prefix-caching", action="store_true",
                     help="the engine modes run without prefix caching (every run starts from an empty cache either way)")
@@ -270,6 +276,11 @@ def _dispatch(args: argparse.Namespace) -> int:
                              "--hf-model, --modes, --package or --tscompile-options")
         _default_outputs(args)
         return merge.run(args)
+    if args.compare:
+        from . import compare
+
+        _default_outputs(args)
+        return compare.run(args)
     if args.speculative:
         from . import spec_workload
 

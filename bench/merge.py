@@ -61,24 +61,25 @@ def load(path: str | os.PathLike) -> dict:
     return result if modes is None else select_modes(result, modes, path)
 
 
-def _check_same(first: dict, other: dict, first_name: str, other_name: str) -> None:
+def check_same(first: dict, other: dict, first_name: str, other_name: str, flag: str = "--merge") -> None:
+    """ValueError('tscompile: ...') unless the two runs measured one workload on one kind of machine."""
     checks = [("model_config", first.get("model_config"), other.get("model_config"))]
     checks += [(f"--{k.replace('_', '-')}", first["args"].get(k), other["args"].get(k)) for k in SAME_ARGS]
     checks += [(f"environment {k}", first["env"].get(k), other["env"].get(k)) for k in SAME_ENV]
     for what, a, b in checks:
         if a != b:
-            raise ValueError(f"tscompile: --merge needs runs of one workload on one kind of machine: {what} is "
+            raise ValueError(f"tscompile: {flag} needs runs of one workload on one kind of machine: {what} is "
                              f"{a!r} in {first_name!r} and {b!r} in {other_name!r}")
     print_a = (first.get("reference") or {}).get("weights_fingerprint")
     print_b = (other.get("reference") or {}).get("weights_fingerprint")
     if print_a is not None and print_b is not None and print_a != print_b:
-        raise ValueError(f"tscompile: --merge: the weights of {first_name!r} and {other_name!r} differ "
+        raise ValueError(f"tscompile: {flag}: the weights of {first_name!r} and {other_name!r} differ "
                          f"(fingerprints {print_a!r} and {print_b!r})")
     ref_a = ((first.get("reference") or {}).get("runs")) or {}
     ref_b = ((other.get("reference") or {}).get("runs")) or {}
     for bs in sorted(set(ref_a) & set(ref_b), key=int):
         if ref_a[bs]["tokens"] != ref_b[bs]["tokens"]:
-            raise ValueError(f"tscompile: --merge: the float32 reference of bs={bs} gives other tokens in "
+            raise ValueError(f"tscompile: {flag}: the float32 reference of bs={bs} gives other tokens in "
                              f"{first_name!r} than in {other_name!r}; the runs did not decode the same weights and "
                              f"prompts")
 
@@ -143,7 +144,7 @@ def merge(results: list[dict], names: list[str]) -> dict:
     if len(results) < 2:
         raise ValueError(f"tscompile: --merge takes at least two bench JSON files, got {len(results)}")
     for result, name in zip(results[1:], names[1:]):
-        _check_same(results[0], result, names[0], name)
+        check_same(results[0], result, names[0], name)
     owner: dict[tuple, str] = {}  # row key -> the run that measured it
     for result, name in zip(results, names):
         for kind, rows in (("decode", result["results"]), ("prefill", result["prefill"])):
