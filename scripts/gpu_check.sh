@@ -13,6 +13,12 @@
 #   bash scripts/gpu_check.sh bench [BENCH ARGS...]    tscompile bench with these arguments (default: the
 #                                                      llama-1b run of the README), JSON and markdown in $OUT
 #   bash scripts/gpu_check.sh fuzz [FUZZ ARGS...]      scripts/fuzz_gpu.py, e.g. --count 1000 --bf16
+#   bash scripts/gpu_check.sh ab BEFORE_DIR [BENCH ARGS...]
+#                                                    an A/B of a change: the same bench (default: llama-1b's
+#                                                    engine, decode bs 1 and 32, prefill 32 and 2048) from
+#                                                    the source tree BEFORE_DIR (e.g. `git archive REV | tar
+#                                                    -x -C DIR`), then from this checkout, back to back, and
+#                                                    `tscompile bench --compare` of the two (exit 1 past 3%)
 #
 # The exit status is the job's. The machine's GPU, driver and versions go to $OUT/gpu.txt.
 set -uo pipefail
@@ -49,8 +55,22 @@ case $job in
     python3 scripts/fuzz_gpu.py "$OUT/fuzz.json" "$@" > "$OUT/fuzz.log" 2>&1
     rc=$?
     tail -40 "$OUT/fuzz.log" ;;
+  ab)
+    before=${1:?"usage: bash scripts/gpu_check.sh ab BEFORE_DIR [BENCH ARGS...]"}
+    shift
+    [ $# -gt 0 ] || set -- --model llama-1b --modes tscompile-triton --batch-size 1 32 --input-len 512 \
+      --output-len 128 --prefill-lens 32 2048
+    site=$(mktemp -d)  # the tree before, installed apart (not editable) and found first on the path
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$before" >> "$OUT/install.log" 2>&1 \
+      || { tail -20 "$OUT/install.log"; exit 1; }
+    (cd "$site" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 -m tscompile.cli bench "$@" \
+      --output-json "$OUT/ab_before.json" --output-md "$OUT/ab_before.md") > "$OUT/ab_before.log" 2>&1
+    tscompile bench "$@" --output-json "$OUT/ab_after.json" --output-md "$OUT/ab_after.md" > "$OUT/ab_after.log" 2>&1
+    tscompile bench --compare "$OUT/ab_before.json" "$OUT/ab_after.json" --output-json "$OUT/ab_compare.json" \
+      --output-md "$OUT/ab_compare.md" 2>&1 | tee "$OUT/ab_compare.log"
+    rc=${PIPESTATUS[0]} ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests|tests-shared|tests-alone|bench|fuzz [ARGS...]" >&2
+    echo "usage: bash scripts/gpu_check.sh tests|tests-shared|tests-alone|bench|fuzz|ab [ARGS...]" >&2
     rc=2 ;;
 esac
 exit "$rc"
