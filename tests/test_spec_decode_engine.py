@@ -120,6 +120,24 @@ def test_ngram_greedy_equals_plain_decode_on_mixed_chunked_batches():
     assert [len(t) for t in ids(got)] == [20, 13, 7, 17]
 
 
+def test_drafts_stop_at_what_each_request_may_still_emit():
+    """Replayed references (every draft right): a request with room for 4 more tokens after its first
+    gets 3 drafts and finishes in one verify step; one with room for 1 gets none; one without room
+    is done after its prefill. So the drafts proposed are exactly 3 + 0 and every one is kept."""
+    plain = small_llm(dtype=torch.float32, enforce_eager=True)
+    prompts, params = PROMPTS[:3], [_greedy(5, ignore_eos=True), _greedy(2, ignore_eos=True),
+                                     _greedy(1, ignore_eos=True)]
+    want = ids(plain.generate(prompts, params))
+    spec = small_llm(dtype=torch.float32, enforce_eager=True,
+                     speculative_config={"method": "replay", "num_speculative_tokens": 3})
+    spec.set_replay_references({tuple(p): w for p, w in zip(prompts, want)})
+    got = spec.generate(prompts, params)
+    assert ids(got) == want and [len(t) for t in want] == [5, 2, 1]
+    assert [o.num_draft_tokens for o in got] == [3, 0, 0]
+    stats = spec.stats()
+    assert stats.spec_draft_tokens == stats.spec_accepted_tokens == 3 and stats.spec_verify_steps == 1
+
+
 def test_ngram_stop_token_and_stop_reason_match_plain_decode():
     spec, plain = _pair()
     free = ids(plain.generate(PROMPTS, _greedy(20)))

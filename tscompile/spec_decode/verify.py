@@ -90,9 +90,9 @@ class VerifyStep:
                            tuple(self._history(r) for r in requests),
                            tuple(len(r.prompt) for r in requests), k)
         drafts = self.drafter.propose(batch)
-        tokens = drafts.tokens.copy()
-        for i, r in enumerate(requests):  # never draft past the request's last token
-            tokens[i, max(r.params.max_new_tokens - r.num_generated - 1, 0):] = -1
+        # never draft past the request's last token (one mask for the batch: this runs every step)
+        room = np.array([r.params.max_new_tokens - r.num_generated - 1 for r in requests], dtype=np.int64)
+        tokens = np.where(np.arange(k)[None, :] < room[:, None], drafts.tokens, -1)
         last = np.array([r.output[-1] if r.output else r.prompt[-1] for r in requests], dtype=np.int64)
         window = np.concatenate([last[:, None], tokens], axis=1)
         start = np.array([r.num_computed for r in requests], dtype=np.int64)
@@ -103,15 +103,18 @@ class VerifyStep:
         emitted, accepted = both[:, :n], both[:, n]
         self.verify_steps += 1
         self.drafter.on_accepted(batch.request_ids, accepted)
+        # plain lists for the per-request loop: numpy scalars and per-row reductions cost microseconds each
+        emitted_rows, accepted_counts = emitted.tolist(), accepted.tolist()
+        proposed_counts = (tokens >= 0).sum(axis=1).tolist()
         short: list[tuple[int, int]] = []  # (row, kept) of live requests whose state ran past their kept tokens
         for i, r in enumerate(requests):
-            run = emitted[i, : int(accepted[i]) + 1].tolist()
+            run = emitted_rows[i][: accepted_counts[i] + 1]
             kept = commit_emitted(r.completion, run)
             r.output += run[:kept]
             r.num_generated += kept
             r.num_computed += kept  # the newest kept token's KV is written by the next step
             r.group_lens[0] = r.num_computed
-            proposed = int((tokens[i] >= 0).sum())
+            proposed = proposed_counts[i]
             r.num_draft_tokens += proposed
             r.num_accepted_drafts += max(kept - 1, 0)
             self.proposed_drafts += proposed
