@@ -1,6 +1,6 @@
 """pytest plugin: ``--failure-log PATH`` appends each failure's report to PATH as it happens.
 
-pytest (and pytest-xdist's controller) print the tracebacks only at the end of the session, so a run
+pytest (and pytest-xdist's controller) print the tracebacks only when the whole run ends, so a run
 cut by a time limit, as GPU runs on a lent machine are, would keep none of them."""
 
 from __future__ import annotations

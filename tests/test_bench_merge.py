@@ -1,5 +1,7 @@
 """``tscompile bench --merge``: one table from bench runs of the same workload, each row from one run,
-and a refusal for runs that did not measure the same thing."""
+and a refusal for runs that did not measure the same thing; ``--compare BEFORE.json AFTER.json``: per
+row the ratio after / before and whether the first request's tokens changed, exit 1 on a row slower
+than the tolerance or changed tokens. Both read finished runs, so they share one real run here."""
 
 from __future__ import annotations
 
@@ -349,3 +351,61 @@ def test_skipping_a_row_the_run_would_not_have_is_refused(tmp_path, capsys):
     assert tscompile_main(["bench", *WORKLOAD, "--modes", "eager", "--batch-size", "1", "--skip-decode", "4",
                            "--output-json", str(tmp_path / "x.json")]) == 2
     assert "tscompile: --skip-decode [4] names rows this run would not have ([1])" in capsys.readouterr().err
+
+
+# -- --compare ----------------------------------------------------------------------------------------
+
+def _scaled(run: dict, decode: float, prefill: float) -> dict:
+    """The run with every decode row's TPOT median times ``decode`` and every prefill time times ``prefill``."""
+    other = copy.deepcopy(run)
+    for row in other["results"]:
+        row["tpot_ms_median"] *= decode
+    for row in other["prefill"]:
+        row["prefill_ms"] *= prefill
+    return other
+
+
+def _compare(tmp_path, before: dict, after: dict, *extra: str) -> tuple[int, str, dict]:
+    a, b = _write(tmp_path, "before.json", before), _write(tmp_path, "after.json", after)
+    out_json, out_md = tmp_path / "c.json", tmp_path / "c.md"
+    rc = tscompile_main(["bench", "--compare", a, b, *extra, "--output-json", str(out_json),
+                         "--output-md", str(out_md)])
+    return rc, out_md.read_text(), json.loads(out_json.read_text())
+
+
+def test_rows_within_the_tolerance_pass_and_every_row_is_listed(tmp_path, eager_run):
+    rc, md, result = _compare(tmp_path, eager_run, _scaled(eager_run, 1.02, 0.99))
+    assert rc == 0
+    rows = {tuple(r["key"]): r for r in result["compare"]["rows"]}
+    assert set(rows) == {("decode", "eager", 1), ("decode", "eager", 2), ("prefill", "eager", 8)}
+    assert rows[("decode", "eager", 2)]["ratio"] == pytest.approx(1.02)
+    assert all(r["verdict"] == "within" for r in rows.values())
+    assert rows[("decode", "eager", 1)]["tokens_equal"] is True and rows[("prefill", "eager", 8)]["tokens_equal"] is None
+    assert "| eager decode bs 2 |" in md and "| 1.020 | within | same |" in md and "| eager prefill 8 tokens |" in md
+
+
+def test_a_slower_row_fails_and_a_faster_one_is_marked(tmp_path, eager_run):
+    rc, md, result = _compare(tmp_path, eager_run, _scaled(eager_run, 1.05, 0.9))
+    assert rc == 1
+    verdicts = {tuple(r["key"])[0]: r["verdict"] for r in result["compare"]["rows"]}
+    assert verdicts == {"decode": "slower", "prefill": "faster"}
+    assert "**slower**" in md
+    rc, _, _ = _compare(tmp_path, eager_run, _scaled(eager_run, 1.05, 1.0), "--compare-tolerance", "0.1")
+    assert rc == 0
+
+
+def test_changed_tokens_fail(tmp_path, eager_run):
+    after = copy.deepcopy(eager_run)
+    after["results"][0]["tokens_req0"] = [t + 1 for t in after["results"][0]["tokens_req0"]]
+    rc, md, _ = _compare(tmp_path, eager_run, after)
+    assert rc == 1 and "**changed**" in md
+
+
+def test_compare_refuses_runs_of_another_workload_and_a_tolerance_that_is_no_fraction(tmp_path, eager_run, capsys):
+    other = copy.deepcopy(eager_run)
+    other["args"]["seed"] = 1
+    a, b = _write(tmp_path, "a.json", eager_run), _write(tmp_path, "b.json", other)
+    assert tscompile_main(["bench", "--compare", a, b]) == 2
+    assert "tscompile: --compare needs runs of one workload on one kind of machine: --seed" in capsys.readouterr().err
+    assert tscompile_main(["bench", "--compare", a, a, "--compare-tolerance", "1.5"]) == 2
+    assert "tscompile: --compare-tolerance 1.5 is not a fraction in (0, 1)" in capsys.readouterr().err
