@@ -32,21 +32,25 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } | tee "$OUT/gpu.txt"
+# gpu_tests PART MARKERS [PYTEST ARGS...]: one part of the GPU tests, its log $OUT/gpu_tests_PART.log
+gpu_tests() {
+  local part=$1 markers=$2
+  shift 2
+  python3 -m pytest -v -rfE -m "$markers" --durations=0 --failure-log "$OUT/gpu_failures.txt" "$@" 2>&1 \
+    | tee "$OUT/gpu_tests_$part.log" | tail -40
+  return "${PIPESTATUS[0]}"
+}
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n 3 --dist loadfile)
 case $job in
   tests)
-    bash "$0" tests-shared; rc_shared=$?
-    bash "$0" tests-alone; rc=$?
+    gpu_tests shared "gpu and not gpu_alone" "${workers[@]}"; rc_shared=$?
+    gpu_tests alone "gpu and gpu_alone"; rc=$?
     [ "$rc_shared" -ne 0 ] && rc=$rc_shared ;;
   tests-shared)
-    workers=()
-    python3 -c "import xdist" 2>/dev/null && workers=(-n 3 --dist loadfile)
-    python3 -m pytest -v -rfE -m "gpu and not gpu_alone" "${workers[@]}" --durations=0 \
-      --failure-log "$OUT/gpu_failures.txt" "$@" 2>&1 | tee "$OUT/gpu_tests_shared.log" | tail -40
-    rc=${PIPESTATUS[0]} ;;
+    gpu_tests shared "gpu and not gpu_alone" "${workers[@]}" "$@"; rc=$? ;;
   tests-alone)
-    python3 -m pytest -v -rfE -m "gpu and gpu_alone" --durations=0 \
-      --failure-log "$OUT/gpu_failures.txt" "$@" 2>&1 | tee "$OUT/gpu_tests_alone.log" | tail -40
-    rc=${PIPESTATUS[0]} ;;
+    gpu_tests alone "gpu and gpu_alone" "$@"; rc=$? ;;
   bench)
     [ $# -gt 0 ] || set -- --model llama-1b --batch-size 1 32 --input-len 512 --output-len 128 --prefill-lens 32 2048
     tscompile bench "$@" --output-dir "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
