@@ -369,3 +369,19 @@ def assert_pdl_graph_gives_the_plain_bits(sources: dict, set_pdl, make_op, seeds
             assert torch.equal(got.view(bits), want.view(bits)), f"seed {seed}: the PDL graph's output {i} differs"
         plain_outputs.append(results[0])
     return plain_outputs
+
+
+def post_grad_passes(patches: dict) -> list:
+    """The passes in Inductor patches' ``post_grad_custom_post_pass`` slot, in order (a ``PassChain``
+    opened), [] when it is empty."""
+    from tscompile.passes.pass_chain import PassChain
+
+    slot = patches.get("post_grad_custom_post_pass")
+    return [] if slot is None else list(slot.passes) if isinstance(slot, PassChain) else [slot]
+
+
+def our_pass(patches: dict, cls):
+    """The one pass of type ``cls`` in the patches' post-grad slot, None when there is none."""
+    found = [p for p in post_grad_passes(patches) if isinstance(p, cls)]
+    assert len(found) <= 1, found
+    return found[0] if found else None

@@ -23,7 +23,7 @@ from tscompile.kernel_policy import KernelPolicy
 from tscompile.passes.batch_gemv import BatchGemv
 from tscompile.passes.decode_gemv import DecodeGemv, swap_decode_gemvs
 
-from helpers import PROMPTS, ids, small_llm
+from helpers import PROMPTS, ids, our_pass, small_llm
 
 aten = torch.ops.aten
 # llama-tiny: qkv (4 + 2 x 2 heads of 64), output, gate/up; down and the LM head stay cuBLAS. Wide
@@ -192,8 +192,8 @@ def test_decode_pdl_gives_the_decode_graphs_inductors_pdl_and_the_gemv_kernels_p
     assert patches.get("triton.enable_pdl", False) is wanted
     assert patches.get("combo_kernels", False) is (static or split_piece)  # the other CUDA defaults stay
     if not split_piece:  # the GEMV pass of either decode graph: its kernels follow the graph's PDL
-        swap = patches["post_grad_custom_post_pass"]
-        assert isinstance(swap, DecodeGemv if static else BatchGemv) and swap.pdl is wanted
+        swap = our_pass(patches, DecodeGemv if static else BatchGemv)
+        assert swap is not None and swap.pdl is wanted
 
 
 @pytest.mark.parametrize("prefill_pdl, available, user, wanted", [
@@ -223,7 +223,7 @@ def test_a_torch_compile_users_graphs_get_pdl_only_when_asked(monkeypatch, user)
                            user=user, engine=False)
         assert patches.get("triton.enable_pdl", False) is bool(user)
         if static:
-            assert patches["post_grad_custom_post_pass"].pdl is bool(user)
+            assert our_pass(patches, DecodeGemv).pdl is bool(user)
 
 
 @pytest.mark.parametrize("decode_gemv, static, device, gpu, user_pass, wanted", [
@@ -238,7 +238,7 @@ def test_only_static_cuda_graphs_on_a_timed_gpu_get_the_pass(monkeypatch, decode
                                                               user_pass, wanted):
     patches = _patches(monkeypatch, KernelPolicy(decode_gemv=decode_gemv), static=static, split_piece=False,
                        gpu=gpu, device=device, user_pass=user_pass)
-    assert isinstance(patches.get("post_grad_custom_post_pass"), DecodeGemv) == wanted
+    assert (our_pass(patches, DecodeGemv) is not None) == wanted
 
 
 def test_an_engine_with_the_pass_gives_the_eager_tokens_and_runs_the_op(monkeypatch):
@@ -285,8 +285,8 @@ def test_a_bench_run_records_the_kernel_choices_and_launch_tables_it_ran_with(mo
     monkeypatch.setattr(ta, "pdl_available", lambda device="cuda": False)
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     off = KernelPolicy(decode_gemv=False, batch_gemv=False)
-    assert environment.kernel_paths(off) == {"decode_gemv": False, "batch_gemv": False, "decode_pdl": False,
-                                             "prefill_pdl": False}
+    assert environment.kernel_paths(off) == {"fuse_projections": True, "decode_gemv": False, "batch_gemv": False,
+                                             "decode_pdl": False, "prefill_pdl": False}
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
     monkeypatch.setattr(tg, "BATCH_GEMV_CONFIGS", {(32, 512, 256): (64, 128, 1, 4, 4, "dot")})

@@ -33,12 +33,18 @@ class KernelPolicy:
     prefill_pdl: the same for the prefill steps (the Triton extend kernel, the prefill pieces'
         Inductor kernels). Off by default: on the H200 correct but no faster (llama-1b 1.40 ms both
         ways at 32 tokens).
+    fuse_projections: every CUDA graph runs the matmuls of one input over weights stored end to end
+        in one buffer as one matmul (``passes/fused_projections.py``): a transformers model's q/k/v
+        and gate/up projections, which ``models/hf_packing.py`` packs so at load, become the native
+        model's ``wqkv`` and ``w13`` shapes, the ones the GEMV tables list. A graph without such
+        weights (the native model's) is unchanged.
     """
 
     decode_gemv: bool = True
     batch_gemv: bool = True
     decode_pdl: bool = True
     prefill_pdl: bool = False
+    fuse_projections: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

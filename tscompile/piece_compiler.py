@@ -120,8 +120,9 @@ def piece_inductor_patches(config: TscompileConfig, static: bool, *, device_type
 
 def our_post_grad_passes(policy: KernelPolicy, static: bool, split_piece: bool, engine: bool, kernel_pdl: bool,
                          device_name: str) -> list:
-    """The passes a CUDA graph gets: in a split piece the residual-addmm unfusing (passes/residual_addmm.py:
-    two device copies per layer fewer); in a static graph that is not a piece (the bs=1 decode step)
+    """The passes a CUDA graph gets: first, with ``policy.fuse_projections``, one matmul per run of
+    projections whose weights share a buffer (passes/fused_projections.py); in a split piece the
+    residual-addmm unfusing (passes/residual_addmm.py: two device copies per layer fewer); in a static graph that is not a piece (the bs=1 decode step)
     the decode GEMV swap (``policy.decode_gemv``); in the engine's dynamic-batch decode graph the
     few-row swap (``policy.batch_gemv``); either swap only on a GPU named ``device_name`` that its
     tables were timed on. ``kernel_pdl``: the swapped GEMV kernels launch with PDL (the graph's
@@ -129,6 +130,10 @@ def our_post_grad_passes(policy: KernelPolicy, static: bool, split_piece: bool, 
     from tscompile.custom_ops.triton_gemv import gemv_tables_apply
 
     passes = []
+    if policy.fuse_projections:  # first: the GEMV swaps below see the fused shapes
+        from tscompile.passes.fused_projections import FuseProjections
+
+        passes.append(FuseProjections())
     tables = gemv_tables_apply(device_name)
     if not static and not split_piece and engine and policy.batch_gemv and tables:
         from tscompile.passes.batch_gemv import BatchGemv
@@ -162,7 +167,8 @@ def applied_kernel_policy(policy: KernelPolicy, device_name: str) -> dict[str, b
     from tscompile.custom_ops.triton_gemv import gemv_tables_apply
 
     tables = gemv_tables_apply(device_name)
-    return {"decode_gemv": policy.decode_gemv and tables, "batch_gemv": policy.batch_gemv and tables,
+    return {"fuse_projections": policy.fuse_projections,
+            "decode_gemv": policy.decode_gemv and tables, "batch_gemv": policy.batch_gemv and tables,
             "decode_pdl": graph_pdl_on(policy, False, False), "prefill_pdl": graph_pdl_on(policy, False, True)}
 
 

@@ -13,6 +13,8 @@ Before any weight is read, the model is built on the ``meta`` device and probed 
 attention calls are recorded, ``hf_attention.probe_attention_calls``): a feature the engine cannot
 honour (soft-capping, a sliding window shorter than ``max_model_len``, sinks, a model-built mask,
 layers without attention, data-dependent RoPE) is refused there, naming the model and the feature.
+The same forward finds the projections that read one input (q/k/v, gate/up); after loading, each
+group's weights share one buffer (``hf_packing.py``), which the compiled graphs run as one matmul.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tscompile.models.checkpoint import CheckpointInfo, checkpoint_root
 from tscompile.models.hf_attention import (ATTENTION_NAME, check_attention_calls, probe_attention_calls,
                                            reads_position_ids, register_attention, transformers_version)
 from tscompile.models.hf_config import ARCHITECTURES, checkpoint_dtype, eos_token_ids, read_json_object
+from tscompile.models.hf_packing import pack_projections, shared_input_projections
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +210,10 @@ def load_transformers_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype 
     limit = max_position if max_model_len is None else max_model_len
 
     probe_model = _build(hf_config)
-    calls = probe_attention_calls(probe_model, PROBE_ROWS)
+    calls = []
+    # one probe forward: the attention calls for the checks, the projections that share an input for packing
+    projection_groups = shared_input_projections(
+        probe_model, lambda: calls.extend(probe_attention_calls(probe_model, PROBE_ROWS)))
     shape = check_attention_calls(calls, model=name, n_layers=int(text.num_hidden_layers), rows=PROBE_ROWS,
                                   max_model_len=limit)
     module_names = {id(m): n for n, m in probe_model.named_modules()}
@@ -222,6 +228,7 @@ def load_transformers_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype 
     dtype = dtype or (stored if device.type == "cuda" else torch.float32)
     start = time.perf_counter()
     hf_model = _build(hf_config, root, dtype).to(device)
+    pack_projections(hf_model, projection_groups)  # after .to(): it copies parameters one by one
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
