@@ -21,7 +21,6 @@ from tscompile.custom_ops import triton_gemv as tg
 from tscompile.passes.pass_chain import PassChain
 from tscompile.kernel_policy import KernelPolicy
 from tscompile.passes.batch_gemv import BatchGemv, swap_batch_matmuls
-from tscompile.passes.fused_projections import FuseProjections
 from tscompile.passes.residual_addmm import UnfuseResidualAddmm
 
 from helpers import PROMPTS, ids, post_grad_passes, small_llm
@@ -121,7 +120,7 @@ def test_split_cuda_pieces_get_only_the_residual_addmm_pass(monkeypatch):
     with piece_compiler.engine_graphs():
         got = piece_compiler.piece_inductor_patches(TscompileConfig(), False, device_type="cuda", split_piece=True,
                                                     cudagraph_trees=False)
-    assert [type(p) for p in post_grad_passes(got)] == [FuseProjections, UnfuseResidualAddmm]
+    assert [type(p) for p in post_grad_passes(got)] == [UnfuseResidualAddmm]
 
 
 def test_the_inductor_cache_key_follows_the_table(monkeypatch):
@@ -199,7 +198,7 @@ def test_dynamic_decode_graphs_get_the_few_row_swap_with_batch_gemv(monkeypatch,
     with piece_compiler.engine_graphs() if engine else contextlib.nullcontext():
         got = piece_compiler.piece_inductor_patches(config, static, device_type="cuda",
                                                     split_piece=split_piece, cudagraph_trees=False)
-    got = [p for p in post_grad_passes(got) if not isinstance(p, FuseProjections)]  # in every CUDA graph
+    got = post_grad_passes(got)
     if isinstance(wanted, BatchGemv):
         assert len(got) == 1 and isinstance(got[0], BatchGemv) and got[0].pdl is wanted.pdl
     elif wanted == "DecodeGemv":

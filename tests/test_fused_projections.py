@@ -142,12 +142,12 @@ def test_the_decomposed_one_row_form_is_fused_into_the_same_form():
         assert torch.equal(gm(x, wq, wk), _decomposed_projections(x, wq, wk))  # same products, same sums
 
 
-def test_the_policy_puts_the_pass_first_in_every_cuda_graph_and_can_turn_it_off():
+def test_the_policy_puts_the_pass_first_in_every_cuda_graph_when_on_and_leaves_it_out_by_default():
     for static, split in ((True, False), (False, False), (False, True)):
-        on = piece_compiler.our_post_grad_passes(KernelPolicy(), static, split, True, False, "NVIDIA H200")
-        assert isinstance(on[0], FuseProjections)
-        off = piece_compiler.our_post_grad_passes(KernelPolicy(fuse_projections=False), static, split, True, False,
-                                                  "NVIDIA H200")
+        on = piece_compiler.our_post_grad_passes(KernelPolicy(fuse_projections=True), static, split, True, False,
+                                                 "NVIDIA H200")
+        assert isinstance(on[0], FuseProjections) and len(on) > 1
+        off = piece_compiler.our_post_grad_passes(KernelPolicy(), static, split, True, False, "NVIDIA H200")
         assert not any(isinstance(p, FuseProjections) for p in off)
     with pytest.raises(ValueError, match=r"^tscompile: kernels.fuse_projections must be True or False"):
         KernelPolicy(fuse_projections="yes")

@@ -37,14 +37,15 @@ class KernelPolicy:
         in one buffer as one matmul (``passes/fused_projections.py``): a transformers model's q/k/v
         and gate/up projections, which ``models/hf_packing.py`` packs so at load, become the native
         model's ``wqkv`` and ``w13`` shapes, the ones the GEMV tables list. A graph without such
-        weights (the native model's) is unchanged.
+        weights (the native model's) is unchanged. Off by default: its speed on a GPU is not yet
+        measured against the separate projections.
     """
 
     decode_gemv: bool = True
     batch_gemv: bool = True
     decode_pdl: bool = True
     prefill_pdl: bool = False
-    fuse_projections: bool = True
+    fuse_projections: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
