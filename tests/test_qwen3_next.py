@@ -165,13 +165,14 @@ def test_graphed_pieces_run_the_state_ops_eagerly_and_equal_transformers(checkpo
     assert _all_slots_free(llm)
 
 
-def test_the_state_backend_turns_prefill_graphs_off_and_keeps_decode_graphs(checkpoint):
+def test_the_state_backend_turns_whole_step_prefill_graphs_off_and_keeps_the_others(checkpoint):
     from tscompile.attention import resolve_cuda_graph_support
 
     llm = _engine(checkpoint[0], max_num_seqs=2)
     support = resolve_cuda_graph_support(llm.attention)
-    assert support.support.decode_graph and not support.support.prefill_graph
-    assert support.prefill_culprits == ("StateBackend",)
+    assert support.support.decode_graph and support.support.prefill_graph
+    assert not support.support.whole_prefill_graph and "StateBackend" in support.whole_prefill_culprits
+    assert support.prefill_culprits == ()
     assert not llm.scheduler.prefix_caching_supported  # a cached KV prefix has no recurrent state
 
 
@@ -260,19 +261,20 @@ def test_a_preset_runs_through_the_engine():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_equal_transformers_in_float32(checkpoint):
-    """On the GPU with graphs on (decode graphs per ladder size, the state kernels in Triton; prefill
-    graphs are off for hybrid models): the greedy tokens of transformers in float32, batched with
-    padding rows (3 and 4 live rows in the bs 4 graph) and one request at a time (bs 1 graph)."""
+    """On the GPU with graphs on (decode graphs per ladder size, piecewise prefill graphs per token
+    bucket, the state kernels in Triton between the pieces): the greedy tokens of transformers in
+    float32, batched with padding rows (3 and 4 live rows in the bs 4 graph) and one request at a
+    time (bs 1 graph)."""
     from tscompile.counters import counters
 
     path, _, want = checkpoint
     llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
                         max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
                         compile_options={"decode_ladder": (1, 2, 4)})
-    before = counters["decode_replays"]
+    before = counters["decode_replays"], counters["prefill_replays"]
     assert _generate(llm) == want
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
-    assert counters["decode_replays"] > before
+    assert counters["decode_replays"] > before[0] and counters["prefill_replays"] > before[1]
     assert _all_slots_free(llm)
 
 

@@ -13,8 +13,9 @@ metadata paths, so one refresh serves KV pages and state slots alike:
 - extend / mixed: fresh tensors from the plan: its ``state_slots``, its row offsets, and
   ``prefix_lens > 0`` (a first chunk, or a preempted request's re-prefill, starts from zeros).
 
-Prefill graphs are declared unsupported: the state kernels run inside the split pieces' eager
-breaks only as attention does, and the extend metadata here is fresh storage per step.
+Piecewise prefill graphs are supported: the state ops are split ops, so they run eagerly between the
+replayed pieces, as attention does, and read this step's fresh extend metadata. Whole-step prefill
+graphs are not: they would keep the storage of the step that captured them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class StateMetadata:
 
 
 class StateBackend(AttentionBackend):
-    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=False, whole_prefill_graph=False)
+    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, whole_prefill_graph=False)
 
     def __init__(self, pool: StatePool, device: torch.device | str):
         self.pool = pool
