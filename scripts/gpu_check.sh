@@ -15,7 +15,8 @@
 #   bash scripts/gpu_check.sh fuzz [FUZZ ARGS...]      scripts/fuzz_gpu.py, e.g. --count 1000 --bf16
 #   bash scripts/gpu_check.sh ab BEFORE_DIR [BENCH ARGS...]
 #                                                    an A/B of a change: the same bench (default: llama-1b's
-#                                                    engine, decode bs 1 and 32, prefill 32 and 2048) from
+#                                                    engine, decode bs 1 and 32, prefill 32 and 2048, 20
+#                                                    runs per point) from
 #                                                    the source tree BEFORE_DIR (e.g. `git archive REV | tar
 #                                                    -x -C DIR`), then from this checkout, back to back, and
 #                                                    `tscompile bench --compare` of the two (exit 1 past 3%)
@@ -62,8 +63,11 @@ case $job in
   ab)
     before=${1:?"usage: bash scripts/gpu_check.sh ab BEFORE_DIR [BENCH ARGS...]"}
     shift
+    # 20 runs per point: a prefill row is one step per run, and its median of 5 moved by 9% at 2048
+    # tokens between two processes of the same code on an H200; the extra runs cost seconds beside
+    # the compiles
     [ $# -gt 0 ] || set -- --model llama-1b --modes tscompile-triton --batch-size 1 32 --input-len 512 \
-      --output-len 128 --prefill-lens 32 2048
+      --output-len 128 --prefill-lens 32 2048 --num-iters 20
     site=$(mktemp -d)  # the tree before, installed apart (not editable) and found first on the path
     python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$before" >> "$OUT/install.log" 2>&1 \
       || { tail -20 "$OUT/install.log"; exit 1; }
