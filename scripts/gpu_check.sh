@@ -22,7 +22,11 @@
 #                                                    `tscompile bench --compare` of the two (exit 1 past 3%)
 #
 # The exit status is the job's. The machine's GPU, driver and versions go to $OUT/gpu.txt.
+# --archive (before the job): when the job ends, everything it wrote under $OUT goes into one file,
+# $OUT/gpu_check.tgz, and the loose files are removed (for a machine that sends back only a few files).
 set -uo pipefail
+archive=0
+[ "${1:-}" = "--archive" ] && { archive=1; shift; }
 job=${1:-tests}
 [ $# -gt 0 ] && shift
 OUT=${OUT:-/tmp/out}
@@ -78,7 +82,11 @@ case $job in
       --output-md "$OUT/ab_compare.md" 2>&1 | tee "$OUT/ab_compare.log"
     rc=${PIPESTATUS[0]} ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh tests|tests-shared|tests-alone|bench|fuzz|ab [ARGS...]" >&2
+    echo "usage: bash scripts/gpu_check.sh [--archive] tests|tests-shared|tests-alone|bench|fuzz|ab [ARGS...]" >&2
     rc=2 ;;
 esac
+if [ "$archive" = 1 ]; then
+  bundle=$(mktemp --suffix .tgz)
+  tar -czf "$bundle" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$bundle" "$OUT/gpu_check.tgz"
+fi
 exit "$rc"
