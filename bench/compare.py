@@ -4,9 +4,11 @@ Two runs of one workload on one kind of machine (the checks of ``--merge``), typ
 command on the commit before a change and on the commit after, back to back on one machine. Per
 row both runs measured: the decode TPOT median (per mode and batch size) or the prefill median (per
 mode and prompt length), their ratio after / before, and for a decode row whether the first
-request's greedy tokens are the same. The exit status is 1 when a row is slower than
-``--compare-tolerance`` allows or its tokens changed, else 0; a row faster by more than the
-tolerance is marked, not failed.
+request's greedy tokens are the same, with where each run's first request leaves the float32
+reference (``reference_check``; in bf16 on random weights a near tie can flip a token, so two runs
+that leave the reference at the same token with the same pick read differently from a run that leaves
+it early). The exit status is 1 when a row is slower than ``--compare-tolerance`` allows or its tokens
+changed, else 0; a row faster by more than the tolerance is marked, not failed.
 """
 
 from __future__ import annotations
@@ -28,9 +30,21 @@ def _time(kind: str, row: dict) -> float | None:
     return row.get("tpot_ms_median") if kind == "decode" else row.get("prefill_ms")
 
 
+def _leaves_reference(row: dict) -> str | None:
+    """Where the row's first request leaves the float32 reference: "agrees", "token T (margin M)",
+    or None where the run has no check."""
+    check = row.get("reference_check")
+    if not check or "agrees" not in check:
+        return None
+    if check["agrees"]:
+        return "agrees"
+    return f"token {check['first_divergence']} (margin {check['margin']:.3g})"
+
+
 def compare(before: dict, after: dict, tolerance: float = DEFAULT_TOLERANCE) -> list[dict]:
     """One entry per row both runs measured: key, before_ms, after_ms, ratio, verdict ("within",
-    "slower", "faster"), tokens_equal (decode rows; None where a run did not record tokens)."""
+    "slower", "faster"), tokens_equal (decode rows; None where a run did not record tokens) and
+    reference_before / reference_after (``_leaves_reference``)."""
     if not 0 < tolerance < 1:
         raise ValueError(f"tscompile: --compare-tolerance {tolerance} is not a fraction in (0, 1); pass e.g. 0.03")
     rows_a, rows_b = _rows(before), _rows(after)
@@ -44,22 +58,24 @@ def compare(before: dict, after: dict, tolerance: float = DEFAULT_TOLERANCE) -> 
         tokens_a, tokens_b = rows_a[key].get("tokens_req0"), rows_b[key].get("tokens_req0")
         same = None if key[0] != "decode" or tokens_a is None or tokens_b is None else tokens_a == tokens_b
         out.append({"key": key, "before_ms": a, "after_ms": b, "ratio": ratio, "verdict": verdict,
-                    "tokens_equal": same})
+                    "tokens_equal": same, "reference_before": _leaves_reference(rows_a[key]),
+                    "reference_after": _leaves_reference(rows_b[key])})
     return out
 
 
 def markdown(rows: list[dict], before_name: str, after_name: str, tolerance: float) -> str:
     lines = [f"## `{os.path.basename(after_name)}` against `{os.path.basename(before_name)}` "
              f"(tolerance {tolerance:.0%})", "",
-             "| row | before ms | after ms | after / before | verdict | first request's tokens |",
-             "|---|---|---|---|---|---|"]
+             "| row | before ms | after ms | after / before | verdict | first request's tokens | "
+             "vs f32 reference, before | after |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kind, mode, size = r["key"]
         name = f"{mode} decode bs {size}" if kind == "decode" else f"{mode} prefill {size} tokens"
         tokens = "-" if r["tokens_equal"] is None else "same" if r["tokens_equal"] else "**changed**"
         verdict = f"**{r['verdict']}**" if r["verdict"] == "slower" else r["verdict"]
         lines.append(f"| {name} | {r['before_ms']:.4g} | {r['after_ms']:.4g} | {r['ratio']:.3f} | {verdict} | "
-                     f"{tokens} |")
+                     f"{tokens} | {r['reference_before'] or '-'} | {r['reference_after'] or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -384,6 +384,23 @@ def test_rows_within_the_tolerance_pass_and_every_row_is_listed(tmp_path, eager_
     assert "| eager decode bs 2 |" in md and "| 1.020 | within | same |" in md and "| eager prefill 8 tokens |" in md
 
 
+def test_each_runs_float32_reference_verdict_is_beside_its_tokens(tmp_path, eager_run):
+    """A decode row says where each run's first request leaves the float32 reference; a run without
+    the check says nothing."""
+    before, after = copy.deepcopy(eager_run), copy.deepcopy(eager_run)
+    before["results"][0]["reference_check"] = {"agrees": True, "compared_tokens": 8}
+    after["results"][0]["reference_check"] = {"agrees": False, "compared_tokens": 8, "first_divergence": 5,
+                                              "margin": 0.0123}
+    after["results"][1].pop("reference_check", None)
+    before["results"][1].pop("reference_check", None)
+    _, md, result = _compare(tmp_path, before, after)
+    rows = {tuple(r["key"]): r for r in result["compare"]["rows"]}
+    assert rows[("decode", "eager", 1)]["reference_before"] == "agrees"
+    assert rows[("decode", "eager", 1)]["reference_after"] == "token 5 (margin 0.0123)"
+    assert rows[("decode", "eager", 2)]["reference_before"] is None
+    assert "| same | agrees | token 5 (margin 0.0123) |" in md
+
+
 def test_a_slower_row_fails_and_a_faster_one_is_marked(tmp_path, eager_run):
     rc, md, result = _compare(tmp_path, eager_run, _scaled(eager_run, 1.05, 0.9))
     assert rc == 1
