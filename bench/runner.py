@@ -48,7 +48,7 @@ def _cleanup(device: torch.device) -> None:
 def _fingerprint(model) -> float:
     with torch.no_grad():
         layer = model.layers[0]  # a hybrid model's first layer may be a linear-attention one
-        first = layer.attention.wqkv.weight if hasattr(layer, "attention") else layer.linear_attn.in_proj_qkvz.weight
+        first = layer.attention.wqkv.weight if hasattr(layer, "attention") else layer.linear_attn.in_proj.weight
         return float(model.output.weight[:64].float().sum() + first[:64].float().sum())
 
 

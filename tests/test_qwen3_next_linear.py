@@ -30,7 +30,9 @@ def _layers(seed=0):
             p.copy_(torch.randn_like(p) * 0.3)
         hf.A_log.copy_(torch.rand_like(hf.A_log).log())
     ours = GatedDeltaNet(cfg).float().eval()
-    ours.load_state_dict(hf.state_dict())
+    state = hf.state_dict()  # the two input projections are one native in_proj: qkvz rows, then ba rows
+    state["in_proj.weight"] = torch.cat([state.pop("in_proj_qkvz.weight"), state.pop("in_proj_ba.weight")])
+    ours.load_state_dict(state)
     return cfg, hf, ours
 
 

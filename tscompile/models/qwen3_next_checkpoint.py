@@ -1,7 +1,8 @@
 """A transformers ``Qwen3NextForCausalLM`` checkpoint (model_type ``qwen3_next``) -> the native hybrid
 model: its ``config.json`` read into a ``Qwen3NextConfig`` (mixture-of-experts layers refused) and
 the plan of where each stored tensor lands (q/gate, k and v fused into ``wqkv``, gate/up into
-``w13``; the linear-attention tensors load under their own names). The way back for the config:
+``w13``, in_proj_qkvz and in_proj_ba into ``in_proj``; the other linear-attention tensors load under
+their own names). The way back for the config:
 ``hf_qwen3_next_config``, transformers' ``Qwen3NextConfig`` of a native one."""
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from tscompile.models.qwen3_next_linear import check_dense
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
-# the linear-attention tensors, stored and native under the same name below ``linear_attn.``
-LINEAR_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
-                  "out_proj.weight")
+# the linear-attention tensors stored and native under the same name below ``linear_attn.``; the two
+# input projections go into one native ``in_proj`` (qkvz rows, then ba rows)
+LINEAR_TENSORS = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 
 
 def _without_partial_rotary(raw: dict) -> tuple[dict, float]:
@@ -94,8 +95,8 @@ def qwen3_next_weight_plan(cfg: Qwen3NextConfig, target) -> dict:
     d, q, kv, inter = cfg.head_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value_dim, hv = cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_num_value_heads
-    linear_rows = dict(zip(LINEAR_TENSORS, (2 * key_dim + 2 * value_dim, 2 * hv, 2 * key_dim + value_dim, hv, hv,
-                                            cfg.linear_value_head_dim, cfg.dim)))
+    qkvz = 2 * key_dim + 2 * value_dim
+    linear_rows = dict(zip(LINEAR_TENSORS, (2 * key_dim + value_dim, hv, hv, cfg.linear_value_head_dim, cfg.dim)))
     plan = {
         "model.embed_tokens.weight": target("tok_embeddings.weight", 0, cfg.vocab_size),
         "model.norm.weight": target("norm.weight", 0, cfg.dim),
@@ -107,6 +108,9 @@ def qwen3_next_weight_plan(cfg: Qwen3NextConfig, target) -> dict:
         if kind == "linear_attention":
             for name, rows in linear_rows.items():
                 plan[f"{hf}linear_attn.{name}"] = target(f"{nat}linear_attn.{name}", 0, rows)
+            in_proj = f"{nat}linear_attn.in_proj.weight"
+            plan[f"{hf}linear_attn.in_proj_qkvz.weight"] = target(in_proj, 0, qkvz)
+            plan[f"{hf}linear_attn.in_proj_ba.weight"] = target(in_proj, qkvz, qkvz + 2 * hv)
         else:
             attn = f"{nat}attention."
             plan[f"{hf}self_attn.q_proj.weight"] = target(f"{attn}wqkv.weight", 0, 2 * q)

@@ -1,9 +1,10 @@
 """Qwen3-Next's linear-attention layer (Gated DeltaNet) on the tscompile state ops, and the checks
 that keep the Qwen3-Next family dense.
 
-The layer's parameters carry transformers' names (``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``,
-``dt_bias``, ``A_log``, ``norm``, ``out_proj``), so a checkpoint's ``linear_attn`` tensors load
-into it unchanged. Rows are flat and request-major like every tscompile model; the per-request
+The layer's parameters carry transformers' names (``conv1d``, ``dt_bias``, ``A_log``, ``norm``,
+``out_proj``), so a checkpoint's ``linear_attn`` tensors load into it unchanged, except the two input
+projections: ``in_proj`` holds ``in_proj_qkvz`` then ``in_proj_ba`` (both read the layer's input, so
+one matmul runs them, as ``wqkv`` does for attention). Rows are flat and request-major like every tscompile model; the per-request
 state lives in a ``StatePool`` (``kv_cache/state_pool.py``) at the step's ``state_slots``.
 """
 
@@ -74,8 +75,8 @@ class GatedDeltaNet(nn.Module):
         # a plain Conv1d so the checkpoint's conv1d.weight [C, 1, K] loads as is
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
                                 padding=width - 1)
-        self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * self.hv, bias=False)
+        self.qkvz_dim = 2 * self.key_dim + 2 * self.value_dim
+        self.in_proj = nn.Linear(c.hidden_size, self.qkvz_dim + 2 * self.hv, bias=False)  # [qkvz; ba]
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
@@ -95,7 +96,7 @@ class GatedDeltaNet(nn.Module):
                 cu_seqlens: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
         """``x: [T, hidden]`` packed rows -> ``[T, hidden]``; reads and writes the slots in place."""
         t = x.shape[0]
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        q, k, v, z, b, a = self._split(*self.in_proj(x).split([self.qkvz_dim, 2 * self.hv], dim=-1))
         mixed = torch.cat([q, k, v], dim=-1)
         conv_out = torch.empty_like(mixed)
         torch.ops.tscompile.causal_conv1d(mixed, self.conv1d.weight[:, 0], None, conv_pool, state_slots, cu_seqlens,
