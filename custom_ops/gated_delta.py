@@ -133,14 +133,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     g, beta:     [T, Hv]       log-decay (<= 0) and write strength
     state_pool:  [S, Hv, Dk, Dv] float32, read and written at ``state_slots``
     state_slots: [R] int64; cu_seqlens: [R + 1] int32/int64; has_state: [R] bool
-    ``chunk_size`` is the torch reference's chunk for multi-token requests (the Triton kernel walks
-    the tokens).
+    ``chunk_size``: the chunk of multi-token requests. The torch form takes any size. Triton: 0 walks
+    every request token by token; 16 runs the chunked kernel in a step with more rows than requests
+    (a decode step, one row each, still walks: it is one token).
     """
     _check_impl(impl)
     if impl == "triton":
-        from tscompile.custom_ops.triton_gated_delta import gated_delta_triton
+        from tscompile.custom_ops.triton_gated_delta import gated_delta_chunked_triton, gated_delta_triton
 
-        gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm)
+        if chunk_size and q.shape[0] > state_slots.shape[0]:  # shapes only: the choice holds under capture
+            gated_delta_chunked_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
+                                       qk_l2norm, chunk_size)
+        else:
+            gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm)
     else:
         _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
                            chunk_size)

@@ -220,7 +220,7 @@ def test_each_run_records_its_attention_kernel_switches_and_the_merged_table_nam
     line_b = next(line for line in md.splitlines() if line.startswith("- `b.json`"))
     assert ('kernel switches `{"decode_write_in_split": false, "extend_config_overrides": {"128": '
             '[128, 64, 8, 3]}, "fused_decode": false}`') in line_b
-    assert "kernel switches `{\"batch_gemv\": false, \"decode_gemv\": false, \"decode_pdl\": false, " in \
+    assert "kernel switches `{\"batch_gemv\": false, \"chunked_gated_delta\": false, \"decode_gemv\": false, " in \
         next(line for line in md.splitlines() if line.startswith("- `a.json`"))
     assert "kernel switches" not in next(line for line in md.splitlines() if line.startswith("- `c.json`"))
 

@@ -17,6 +17,10 @@ from tscompile.custom_ops.gated_delta import chunked_reference, recurrent_refere
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 IMPLS = ["torch", "triton"]
+# (impl, chunk) of the gated delta op: the torch form chunks at any size; Triton walks the tokens at 0
+# and runs the chunked kernel at 16
+GATED_DELTA_FORMS = [("torch", 8), ("triton", 0), ("triton", 16)]
+FORM_IDS = ["torch", "triton-walk", "triton-chunked"]
 # transformers renamed its conv helpers across 5.x releases
 _conv_update = getattr(qwen3_next, "causal_conv1d_update", None) or getattr(qwen3_next, "torch_causal_conv1d_update")
 
@@ -73,17 +77,18 @@ def _packed_case(seed, lengths, fresh, hk=2, hv=4, dk=16, dv=16, num_slots=8):
     return q, k, v, g, beta, pool, slots, cu, has_state
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,chunk", GATED_DELTA_FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("lengths,fresh", [([1, 1, 1], [False, False, False]),  # a decode step
                                            ([5, 1, 12], [True, False, False]),  # mixed: a fresh prompt, decode, chunk
-                                           ([3, 20], [True, True])])
-def test_gated_delta_op_continues_each_slot_like_transformers(impl, lengths, fresh, device):
-    seed = sum(lengths) * 7 + len(impl)
+                                           ([3, 20], [True, True]),
+                                           ([45, 2, 33], [False, True, True])])  # several chunks, none whole
+def test_gated_delta_op_continues_each_slot_like_transformers(impl, chunk, lengths, fresh, device):
+    seed = sum(lengths) * 7 + len(impl) + chunk
     q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(seed, lengths, fresh)
     before = pool.clone()
     out = torch.full_like(v, float("nan"))
     args = _on(device, q, k, v, g, beta, pool, slots, cu, has_state, out)
-    torch.ops.tscompile.gated_delta_rule(*args, impl, True, 8)
+    torch.ops.tscompile.gated_delta_rule(*args, impl, True, chunk)
     pool, out = args[5].cpu(), args[9].cpu()
     bounds = cu.tolist()
     for r, slot in enumerate(slots.tolist()):
@@ -97,7 +102,8 @@ def test_gated_delta_op_continues_each_slot_like_transformers(impl, lengths, fre
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_gated_delta_state_split_across_calls_equals_one_call(device):
+@pytest.mark.parametrize("chunk", [0, 16], ids=["triton-walk", "triton-chunk16"])
+def test_gated_delta_state_split_across_calls_equals_one_call(chunk, device):
     """A prompt prefilled in two chunks and then decoded continues exactly as one long sequence."""
     q, k, v, g, beta, pool, slots, cu = _on(device, *_packed_case(11, [30], [True])[:8])
     whole_out = torch.empty_like(v)
@@ -108,9 +114,56 @@ def test_gated_delta_state_split_across_calls_equals_one_call(device):
     for lo, hi, keep in ((0, 13, False), (13, 29, True), (29, 30, True)):
         torch.ops.tscompile.gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], pool, slots,
                                              torch.tensor([0, hi - lo], dtype=torch.int32, device=device),
-                                             torch.tensor([keep], device=device), parts_out[lo:hi], "triton", True, 8)
+                                             torch.tensor([keep], device=device), parts_out[lo:hi], "triton", True,
+                                             chunk)
     torch.testing.assert_close(parts_out, whole_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool[slots], pool_whole[slots], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dk,dv", [(8, 24), (32, 8)])
+def test_the_chunked_kernel_pads_head_sizes_below_its_tile_and_odd_ones(dk, dv, device):
+    """Head sizes the chunked kernel pads to its 16-wide tiles (and a value size that is no power of
+    two) give the walk's outputs and states."""
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(dk + dv, [19, 40], [True, False], dk=dk, dv=dv)
+    results = []
+    for chunk in (0, 16):
+        args = _on(device, q, k, v, g, beta, pool.clone(), slots, cu, has_state, torch.full_like(v, float("nan")))
+        torch.ops.tscompile.gated_delta_rule(*args, "triton", True, chunk)
+        results.append((args[9].cpu(), args[5].cpu()))
+    (walk_out, walk_pool), (chunk_out, chunk_pool) = results
+    torch.testing.assert_close(chunk_out, walk_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunk_pool, walk_pool, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spread", [0.0, 0.05])
+def test_the_chunked_kernel_holds_where_its_system_is_far_from_identity(spread, device):
+    """Keys that all point one way, barely decaying, written at (nearly) full strength: the chunk's
+    triangular system (I + A) has entries near 1, so every factor of its inverse counts (random data
+    hides a missing high power of A) and the powers' entries are largest."""
+    gen = torch.Generator().manual_seed(int(spread * 100))
+    length, hk, hv, dk, dv = 37, 1, 2, 16, 16
+    direction = torch.randn(dk, generator=gen)
+    q = torch.randn(length, hk, dk, generator=gen)
+    k = direction + spread * torch.randn(length, hk, dk, generator=gen)
+    v = torch.randn(length, hv, dv, generator=gen)
+    g = -0.001 * spread * torch.rand(length, hv, generator=gen)
+    beta = 1 - 2 * spread * torch.rand(length, hv, generator=gen)
+    pool = torch.randn(3, hv, dk, dv, generator=gen)
+    slots, cu, has_state = torch.tensor([1]), torch.tensor([0, length], dtype=torch.int32), torch.tensor([True])
+    want_out, want_state = _hf(qwen3_next.torch_recurrent_gated_delta_rule, q, k, v, g, beta, pool[1])
+    args = _on(device, q, k, v, g, beta, pool.clone(), slots, cu, has_state, torch.full_like(v, float("nan")))
+    torch.ops.tscompile.gated_delta_rule(*args, "triton", True, 16)
+    torch.testing.assert_close(args[9].cpu(), want_out, rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(args[5].cpu()[1], want_state, rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("chunk", [8, 32])
+def test_the_chunked_kernel_refuses_other_chunks(chunk):
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(3, [20], [True])
+    with pytest.raises(ValueError, match=rf"^tscompile: the chunked gated delta kernel takes chunks of 16 rows, got "
+                                         rf"{chunk}; pass 16, or 0 to walk the tokens"):
+        torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool, slots, cu, has_state, torch.empty_like(v),
+                                             "triton", True, chunk)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

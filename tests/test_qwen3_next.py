@@ -258,11 +258,25 @@ def test_a_preset_runs_through_the_engine():
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
 
 
+def test_the_kernel_policy_gives_the_linear_layers_the_chunked_triton_form():
+    """``chunked_gated_delta``: every linear-attention layer's Triton gated delta rule chunks its
+    multi-row steps (16 rows); by default, and in an eager engine, it walks the tokens."""
+    def chunks(**kw):
+        llm = tscompile.LLM("qwen3-next-tiny", device="cpu", attention_backend="torch", max_model_len=64,
+                            max_num_seqs=2, page_size=8, **kw)
+        return {layer.linear_attn.triton_chunk for layer in llm.runner.model.layers if layer.linear}
+
+    assert chunks(compile_options={"kernels": {"chunked_gated_delta": True}}) == {16}
+    assert chunks() == {0} and chunks(enforce_eager=True) == {0}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_equal_transformers_in_float32(checkpoint):
+@pytest.mark.parametrize("chunked", [False, True], ids=["walk", "chunked"])
+def test_cuda_graphs_equal_transformers_in_float32(checkpoint, chunked):
     """On the GPU with graphs on (decode graphs per ladder size, piecewise prefill graphs per token
-    bucket, the state kernels in Triton between the pieces): the greedy tokens of transformers in
+    bucket, the state kernels in Triton between the pieces, the gated delta rule's prefill walking the
+    tokens or chunked): the greedy tokens of transformers in
     float32, batched with padding rows (3 and 4 live rows in the bs 4 graph) and one request at a
     time (bs 1 graph)."""
     from tscompile.counters import counters
@@ -270,7 +284,7 @@ def test_cuda_graphs_equal_transformers_in_float32(checkpoint):
     path, _, want = checkpoint
     llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
                         max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
-                        compile_options={"decode_ladder": (1, 2, 4)})
+                        compile_options={"decode_ladder": (1, 2, 4), "kernels": {"chunked_gated_delta": chunked}})
     before = counters["decode_replays"], counters["prefill_replays"]
     assert _generate(llm) == want
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want

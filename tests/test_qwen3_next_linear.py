@@ -36,10 +36,11 @@ def _layers(seed=0):
     return cfg, hf, ours
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_layer_matches_transformers_across_chunks_and_preemption(impl):
+@pytest.mark.parametrize("impl,triton_chunk", [("torch", 0), ("triton", 0), ("triton", 16)],
+                         ids=["torch", "triton-walk", "triton-chunked"])
+def test_layer_matches_transformers_across_chunks_and_preemption(impl, triton_chunk):
     cfg, hf, ours = _layers()
-    ours.impl = impl
+    ours.impl, ours.triton_chunk = impl, triton_chunk
     gen = torch.Generator().manual_seed(1)
     xs = {"a": torch.randn(9, cfg.hidden_size, generator=gen), "b": torch.randn(6, cfg.hidden_size, generator=gen)}
     with torch.no_grad():

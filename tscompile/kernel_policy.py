@@ -39,6 +39,10 @@ class KernelPolicy:
         model's ``wqkv`` and ``w13`` shapes, the ones the GEMV tables list. A graph without such
         weights (the native model's) is unchanged. Off by default: its speed on a GPU is not yet
         measured against the separate projections.
+    chunked_gated_delta: a hybrid model's prefill and verify steps run the Triton gated delta rule in
+        its chunked form (``custom_ops/triton_gated_delta.py``: 16 rows at a time, matrix products
+        inside a chunk) instead of walking each request's tokens one by one; decode steps walk either
+        way. Off by default: its speed on a GPU is not yet measured against the walk.
     """
 
     decode_gemv: bool = True
@@ -46,6 +50,7 @@ class KernelPolicy:
     decode_pdl: bool = True
     prefill_pdl: bool = False
     fuse_projections: bool = False
+    chunked_gated_delta: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -167,7 +167,7 @@ def applied_kernel_policy(policy: KernelPolicy, device_name: str) -> dict[str, b
     from tscompile.custom_ops.triton_gemv import gemv_tables_apply
 
     tables = gemv_tables_apply(device_name)
-    return {"fuse_projections": policy.fuse_projections,
+    return {"fuse_projections": policy.fuse_projections, "chunked_gated_delta": policy.chunked_gated_delta,
             "decode_gemv": policy.decode_gemv and tables, "batch_gemv": policy.batch_gemv and tables,
             "decode_pdl": graph_pdl_on(policy, False, False), "prefill_pdl": graph_pdl_on(policy, False, True)}
 

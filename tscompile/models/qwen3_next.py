@@ -222,13 +222,15 @@ class Qwen3NextTransformer(Transformer):
     def state_spec(self) -> StateSpec:
         return state_spec(self.config)
 
-    def bind_state_pool(self, pool: StatePool, impl: str) -> None:
+    def bind_state_pool(self, pool: StatePool, impl: str, triton_chunk: int = 0) -> None:
         """Point every linear layer at its state in ``pool``; ``impl``: the state kernels ("torch" or
-        "triton")."""
+        "triton"); ``triton_chunk``: the Triton gated delta rule's chunk for multi-row steps (0: it
+        walks the tokens)."""
         for layer in self.layers:
             if layer.linear:
                 layer.conv_state, layer.ssm_state = pool.layer_state(layer.layer_id)
                 layer.linear_attn.impl = impl
+                layer.linear_attn.triton_chunk = triton_chunk
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3NextTransformer":
         """Seeded random weights: matrices ``N(0, std)``, norms at one (offset norms at zero), the

@@ -18,6 +18,7 @@ from tscompile.custom_ops import gated_delta  # noqa: F401  (registers tscompile
 from tscompile.kv_cache.state_pool import StateSpec
 
 CHUNK_SIZE = 64  # the torch reference's prefill chunk (transformers' default)
+TRITON_CHUNK_SIZE = 16  # the chunked Triton kernel's (KernelPolicy.chunked_gated_delta)
 
 
 def moe_layers(hf_config) -> list[int]:
@@ -71,6 +72,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.impl = impl
+        self.triton_chunk = 0  # the Triton kernel's chunk: 0 walks the tokens (Qwen3NextTransformer.bind_state_pool)
         width = c.linear_conv_kernel_dim
         # a plain Conv1d so the checkpoint's conv1d.weight [C, 1, K] loads as is
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
@@ -107,5 +109,6 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
         torch.ops.tscompile.gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
                                              v.reshape(t, self.hv, self.dv), g, beta, ssm_pool, state_slots,
-                                             cu_seqlens, has_state, core, self.impl, True, CHUNK_SIZE)
+                                             cu_seqlens, has_state, core, self.impl, True,
+                                             CHUNK_SIZE if self.impl == "torch" else self.triton_chunk)
         return self.out_proj(self.norm(core, z).reshape(t, self.value_dim))
