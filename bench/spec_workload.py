@@ -111,6 +111,10 @@ def _measure(make_llm, prompts, output_len, device, references=None) -> dict:
             torch.cuda.empty_cache()
     drafts = after.spec_draft_tokens - before.spec_draft_tokens
     row["acceptance_rate"] = (after.spec_accepted_tokens - before.spec_accepted_tokens) / drafts if drafts else 0.0
+    verify_steps = after.spec_verify_steps - before.spec_verify_steps
+    # the host's share of a verify step (None for plain decode): on a GPU it adds to the step's time
+    row["verify_host_ms"] = ((after.spec_host_seconds - before.spec_host_seconds) / verify_steps * 1e3
+                             if verify_steps else None)
     row["draft_tokens"] = drafts
     row["warmup_runs"] = settle_runs
     return row
@@ -119,11 +123,13 @@ def _measure(make_llm, prompts, output_len, device, references=None) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"## Speculative decoding: {result['model']}, {result['device']}, {result['dtype']}", "",
              machine_line(result), "", result["shape"], "",
-             "| bs | method | k | N | step ms | vs N=1 step | tokens/step/request | output tok/s | vs plain | "
-             "acceptance | outputs equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| bs | method | k | N | step ms | host ms of a verify step | vs N=1 step | tokens/step/request | "
+             "output tok/s | vs plain | acceptance | outputs equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        host = r.get("verify_host_ms")
         lines.append(f"| {r['batch_size']} | {r['method']} | {r['k']} | {r['k'] + 1} | {r['decode_step_ms']:.3f} | "
+                     f"{'-' if host is None else f'{host:.3f}'} | "
                      f"{r['step_ratio']:.2f}x | {r['tokens_per_step']:.2f} | {r['output_tokens_per_s']:.0f} | "
                      f"{r['ratio_to_plain']:.2f}x | {r['acceptance_rate']:.1%} | {r['outputs_equal']} |")
     return "\n".join(lines) + "\n"

@@ -39,7 +39,12 @@ def test_every_method_equals_plain_decode_and_reports_ratios(tmp_path, monkeypat
     assert by["replay"]["warmup_runs"] == 1  # float32: plain decode's output is already the fixed point
     assert by["replay"]["tokens_per_step"] > 2 and by["plain"]["step_ratio"] == 1.0
     assert all(r["step_ratio"] > 0 and r["ratio_to_plain"] > 0 for r in rows)
-    assert "| 2 | replay | 2 | 3 |" in (tmp_path / "r.md").read_text()
+    # the verify step's host share: measured for every drafter, within its step; none for plain decode
+    assert by["plain"]["verify_host_ms"] is None
+    assert all(0 < by[m]["verify_host_ms"] < by[m]["decode_step_ms"] for m in ("replay", "ngram", "draft_model"))
+    md = (tmp_path / "r.md").read_text()
+    assert "| 2 | replay | 2 | 3 |" in md and "| host ms of a verify step |" in md
+    assert f"| {by['plain']['decode_step_ms']:.3f} | - |" in md
 
 
 def test_the_cli_writes_its_results_into_the_output_dir_by_default(tmp_path, monkeypatch):

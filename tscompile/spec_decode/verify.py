@@ -15,6 +15,8 @@ shapes are uniform), a cut or missing draft is -1, which the acceptance ops neve
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from tscompile.forward_context import ForwardMode
@@ -39,6 +41,9 @@ class VerifyStep:
         self.runner = runner  # the engine's ModelRunner: launch_verify runs the step (eager or graphed)
         self.width = spec.verify_width
         self.accepted_drafts = self.proposed_drafts = self.verify_steps = 0
+        # the host's share of the verify steps: up to the launch, then after the read-back (a hybrid
+        # model's re-advance step excluded); on a GPU the launch is asynchronous, so this is host work
+        self.host_seconds = 0.0
         self._histories: dict[object, TokenHistory] = {}
         state = getattr(getattr(runner, "attention", None), "state", None)  # a model with recurrent-state layers
         self.rollback = None if state is None else StateRollback(state.pool, scheduler.banned_width)
@@ -59,7 +64,7 @@ class VerifyStep:
     def summary(self) -> dict:
         """``EngineStats``' speculative fields."""
         return dict(spec_verify_steps=self.verify_steps, spec_draft_tokens=self.proposed_drafts,
-                    spec_accepted_tokens=self.accepted_drafts)
+                    spec_accepted_tokens=self.accepted_drafts, spec_host_seconds=self.host_seconds)
 
     def _reserve_lookahead(self, requests) -> bool:
         """Blocks for every request's whole window, or False (nothing allocated) when they do not fit."""
@@ -83,6 +88,7 @@ class VerifyStep:
     def run(self, plan: StepPlan, requests: list, finish) -> bool:
         """``requests``: the plan's, every last token on the host. ``finish(r)``: the engine's hand-off
         of a request whose completion just finished. Returns whether the step ran."""
+        began = time.perf_counter()
         if plan.mode is not ForwardMode.DECODE or not self._reserve_lookahead(requests):
             return False
         k, n = self.spec.num_speculative_tokens, self.width
@@ -99,7 +105,10 @@ class VerifyStep:
         verify = verify_plan(plan, window, start, self.scheduler.block_tables[0].take([r.slot for r in requests], 0))
         saved = None if self.rollback is None else self.rollback.snapshot(verify.state_slots)
         # the step's one read-back: the emitted tokens and, in the last column, the accepted counts
-        both = self.runner.launch_verify(verify).cpu().numpy()
+        launched = self.runner.launch_verify(verify)
+        waiting = time.perf_counter()
+        both = launched.cpu().numpy()
+        read = time.perf_counter()
         emitted, accepted = both[:, :n], both[:, n]
         self.verify_steps += 1
         self.drafter.on_accepted(batch.request_ids, accepted)
@@ -125,6 +134,7 @@ class VerifyStep:
                 finish(r)
             elif kept < n:
                 short.append((i, kept))
+        self.host_seconds += (waiting - began) + (time.perf_counter() - read)
         if saved is not None and short:
             rows, kept_rows = [i for i, _ in short], [k for _, k in short]
             self.rollback.restore(saved, rows)
