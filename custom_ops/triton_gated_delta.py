@@ -14,6 +14,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv, offs_k, offs_v, mask_k, mask_v,
+                   stride_ss, stride_sh, stride_sk):
+    """Request ``req``'s rows ``[lo, hi)`` and its ``[BLOCK_K, BLOCK_V]`` state slice of value head
+    ``hv`` in float32, with the slice's offsets and mask for the write-back. A request that starts
+    fresh gets zeros, whatever its slot held."""
+    lo = tl.load(cu_ptr + req).to(tl.int64)
+    hi = tl.load(cu_ptr + req + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    keep = tl.load(has_state_ptr + req) != 0
+    state_offs = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
+    state_mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    return lo, hi, tl.where(keep, state, 0.0), state_offs, state_mask
+
+
+@triton.jit
 def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
                         stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
                         stride_ss, stride_sh, stride_sk, scale, GROUP: tl.constexpr, DK: tl.constexpr,
@@ -26,14 +42,9 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < DK
     mask_v = offs_v < DV
-    lo = tl.load(cu_ptr + req).to(tl.int64)
-    hi = tl.load(cu_ptr + req + 1).to(tl.int64)
-    slot = tl.load(slots_ptr + req).to(tl.int64)
-    keep = tl.load(has_state_ptr + req) != 0
-    state_offs = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    state_mask = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    state = tl.where(keep, state, 0.0)  # a fresh request starts from zero, whatever its slot held
+    lo, hi, state, state_offs, state_mask = _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv,
+                                                           offs_k, offs_v, mask_k, mask_v, stride_ss, stride_sh,
+                                                           stride_sk)
     for t in range(lo, hi):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -157,14 +168,9 @@ def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, s
     offs_c = tl.arange(0, C)
     mask_k = offs_k < DK
     mask_v = offs_v < DV
-    lo = tl.load(cu_ptr + req).to(tl.int64)
-    hi = tl.load(cu_ptr + req + 1).to(tl.int64)
-    slot = tl.load(slots_ptr + req).to(tl.int64)
-    keep = tl.load(has_state_ptr + req) != 0
-    state_offs = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
-    state_mask = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    state = tl.where(keep, state, 0.0)
+    lo, hi, state, state_offs, state_mask = _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv,
+                                                           offs_k, offs_v, mask_k, mask_v, stride_ss, stride_sh,
+                                                           stride_sk)
     lower = offs_c[:, None] >= offs_c[None, :]
     strict = offs_c[:, None] > offs_c[None, :]
     eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
