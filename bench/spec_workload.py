@@ -13,6 +13,8 @@ the mean time of a decode step (a verify step of N = k + 1 rows with speculation
 the device synchronized, host drafting and commit included) and its ratio to the N = 1 step at the
 same batch size, output tokens per request and step, output tokens/s over the wall time and its
 ratio to plain decode, the acceptance rate, and whether the greedy outputs equal plain decode's.
+With ``--kernel-table``, each row also gets the kernel table of a few of its steps (one more run,
+profiled from its middle): what the device runs in a verify step against a plain one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import environment, report
+from . import environment, kernel_table, report, row_kernels
 from .report import machine_line
 from .workloads import Timer
 
@@ -43,7 +45,9 @@ def methods_of(names: list[str]) -> list[str]:
     return [m for m in METHODS if m in chosen]
 
 
-def _run(llm, prompts: list[list[int]], output_len: int, device: torch.device) -> dict:
+def _run(llm, prompts: list[list[int]], output_len: int, device: torch.device, window=None) -> dict:
+    """One greedy run of ``prompts``; ``window``: a ``kernel_table.StepWindow`` told of every decode
+    (or verify) step, which profiles the ones it was asked for."""
     from tscompile import SamplingParams
 
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -55,9 +59,13 @@ def _run(llm, prompts: list[list[int]], output_len: int, device: torch.device) -
         decoding = not sched.waiting and all(r.prefill_done for r in sched.running)
         if decoding:
             before = sum(len(r.output) for r in reqs)
+            if window is not None:
+                window.before(decode_steps)
             with Timer(device) as t:
                 llm.step()
             llm.sync()
+            if window is not None:
+                window.after(decode_steps)
             decode_s += t.seconds
             decode_steps += 1
             decode_tokens += sum(len(r.output) for r in reqs) - before
@@ -92,8 +100,10 @@ def settle_replay(llm, prompts, output_len, device, references: dict, max_runs: 
     return max_runs
 
 
-def _measure(make_llm, prompts, output_len, device, references=None) -> dict:
-    """One engine: warm-up runs, then the measured one (acceptance from the stats between)."""
+def _measure(make_llm, prompts, output_len, device, references=None, profile=None) -> dict:
+    """One engine: warm-up runs, then the measured one (acceptance from the stats between).
+    ``profile``: ``(steps, top, itemsize)`` for a kernel table of the row, from one more run after
+    the measured one (``--kernel-table``)."""
     llm = make_llm()
     try:
         settle_runs = 1
@@ -104,6 +114,9 @@ def _measure(make_llm, prompts, output_len, device, references=None) -> dict:
         before = llm.stats()
         row = _run(llm, prompts, output_len, device)
         after = llm.stats()
+        if profile is not None:
+            row["kernel_table"] = row_kernels.guarded_table(
+                lambda: _step_kernel_table(llm, prompts, output_len, device, row["decode_steps"], *profile), False)
     finally:
         del llm
         gc.collect()
@@ -120,6 +133,23 @@ def _measure(make_llm, prompts, output_len, device, references=None) -> dict:
     return row
 
 
+def _step_kernel_table(llm, prompts, output_len, device, steps: int, count: int, top: int, itemsize: int) -> dict:
+    """The kernel table of ``count`` decode (or verify) steps from the middle of one more run."""
+    if steps < 1:
+        return {"error": "no decode step to profile"}
+    count = min(count, steps)
+    window = kernel_table.StepWindow(device.type, (steps - count) // 2, count)
+    try:
+        _run(llm, prompts, output_len, device, window)
+    finally:
+        window.finish()
+    if window.steps < 1:
+        return {"error": "the profiled run had no decode step in its window"}
+    stats = kernel_table.stats_of(window.prof, device.type, itemsize)
+    return kernel_table.table(stats, window.steps, device.type, top, timeline=kernel_table.timeline_of(window.prof,
+                                                                                                        device.type))
+
+
 def markdown(result: dict) -> str:
     lines = [f"## Speculative decoding: {result['model']}, {result['device']}, {result['dtype']}", "",
              machine_line(result), "", result["shape"], "",
@@ -132,6 +162,14 @@ def markdown(result: dict) -> str:
                      f"{'-' if host is None else f'{host:.3f}'} | "
                      f"{r['step_ratio']:.2f}x | {r['tokens_per_step']:.2f} | {r['output_tokens_per_s']:.0f} | "
                      f"{r['ratio_to_plain']:.2f}x | {r['acceptance_rate']:.1%} | {r['outputs_equal']} |")
+    tables = [report.kernel_section(f"bs={r['batch_size']} {r['method']} N={r['k'] + 1}", r["kernel_table"])
+              for r in result["rows"] if r.get("kernel_table")]
+    if tables:
+        lines += ["", "### Kernels", "",
+                  "Per row: the decode (or verify) steps profiled with torch.profiler from the middle of one more "
+                  "run of the row's batch, after its measured run. On CUDA the device activities, graph replays' "
+                  "kernels included; the device busy time per step against the row's step ms is the host's share "
+                  "(each step is timed with the device synchronized).", "", *[t + "\n" for t in tables]]
     return "\n".join(lines) + "\n"
 
 
@@ -151,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
     page = args.page_size
     longest = args.spec_block * args.spec_repeats + output_len
     max_len = -(-(longest + max(ks) + 1) // page) * page
+    profile = ((args.kernel_table_steps, args.kernel_table_top, dtype.itemsize)
+               if getattr(args, "kernel_table", False) else None)
     rows = []
     for bs in sizes:
         prompts = repetitive_prompts(args.seed + bs, model.config.vocab_size, bs, args.spec_block, args.spec_repeats)
@@ -160,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                                  dtype=dtype, max_num_seqs=bs, max_model_len=max_len, page_size=page, seed=args.seed,
                                  compile_options=args.tscompile_options, speculative_config=spec)
 
-        plain = _measure(make, prompts, output_len, device)
+        plain = _measure(make, prompts, output_len, device, profile=profile)
         outputs = plain.pop("outputs")
         references = {tuple(p): o for p, o in zip(prompts, outputs)}
         plain.update(batch_size=bs, method="plain", k=0, outputs_equal=True, ratio_to_plain=1.0, step_ratio=1.0)
@@ -171,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
                 if method == "draft_model":
                     spec["model"] = draft
                 row = _measure(lambda: make(spec), prompts, output_len, device,
-                               references if method == "replay" else None)
+                               references if method == "replay" else None, profile)
                 row.update(batch_size=bs, method=method, k=k, outputs_equal=row.pop("outputs") == outputs,
                            ratio_to_plain=row["output_tokens_per_s"] / plain["output_tokens_per_s"],
                            step_ratio=row["decode_step_ms"] / plain["decode_step_ms"])

@@ -97,3 +97,27 @@ def test_settle_replay_stops_at_its_run_limit_and_keeps_the_last_output(monkeypa
     assert spec_workload.settle_replay(Engine(), prompts, 3, None, {(1, 2): [0] * 3, (3, 4): [0] * 3},
                                        max_runs=3) == 3
     assert len(handed) == 4 and handed[-1] == {(1, 2): [3] * 3, (3, 4): [3] * 3}
+
+
+def test_kernel_tables_profile_the_plain_and_the_verify_steps(tmp_path, monkeypatch):
+    from tscompile.bench import cli
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(tscompile, "LLM", functools.partial(tscompile.LLM, enforce_eager=True))
+    assert cli.main(["--model", "llama-tiny", "--device", "cpu", "--speculative", "replay",
+                     "--num-speculative-tokens", "2", "--spec-requests", "1", "--output-len", "8",
+                     "--attention-backends", "torch", "--kernel-table", "--kernel-table-steps", "2",
+                     "--kernel-table-top", "40", "--output-json", str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "replay"]
+    for r in rows:
+        kt = r["kernel_table"]
+        assert "error" not in kt, kt
+        assert kt["steps"] == 2 and kt["activity"] == "cpu ops (self time)"
+        assert kt["kernel_ms_per_step"] > 0 and any(k["name"] == "aten::mm" for k in kt["top"])
+    # the verify step runs the acceptance op and no sampling; plain decode the other way round
+    plain, verify = ({k["name"] for k in r["kernel_table"]["top"]} for r in rows)
+    assert "tscompile::sample" in plain and "tscompile::accept_greedy" not in plain
+    assert "tscompile::accept_greedy" in verify and "tscompile::sample" not in verify
+    md = (tmp_path / "r.md").read_text()
+    assert "### Kernels" in md and "**bs=1 plain N=1**" in md and "**bs=1 replay N=3**" in md
