@@ -31,7 +31,8 @@ def _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv, offs_k,
 
 @triton.jit
 def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
-                        stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                        stride_ot, stride_oh,
                         stride_ss, stride_sh, stride_sk, scale, GROUP: tl.constexpr, DK: tl.constexpr,
                         DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
     req = tl.program_id(0)
@@ -47,14 +48,14 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
                                                            stride_sk)
     for t in range(lo, hi):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         if L2NORM:
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q * scale
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
-        beta = tl.load(beta_ptr + t * stride_gt + hv).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + hv).to(tl.float32)
         state = state * decay
         predicted = tl.sum(state * k[:, None], axis=0)
         delta = (v - predicted) * beta
@@ -67,20 +68,27 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
     tl.store(state_ptr + state_offs, state, mask=state_mask)
 
 
+def _unit_stride(*tensors):
+    """The tensors, each copied only where its last dimension is not unit-stride: the kernels take
+    every other stride as an argument. A model hands q, k and v as views of one projection's output
+    (split by columns), and a copy of each would be a kernel of its own in every layer's step."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm):
     num_reqs = state_slots.shape[0]
     if num_reqs == 0:
         return
     _, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.contiguous(), beta.contiguous()
+    q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
     block_k = triton.next_power_of_2(dk)
     block_v = min(triton.next_power_of_2(dv), 64)
     grid = (num_reqs, hv, triton.cdiv(dv, block_v))
     _gated_delta_kernel[grid](
         q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
         GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=qk_l2norm)
 
@@ -138,7 +146,7 @@ def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, ha
     if num_reqs == 0:
         return
     channels, width = weight.shape
-    x, weight = x.contiguous(), weight.contiguous()
+    (x,), weight = _unit_stride(x), weight.contiguous()
     block_c = min(triton.next_power_of_2(channels), 256)
     grid = (num_reqs, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
@@ -150,7 +158,8 @@ def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, ha
 
 @triton.jit
 def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, cu_ptr, has_state_ptr,
-                              out_ptr, stride_qt, stride_qh, stride_vt, stride_vh, stride_gt, stride_ot, stride_oh,
+                              out_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                              stride_bt, stride_ot, stride_oh,
                               stride_ss, stride_sh, stride_sk, scale, GROUP: tl.constexpr, DK: tl.constexpr,
                               DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
                               LOG2_C: tl.constexpr, L2NORM: tl.constexpr):
@@ -180,7 +189,7 @@ def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, s
         qk_mask = live[:, None] & mask_k[None, :]
         q = tl.load(q_ptr + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :], mask=qk_mask,
                     other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :], mask=qk_mask,
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :], mask=qk_mask,
                     other=0.0).to(tl.float32)
         if L2NORM:
             q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
@@ -189,7 +198,7 @@ def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, s
         v = tl.load(v_ptr + rows[:, None] * stride_vt + hv * stride_vh + offs_v[None, :],
                     mask=live[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
         g = tl.load(g_ptr + rows * stride_gt + hv, mask=live, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + rows * stride_gt + hv, mask=live, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + rows * stride_bt + hv, mask=live, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, axis=0)  # log of the decay from the chunk's start to each row
         # exp(G_i - G_j) for j <= i, masked before exp so the upper triangle cannot overflow
         ratio = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], float("-inf")))
@@ -232,14 +241,14 @@ def gated_delta_chunked_triton(q, k, v, g, beta, state_pool, state_slots, cu_seq
         return
     _, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.contiguous(), beta.contiguous()
+    q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
     block_k = max(16, triton.next_power_of_2(dk))
     block_v = max(16, min(triton.next_power_of_2(dv), 64))
     grid = (num_reqs, hv, triton.cdiv(dv, block_v))
     _gated_delta_chunk_kernel[grid](
         q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
-        q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
         GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, C=chunk_size,
         LOG2_C=chunk_size.bit_length() - 1, L2NORM=qk_l2norm)

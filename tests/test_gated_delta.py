@@ -120,6 +120,29 @@ def test_gated_delta_state_split_across_calls_equals_one_call(chunk, device):
     torch.testing.assert_close(pool[slots], pool_whole[slots], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [0, 16], ids=["triton-walk", "triton-chunked"])
+def test_the_triton_gated_delta_reads_column_views_of_one_projection(chunk, device):
+    """q, k, v and beta as the model hands them: column slices of one packed projection output (three
+    more columns past them); the kernel reads them in place and gives the bits it gives on
+    contiguous copies."""
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(5 + chunk, [9, 1, 21], [True, False, False])
+    t, (hk, dk), (hv, dv) = q.shape[0], q.shape[1:], v.shape[1:]
+    widths = [hk * dk, hk * dk, hv * dv, hv, 3]
+    packed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1), beta, torch.randn(t, 3)], dim=1).to(device)
+    pq, pk, pv, pbeta, _ = packed.split(widths, dim=1)
+    views = (pq.view(t, hk, dk), pk.view(t, hk, dk), pv.view(t, hv, dv), pbeta)
+    assert not any(x.is_contiguous() for x in views)
+    results = []
+    for qkvb in (_on(device, q, k, v, beta), views):
+        args = [*qkvb[:3], g.to(device), qkvb[3], *_on(device, pool.clone(), slots, cu, has_state),
+                torch.full_like(v, float("nan"), device=device)]
+        torch.ops.tscompile.gated_delta_rule(*args, "triton", True, chunk)
+        results.append((args[9].cpu(), args[5].cpu()))
+    (out, state), (view_out, view_state) = results
+    assert not out.isnan().any()
+    assert torch.equal(view_out, out) and torch.equal(view_state, state)
+
+
 @pytest.mark.parametrize("dk,dv", [(8, 24), (32, 8)])
 def test_the_chunked_kernel_pads_head_sizes_below_its_tile_and_odd_ones(dk, dv, device):
     """Head sizes the chunked kernel pads to its 16-wide tiles (and a value size that is no power of
