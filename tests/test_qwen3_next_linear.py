@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tscompile.kv_cache.state_pool import StatePool, StateSlotMetadata
-from tscompile.models.qwen3_next_linear import GatedDeltaNet, check_dense, moe_layers, state_spec
+from tscompile.models.qwen3_next_linear import GatedDeltaNet, check_dense, in_proj_rows, moe_layers, state_spec
 
 transformers = pytest.importorskip("transformers")
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
@@ -30,8 +30,12 @@ def _layers(seed=0):
             p.copy_(torch.randn_like(p) * 0.3)
         hf.A_log.copy_(torch.rand_like(hf.A_log).log())
     ours = GatedDeltaNet(cfg).float().eval()
-    state = hf.state_dict()  # the two input projections are one native in_proj: qkvz rows, then ba rows
-    state["in_proj.weight"] = torch.cat([state.pop("in_proj_qkvz.weight"), state.pop("in_proj_ba.weight")])
+    state = hf.state_dict()  # the two input projections are one native in_proj, rows regrouped by kind
+    stored = torch.cat([state.pop("in_proj_qkvz.weight"), state.pop("in_proj_ba.weight")])
+    state["in_proj.weight"] = torch.full_like(stored, float("nan"))
+    state["in_proj.weight"][list(in_proj_rows(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                              cfg.linear_key_head_dim, cfg.linear_value_head_dim))] = stored
+    assert not state["in_proj.weight"].isnan().any()  # every native row filled once
     ours.load_state_dict(state)
     return cfg, hf, ours
 

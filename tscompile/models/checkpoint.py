@@ -57,12 +57,14 @@ class CheckpointInfo:
 class _Target:
     """Rows ``[start, stop)`` of a native parameter that one checkpoint tensor fills; ``source``
     (dim, start, stop): the slice of the stored tensor read (a tensor-parallel rank's share), or None
-    for the whole tensor."""
+    for the whole tensor; ``rows``: where a native layout orders the rows otherwise, the row of
+    ``[start, stop)`` (counted from ``start``) that each stored row lands in."""
 
     param: str
     start: int
     stop: int
     source: tuple[int, int, int] | None = None
+    rows: tuple[int, ...] | None = None
 
 
 def is_checkpoint_dir(x) -> bool:
@@ -280,7 +282,11 @@ def fill_weights(model: Transformer, plan: dict[str, _Target], files: dict[str, 
                 for name in names:
                     target = plan[name]
                     src = _read_slice(f, name, target.source)
-                    params[target.param][target.start:target.stop].copy_(src)
+                    dest = params[target.param][target.start:target.stop]
+                    if target.rows is None:
+                        dest.copy_(src)
+                    else:
+                        dest[torch.tensor(target.rows, device=dest.device)] = src.to(dest.device, dest.dtype)
                     read += src.numel() * src.element_size()
                     bar.update()
     return read

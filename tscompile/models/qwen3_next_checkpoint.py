@@ -1,7 +1,7 @@
 """A transformers ``Qwen3NextForCausalLM`` checkpoint (model_type ``qwen3_next``) -> the native hybrid
 model: its ``config.json`` read into a ``Qwen3NextConfig`` (mixture-of-experts layers refused) and
 the plan of where each stored tensor lands (q/gate, k and v fused into ``wqkv``, gate/up into
-``w13``, in_proj_qkvz and in_proj_ba into ``in_proj``; the other linear-attention tensors load under
+``w13``, in_proj_qkvz and in_proj_ba into ``in_proj`` (rows regrouped per kind); the other linear-attention tensors load under
 their own names). The way back for the config:
 ``hf_qwen3_next_config``, transformers' ``Qwen3NextConfig`` of a native one."""
 
@@ -13,12 +13,12 @@ from tscompile.models.hf_config import _required, architecture_of, model_config_
 from tscompile.models.hf_save import hf_rope_parameters
 from tscompile.models.llama import ModelConfig
 from tscompile.models.qwen3_next import Qwen3NextConfig
-from tscompile.models.qwen3_next_linear import check_dense
+from tscompile.models.qwen3_next_linear import check_dense, in_proj_rows
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
 # the linear-attention tensors stored and native under the same name below ``linear_attn.``; the two
-# input projections go into one native ``in_proj`` (qkvz rows, then ba rows)
+# input projections go into one native ``in_proj``, their rows regrouped (``qwen3_next_linear.in_proj_rows``)
 LINEAR_TENSORS = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 
 
@@ -97,6 +97,8 @@ def qwen3_next_weight_plan(cfg: Qwen3NextConfig, target) -> dict:
     value_dim, hv = cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_num_value_heads
     qkvz = 2 * key_dim + 2 * value_dim
     linear_rows = dict(zip(LINEAR_TENSORS, (2 * key_dim + value_dim, hv, hv, cfg.linear_value_head_dim, cfg.dim)))
+    native_rows = in_proj_rows(cfg.linear_num_key_heads, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    qkvz_rows, ba_rows = native_rows[:qkvz], native_rows[qkvz:]
     plan = {
         "model.embed_tokens.weight": target("tok_embeddings.weight", 0, cfg.vocab_size),
         "model.norm.weight": target("norm.weight", 0, cfg.dim),
@@ -109,8 +111,9 @@ def qwen3_next_weight_plan(cfg: Qwen3NextConfig, target) -> dict:
             for name, rows in linear_rows.items():
                 plan[f"{hf}linear_attn.{name}"] = target(f"{nat}linear_attn.{name}", 0, rows)
             in_proj = f"{nat}linear_attn.in_proj.weight"
-            plan[f"{hf}linear_attn.in_proj_qkvz.weight"] = target(in_proj, 0, qkvz)
-            plan[f"{hf}linear_attn.in_proj_ba.weight"] = target(in_proj, qkvz, qkvz + 2 * hv)
+            plan[f"{hf}linear_attn.in_proj_qkvz.weight"] = target(in_proj, 0, qkvz, rows=qkvz_rows)
+            plan[f"{hf}linear_attn.in_proj_ba.weight"] = target(in_proj, qkvz, qkvz + 2 * hv,
+                                                                rows=tuple(r - qkvz for r in ba_rows))
         else:
             attn = f"{nat}attention."
             plan[f"{hf}self_attn.q_proj.weight"] = target(f"{attn}wqkv.weight", 0, 2 * q)

@@ -3,8 +3,12 @@ that keep the Qwen3-Next family dense.
 
 The layer's parameters carry transformers' names (``conv1d``, ``dt_bias``, ``A_log``, ``norm``,
 ``out_proj``), so a checkpoint's ``linear_attn`` tensors load into it unchanged, except the two input
-projections: ``in_proj`` holds ``in_proj_qkvz`` then ``in_proj_ba`` (both read the layer's input, so
-one matmul runs them, as ``wqkv`` does for attention). Rows are flat and request-major like every tscompile model; the per-request
+projections: one ``in_proj`` runs both (they read the same input, as ``wqkv`` does for attention),
+its rows grouped by kind, ``[q | k | v | z | b | a]``, each kind's heads in order. The checkpoint
+interleaves them per key head (``[q, k, v-group, z-group]`` and ``[b-group, a-group]``);
+``in_proj_rows`` maps one layout to the other at load time, so that in a step the convolution's
+input ``[q | k | v]`` is one column range of the projection's output, read in place, not gathered
+by a copy. Rows are flat and request-major like every tscompile model; the per-request
 state lives in a ``StatePool`` (``kv_cache/state_pool.py``) at the step's ``state_slots``.
 """
 
@@ -48,6 +52,22 @@ def state_spec(hf_config) -> StateSpec:
                      hf_config.linear_num_value_heads, hf_config.linear_key_head_dim, hf_config.linear_value_head_dim)
 
 
+def in_proj_rows(hk: int, hv: int, dk: int, dv: int) -> tuple[int, ...]:
+    """The native ``in_proj`` row of each stored row, stored rows in checkpoint order:
+    ``in_proj_qkvz`` (per key head: q, k, its ``hv / hk`` value heads' v, then their z), then
+    ``in_proj_ba`` (per key head: its value heads' b, then their a)."""
+    group = hv // hk
+    key_dim, value_dim = hk * dk, hv * dv
+    starts = {"q": 0, "k": key_dim, "v": 2 * key_dim, "z": 2 * key_dim + value_dim,
+              "b": 2 * key_dim + 2 * value_dim, "a": 2 * key_dim + 2 * value_dim + hv}
+    rows: list[int] = []
+    for kinds, sizes in (("qkvz", (dk, dk, group * dv, group * dv)), ("ba", (group, group))):
+        for h in range(hk):
+            for kind, size in zip(kinds, sizes):
+                rows.extend(range(starts[kind] + h * size, starts[kind] + (h + 1) * size))
+    return tuple(rows)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of the core output, then a SiLU gate from ``z`` (norm before gate, as the model)."""
 
@@ -77,30 +97,18 @@ class GatedDeltaNet(nn.Module):
         # a plain Conv1d so the checkpoint's conv1d.weight [C, 1, K] loads as is
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
                                 padding=width - 1)
-        self.qkvz_dim = 2 * self.key_dim + 2 * self.value_dim
-        self.in_proj = nn.Linear(c.hidden_size, self.qkvz_dim + 2 * self.hv, bias=False)  # [qkvz; ba]
+        self.in_proj = nn.Linear(c.hidden_size, self.conv_dim + self.value_dim + 2 * self.hv, bias=False)  # [qkv|z|b|a]
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """The checkpoint's interleaved layout: per key head, ``[q, k, v-group, z-group]`` and
-        ``[b-group, a-group]`` (``group = Hv / Hk`` value heads per key head)."""
-        t, group = qkvz.shape[0], self.hv // self.hk
-        qkvz = qkvz.view(t, self.hk, 2 * self.dk + 2 * group * self.dv)
-        q, k, v, z = qkvz.split([self.dk, self.dk, group * self.dv, group * self.dv], dim=-1)
-        b, a = ba.view(t, self.hk, 2 * group).split([group, group], dim=-1)
-        return (q.reshape(t, self.key_dim), k.reshape(t, self.key_dim), v.reshape(t, self.value_dim),
-                z.reshape(t, self.hv, self.dv), b.reshape(t, self.hv), a.reshape(t, self.hv))
-
     def forward(self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, state_slots: torch.Tensor,
                 cu_seqlens: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
         """``x: [T, hidden]`` packed rows -> ``[T, hidden]``; reads and writes the slots in place."""
         t = x.shape[0]
-        q, k, v, z, b, a = self._split(*self.in_proj(x).split([self.qkvz_dim, 2 * self.hv], dim=-1))
-        mixed = torch.cat([q, k, v], dim=-1)
-        conv_out = torch.empty_like(mixed)
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+        conv_out = torch.empty(t, self.conv_dim, dtype=x.dtype, device=x.device)
         torch.ops.tscompile.causal_conv1d(mixed, self.conv1d.weight[:, 0], None, conv_pool, state_slots, cu_seqlens,
                                           has_state, conv_out, self.impl, "silu")
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -111,4 +119,4 @@ class GatedDeltaNet(nn.Module):
                                              v.reshape(t, self.hv, self.dv), g, beta, ssm_pool, state_slots,
                                              cu_seqlens, has_state, core, self.impl, True,
                                              CHUNK_SIZE if self.impl == "torch" else self.triton_chunk)
-        return self.out_proj(self.norm(core, z).reshape(t, self.value_dim))
+        return self.out_proj(self.norm(core, z.view(t, self.hv, self.dv)).reshape(t, self.value_dim))
