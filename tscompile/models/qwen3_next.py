@@ -28,7 +28,7 @@ from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.kv_cache.state_pool import StatePool, StateSpec
 from tscompile.models.llama import MLP, ModelConfig, Transformer, apply_rope, rope_frequencies, rope_tables
 from tscompile.models.parallel import TensorParallel, embedding, lm_head
-from tscompile.models.qwen3_next_linear import GatedDeltaNet, state_spec
+from tscompile.models.qwen3_next_linear import GatedDeltaNet, in_proj_rows, state_spec
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -244,9 +244,20 @@ class Qwen3NextTransformer(Transformer):
                     p.zero_()
                 elif name.endswith("A_log"):
                     p.copy_((1 + 15 * torch.rand(p.shape, generator=gen, device=p.device)).log())
+                elif name.endswith("linear_attn.in_proj.weight"):  # drawn in the checkpoint's row order
+                    p[self._in_proj_rows] = torch.randn(p.shape, generator=gen, device=p.device) * std
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
         return self
+
+    @property
+    def _in_proj_rows(self) -> torch.Tensor:
+        """Where each row of a checkpoint's linear-attention input projections lands in ``in_proj``:
+        a seed gives the same model whichever layout the rows are kept in."""
+        c = self.config
+        rows = in_proj_rows(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                            c.linear_value_head_dim)
+        return torch.tensor(rows, device=self.tok_embeddings.weight.device)
 
 
 # Random-weight presets (registered into ``llama.PRESETS`` by ``tscompile.models``). The 1B shape is
