@@ -107,7 +107,8 @@ def test_kernel_tables_profile_the_plain_and_the_verify_steps(tmp_path, monkeypa
     assert cli.main(["--model", "llama-tiny", "--device", "cpu", "--speculative", "replay",
                      "--num-speculative-tokens", "2", "--spec-requests", "1", "--output-len", "8",
                      "--attention-backends", "torch", "--kernel-table", "--kernel-table-steps", "2",
-                     "--kernel-table-top", "40", "--output-json", str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")]) == 0
+                     "--kernel-table-top", "40", "--output-json", str(tmp_path / "r.json"),
+                     "--output-md", str(tmp_path / "r.md")]) == 0
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["plain", "replay"]
     for r in rows:

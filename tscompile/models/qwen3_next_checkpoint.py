@@ -1,8 +1,8 @@
 """A transformers ``Qwen3NextForCausalLM`` checkpoint (model_type ``qwen3_next``) -> the native hybrid
 model: its ``config.json`` read into a ``Qwen3NextConfig`` (mixture-of-experts layers refused) and
 the plan of where each stored tensor lands (q/gate, k and v fused into ``wqkv``, gate/up into
-``w13``, in_proj_qkvz and in_proj_ba into ``in_proj`` (rows regrouped per kind); the other linear-attention tensors load under
-their own names). The way back for the config:
+``w13``, in_proj_qkvz and in_proj_ba into ``in_proj``, its rows regrouped by kind; the other
+linear-attention tensors load under their own names). The way back for the config:
 ``hf_qwen3_next_config``, transformers' ``Qwen3NextConfig`` of a native one."""
 
 from __future__ import annotations
