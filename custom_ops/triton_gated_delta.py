@@ -14,11 +14,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv, offs_k, offs_v, mask_k, mask_v,
-                   stride_ss, stride_sh, stride_sk):
-    """Request ``req``'s rows ``[lo, hi)`` and its ``[BLOCK_K, BLOCK_V]`` state slice of value head
-    ``hv`` in float32, with the slice's offsets and mask for the write-back. A request that starts
-    fresh gets zeros, whatever its slot held."""
+def _program_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk,
+                   GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    """What program (request, value head, value block) works on: its key head, key and value
+    offsets and masks, the request's rows ``[lo, hi)`` and its ``[BLOCK_K, BLOCK_V]`` state slice in
+    float32, with the slice's offsets and mask for the write-back. A request that starts fresh gets
+    zeros, whatever its slot held."""
+    req = tl.program_id(0)
+    hv = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
     lo = tl.load(cu_ptr + req).to(tl.int64)
     hi = tl.load(cu_ptr + req + 1).to(tl.int64)
     slot = tl.load(slots_ptr + req).to(tl.int64)
@@ -26,7 +34,8 @@ def _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv, offs_k,
     state_offs = slot * stride_ss + hv * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     state_mask = mask_k[:, None] & mask_v[None, :]
     state = tl.load(state_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    return lo, hi, tl.where(keep, state, 0.0), state_offs, state_mask
+    return (hv, hv // GROUP, offs_k, offs_v, mask_k, mask_v, lo, hi, tl.where(keep, state, 0.0), state_offs,
+            state_mask)
 
 
 @triton.jit
@@ -35,17 +44,8 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
                         stride_ot, stride_oh,
                         stride_ss, stride_sh, stride_sk, scale, GROUP: tl.constexpr, DK: tl.constexpr,
                         DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
-    req = tl.program_id(0)
-    hv = tl.program_id(1)
-    vblock = tl.program_id(2)
-    hk = hv // GROUP
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
-    lo, hi, state, state_offs, state_mask = _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv,
-                                                           offs_k, offs_v, mask_k, mask_v, stride_ss, stride_sh,
-                                                           stride_sk)
+    hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
+        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
     for t in range(lo, hi):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -75,22 +75,27 @@ def _unit_stride(*tensors):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm):
+def _launch(kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm, block_k, block_v,
+            **meta):
+    """One program per (request, value head, ``block_v`` value columns) of either gated delta kernel."""
     num_reqs = state_slots.shape[0]
     if num_reqs == 0:
         return
-    _, hk, dk = q.shape
+    hk, dk = q.shape[1], q.shape[2]
     hv, dv = v.shape[1], v.shape[2]
     q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
-    block_k = triton.next_power_of_2(dk)
-    block_v = min(triton.next_power_of_2(dv), 64)
-    grid = (num_reqs, hv, triton.cdiv(dv, block_v))
-    _gated_delta_kernel[grid](
+    kernel[(num_reqs, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
-        GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=qk_l2norm)
+        GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=qk_l2norm, **meta)
+
+
+def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm):
+    dk, dv = q.shape[2], v.shape[2]
+    _launch(_gated_delta_kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
+            triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), 64))
 
 
 @triton.jit
@@ -168,18 +173,9 @@ def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, s
     (I + A) is inverted as (I - A)(I + A^2)(I + A^4)...: A is strictly lower triangular, so A^C = 0
     and the product of LOG2_C factors is the exact inverse, in matrix products only. Rows past the
     request's end load as zero with beta = 0 and g = 0: they change neither the state nor the decay."""
-    req = tl.program_id(0)
-    hv = tl.program_id(1)
-    vblock = tl.program_id(2)
-    hk = hv // GROUP
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
+    hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
+        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
     offs_c = tl.arange(0, C)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
-    lo, hi, state, state_offs, state_mask = _request_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, req, hv,
-                                                           offs_k, offs_v, mask_k, mask_v, stride_ss, stride_sh,
-                                                           stride_sk)
     lower = offs_c[:, None] >= offs_c[None, :]
     strict = offs_c[:, None] > offs_c[None, :]
     eye = (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
@@ -236,19 +232,7 @@ def gated_delta_chunked_triton(q, k, v, g, beta, state_pool, state_slots, cu_seq
     if chunk_size != CHUNK_ROWS:
         raise ValueError(f"tscompile: the chunked gated delta kernel takes chunks of {CHUNK_ROWS} rows, got "
                          f"{chunk_size}; pass {CHUNK_ROWS}, or 0 to walk the tokens")
-    num_reqs = state_slots.shape[0]
-    if num_reqs == 0:
-        return
-    _, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
-    block_k = max(16, triton.next_power_of_2(dk))
-    block_v = max(16, min(triton.next_power_of_2(dv), 64))
-    grid = (num_reqs, hv, triton.cdiv(dv, block_v))
-    _gated_delta_chunk_kernel[grid](
-        q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        out.stride(0), out.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
-        GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, C=chunk_size,
-        LOG2_C=chunk_size.bit_length() - 1, L2NORM=qk_l2norm)
+    dk, dv = q.shape[2], v.shape[2]
+    _launch(_gated_delta_chunk_kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
+            qk_l2norm, max(16, triton.next_power_of_2(dk)), max(16, min(triton.next_power_of_2(dv), 64)),
+            C=chunk_size, LOG2_C=chunk_size.bit_length() - 1)

@@ -122,15 +122,16 @@ def test_gated_delta_state_split_across_calls_equals_one_call(chunk, device):
 
 @pytest.mark.parametrize("chunk", [0, 16], ids=["triton-walk", "triton-chunked"])
 def test_the_triton_gated_delta_reads_column_views_of_one_projection(chunk, device):
-    """q, k, v and beta as the model hands them: column slices of one packed projection output (three
-    more columns past them); the kernel reads them in place and gives the bits it gives on
-    contiguous copies."""
+    """q, v and beta as the model hands them: column slices of one packed projection output (three
+    more columns past them), and k from another buffer with its own row stride; the kernel reads
+    each with its own strides in place and gives the bits it gives on contiguous copies."""
     q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(5 + chunk, [9, 1, 21], [True, False, False])
     t, (hk, dk), (hv, dv) = q.shape[0], q.shape[1:], v.shape[1:]
-    widths = [hk * dk, hk * dk, hv * dv, hv, 3]
-    packed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1), beta, torch.randn(t, 3)], dim=1).to(device)
-    pq, pk, pv, pbeta, _ = packed.split(widths, dim=1)
+    packed = torch.cat([q.flatten(1), v.flatten(1), beta, torch.randn(t, 3)], dim=1).to(device)
+    pq, pv, pbeta, _ = packed.split([hk * dk, hv * dv, hv, 3], dim=1)
+    pk = torch.cat([torch.randn(t, 5), k.flatten(1)], dim=1).to(device)[:, 5:]
     views = (pq.view(t, hk, dk), pk.view(t, hk, dk), pv.view(t, hv, dv), pbeta)
+    assert views[0].stride() != views[1].stride()
     assert not any(x.is_contiguous() for x in views)
     results = []
     for qkvb in (_on(device, q, k, v, beta), views):

@@ -235,7 +235,11 @@ class Qwen3NextTransformer(Transformer):
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3NextTransformer":
         """Seeded random weights: matrices ``N(0, std)``, norms at one (offset norms at zero), the
         decay parameters as transformers initialises them (``A`` uniform in [1, 16], ``dt_bias`` one)."""
-        gen = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
+        device = self.tok_embeddings.weight.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        c = self.config  # in_proj is drawn in the checkpoint's row order: a seed gives one model in either layout
+        rows = torch.tensor(in_proj_rows(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                                         c.linear_value_head_dim), device=device)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
@@ -244,20 +248,11 @@ class Qwen3NextTransformer(Transformer):
                     p.zero_()
                 elif name.endswith("A_log"):
                     p.copy_((1 + 15 * torch.rand(p.shape, generator=gen, device=p.device)).log())
-                elif name.endswith("linear_attn.in_proj.weight"):  # drawn in the checkpoint's row order
-                    p[self._in_proj_rows] = torch.randn(p.shape, generator=gen, device=p.device) * std
+                elif name.endswith("linear_attn.in_proj.weight"):
+                    p[rows] = torch.randn(p.shape, generator=gen, device=p.device) * std
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
         return self
-
-    @property
-    def _in_proj_rows(self) -> torch.Tensor:
-        """Where each row of a checkpoint's linear-attention input projections lands in ``in_proj``:
-        a seed gives the same model whichever layout the rows are kept in."""
-        c = self.config
-        rows = in_proj_rows(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                            c.linear_value_head_dim)
-        return torch.tensor(rows, device=self.tok_embeddings.weight.device)
 
 
 # Random-weight presets (registered into ``llama.PRESETS`` by ``tscompile.models``). The 1B shape is
