@@ -192,9 +192,10 @@ def add_parser(sub) -> None:
     px = p.add_argument_group("prefix caching (bench/prefix_workload.py)")
     px.add_argument("--no-prefix-caching", action="store_true",
                     help="the engine modes run without prefix caching (every run starts from an empty cache either way)")
-    px.add_argument("--prefix-workload", choices=["shared", "chat"], default=None,
-                    help="instead of the modes: requests sharing a long prefix (shared) or a multi-turn chat replay "
-                         "(chat), measured with prefix caching off and on: TTFT, prefill time, throughput, hit rate")
+    px.add_argument("--prefix-workload", choices=["shared", "chat", "distinct"], default=None,
+                    help="instead of the modes: requests sharing a long prefix (shared), a multi-turn chat replay "
+                         "(chat), or prompts sharing nothing, one at a time (distinct: what caching costs with no "
+                         "hits), measured with prefix caching off and on: TTFT, prefill time, throughput, hit rate")
     px.add_argument("--prefix-requests", type=int, default=None, help="requests (chats) of --prefix-workload "
                                                                         "(default 32 cuda, 4 cpu)")
     px.add_argument("--prefix-len", type=int, default=None, help="shared prefix tokens (default 2048 cuda, 64 cpu)")

@@ -1,5 +1,6 @@
-"""``tscompile bench --prefix-workload shared|chat``: what prefix caching saves, caching on and off in
-one run on one engine (its compiled graphs serve both; switching caching off forgets the cache).
+"""``tscompile bench --prefix-workload shared|chat|distinct``: what prefix caching saves, and what it
+costs where nothing hits, caching on and off in one run on one engine (its compiled graphs serve both;
+switching caching off forgets the cache).
 
 - ``shared``: ``--prefix-requests`` requests (default 32; 4 on the CPU) submitted together, each a
   ``--prefix-len``-token shared prefix (2048; 64) and ``--prefix-suffix-len`` tokens of its own (64; 8).
@@ -7,6 +8,12 @@ one run on one engine (its compiled graphs serve both; switching caching off for
   system prompt), ``--chat-turns`` turns (4; 2), each turn's prompt the whole history so far (the
   previous turns' prompts and the model's own replies) plus a new ``--prefix-suffix-len``-token user
   message; each turn's chats are submitted together once the previous turn finished.
+- ``distinct``: no shared tokens, so no hits: ``--prefix-requests`` prompts of ``--prefix-len`` +
+  ``--prefix-suffix-len`` tokens each its own, submitted one at a time (each runs to its last token
+  before the next is submitted), so every prefill is a step of its own. Per request it also records
+  the host's time from the submit until the step that launched its prefill returned (hashing, lookup
+  and admission run there), and the settings alternate off, on, off, on: each setting's figures are
+  over both of its passes, so a drift of the machine during the run falls on both alike.
 
 Each setting runs once unmeasured (compiles and graph captures), then measured from an empty cache.
 Per setting: mean and median TTFT (submit to the first token read back on the host, per request),
@@ -28,7 +35,8 @@ from . import environment, report
 from .report import machine_line
 from .workloads import Timer
 
-PREFIX_WORKLOADS = ("shared", "chat")
+PREFIX_WORKLOADS = ("shared", "chat", "distinct")
+DISTINCT_ROUNDS = 2  # off, on, off, on: each setting measured twice, interleaved
 
 
 def _tokens(rng: torch.Generator, n: int, vocab: int) -> list[int]:
@@ -40,6 +48,13 @@ def shared_prefix_prompts(seed: int, vocab: int, num_requests: int, prefix_len: 
     rng = torch.Generator().manual_seed(seed)
     prefix = _tokens(rng, prefix_len, vocab)
     return [prefix + _tokens(rng, suffix_len, vocab) for _ in range(num_requests)]
+
+
+def distinct_prompts(seed: int, vocab: int, num_requests: int, length: int) -> list[list[int]]:
+    """``num_requests`` random prompts of ``length`` tokens, each its own (no shared first block: a
+    repeated first token pair would be a 1-in-vocab**block chance)."""
+    rng = torch.Generator().manual_seed(seed + 2)
+    return [_tokens(rng, length, vocab) for _ in range(num_requests)]
 
 
 def chat_user_turns(seed: int, vocab: int, num_chats: int, turns: int, system_len: int,
@@ -88,6 +103,31 @@ def _run_batch(llm, prompts: list[list[int]], output_len: int, device: torch.dev
             "outputs": [list(r.output) for r in reqs]}
 
 
+def _run_one_by_one(llm, prompts: list[list[int]], output_len: int, device: torch.device) -> dict:
+    """Submit ``prompts`` one at a time, each run to its last token: per-request TTFT, the host's time
+    until its prefill's step returned, and the prefill and wall time."""
+    params = llm_params(output_len)
+    ttft, host, prefill_s, outputs = [], [], 0.0, []
+    begin = time.perf_counter()
+    for p in prompts:
+        with Timer(device) as t:
+            start = time.perf_counter()
+            req = llm.add_request(p, params)
+            llm.step()  # admits it and launches its prefill (an idle engine has nothing in flight)
+            host.append(time.perf_counter() - start)
+            while not req.output:
+                llm.step()
+            ttft.append(time.perf_counter() - start)
+        prefill_s += t.seconds
+        while llm.has_unfinished():
+            llm.step()
+        outputs.append(list(req.output))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"ttft_s": ttft, "host_launch_s": host, "prefill_s": prefill_s, "wall_s": time.perf_counter() - begin,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(map(len, outputs)), "outputs": outputs}
+
+
 def llm_params(output_len: int):
     from tscompile import SamplingParams
 
@@ -97,7 +137,10 @@ def llm_params(output_len: int):
 def run_workload(llm, workload: str, args: argparse.Namespace, vocab: int, device: torch.device) -> dict:
     """One pass of ``workload``: its batches' figures summed (TTFT per request over every batch)."""
     batches = []
-    if workload == "shared":
+    if workload == "distinct":
+        prompts = distinct_prompts(args.seed, vocab, args.prefix_requests, args.prefix_len + args.prefix_suffix_len)
+        batches.append(_run_one_by_one(llm, prompts, args.output_len, device))
+    elif workload == "shared":
         prompts = shared_prefix_prompts(args.seed, vocab, args.prefix_requests, args.prefix_len, args.prefix_suffix_len)
         batches.append(_run_batch(llm, prompts, args.output_len, device))
     else:
@@ -112,21 +155,26 @@ def run_workload(llm, workload: str, args: argparse.Namespace, vocab: int, devic
     ttft = [x for b in batches for x in b["ttft_s"]]
     wall = sum(b["wall_s"] for b in batches)
     tokens = sum(b["prompt_tokens"] + b["output_tokens"] for b in batches)
+    host = [x for b in batches for x in b.get("host_launch_s", ())]
     return {"ttft_ms_mean": statistics.mean(ttft) * 1e3, "ttft_ms_median": statistics.median(ttft) * 1e3,
+            "host_launch_ms_median": statistics.median(host) * 1e3 if host else None,
+            "host_launch_ms": [x * 1e3 for x in host], "ttft_ms": [x * 1e3 for x in ttft],
             "prefill_ms": sum(b["prefill_s"] for b in batches) * 1e3, "wall_ms": wall * 1e3,
             "tokens_per_s": tokens / wall, "output_tokens_per_s": sum(b["output_tokens"] for b in batches) / wall,
             "prompt_tokens": sum(b["prompt_tokens"] for b in batches), "requests": len(ttft),
             "outputs": [o for b in batches for o in b["outputs"]]}
 
 
-def measure(llm, workload: str, args: argparse.Namespace, vocab: int, device: torch.device, enabled: bool) -> dict:
-    """A warm-up pass, then a measured pass from an empty cache, with caching ``enabled``."""
+def _set_caching(llm, enabled: bool) -> None:
     llm.scheduler.set_prefix_caching(False)  # forgets the cache
     if enabled and not llm.scheduler.set_prefix_caching(True):
         raise ValueError("tscompile: this model's cache cannot be prefix-cached (a narrowed cache group)")
-    run_workload(llm, workload, args, vocab, device)
-    llm.scheduler.set_prefix_caching(False)
-    llm.scheduler.set_prefix_caching(enabled)
+
+
+def _measured_pass(llm, workload: str, args: argparse.Namespace, vocab: int, device: torch.device,
+                   enabled: bool) -> dict:
+    """One pass from an empty cache with caching ``enabled``, with its cache counters."""
+    _set_caching(llm, enabled)
     before = llm.stats()
     row = run_workload(llm, workload, args, vocab, device)
     after = llm.stats()
@@ -137,18 +185,63 @@ def measure(llm, workload: str, args: argparse.Namespace, vocab: int, device: to
     return row
 
 
+def measure(llm, workload: str, args: argparse.Namespace, vocab: int, device: torch.device, enabled: bool) -> dict:
+    """A warm-up pass, then a measured pass from an empty cache, with caching ``enabled``."""
+    _set_caching(llm, enabled)
+    run_workload(llm, workload, args, vocab, device)
+    return _measured_pass(llm, workload, args, vocab, device, enabled)
+
+
+def _merge_passes(passes: list[dict]) -> dict:
+    """One setting's row from its interleaved passes: per-request figures pooled, totals summed."""
+    ttft = [x for p in passes for x in p["ttft_ms"]]
+    host = [x for p in passes for x in p["host_launch_ms"]]
+    row = dict(passes[0], ttft_ms=ttft, outputs=[o for p in passes for o in p["outputs"]])
+    for key in ("prefill_ms", "wall_ms", "prompt_tokens", "requests", "hit_tokens", "queried_tokens", "preemptions"):
+        row[key] = sum(p[key] for p in passes)
+    wall_s = row["wall_ms"] / 1e3
+    tokens = sum(p["prompt_tokens"] + sum(map(len, p["outputs"])) for p in passes)
+    row.update(ttft_ms_mean=statistics.mean(ttft), ttft_ms_median=statistics.median(ttft),
+               host_launch_ms=host, host_launch_ms_median=statistics.median(host), tokens_per_s=tokens / wall_s,
+               output_tokens_per_s=sum(sum(map(len, p["outputs"])) for p in passes) / wall_s,
+               hit_rate=row["hit_tokens"] / row["queried_tokens"] if row["queried_tokens"] else 0.0, passes=len(passes))
+    return row
+
+
+def measure_interleaved(llm, workload: str, args: argparse.Namespace, vocab: int, device: torch.device,
+                        rounds: int = DISTINCT_ROUNDS) -> list[dict]:
+    """Caching off and on, a warm-up pass each, then ``rounds`` measured passes of each, alternating:
+    [off row, on row]."""
+    for enabled in (False, True):
+        _set_caching(llm, enabled)
+        run_workload(llm, workload, args, vocab, device)
+    passes = {False: [], True: []}
+    for _ in range(rounds):
+        for enabled in (False, True):
+            passes[enabled].append(_measured_pass(llm, workload, args, vocab, device, enabled))
+    return [_merge_passes(passes[enabled]) for enabled in (False, True)]
+
+
 def markdown(result: dict) -> str:
     rows = result["rows"]
+    host = all(r.get("host_launch_ms_median") is not None for r in rows)
     lines = [f"## Prefix caching: `{result['workload']}` workload ({result['model']}, {result['device']}, "
              f"{result['dtype']}, attention={result['attention_backend']})", "",
              machine_line(result), "", f"{result['shape']}", "",
-             "| prefix caching | TTFT mean ms | TTFT median ms | prefill ms | wall ms | tokens/s | output tok/s | "
-             "hit rate | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
+             "| prefix caching | TTFT mean ms | TTFT median ms | " + ("host until launch ms (median) | " if host else "")
+             + "prefill ms | wall ms | tokens/s | output tok/s | hit rate | preemptions |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if host else "")]
     for r in rows:
-        lines.append(f"| {'on' if r['prefix_caching'] else 'off'} | {r['ttft_ms_mean']:.1f} | {r['ttft_ms_median']:.1f} | "
-                     f"{r['prefill_ms']:.1f} | {r['wall_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {'on' if r['prefix_caching'] else 'off'} | {r['ttft_ms_mean']:.3f} | {r['ttft_ms_median']:.3f} | "
+                     + (f"{r['host_launch_ms_median']:.3f} | " if host else "")
+                     + f"{r['prefill_ms']:.1f} | {r['wall_ms']:.1f} | {r['tokens_per_s']:.0f} | "
                      f"{r['output_tokens_per_s']:.0f} | {r['hit_rate']:.1%} | {r['preemptions']} |")
     on, off = (next(r for r in rows if r["prefix_caching"] is v) for v in (True, False))
+    if host:
+        lines += ["", f"on/off: host until launch {on['host_launch_ms_median'] / off['host_launch_ms_median']:.3f}, "
+                      f"TTFT median {on['ttft_ms_median'] / off['ttft_ms_median']:.3f}, prefill time "
+                      f"{on['prefill_ms'] / off['prefill_ms']:.3f} ({on.get('passes', 1)} interleaved passes of each "
+                      f"setting, medians over their requests)"]
     if on["prefill_ms"] > 0:
         lines += ["", f"prefill time off/on: {off['prefill_ms'] / on['prefill_ms']:.2f}x; TTFT mean off/on: "
                       f"{off['ttft_ms_mean'] / on['ttft_ms_mean']:.2f}x; greedy outputs equal: {result['outputs_equal']}"]
@@ -173,11 +266,16 @@ def run(args: argparse.Namespace) -> int:
                         max_num_seqs=args.prefix_requests, max_model_len=-(-longest // page) * page, page_size=page,
                         max_num_batched_tokens=args.max_num_batched_tokens or (8192 if gpu else 256), seed=args.seed,
                         compile_options=args.tscompile_options)
-    rows = [measure(llm, args.prefix_workload, args, vocab, device, enabled) for enabled in (False, True)]
+    if args.prefix_workload == "distinct":
+        rows = measure_interleaved(llm, args.prefix_workload, args, vocab, device)
+        shape = (f"{args.prefix_requests} requests one at a time, {args.prefix_len + args.prefix_suffix_len} tokens "
+                 f"each with no token shared, {args.output_len} new tokens each")
+    else:
+        rows = [measure(llm, args.prefix_workload, args, vocab, device, enabled) for enabled in (False, True)]
+        shape = (f"{args.prefix_requests} {'requests' if args.prefix_workload == 'shared' else 'chats'}, "
+                 f"{args.prefix_len}-token shared prefix, {args.prefix_suffix_len} own tokens"
+                 f"{f' per turn, {turns} turns' if turns > 1 else ''}, {args.output_len} new tokens each")
     outputs_equal = rows[0].pop("outputs") == rows[1].pop("outputs")
-    shape = (f"{args.prefix_requests} {'requests' if args.prefix_workload == 'shared' else 'chats'}, "
-             f"{args.prefix_len}-token shared prefix, {args.prefix_suffix_len} own tokens"
-             f"{f' per turn, {turns} turns' if turns > 1 else ''}, {args.output_len} new tokens each")
     result = {"date": report.now_iso(), "env": environment.environment(device),
               "workload": args.prefix_workload, "model": args.model, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "attention_backend": type(llm.attention.leaves[0]).__name__,

@@ -54,3 +54,32 @@ def test_the_workload_flags_are_refused_below_one():
     args = _args(prefix_requests=0, prefix_len=None, prefix_suffix_len=None, chat_turns=None, output_len=None)
     with pytest.raises(ValueError, match="tscompile: --prefix-requests 0 must be >= 1"):
         prefix_workload._fill_defaults(args, gpu=False)
+
+
+def test_distinct_prompts_share_no_first_block():
+    prompts = prefix_workload.distinct_prompts(0, 500, 6, 9)
+    assert len({tuple(p[:4]) for p in prompts}) == 6 and all(len(p) == 9 for p in prompts)
+
+
+def test_the_distinct_workload_alternates_the_settings_and_never_hits(llm, monkeypatch):
+    args = _args(prefix_requests=3, prefix_len=6, prefix_suffix_len=3)
+    settings = []  # caching on or off at each pass: warm-ups, then the measured passes
+    run_workload = prefix_workload.run_workload
+
+    def recording(llm, *a):
+        settings.append(llm.prefix_caching)
+        return run_workload(llm, *a)
+
+    monkeypatch.setattr(prefix_workload, "run_workload", recording)
+    off, on = prefix_workload.measure_interleaved(llm, "distinct", args, llm.config.vocab_size, llm.device)
+    assert settings == [False, True] * (1 + prefix_workload.DISTINCT_ROUNDS)
+    assert not off["prefix_caching"] and on["prefix_caching"]
+    assert off["hit_tokens"] == on["hit_tokens"] == 0 and on["queried_tokens"] == 2 * 3 * 9
+    assert off["outputs"] == on["outputs"] and len(on["outputs"]) == 2 * 3
+    assert len(on["host_launch_ms"]) == len(on["ttft_ms"]) == 2 * 3 and on["passes"] == 2
+    assert all(0 < h <= t for h, t in zip(on["host_launch_ms"], on["ttft_ms"]))
+    assert_idle(llm, "distinct")
+    on.pop("outputs"), off.pop("outputs")
+    md = prefix_workload.markdown({"workload": "distinct", "model": "llama-tiny", "device": "cpu", "dtype": "float32",
+                                   "attention_backend": "torch", "shape": "-", "rows": [off, on], "outputs_equal": True})
+    assert "host until launch ms (median)" in md and "on/off: host until launch" in md
