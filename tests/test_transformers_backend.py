@@ -244,6 +244,26 @@ def test_remote_code_is_refused(checkpoints, tmp_path):
         engine(edited)
 
 
+KIMI_LINEAR = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, linear_head_dim=16,
+                   linear_num_heads=4, num_experts=4, num_experts_per_token=2, moe_intermediate_size=32,
+                   num_key_value_heads=4, layer_types=["linear_attention", "full_attention"],
+                   mlp_layer_types=["dense", "dense"])
+
+
+@pytest.mark.skipif(not hasattr(transformers, "KimiLinearConfig"), reason="this transformers has no Kimi Linear")
+def test_kimi_linear_is_refused_for_its_delta_layers_then_for_its_latent_attention(tmp_path):
+    """Kimi Linear (docs/transformers_backend.md says what it would need): its Kimi Delta Attention
+    layers keep their state in transformers' cache, which the backend does not run; with those
+    layers made full attention, its MLA layers' keys (nope + rope) and values differ in size."""
+    _write(("KimiLinearConfig", "KimiLinearForCausalLM", KIMI_LINEAR), tmp_path / "kimi", 0)
+    with pytest.raises(ValueError, match=r"^tscompile: KimiLinearForCausalLM cannot run on the transformers "
+                                         r"backend: it has 'linear_attention' layers"):
+        engine(tmp_path / "kimi")
+    attention_only = _config_edit(tmp_path / "kimi", tmp_path / "mla", layer_types=["full_attention"] * 2)
+    with pytest.raises(ValueError, match=r"^tscompile: KimiLinearForCausalLM .*value head_dim 16 != key head_dim 24"):
+        engine(attention_only, model_impl="transformers")
+
+
 def test_model_impl_values_are_checked(checkpoints):
     with pytest.raises(ValueError, match=r"^tscompile: model_impl must be one of"):
         engine(checkpoints["phi3"][0], model_impl="hf")
