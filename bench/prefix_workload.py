@@ -51,8 +51,8 @@ def shared_prefix_prompts(seed: int, vocab: int, num_requests: int, prefix_len: 
 
 
 def distinct_prompts(seed: int, vocab: int, num_requests: int, length: int) -> list[list[int]]:
-    """``num_requests`` random prompts of ``length`` tokens, each its own (no shared first block: a
-    repeated first token pair would be a 1-in-vocab**block chance)."""
+    """``num_requests`` random prompts of ``length`` tokens, each its own: two of them share a first
+    block (``page_size`` tokens) with a chance of ``vocab ** -page_size``, never in practice."""
     rng = torch.Generator().manual_seed(seed + 2)
     return [_tokens(rng, length, vocab) for _ in range(num_requests)]
 
