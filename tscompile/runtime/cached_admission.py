@@ -37,17 +37,12 @@ class CachedAdmission:
         hit = cache.match(req.chain, req.prefill_tokens, req.prefill_len)
         if cache.would_wait(req.chain, req.prefill_len):
             return False
-        if hit:
-            unheld = sum(1 for b in hit if alloc.ref_count(b) == 0)  # these leave num_free once shared
-            if alloc.num_free - unheld < need - len(hit):
-                return False
-            alloc.share(hit)
-            req.blocks = [hit + alloc.allocate(need - len(hit))]
-        elif alloc.num_free < need:  # no hit (the common case): the plain admission's check
+        unheld = sum(1 for b in hit if alloc.ref_count(b) == 0)  # these leave num_free once shared
+        if alloc.num_free - unheld < need - len(hit):
             return False
-        else:
-            req.blocks = [alloc.allocate(need)]
         req.slot = free_slots.pop()
+        alloc.share(hit)
+        req.blocks = [hit + alloc.allocate(need - len(hit))]
         cached = len(hit) * self.block_size
         cache.count(req.prefill_len, cached)
         if req.num_cached_tokens is None:
@@ -70,9 +65,8 @@ class CachedAdmission:
 
     def _mark_computing(self, r: Request) -> None:
         cache = self.cache
-        if r.computing is not None:
-            cache.unmark(r.computing)
-            r.computing = None
+        cache.unmark(r.computing)
+        r.computing = None
         if r.num_computed < r.prefill_len:
             r.computing = cache.mark_computing(r.chain, r.prefill_tokens, r.prefill_len)
 

@@ -38,12 +38,11 @@ def lookup_continuation(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> n
             best[matched] = back + 1
         if not matched.any():
             break
-    for n in range(longest, min_n - 1, -1):
-        hits = np.flatnonzero(best >= n)
-        if hits.size:
-            start = int(ends[hits[-1]]) + 1  # the most recent occurrence: its continuation is nearest
-            return tokens[start: start + k]
-    return tokens[:0]
+    top = int(best.max())
+    if top == 0:
+        return tokens[:0]
+    start = int(ends[np.flatnonzero(best == top)[-1]]) + 1  # the longest match's most recent occurrence
+    return tokens[start: start + k]
 
 
 class NgramDrafter(Drafter):
