@@ -26,6 +26,12 @@ for prefill) solves a chunk of ``C`` tokens at once: inside a chunk with cumulat
 ``(I + A) delta = beta * v - beta * exp(G) * K S_0`` with ``A_ij = beta_i exp(G_i - G_j) k_i.k_j``
 for ``j < i``; outputs and the state leaving the chunk follow by matrix products.
 
+Speculative decoding runs a verify window of N rows per request through these ops, so the state
+leaves the step having folded in rejected drafts too. Given ``checkpoints``, both ops also store
+the state after each row of a request but its last (the slot keeps the last), and after acceptance
+``commit_state_checkpoints`` writes back, in one launch over every layer, the checkpoint at each
+request's accepted length: rejected rows leave no trace, and nothing is gathered on the host.
+
 Kernels are chosen per call by ``impl`` ("torch" or "triton"), as for attention.
 """
 
@@ -105,7 +111,7 @@ def chunked_reference(q, k, v, g, beta, state, chunk_size: int):
 
 
 def _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
-                       chunk_size):
+                       chunk_size, checkpoints):
     qp, kp = _prepare_qk(q, k, v.shape[1], qk_l2norm)
     bounds = cu_seqlens.tolist()
     slots = state_slots.tolist()
@@ -113,19 +119,26 @@ def _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, ha
     for r, slot in enumerate(slots):
         lo, hi = bounds[r], bounds[r + 1]
         state = torch.zeros_like(state_pool[slot]) if fresh[r] else state_pool[slot]
-        if hi - lo == 1:
+        if checkpoints is not None:  # a verify window: row by row, keeping the state after each row
+            for t in range(lo, hi):
+                o, state = recurrent_reference(qp[t:t + 1], kp[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+                out[t:t + 1] = o.to(out.dtype)
+                if t < hi - 1:
+                    checkpoints[r, t - lo] = state
+        elif hi - lo == 1:
             o, state = recurrent_reference(qp[lo:hi], kp[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state)
+            out[lo:hi] = o.to(out.dtype)
         else:
             o, state = chunked_reference(qp[lo:hi], kp[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state, chunk_size)
-        out[lo:hi] = o.to(out.dtype)
+            out[lo:hi] = o.to(out.dtype)
         state_pool[slot] = state
 
 
-@torch.library.custom_op("tscompile::gated_delta_rule", mutates_args=("state_pool", "out"))
+@torch.library.custom_op("tscompile::gated_delta_rule", mutates_args=("state_pool", "out", "checkpoints"))
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state_pool: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
                      has_state: torch.Tensor, out: torch.Tensor, impl: str, qk_l2norm: bool,
-                     chunk_size: int) -> None:
+                     chunk_size: int, checkpoints: torch.Tensor | None = None) -> None:
     """The gated delta rule over packed rows, continuing each request's state in its slot.
 
     q, k:        [T, Hk, Dk]   model dtype
@@ -136,27 +149,44 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``chunk_size``: the chunk of multi-token requests. The torch form takes any size. Triton: 0 walks
     every request token by token; 16 runs the chunked kernel in a step with more rows than requests
     (a decode step, one row each, still walks: it is one token).
+    checkpoints: [R, W, Hv, Dk, Dv] float32 or None: the state after row ``i`` of request ``r`` at
+    ``[r, i]``, for every row but the request's last (``W`` >= its rows - 1); they always walk.
     """
     _check_impl(impl)
+    _check_checkpoints("gated_delta_rule", checkpoints, state_slots, state_pool.shape[1:])
     if impl == "triton":
         from tscompile.custom_ops.triton_gated_delta import gated_delta_chunked_triton, gated_delta_triton
 
-        if chunk_size and q.shape[0] > state_slots.shape[0]:  # shapes only: the choice holds under capture
+        # shapes only: the choice holds under capture
+        if chunk_size and checkpoints is None and q.shape[0] > state_slots.shape[0]:
             gated_delta_chunked_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
                                        qk_l2norm, chunk_size)
         else:
-            gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm)
+            gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
+                               checkpoints)
     else:
         _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
-                           chunk_size)
+                           chunk_size, checkpoints)
 
 
 @gated_delta_rule.register_fake
-def _(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, impl, qk_l2norm, chunk_size):
+def _(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, impl, qk_l2norm, chunk_size,
+      checkpoints=None):
     return None
 
 
-def _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation):
+def _check_checkpoints(op: str, checkpoints: torch.Tensor | None, state_slots: torch.Tensor, per_slot) -> None:
+    """A checkpoint buffer holds a row per request of the step, each entry shaped as one slot."""
+    if checkpoints is None:
+        return
+    if checkpoints.shape[0] < state_slots.shape[0] or checkpoints.shape[2:] != per_slot \
+            or checkpoints.dtype != torch.float32:
+        raise ValueError(f"tscompile: {op} checkpoints {tuple(checkpoints.shape)} {checkpoints.dtype} do not fit "
+                         f"{state_slots.shape[0]} requests of state {tuple(per_slot)}; pass float32 "
+                         f"[>= {state_slots.shape[0]}, W, {', '.join(map(str, per_slot))}]")
+
+
+def _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation, checkpoints):
     width = weight.shape[1]
     bounds = cu_seqlens.tolist()
     fresh = (~has_state).tolist()
@@ -172,12 +202,15 @@ def _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, 
             y = torch.nn.functional.silu(y)
         out[lo:hi] = y.t().to(out.dtype)
         conv_pool[slot] = inputs[:, inputs.shape[1] - (width - 1):].to(conv_pool.dtype)
+        if checkpoints is not None:  # the window after row i: inputs i + 1 .. i + K - 1
+            for i in range(hi - lo - 1):
+                checkpoints[r, i] = inputs[:, i + 1: i + width]
 
 
-@torch.library.custom_op("tscompile::causal_conv1d", mutates_args=("conv_pool", "out"))
+@torch.library.custom_op("tscompile::causal_conv1d", mutates_args=("conv_pool", "out", "checkpoints"))
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor,
                   state_slots: torch.Tensor, cu_seqlens: torch.Tensor, has_state: torch.Tensor, out: torch.Tensor,
-                  impl: str, activation: str) -> None:
+                  impl: str, activation: str, checkpoints: torch.Tensor | None = None) -> None:
     """Depthwise causal convolution over packed rows, continuing each request's window in its slot.
 
     x, out:      [T, C]       model dtype
@@ -185,19 +218,57 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     conv_pool:   [S, C, K - 1] the last ``K - 1`` inputs per slot, oldest first
     state_slots, cu_seqlens, has_state: as for ``gated_delta_rule``
     ``activation``: "silu" or "none".
+    checkpoints: [R, W, C, K - 1] float32 or None: the window after each row of a request but its
+    last, as for ``gated_delta_rule``.
     """
     _check_impl(impl)
     if activation not in CONV_ACTIVATIONS:
         raise ValueError(f"tscompile: causal_conv1d activation {activation!r} is unknown; "
                          f"known: {list(CONV_ACTIVATIONS)}")
+    _check_checkpoints("causal_conv1d", checkpoints, state_slots, conv_pool.shape[1:])
     if impl == "triton":
         from tscompile.custom_ops.triton_gated_delta import causal_conv1d_triton
 
-        causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation)
+        causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation,
+                             checkpoints)
     else:
-        _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation)
+        _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation, checkpoints)
 
 
 @causal_conv1d.register_fake
-def _(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, impl, activation):
+def _(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, impl, activation, checkpoints=None):
+    return None
+
+
+@torch.library.custom_op("tscompile::commit_state_checkpoints", mutates_args=("conv_pools", "ssm_pools"))
+def commit_state_checkpoints(conv_pools: torch.Tensor, ssm_pools: torch.Tensor, conv_checkpoints: torch.Tensor,
+                             ssm_checkpoints: torch.Tensor, state_slots: torch.Tensor, accepted: torch.Tensor,
+                             impl: str) -> None:
+    """After a verify step: every layer's state of request ``r`` goes back to its state after row
+    ``accepted[r]`` of the window (the rows it keeps: the newest token and its accepted drafts).
+
+    conv_pools:       [L, S, C, K - 1]      every state layer's pool, stacked
+    ssm_pools:        [L, S, Hv, Dk, Dv]
+    conv_checkpoints: [L, R', W, C, K - 1]  what the step's ops stored (``R'`` >= R)
+    ssm_checkpoints:  [L, R', W, Hv, Dk, Dv]
+    state_slots: [R] int64; accepted: [R] int32/int64 in ``[0, W]``
+    A request with ``accepted[r] == W`` kept its whole window: its slots already hold the state
+    after the last row, and nothing is copied.
+    """
+    _check_impl(impl)
+    if impl == "triton":
+        from tscompile.custom_ops.triton_gated_delta import commit_state_checkpoints_triton
+
+        commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots,
+                                        accepted)
+        return
+    width = ssm_checkpoints.shape[2]
+    for r, (slot, kept) in enumerate(zip(state_slots.tolist(), accepted.tolist())):
+        if kept < width:
+            conv_pools[:, slot] = conv_checkpoints[:, r, kept]
+            ssm_pools[:, slot] = ssm_checkpoints[:, r, kept]
+
+
+@commit_state_checkpoints.register_fake
+def _(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted, impl):
     return None

@@ -40,12 +40,15 @@ def _program_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, strid
 
 @triton.jit
 def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
-                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                        stride_ot, stride_oh,
-                        stride_ss, stride_sh, stride_sk, scale, GROUP: tl.constexpr, DK: tl.constexpr,
-                        DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+                        ckpt_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                        stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, stride_cr, stride_ci,
+                        scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, CHECKPOINT: tl.constexpr):
     hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
         state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
+    # entry [request, row] of the checkpoints is laid out as a slot
+    ckpt_row0 = ckpt_ptr + tl.program_id(0).to(tl.int64) * stride_cr + hv * stride_sh + offs_k[:, None] * stride_sk \
+        + offs_v[None, :]
     for t in range(lo, hi):
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -62,6 +65,9 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(state * q[:, None], axis=0)
         tl.store(out_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+        if CHECKPOINT:
+            if t < hi - 1:
+                tl.store(ckpt_row0 + (t - lo) * stride_ci, state, mask=state_mask)
     # threads of several warps may hold the same state element, and the walk's reductions need not
     # cross warps: all of them must have read the slot before any writes it back
     tl.debug_barrier()
@@ -76,8 +82,9 @@ def _unit_stride(*tensors):
 
 
 def _launch(kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm, block_k, block_v,
-            **meta):
-    """One program per (request, value head, ``block_v`` value columns) of either gated delta kernel."""
+            pointers=(), strides=(), **meta):
+    """One program per (request, value head, ``block_v`` value columns) of either gated delta kernel;
+    a kernel's own ``pointers`` go after ``out``, its own ``strides`` after the state pool's."""
     num_reqs = state_slots.shape[0]
     if num_reqs == 0:
         return
@@ -85,24 +92,32 @@ def _launch(kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_s
     hv, dv = v.shape[1], v.shape[2]
     q, k, v, g, beta = _unit_stride(q, k, v, g, beta)
     kernel[(num_reqs, hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
+        q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, *pointers,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), *strides, dk ** -0.5,
         GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=qk_l2norm, **meta)
 
 
-def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm):
+def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
+                       checkpoints=None):
+    """The walk over every request's rows; with ``checkpoints`` ([R', W, Hv, Dk, Dv], each entry laid
+    out as a slot) it also stores the state after each row but a request's last."""
     dk, dv = q.shape[2], v.shape[2]
+    ckpt = state_pool if checkpoints is None else checkpoints  # any pointer: CHECKPOINT=False never reads it
+    if checkpoints is not None and checkpoints.stride()[2:] != state_pool.stride()[1:]:
+        raise ValueError(f"tscompile: gated delta checkpoints of strides {checkpoints.stride()} are not laid out as "
+                         f"the state pool's slots {state_pool.stride()}; allocate them contiguous")
     _launch(_gated_delta_kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
-            triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), 64))
+            triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), 64),
+            pointers=(ckpt,), strides=(ckpt.stride(0), ckpt.stride(1)), CHECKPOINT=checkpoints is not None)
 
 
 @triton.jit
-def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
-                          stride_xt, stride_ot, stride_ps, stride_pc, channels,
+def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr, ckpt_ptr,
+                          stride_xt, stride_ot, stride_ps, stride_pc, stride_cr, stride_ci, channels,
                           WIDTH: tl.constexpr, WINDOW_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+                          SILU: tl.constexpr, BLOCK_C: tl.constexpr, CHECKPOINT: tl.constexpr):
     req = tl.program_id(0)
     cblock = tl.program_id(1)
     offs_c = cblock * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -113,6 +128,8 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, h
     slot = tl.load(slots_ptr + req).to(tl.int64)
     keep = tl.load(has_state_ptr + req) != 0
     window_base = pool_ptr + slot * stride_ps + offs_c * stride_pc  # window[c, j], j in [0, WIDTH - 1)
+    entry = tl.arange(0, WINDOW_BLOCK)
+    mask_entry = mask_c[:, None] & (entry[None, :] < WIDTH - 1)
     bias = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
@@ -130,35 +147,108 @@ def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, h
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + (lo + t) * stride_ot + offs_c, acc.to(out_ptr.dtype.element_ty), mask=mask_c)
+        if CHECKPOINT:  # the window after row t (but the last): entry j is position t - (WIDTH - 2) + j
+            if t < length - 1:
+                window = _window_after(x_ptr, window_base, lo, t + 1, keep, stride_xt, offs_c, entry, mask_entry,
+                                       WIDTH)
+                tl.store(ckpt_ptr + req.to(tl.int64) * stride_cr + t * stride_ci + offs_c[:, None] * (WIDTH - 1)
+                         + entry[None, :], window, mask=mask_entry)
     # the new window: the last WIDTH - 1 inputs, entry j at position length - (WIDTH - 1) + j (from the
     # window itself while that is before the request's first row). A channel's element may live in
     # several threads of different warps, and nothing above synchronises them, so every read of the
     # old window has to land before the barrier and every write after it: otherwise a warp that ran
     # ahead rewrites an entry another warp has yet to read.
-    entry = tl.arange(0, WINDOW_BLOCK)
-    mask_entry = mask_c[:, None] & (entry[None, :] < WIDTH - 1)
-    pos = length - (WIDTH - 1) + entry[None, :] + offs_c[:, None] * 0
-    from_x = tl.load(x_ptr + (lo + pos) * stride_xt + offs_c[:, None], mask=mask_entry & (pos >= 0), other=0.0)
-    from_window = tl.load(window_base[:, None] + (WIDTH - 1 + pos), mask=mask_entry & (pos < 0), other=0.0)
-    from_window = tl.where(keep, from_window, 0.0)
-    value = from_x.to(tl.float32) + from_window.to(tl.float32)
+    value = _window_after(x_ptr, window_base, lo, length, keep, stride_xt, offs_c, entry, mask_entry, WIDTH)
     tl.debug_barrier()
     tl.store(window_base[:, None] + entry[None, :], value.to(pool_ptr.dtype.element_ty), mask=mask_entry)
 
 
-def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation):
+@triton.jit
+def _window_after(x_ptr, window_base, lo, rows, keep, stride_xt, offs_c, entry, mask_entry, WIDTH: tl.constexpr):
+    """The convolution's window once the request's first ``rows`` rows are in: entry j is position
+    ``rows - (WIDTH - 1) + j``, from the rows or, before the first, from the slot's old window (zeros
+    for a fresh request). Float32 ``[BLOCK_C, WINDOW_BLOCK]``."""
+    pos = rows - (WIDTH - 1) + entry[None, :] + offs_c[:, None] * 0
+    from_x = tl.load(x_ptr + (lo + pos) * stride_xt + offs_c[:, None], mask=mask_entry & (pos >= 0), other=0.0)
+    from_window = tl.load(window_base[:, None] + (WIDTH - 1 + pos), mask=mask_entry & (pos < 0), other=0.0)
+    from_window = tl.where(keep, from_window, 0.0)
+    return from_x.to(tl.float32) + from_window.to(tl.float32)
+
+
+def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation,
+                         checkpoints=None):
+    """One program per (request, channel block); with ``checkpoints`` ([R', W, C, K - 1], contiguous
+    entries) it also stores the window after each row but a request's last."""
     num_reqs = state_slots.shape[0]
     if num_reqs == 0:
         return
     channels, width = weight.shape
     (x,), weight = _unit_stride(x), weight.contiguous()
+    ckpt = conv_pool if checkpoints is None else checkpoints  # any pointer: CHECKPOINT=False never reads it
+    if checkpoints is not None and checkpoints.stride()[2:] != (width - 1, 1):
+        raise ValueError(f"tscompile: conv checkpoints of strides {checkpoints.stride()} are not contiguous per "
+                         "entry; allocate them contiguous")
     block_c = min(triton.next_power_of_2(channels), 256)
     grid = (num_reqs, triton.cdiv(channels, block_c))
     _causal_conv1d_kernel[grid](
-        x, weight, bias if bias is not None else weight, conv_pool, state_slots, cu_seqlens, has_state, out,
-        x.stride(0), out.stride(0), conv_pool.stride(0), conv_pool.stride(1), channels,
+        x, weight, bias if bias is not None else weight, conv_pool, state_slots, cu_seqlens, has_state, out, ckpt,
+        x.stride(0), out.stride(0), conv_pool.stride(0), conv_pool.stride(1), ckpt.stride(0), ckpt.stride(1), channels,
         WIDTH=width, WINDOW_BLOCK=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BLOCK_C=block_c)
+        SILU=activation == "silu", BLOCK_C=block_c, CHECKPOINT=checkpoints is not None)
+
+
+@triton.jit
+def _commit_kernel(conv_ptr, ssm_ptr, conv_ckpt_ptr, ssm_ckpt_ptr, slots_ptr, accepted_ptr,
+                   stride_conv_l, stride_conv_s, stride_ssm_l, stride_ssm_s,
+                   stride_cc_l, stride_cc_r, stride_cc_i, stride_sc_l, stride_sc_r, stride_sc_i,
+                   conv_span, ssm_span, ssm_blocks, width, BLOCK: tl.constexpr):
+    """Program (request, layer, block): a ``BLOCK`` of one layer's recurrent state (the first
+    ``ssm_blocks`` blocks) or convolution window (the rest) of the request's slot, copied from the
+    checkpoint at its accepted length."""
+    req = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    block = tl.program_id(2)
+    kept = tl.load(accepted_ptr + req).to(tl.int64)
+    if kept < width:  # a request that kept its whole window already holds the state after the last row
+        slot = tl.load(slots_ptr + req).to(tl.int64)
+        row = req.to(tl.int64)
+        if block < ssm_blocks:
+            offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < ssm_span
+            value = tl.load(ssm_ckpt_ptr + layer * stride_sc_l + row * stride_sc_r + kept * stride_sc_i + offs,
+                            mask=mask)
+            tl.store(ssm_ptr + layer * stride_ssm_l + slot * stride_ssm_s + offs, value, mask=mask)
+        else:
+            offs = (block - ssm_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < conv_span
+            value = tl.load(conv_ckpt_ptr + layer * stride_cc_l + row * stride_cc_r + kept * stride_cc_i + offs,
+                            mask=mask)
+            tl.store(conv_ptr + layer * stride_conv_l + slot * stride_conv_s + offs, value, mask=mask)
+
+
+COMMIT_BLOCK = 4096  # float32 elements a program copies
+
+
+def commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted):
+    """One launch over (request, layer, block of the slot's state): every entry a flat contiguous span."""
+    num_reqs, num_layers = state_slots.shape[0], ssm_pools.shape[0]
+    if num_reqs == 0 or num_layers == 0:
+        return
+    for t in (conv_pools, ssm_pools):
+        if not t[0, 0].is_contiguous():
+            raise ValueError(f"tscompile: state pools of strides {t.stride()} are not contiguous per slot")
+    for t in (conv_checkpoints, ssm_checkpoints):
+        if not t[0, 0, 0].is_contiguous():
+            raise ValueError(f"tscompile: state checkpoints of strides {t.stride()} are not contiguous per entry")
+    ssm_span, conv_span = ssm_pools[0, 0].numel(), conv_pools[0, 0].numel()
+    ssm_blocks = triton.cdiv(ssm_span, COMMIT_BLOCK)
+    grid = (num_reqs, num_layers, ssm_blocks + triton.cdiv(conv_span, COMMIT_BLOCK))
+    _commit_kernel[grid](
+        conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted,
+        conv_pools.stride(0), conv_pools.stride(1), ssm_pools.stride(0), ssm_pools.stride(1),
+        conv_checkpoints.stride(0), conv_checkpoints.stride(1), conv_checkpoints.stride(2),
+        ssm_checkpoints.stride(0), ssm_checkpoints.stride(1), ssm_checkpoints.stride(2),
+        conv_span, ssm_span, ssm_blocks, ssm_checkpoints.shape[2], BLOCK=COMMIT_BLOCK)
 
 
 @triton.jit

@@ -237,6 +237,124 @@ def test_causal_conv1d_over_chunks_equals_whole_sequence(device):
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
+def _poisoned(*shape):
+    return torch.full(shape, float("nan"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gated_delta_checkpoints_hold_the_state_after_each_row_but_the_last(impl, device):
+    """Verify windows (rows 4, 2 and 3, the buffer 3 rows deep and one request deeper than the step):
+    entry [r, i] is transformers' state after the request's first i + 1 rows; entries past a
+    request's rows - 1, and the spare request, stay as they were (NaN); the slot still gets the last."""
+    lengths, width = [4, 2, 3], 3
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(17 + len(impl), lengths, [False, True, False])
+    before = pool.clone()
+    checkpoints = _poisoned(len(lengths) + 1, width, *pool.shape[1:])
+    args = _on(device, q, k, v, g, beta, pool, slots, cu, has_state, _poisoned(*v.shape), checkpoints)
+    torch.ops.tscompile.gated_delta_rule(*args[:10], impl, True, 0 if impl == "triton" else 8, args[10])
+    pool, out, checkpoints = args[5].cpu(), args[9].cpu(), args[10].cpu()
+    bounds = cu.tolist()
+    for r, slot in enumerate(slots.tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        start = None if not has_state[r] else before[slot]
+        for i in range(hi - lo):
+            want_out, want_state = _hf(qwen3_next.torch_recurrent_gated_delta_rule, q[lo:lo + i + 1], k[lo:lo + i + 1],
+                                       v[lo:lo + i + 1], g[lo:lo + i + 1], beta[lo:lo + i + 1], start)
+            torch.testing.assert_close(out[lo + i], want_out[i], rtol=1e-4, atol=1e-4)
+            if i < hi - lo - 1:
+                torch.testing.assert_close(checkpoints[r, i], want_state, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slot], want_state, rtol=1e-4, atol=1e-4)
+        assert torch.isnan(checkpoints[r, hi - lo - 1:]).all()
+    assert torch.isnan(checkpoints[len(lengths)]).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_causal_conv1d_checkpoints_hold_the_window_after_each_row_but_the_last(impl, device):
+    gen = torch.Generator().manual_seed(23 + len(impl))
+    channels, width, depth = 24, 4, 4
+    lengths, fresh = [5, 1, 3], [False, True, False]
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    pool = torch.randn(6, channels, width - 1, generator=gen)
+    slots, cu = torch.tensor([4, 1, 3]), torch.tensor([0] + lengths).cumsum(0)
+    before = pool.clone()
+    checkpoints = _poisoned(len(lengths), depth, channels, width - 1)
+    args = _on(device, x, weight, None, pool, slots, cu, torch.tensor([not f for f in fresh]), _poisoned(*x.shape),
+               checkpoints)
+    torch.ops.tscompile.causal_conv1d(*args[:8], impl, "silu", args[8])
+    pool, checkpoints = args[3].cpu(), args[8].cpu()
+    bounds = cu.tolist()
+    for r, slot in enumerate(slots.tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        old = torch.zeros(channels, width - 1) if fresh[r] else before[slot]
+        inputs = torch.cat([old, x[lo:hi].t()], dim=1)  # the old window, then the rows, oldest first
+        for i in range(hi - lo - 1):
+            assert torch.equal(checkpoints[r, i], inputs[:, i + 1: i + width]), (r, i)
+        assert torch.equal(pool[slot], inputs[:, -(width - 1):])
+        assert torch.isnan(checkpoints[r, hi - lo - 1:]).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_copies_each_requests_checkpoint_at_its_accepted_length_in_every_layer(impl, device):
+    """Request r's slot, in every layer, becomes checkpoint [r, accepted[r]]; a request that accepted
+    its whole window (accepted == W) and every other slot keep their bits."""
+    gen = torch.Generator().manual_seed(29 + len(impl))
+    layers, num_slots, reqs, width = 3, 7, 4, 3
+    conv = torch.randn(layers, num_slots, 10, 3, generator=gen)
+    ssm = torch.randn(layers, num_slots, 2, 8, 4, generator=gen)
+    conv_ck = torch.randn(layers, reqs + 1, width, 10, 3, generator=gen)
+    ssm_ck = torch.randn(layers, reqs + 1, width, 2, 8, 4, generator=gen)
+    slots, accepted = torch.tensor([5, 2, 6, 1]), torch.tensor([1, 3, 0, 2], dtype=torch.int32)
+    want_conv, want_ssm = conv.clone(), ssm.clone()
+    for r, (slot, a) in enumerate(zip(slots.tolist(), accepted.tolist())):
+        if a < width:
+            want_conv[:, slot], want_ssm[:, slot] = conv_ck[:, r, a], ssm_ck[:, r, a]
+    args = _on(device, conv, ssm, conv_ck, ssm_ck, slots, accepted)
+    torch.ops.tscompile.commit_state_checkpoints(*args, impl)
+    assert torch.equal(args[0].cpu(), want_conv) and torch.equal(args[1].cpu(), want_ssm)
+    assert not torch.equal(want_ssm[:, 2], ssm_ck[:, 1, 2])  # the whole-window request was not overwritten
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_committed_verify_window_equals_running_only_the_kept_rows(impl, device):
+    """The state ops over whole windows of 4 rows with checkpoints, then the commit, leave every slot
+    as the same ops over only each request's kept rows (accepted + 1) would."""
+    hk, hv, dk, dv, channels, width, rows = 2, 4, 16, 16, 12, 4, 4
+    accepted = torch.tensor([0, 3, 1, 2], dtype=torch.int32)
+    reqs = accepted.shape[0]
+    gen = torch.Generator().manual_seed(31 + len(impl))
+    q, k, v, g, beta = _inputs(gen, reqs * rows, hk, hv, dk, dv)
+    x, weight = torch.randn(reqs * rows, channels, generator=gen), torch.randn(channels, width, generator=gen)
+    ssm = torch.randn(1, 6, hv, dk, dv, generator=gen)
+    conv = torch.randn(1, 6, channels, width - 1, generator=gen)
+    slots, keep = torch.tensor([3, 5, 1, 4]), torch.ones(reqs, dtype=torch.bool)
+    chunk = 0 if impl == "triton" else 8
+    weight_d, slots_d, accepted_d = _on(device, weight, slots, accepted)
+
+    def run_ops(pick, cu, ssm_pool, conv_pool, ssm_ck=None, conv_ck=None):
+        qd, kd, vd, gd, bd, xd = _on(device, *(t[pick] for t in (q, k, v, g, beta, x)))
+        meta = _on(device, slots, cu, keep)
+        torch.ops.tscompile.gated_delta_rule(qd, kd, vd, gd, bd, ssm_pool, *meta, torch.empty_like(vd), impl, True,
+                                             chunk, ssm_ck)
+        torch.ops.tscompile.causal_conv1d(xd, weight_d, None, conv_pool, *meta, torch.empty_like(xd), impl, "silu",
+                                          conv_ck)
+
+    got_ssm, got_conv, ck_ssm, ck_conv = _on(device, ssm.clone(), conv.clone(),
+                                             _poisoned(1, reqs, rows - 1, hv, dk, dv),
+                                             _poisoned(1, reqs, rows - 1, channels, width - 1))
+    run_ops(torch.arange(reqs * rows), torch.arange(0, reqs * rows + 1, rows), got_ssm[0], got_conv[0], ck_ssm[0],
+            ck_conv[0])
+    torch.ops.tscompile.commit_state_checkpoints(got_conv, got_ssm, ck_conv, ck_ssm, slots_d, accepted_d, impl)
+
+    want_ssm, want_conv = _on(device, ssm.clone(), conv.clone())
+    kept = (accepted + 1).tolist()
+    run_ops(torch.cat([torch.arange(r * rows, r * rows + n) for r, n in enumerate(kept)]),
+            torch.tensor([0] + kept).cumsum(0), want_ssm[0], want_conv[0])
+    torch.testing.assert_close(got_ssm.cpu(), want_ssm.cpu(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_conv.cpu(), want_conv.cpu())
+    assert not torch.equal(got_ssm.cpu(), ssm)  # the step moved the states
+
+
 def test_opcheck_state_ops():
     q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(2, [3, 1], [True, False])
     torch.library.opcheck(torch.ops.tscompile.gated_delta_rule.default,
@@ -245,6 +363,25 @@ def test_opcheck_state_ops():
     torch.library.opcheck(torch.ops.tscompile.causal_conv1d.default,
                           (x, torch.randn(8, 4), None, torch.randn(3, 8, 3), torch.tensor([1, 2]),
                            torch.tensor([0, 3, 4]), torch.tensor([True, False]), torch.empty_like(x), "torch", "silu"))
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.tscompile.gated_delta_rule.default,
+                          (q[:4], k[:4], v[:4], g[:4], beta[:4], pool, slots, cu, has_state, torch.empty_like(v[:4]),
+                           "torch", True, 4, torch.zeros(2, 1, *pool.shape[1:])))
+    torch.library.opcheck(torch.ops.tscompile.causal_conv1d.default,
+                          (x, torch.randn(8, 4), None, torch.randn(3, 8, 3), torch.tensor([1, 2]), cu,
+                           torch.tensor([True, False]), torch.empty_like(x), "torch", "silu", torch.zeros(2, 1, 8, 3)))
+    torch.library.opcheck(torch.ops.tscompile.commit_state_checkpoints.default,
+                          (torch.randn(2, 3, 8, 3), torch.randn(2, 3, 4, 2, 2), torch.randn(2, 2, 1, 8, 3),
+                           torch.randn(2, 2, 1, 4, 2, 2), torch.tensor([1, 2]), torch.tensor([0, 1]), "torch"))
+
+
+def test_checkpoints_of_the_wrong_shape_are_refused():
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(3, [2, 2], [True, True])
+    for checkpoints in (torch.zeros(1, 1, *pool.shape[1:]), torch.zeros(2, 1, 4, 16, 8),
+                        torch.zeros(2, 1, *pool.shape[1:], dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"^tscompile: gated_delta_rule checkpoints .* do not fit 2 requests"):
+            torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool, slots, cu, has_state, torch.empty_like(v),
+                                                 "torch", True, 4, checkpoints)
 
 
 def test_unknown_impl_and_activation_are_refused():

@@ -193,7 +193,7 @@ def test_config_mapping_and_moe_refusal(checkpoint, tmp_path):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_speculative_greedy_tokens_equal_transformers(checkpoint, method, eager):
     """Verify windows of 4 rows over the state layers: a request that keeps fewer rows than its
-    window gets its state back and re-advances through the kept ones; the greedy tokens stay
+    window gets the state after its kept rows from the step's checkpoints; the greedy tokens stay
     transformers' (n-gram drafts are mostly rejected on random weights, replayed ones all kept).
     Compiled, the verify steps replay graphs per (bs, 4) and the prefill pieces per bucket."""
     from tscompile.counters import counters
@@ -214,10 +214,10 @@ def test_speculative_greedy_tokens_equal_transformers(checkpoint, method, eager)
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     verify = llm._verify
     assert verify.verify_steps > 0 and verify.proposed_drafts > 0
-    if method == "replay":  # every draft kept: no state is put back
-        assert verify.accepted_drafts == verify.proposed_drafts and verify.rollback.readvanced_requests == 0
-    else:
-        assert verify.accepted_drafts < verify.proposed_drafts and verify.rollback.readvanced_requests > 0
+    if method == "replay":  # every draft kept: every state already the window's last
+        assert verify.accepted_drafts == verify.proposed_drafts
+    else:  # drafts rejected: states committed from the checkpoints at the kept rows
+        assert verify.accepted_drafts < verify.proposed_drafts
     assert _all_slots_free(llm)
 
 
@@ -289,6 +289,36 @@ def test_cuda_graphs_equal_transformers_in_float32(checkpoint, chunked):
     assert _generate(llm) == want
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     assert counters["decode_replays"] > before[0] and counters["prefill_replays"] > before[1]
+    assert _all_slots_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["ngram", "replay"])
+def test_cuda_graphs_with_speculation_equal_transformers_in_float32(checkpoint, method):
+    """Verify windows of 4 rows replayed from graphs on the GPU: the Triton state kernels store their
+    checkpoints and the commit kernel puts each slot at its kept rows inside the graph; the greedy
+    tokens stay transformers' in float32 (n-gram drafts mostly rejected, replayed ones all kept)."""
+    from tscompile.counters import counters
+
+    path, _, want = checkpoint
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=2)
+    llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
+                        max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
+                        compile_options={"decode_ladder": (1, 2, 4)}, speculative_config=spec)
+    if method == "replay":
+        llm.set_replay_references({tuple(p): w for p, w in zip(PROMPTS, want)})
+    replays = counters["decode_replays"]
+    assert _generate(llm) == want
+    assert [_generate(llm, [p])[0] for p in PROMPTS] == want
+    verify = llm._verify
+    assert counters["decode_replays"] > replays and verify.verify_steps > 0
+    if method == "replay":
+        assert verify.accepted_drafts == verify.proposed_drafts > 0
+    else:
+        assert verify.accepted_drafts < verify.proposed_drafts
     assert _all_slots_free(llm)
 
 

@@ -37,6 +37,37 @@ def test_pool_shapes_bytes_and_poison():
     assert torch.isnan(pool.ssm[0]).all() and torch.isnan(pool.conv[2]).all()
 
 
+def test_checkpoints_are_allocated_beside_the_stacked_layers_and_poisoned_with_them():
+    pool = StatePool.allocate(SPEC, 5, "cpu", checkpoint_requests=4, checkpoint_rows=3)
+    assert pool.conv_all.shape == (2, 5, 6, 3) and pool.ssm_all.shape == (2, 5, 2, 3, 5)
+    assert pool.conv_checkpoints.shape == (2, 4, 3, 6, 3) and pool.ssm_checkpoints.shape == (2, 4, 3, 2, 3, 5)
+    assert pool.checkpoint_rows == 3
+    # a layer's slots and checkpoints are views of the stacked tensors the commit launch reads
+    assert pool.ssm[2].data_ptr() == pool.ssm_all[1].data_ptr()
+    conv_ck, ssm_ck = pool.layer_checkpoints(2)
+    assert ssm_ck.data_ptr() == pool.ssm_checkpoints[1].data_ptr() and conv_ck.shape == (4, 3, 6, 3)
+    assert pool.nbytes == 5 * SPEC.slot_bytes + 4 * 3 * SPEC.slot_bytes
+    pool.fill_(float("nan"))
+    assert torch.isnan(pool.ssm_checkpoints).all() and torch.isnan(pool.conv_checkpoints).all()
+    plain = StatePool.allocate(SPEC, 5, "cpu")
+    assert plain.checkpoint_rows == 0 and plain.layer_checkpoints(0) is None
+
+
+def test_verify_windows_need_checkpoints_for_every_request_and_row():
+    from tscompile.attention.state_backend import StateBackend
+
+    backend = StateBackend(StatePool.allocate(SPEC, 5, "cpu", checkpoint_requests=4, checkpoint_rows=3), "cpu")
+    backend.allocate_decode_buffers(4, 4)
+    assert backend.decode_views(2, 4).checkpoints and not backend.decode_views(2, 1).checkpoints
+    for max_bs, width in ((4, 5), (8, 4)):
+        with pytest.raises(ValueError, match=r"^tscompile: verify steps of .* need state checkpoints .* "
+                                             r"checkpoint_requests="):
+            backend.allocate_decode_buffers(max_bs, width)
+    with pytest.raises(ValueError, match=r"^tscompile: verify steps of 4 requests x 2 rows .* has 0 x 0"):
+        StateBackend(StatePool.allocate(SPEC, 5, "cpu"), "cpu").allocate_decode_buffers(4, 2)
+    StateBackend(StatePool.allocate(SPEC, 5, "cpu"), "cpu").allocate_decode_buffers(4, 1)  # plain decode needs none
+
+
 def test_metadata_pointer_stable_and_padding_on_null_slot():
     meta = StateSlotMetadata("cpu")
     slots4, flags4 = meta.refresh([3, 1], [True, False], 4)

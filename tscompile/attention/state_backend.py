@@ -7,9 +7,10 @@ metadata paths, so one refresh serves KV pages and state slots alike:
 - decode: ``refresh_decode_metadata`` rewrites per-bs buffers in place (``StateSlotMetadata``),
   pointer-stable for capture and replay; padding rows read and write the null slot and start fresh;
   every live decode row continues its state (a request decodes only after its prompt's chunks ran).
-  A speculative verify window of N rows per request is the same refresh with row offsets ``r * N``:
-  the state advances through the whole window, and the verify step puts it back to the kept
-  tokens (``spec_decode/verify.py``).
+  A speculative verify window of N rows per request is the same refresh with row offsets ``r * N``
+  and ``checkpoints`` set: the state ops store the state after each window row in the pool's
+  checkpoints, and ``commit_verify``, inside the verify step after acceptance, puts every slot back
+  to its state after the kept rows (``runtime/verify_graphs.py``).
 - extend / mixed: fresh tensors from the plan: its ``state_slots``, its row offsets, and
   ``prefix_lens > 0`` (a first chunk, or a preempted request's re-prefill, starts from zeros).
 
@@ -27,6 +28,7 @@ import torch
 
 from tscompile.attention.base import AttentionBackend
 from tscompile.attention.support import CudaGraphSupport
+from tscompile.custom_ops import gated_delta  # noqa: F401  (registers tscompile::commit_state_checkpoints)
 from tscompile.forward_context import ForwardMode
 from tscompile.kv_cache.state_pool import StatePool, StateSlotMetadata
 from tscompile.step_plan import StepPlan
@@ -34,19 +36,23 @@ from tscompile.step_plan import StepPlan
 
 @dataclass(frozen=True)
 class StateMetadata:
-    """state_slots: [R] int64; cu_seqlens: [R + 1] int32 (request r's rows); has_state: [R] bool."""
+    """state_slots: [R] int64; cu_seqlens: [R + 1] int32 (request r's rows); has_state: [R] bool;
+    checkpoints: a verify step's, whose state ops store the state after each row in the pool's
+    checkpoints."""
 
     state_slots: torch.Tensor
     cu_seqlens: torch.Tensor
     has_state: torch.Tensor
+    checkpoints: bool = False
 
 
 class StateBackend(AttentionBackend):
     cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, whole_prefill_graph=False)
 
-    def __init__(self, pool: StatePool, device: torch.device | str):
+    def __init__(self, pool: StatePool, device: torch.device | str, impl: str = "torch"):
         self.pool = pool
         self.device = torch.device(device)
+        self.impl = impl  # the state kernels' ("torch" or "triton"), as bound to the model's layers
         self._slots = StateSlotMetadata(self.device)
         self._max_decode_bs, self._max_width = 0, 0
         self._decode_views: dict[tuple[int, int], StateMetadata] = {}  # (bs, width): built once, never moved
@@ -54,6 +60,13 @@ class StateBackend(AttentionBackend):
         self.forward_extend_metadata: StateMetadata | None = None
 
     def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
+        rows, requests = self.pool.checkpoint_rows, 0 if self.pool.ssm_checkpoints is None else \
+            self.pool.ssm_checkpoints.shape[1]
+        if max_width > 1 and (rows < max_width - 1 or requests < max_decode_bs):
+            raise ValueError(f"tscompile: verify steps of {max_decode_bs} requests x {max_width} rows need state "
+                             f"checkpoints for as many requests and {max_width - 1} rows; the state pool has "
+                             f"{requests} x {rows}: allocate it with checkpoint_requests={max_decode_bs}, "
+                             f"checkpoint_rows={max_width - 1}")
         self._max_decode_bs, self._max_width = max_decode_bs, max_width
         self._decode_views = {}
 
@@ -67,8 +80,16 @@ class StateBackend(AttentionBackend):
                                  f"buffers ({self._max_decode_bs} x {self._max_width})")
             slots, flags = self._slots.buffers(bs)
             offsets = torch.arange(0, (bs + 1) * width, width, dtype=torch.int32, device=self.device)
-            views = self._decode_views[(bs, width)] = StateMetadata(slots, offsets, flags)
+            views = self._decode_views[(bs, width)] = StateMetadata(slots, offsets, flags, checkpoints=width > 1)
         return views
+
+    def commit_verify(self, accepted: torch.Tensor) -> None:
+        """After a verify step's acceptance (``accepted``: [bs] drafts kept per request, on the
+        device): every state layer's slot back to its state after the kept rows, in one launch. Part
+        of the verify step, so it is captured with it."""
+        p = self.pool
+        torch.ops.tscompile.commit_state_checkpoints(p.conv_all, p.ssm_all, p.conv_checkpoints, p.ssm_checkpoints,
+                                                     self.forward_decode_metadata.state_slots, accepted, self.impl)
 
     def refresh_decode_metadata(self, bs: int, host_state_slots: np.ndarray, width: int) -> None:
         """Write the live rows' slots (``host_state_slots``: [n] int64, n <= bs) into the ``bs``

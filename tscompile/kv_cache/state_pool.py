@@ -87,35 +87,70 @@ class StateSlotAllocator:
 
 
 class StatePool:
-    """The state tensors of every recurrent-state layer, allocated once, and the slot allocator."""
+    """The state tensors of every recurrent-state layer, allocated once, and the slot allocator.
 
-    def __init__(self, spec: StateSpec, conv: dict[int, torch.Tensor], ssm: dict[int, torch.Tensor],
-                 num_slots: int):
+    The layers' tensors are stacked (``conv_all: [L, S, C, K - 1]``, ``ssm_all: [L, S, Hv, Dk, Dv]``,
+    layers in ``spec.layer_ids`` order); ``conv[layer]`` / ``ssm[layer]`` are views of one layer. With
+    speculative decoding, ``checkpoint_rows`` > 0 adds the verify steps' checkpoints, a row per
+    request of a step and per window row but the last (``conv_checkpoints: [L, R, W, C, K - 1]``,
+    ``ssm_checkpoints: [L, R, W, Hv, Dk, Dv]``): the state ops store into them, and
+    ``tscompile::commit_state_checkpoints`` copies back the one at each request's accepted length,
+    all layers in one launch."""
+
+    def __init__(self, spec: StateSpec, conv_all: torch.Tensor, ssm_all: torch.Tensor, num_slots: int,
+                 conv_checkpoints: torch.Tensor | None = None, ssm_checkpoints: torch.Tensor | None = None):
         self.spec = spec
-        self.conv = conv
-        self.ssm = ssm
+        self.conv_all, self.ssm_all = conv_all, ssm_all
+        self.conv = {lid: conv_all[i] for i, lid in enumerate(spec.layer_ids)}
+        self.ssm = {lid: ssm_all[i] for i, lid in enumerate(spec.layer_ids)}
+        self.conv_checkpoints, self.ssm_checkpoints = conv_checkpoints, ssm_checkpoints
         self.slots = StateSlotAllocator(num_slots)
 
     @classmethod
-    def allocate(cls, spec: StateSpec, num_slots: int, device: torch.device | str) -> "StatePool":
+    def allocate(cls, spec: StateSpec, num_slots: int, device: torch.device | str, *, checkpoint_requests: int = 0,
+                 checkpoint_rows: int = 0) -> "StatePool":
+        """``checkpoint_requests`` x ``checkpoint_rows`` checkpoints per layer (0: none): for verify
+        steps of up to that many requests and ``checkpoint_rows + 1`` rows each."""
         StateSlotAllocator(num_slots)  # the refusal for a pool too small, before any allocation
-        conv = {lid: torch.zeros(num_slots, spec.conv_channels, spec.conv_width - 1, dtype=torch.float32,
-                                 device=device) for lid in spec.layer_ids}
-        ssm = {lid: torch.zeros(num_slots, spec.num_v_heads, spec.key_head_dim, spec.value_head_dim,
-                                dtype=torch.float32, device=device) for lid in spec.layer_ids}
-        return cls(spec, conv, ssm, num_slots)
+        layers = len(spec.layer_ids)
+        conv_entry = (spec.conv_channels, spec.conv_width - 1)
+        ssm_entry = (spec.num_v_heads, spec.key_head_dim, spec.value_head_dim)
+        conv_all = torch.zeros(layers, num_slots, *conv_entry, dtype=torch.float32, device=device)
+        ssm_all = torch.zeros(layers, num_slots, *ssm_entry, dtype=torch.float32, device=device)
+        checkpoints = (None, None)
+        if checkpoint_rows > 0:
+            lead = (layers, checkpoint_requests, checkpoint_rows)
+            checkpoints = (torch.zeros(*lead, *conv_entry, dtype=torch.float32, device=device),
+                           torch.zeros(*lead, *ssm_entry, dtype=torch.float32, device=device))
+        return cls(spec, conv_all, ssm_all, num_slots, *checkpoints)
+
+    @property
+    def checkpoint_rows(self) -> int:
+        """Window rows a verify step may have beyond its first (0: no checkpoints)."""
+        return 0 if self.ssm_checkpoints is None else self.ssm_checkpoints.shape[2]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in [*self.conv.values(), *self.ssm.values()])
+        """The slots' bytes and the checkpoints'."""
+        return sum(t.nbytes for t in self._tensors())
 
     def layer_state(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv[layer_id], self.ssm[layer_id]
 
+    def layer_checkpoints(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer_id``'s ``[R, W, ...]`` checkpoints (conv, ssm), or None without speculation."""
+        if self.ssm_checkpoints is None:
+            return None
+        i = self.spec.layer_ids.index(layer_id)
+        return self.conv_checkpoints[i], self.ssm_checkpoints[i]
+
     def fill_(self, value: float) -> None:
-        """Poison every slot (tests use it to prove a slot was or was not read)."""
-        for t in [*self.conv.values(), *self.ssm.values()]:
+        """Poison every slot and checkpoint (tests use it to prove a slot was or was not read)."""
+        for t in self._tensors():
             t.fill_(value)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.conv_all, self.ssm_all, self.conv_checkpoints, self.ssm_checkpoints) if t is not None]
 
 
 class StateSlotMetadata:

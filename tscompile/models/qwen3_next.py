@@ -156,9 +156,10 @@ class HybridBlock(nn.Module):
         self.attention_norm = OffsetRMSNorm(cfg.dim, cfg.norm_eps)
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg)
-            # bound by Qwen3NextTransformer.bind_state_pool: [S, C, K - 1] and [S, Hv, Dk, Dv] float32
-            self.register_buffer("conv_state", torch.empty(0), persistent=False)
-            self.register_buffer("ssm_state", torch.empty(0), persistent=False)
+            # bound by Qwen3NextTransformer.bind_state_pool: [S, C, K - 1] and [S, Hv, Dk, Dv] float32,
+            # and with speculative decoding the verify steps' checkpoints, [R, W, ...] of the same
+            for name in ("conv_state", "ssm_state", "conv_checkpoints", "ssm_checkpoints"):
+                self.register_buffer(name, torch.empty(0), persistent=False)
         else:
             self.attention = GatedAttention(cfg, layer_id)
         self.ffn_norm = OffsetRMSNorm(cfg.dim, cfg.norm_eps)
@@ -169,7 +170,9 @@ class HybridBlock(nn.Module):
             return self.attention(x, cos, sin)
         ctx = get_forward_context()
         meta = ctx.attention.state_metadata(ctx.attention_mode)
-        return self.linear_attn(x, self.conv_state, self.ssm_state, meta.state_slots, meta.cu_seqlens, meta.has_state)
+        checkpoints = (self.conv_checkpoints, self.ssm_checkpoints) if meta.checkpoints else None
+        return self.linear_attn(x, self.conv_state, self.ssm_state, meta.state_slots, meta.cu_seqlens, meta.has_state,
+                                checkpoints)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.mix(self.attention_norm(x), cos, sin)
@@ -229,6 +232,9 @@ class Qwen3NextTransformer(Transformer):
         for layer in self.layers:
             if layer.linear:
                 layer.conv_state, layer.ssm_state = pool.layer_state(layer.layer_id)
+                checkpoints = pool.layer_checkpoints(layer.layer_id)
+                if checkpoints is not None:
+                    layer.conv_checkpoints, layer.ssm_checkpoints = checkpoints
                 layer.linear_attn.impl = impl
                 layer.linear_attn.triton_chunk = triton_chunk
 

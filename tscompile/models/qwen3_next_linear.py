@@ -104,13 +104,16 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, state_slots: torch.Tensor,
-                cu_seqlens: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-        """``x: [T, hidden]`` packed rows -> ``[T, hidden]``; reads and writes the slots in place."""
+                cu_seqlens: torch.Tensor, has_state: torch.Tensor,
+                checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x: [T, hidden]`` packed rows -> ``[T, hidden]``; reads and writes the slots in place.
+        ``checkpoints``: a verify step's (conv, ssm) checkpoints, stored after each window row."""
+        conv_checkpoints, ssm_checkpoints = checkpoints if checkpoints is not None else (None, None)
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
         conv_out = torch.empty(t, self.conv_dim, dtype=x.dtype, device=x.device)
         torch.ops.tscompile.causal_conv1d(mixed, self.conv1d.weight[:, 0], None, conv_pool, state_slots, cu_seqlens,
-                                          has_state, conv_out, self.impl, "silu")
+                                          has_state, conv_out, self.impl, "silu", conv_checkpoints)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float32: A may overflow in 16 bits
@@ -118,5 +121,5 @@ class GatedDeltaNet(nn.Module):
         torch.ops.tscompile.gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
                                              v.reshape(t, self.hv, self.dv), g, beta, ssm_pool, state_slots,
                                              cu_seqlens, has_state, core, self.impl, True,
-                                             CHUNK_SIZE if self.impl == "torch" else self.triton_chunk)
+                                             CHUNK_SIZE if self.impl == "torch" else self.triton_chunk, ssm_checkpoints)
         return self.out_proj(self.norm(core, z.view(t, self.hv, self.dv)).reshape(t, self.value_dim))

@@ -200,19 +200,21 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
 
 
 def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_seqs: int,
-                        device: torch.device, chunked_gated_delta: bool = False) -> None:
+                        device: torch.device, chunked_gated_delta: bool = False, max_verify_width: int = 1) -> None:
     """A model with recurrent-state layers (``state_spec``): its state pool (a slot per running request
-    plus the null slot, float32), bound to the model and served by a ``StateBackend`` under the
-    router. The state kernels: Triton on CUDA (the chunked gated delta kernel for multi-row steps with
+    plus the null slot, float32; with speculative decoding, ``max_verify_width - 1`` checkpoints per
+    running request), bound to the model and served by a ``StateBackend`` under the router. The state
+    kernels: Triton on CUDA (the chunked gated delta kernel for multi-row steps with
     ``chunked_gated_delta``), the torch reference on the CPU."""
     if not hasattr(model, "state_spec"):
         return
     from tscompile.models.qwen3_next_linear import TRITON_CHUNK_SIZE
 
-    pool = StatePool.allocate(model.state_spec(), max_num_seqs + 1, device)
-    model.bind_state_pool(pool, "triton" if device.type == "cuda" else "torch",
-                          TRITON_CHUNK_SIZE if chunked_gated_delta else 0)
-    attention.attach_state_backend(StateBackend(pool, device))
+    pool = StatePool.allocate(model.state_spec(), max_num_seqs + 1, device, checkpoint_requests=max_num_seqs,
+                              checkpoint_rows=max_verify_width - 1)
+    impl = "triton" if device.type == "cuda" else "torch"
+    model.bind_state_pool(pool, impl, TRITON_CHUNK_SIZE if chunked_gated_delta else 0)
+    attention.attach_state_backend(StateBackend(pool, device, impl))
 
 
 def without_combo_kernels(config: TscompileConfig) -> TscompileConfig:
@@ -276,7 +278,8 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                                         pages_per_block=pages_per_block, device=device,
                                         kernels=compile_config.kernels if compile_config is not None else None)
     attach_state_layers(built, attention, max_num_seqs, device,
-                        chunked_gated_delta=compile_config is not None and compile_config.kernels.chunked_gated_delta)
+                        chunked_gated_delta=compile_config is not None and compile_config.kernels.chunked_gated_delta,
+                        max_verify_width=max_verify_width)
     if hasattr(built, "state_spec") and compile_config is not None:
         compile_config = without_combo_kernels(compile_config)
     graph_support = resolve_cuda_graph_support(attention)

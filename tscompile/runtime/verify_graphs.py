@@ -9,7 +9,9 @@ What the graph reads: the staged ids, positions and drafts (``DecodeStaging.fill
 decode metadata the refresh rewrote for ``bs * N`` rows, the sampling inputs; what it writes: the
 emitted tokens ``[bs, N]`` (accepted drafts, the target's token, then -1) and accepted counts
 ``[bs]``, persistent buffers read back once per step. Padding requests have no drafts and write
-only the null page. Plain decode (N = 1) never comes here: ``DecodeStep.run`` is unchanged.
+only the null page and the null state slot. With recurrent-state layers the step ends by committing
+each request's state at its accepted length (``StateBackend.commit_verify``), on the device.
+Plain decode (N = 1) never comes here: ``DecodeStep.run`` is unchanged.
 """
 
 from __future__ import annotations
@@ -49,11 +51,14 @@ class VerifyGraphs:
         logits = self.decode.model(input_ids, positions)
         if all_greedy:
             torch.ops.tscompile.accept_greedy(logits, drafts, draft_indptr, out_tokens, out_accepted)
-            return
-        s, bs = self.decode.staging.sampling_inputs, out_tokens.shape[0]
-        torch.ops.tscompile.accept_rejection(logits, drafts, self.no_probs, draft_indptr, s.temperature[:bs],
-                                             s.top_k[:bs], s.top_p[:bs], s.seeds[:bs], s.steps[:bs], out_tokens,
-                                             out_accepted)
+        else:
+            s, bs = self.decode.staging.sampling_inputs, out_tokens.shape[0]
+            torch.ops.tscompile.accept_rejection(logits, drafts, self.no_probs, draft_indptr, s.temperature[:bs],
+                                                 s.top_k[:bs], s.top_p[:bs], s.seeds[:bs], s.steps[:bs], out_tokens,
+                                                 out_accepted)
+        state = getattr(self.decode.attention, "state", None)
+        if state is not None:  # recurrent-state layers: back to the state after the kept rows
+            state.commit_verify(out_accepted)
 
     def _step_views(self, bs: int, width: int) -> tuple:
         """The inputs and outputs of a ``bs`` x ``width`` step: views made once, so a graph's

@@ -23,7 +23,6 @@ from tscompile.forward_context import ForwardMode
 from tscompile.spec_decode.commit import commit_emitted
 from tscompile.spec_decode.config import SpeculativeConfig
 from tscompile.spec_decode.drafter import DraftBatch, Drafter
-from tscompile.spec_decode.state_rollback import StateRollback
 from tscompile.step_plan import GroupPlan, StepPlan
 from tscompile.utils import cdiv
 
@@ -41,12 +40,10 @@ class VerifyStep:
         self.runner = runner  # the engine's ModelRunner: launch_verify runs the step (eager or graphed)
         self.width = spec.verify_width
         self.accepted_drafts = self.proposed_drafts = self.verify_steps = 0
-        # the host's share of the verify steps: up to the launch, then after the read-back (a hybrid
-        # model's re-advance step excluded); on a GPU the launch is asynchronous, so this is host work
+        # the host's share of the verify steps: up to the launch, then after the read-back; on a GPU
+        # the launch is asynchronous, so this is host work
         self.host_seconds = 0.0
         self._histories: dict[object, TokenHistory] = {}
-        state = getattr(getattr(runner, "attention", None), "state", None)  # a model with recurrent-state layers
-        self.rollback = None if state is None else StateRollback(state.pool, scheduler.banned_width)
 
     def release(self, request) -> None:
         """``request`` finished or was aborted: drop its history and what the drafter keeps for it."""
@@ -103,7 +100,6 @@ class VerifyStep:
         window = np.concatenate([last[:, None], tokens], axis=1)
         start = np.array([r.num_computed for r in requests], dtype=np.int64)
         verify = verify_plan(plan, window, start, self.scheduler.block_tables[0].take([r.slot for r in requests], 0))
-        saved = None if self.rollback is None else self.rollback.snapshot(verify.state_slots)
         # the step's one read-back: the emitted tokens and, in the last column, the accepted counts
         launched = self.runner.launch_verify(verify)
         waiting = time.perf_counter()
@@ -115,7 +111,6 @@ class VerifyStep:
         # plain lists for the per-request loop: numpy scalars and per-row reductions cost microseconds each
         emitted_rows, accepted_counts = emitted.tolist(), accepted.tolist()
         proposed_counts = (tokens >= 0).sum(axis=1).tolist()
-        short: list[tuple[int, int]] = []  # (row, kept) of live requests whose state ran past their kept tokens
         for i, r in enumerate(requests):
             run = emitted_rows[i][: accepted_counts[i] + 1]
             kept = commit_emitted(r.completion, run)
@@ -132,14 +127,7 @@ class VerifyStep:
                 self.scheduler.prefix_cache.publish(r)
             if r.completion.finished:
                 finish(r)
-            elif kept < n:
-                short.append((i, kept))
         self.host_seconds += (waiting - began) + (time.perf_counter() - read)
-        if saved is not None and short:
-            rows, kept_rows = [i for i, _ in short], [k for _, k in short]
-            self.rollback.restore(saved, rows)
-            self.runner.launch(self.rollback.readvance_plan(verify, rows, kept_rows)).wait()
-            self.rollback.readvanced_requests += len(rows)
         return True
 
 
