@@ -312,3 +312,37 @@ def test_request_output_carries_the_prompt_and_its_completion(tok):
     out = RequestOutput("0", prompt.text, prompt.token_ids, [state.output()], state.finished)
     assert out.finished and out.outputs[0].finished and out.outputs[0].finish_reason == "length"
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+
+
+def _appended_one_by_one(params, eos_ids, runs):
+    state, kept = CompletionState(params, eos_ids=eos_ids), []
+    for run in runs:
+        n = 0
+        for token in run:
+            if state.finished:
+                break
+            state.append(token)
+            n += 1
+        kept.append(n)
+    return state, kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_extend_keeps_what_appending_one_token_at_a_time_keeps(seed):
+    """``CompletionState.extend`` (a speculative step's run in one go) against ``append`` per token,
+    over random stop ids, eos, ``ignore_eos``, ``min_tokens`` and lengths: the same tokens, kept
+    counts, finish reason and stop reason."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        length = rng.randint(1, 12)
+        params = SamplingParams(max_new_tokens=length, min_tokens=min(rng.choice([0, 0, 2, 5]), length),
+                                ignore_eos=rng.random() < 0.3,
+                                stop_token_ids=rng.sample(range(1, 9), rng.choice([0, 1, 2])))
+        eos_ids = tuple(rng.sample(range(1, 9), rng.choice([0, 1, 2])))
+        runs = [[rng.randint(1, 12) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 6))]
+        want, want_kept = _appended_one_by_one(params, eos_ids, runs)
+        got = CompletionState(params, eos_ids=eos_ids)
+        got_kept = [got.extend(run) for run in runs]
+        assert got_kept == want_kept, (params, eos_ids, runs)
+        assert (got.token_ids, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.finish_reason, want.stop_reason), (params, eos_ids, runs)

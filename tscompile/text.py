@@ -133,6 +133,8 @@ class StopChecker:
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
         self.max_stop_len = max(map(len, params.stop), default=0)
+        # every id that ends the request once active (what ``stop_token`` looks for)
+        self.stopping_ids = self.stop_ids | (frozenset() if params.ignore_eos else self.eos_ids)
 
     def active(self, num_tokens: int) -> bool:
         return num_tokens >= self.params.min_tokens
@@ -217,6 +219,33 @@ class CompletionState:
         elif self.checker.length_reached(n):
             self.finish_reason = "length"
         return self.finish_reason
+
+    def extend(self, token_ids) -> int:
+        """``append`` each of ``token_ids`` in order until the request finishes (a speculative step's
+        run of emitted tokens); returns how many were kept. Without text or log-probabilities only a
+        stop id and the length can end a request, and the run is checked and kept in one go."""
+        if self.finished or self.detokenizer is not None or self.logprobs is not None:
+            kept = 0
+            for token in token_ids:
+                if self.finished:
+                    break
+                self.append(token)
+                kept += 1
+            return kept
+        params, done = self.checker.params, len(self.token_ids)
+        run = [int(t) for t in token_ids[: params.max_new_tokens - done]]
+        stopping = self.checker.stopping_ids
+        if stopping:
+            # the token at index i makes done + i + 1 tokens: stop ids count from min_tokens on
+            for i in range(max(params.min_tokens - done - 1, 0), len(run)):
+                if run[i] in stopping:
+                    self.token_ids += run[: i + 1]
+                    self.finish_reason, self.stop_reason = "stop", self.checker.stop_token(run[i], done + i + 1)[1]
+                    return i + 1
+        self.token_ids += run
+        if self.checker.length_reached(len(self.token_ids)):
+            self.finish_reason = "length"
+        return len(run)
 
     def _flush(self) -> str:
         return self.detokenizer.flush() if self.detokenizer is not None else ""

@@ -22,13 +22,7 @@ from tscompile.text import CompletionState
 def commit_emitted(state: CompletionState, emitted: Sequence[int]) -> int:
     """Append ``emitted`` (one request's tokens of a verify step, in order, without -1 padding) to
     ``state`` until it finishes; returns how many tokens were kept (>= 1 unless already finished)."""
-    kept = 0
-    for token in emitted:
-        if state.finished:
-            break
-        state.append(int(token))
-        kept += 1
-    return kept
+    return state.extend(emitted)
 
 
 def kv_len_after(context_len: int, kept: int) -> int:
