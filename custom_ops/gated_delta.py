@@ -138,7 +138,7 @@ def _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, ha
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state_pool: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
                      has_state: torch.Tensor, out: torch.Tensor, impl: str, qk_l2norm: bool,
-                     chunk_size: int, checkpoints: torch.Tensor | None = None) -> None:
+                     chunk_size: int, checkpoints: torch.Tensor | None) -> None:
     """The gated delta rule over packed rows, continuing each request's state in its slot.
 
     q, k:        [T, Hk, Dk]   model dtype
@@ -171,7 +171,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 @gated_delta_rule.register_fake
 def _(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, impl, qk_l2norm, chunk_size,
-      checkpoints=None):
+      checkpoints):
     return None
 
 
@@ -210,7 +210,7 @@ def _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, 
 @torch.library.custom_op("tscompile::causal_conv1d", mutates_args=("conv_pool", "out", "checkpoints"))
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor,
                   state_slots: torch.Tensor, cu_seqlens: torch.Tensor, has_state: torch.Tensor, out: torch.Tensor,
-                  impl: str, activation: str, checkpoints: torch.Tensor | None = None) -> None:
+                  impl: str, activation: str, checkpoints: torch.Tensor | None) -> None:
     """Depthwise causal convolution over packed rows, continuing each request's window in its slot.
 
     x, out:      [T, C]       model dtype
@@ -236,7 +236,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @causal_conv1d.register_fake
-def _(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, impl, activation, checkpoints=None):
+def _(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, impl, activation, checkpoints):
     return None
 
 

@@ -88,7 +88,7 @@ def test_gated_delta_op_continues_each_slot_like_transformers(impl, chunk, lengt
     before = pool.clone()
     out = torch.full_like(v, float("nan"))
     args = _on(device, q, k, v, g, beta, pool, slots, cu, has_state, out)
-    torch.ops.tscompile.gated_delta_rule(*args, impl, True, chunk)
+    torch.ops.tscompile.gated_delta_rule(*args, impl, True, chunk, None)
     pool, out = args[5].cpu(), args[9].cpu()
     bounds = cu.tolist()
     for r, slot in enumerate(slots.tolist()):
@@ -109,13 +109,13 @@ def test_gated_delta_state_split_across_calls_equals_one_call(chunk, device):
     whole_out = torch.empty_like(v)
     pool_whole = pool.clone()
     torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool_whole, slots, cu, torch.tensor([False], device=device),
-                                         whole_out, "torch", True, 8)
+                                         whole_out, "torch", True, 8, None)
     parts_out = torch.full_like(v, float("nan"))
     for lo, hi, keep in ((0, 13, False), (13, 29, True), (29, 30, True)):
         torch.ops.tscompile.gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], pool, slots,
                                              torch.tensor([0, hi - lo], dtype=torch.int32, device=device),
                                              torch.tensor([keep], device=device), parts_out[lo:hi], "triton", True,
-                                             chunk)
+                                             chunk, None)
     torch.testing.assert_close(parts_out, whole_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool[slots], pool_whole[slots], rtol=1e-4, atol=1e-4)
 
@@ -137,7 +137,7 @@ def test_the_triton_gated_delta_reads_column_views_of_one_projection(chunk, devi
     for qkvb in (_on(device, q, k, v, beta), views):
         args = [*qkvb[:3], g.to(device), qkvb[3], *_on(device, pool.clone(), slots, cu, has_state),
                 torch.full_like(v, float("nan"), device=device)]
-        torch.ops.tscompile.gated_delta_rule(*args, "triton", True, chunk)
+        torch.ops.tscompile.gated_delta_rule(*args, "triton", True, chunk, None)
         results.append((args[9].cpu(), args[5].cpu()))
     (out, state), (view_out, view_state) = results
     assert not out.isnan().any()
@@ -152,7 +152,7 @@ def test_the_chunked_kernel_pads_head_sizes_below_its_tile_and_odd_ones(dk, dv, 
     results = []
     for chunk in (0, 16):
         args = _on(device, q, k, v, g, beta, pool.clone(), slots, cu, has_state, torch.full_like(v, float("nan")))
-        torch.ops.tscompile.gated_delta_rule(*args, "triton", True, chunk)
+        torch.ops.tscompile.gated_delta_rule(*args, "triton", True, chunk, None)
         results.append((args[9].cpu(), args[5].cpu()))
     (walk_out, walk_pool), (chunk_out, chunk_pool) = results
     torch.testing.assert_close(chunk_out, walk_out, rtol=1e-4, atol=1e-4)
@@ -176,7 +176,7 @@ def test_the_chunked_kernel_holds_where_its_system_is_far_from_identity(spread, 
     slots, cu, has_state = torch.tensor([1]), torch.tensor([0, length], dtype=torch.int32), torch.tensor([True])
     want_out, want_state = _hf(qwen3_next.torch_recurrent_gated_delta_rule, q, k, v, g, beta, pool[1])
     args = _on(device, q, k, v, g, beta, pool.clone(), slots, cu, has_state, torch.full_like(v, float("nan")))
-    torch.ops.tscompile.gated_delta_rule(*args, "triton", True, 16)
+    torch.ops.tscompile.gated_delta_rule(*args, "triton", True, 16, None)
     torch.testing.assert_close(args[9].cpu(), want_out, rtol=1e-4, atol=2e-4)
     torch.testing.assert_close(args[5].cpu()[1], want_state, rtol=1e-4, atol=2e-4)
 
@@ -187,7 +187,7 @@ def test_the_chunked_kernel_refuses_other_chunks(chunk):
     with pytest.raises(ValueError, match=rf"^tscompile: the chunked gated delta kernel takes chunks of 16 rows, got "
                                          rf"{chunk}; pass 16, or 0 to walk the tokens"):
         torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool, slots, cu, has_state, torch.empty_like(v),
-                                             "triton", True, chunk)
+                                             "triton", True, chunk, None)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -205,7 +205,7 @@ def test_causal_conv1d_op_equals_transformers(impl, bias, device):
     before = pool.clone()
     out = torch.full_like(x, float("nan"))
     args = _on(device, x, weight, b, pool, slots, cu, torch.tensor([not f for f in fresh]), out)
-    torch.ops.tscompile.causal_conv1d(*args, impl, "silu")
+    torch.ops.tscompile.causal_conv1d(*args, impl, "silu", None)
     pool, out = args[3].cpu(), args[7].cpu()
     bounds = cu.tolist()
     for r, slot in enumerate(slots.tolist()):
@@ -233,7 +233,7 @@ def test_causal_conv1d_over_chunks_equals_whole_sequence(device):
     slot = torch.tensor([1], device=device)
     for lo, hi, keep in ((0, 2, False), (2, 3, True), (3, 11, True)):
         torch.ops.tscompile.causal_conv1d(xd[lo:hi], weight, None, pool, slot, torch.tensor([0, hi - lo], device=device),
-                                          torch.tensor([keep], device=device), out[lo:hi], "triton", "silu")
+                                          torch.tensor([keep], device=device), out[lo:hi], "triton", "silu", None)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -358,11 +358,12 @@ def test_a_committed_verify_window_equals_running_only_the_kept_rows(impl, devic
 def test_opcheck_state_ops():
     q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(2, [3, 1], [True, False])
     torch.library.opcheck(torch.ops.tscompile.gated_delta_rule.default,
-                          (q, k, v, g, beta, pool, slots, cu, has_state, torch.empty_like(v), "torch", True, 4))
+                          (q, k, v, g, beta, pool, slots, cu, has_state, torch.empty_like(v), "torch", True, 4, None))
     x = torch.randn(4, 8)
     torch.library.opcheck(torch.ops.tscompile.causal_conv1d.default,
                           (x, torch.randn(8, 4), None, torch.randn(3, 8, 3), torch.tensor([1, 2]),
-                           torch.tensor([0, 3, 4]), torch.tensor([True, False]), torch.empty_like(x), "torch", "silu"))
+                           torch.tensor([0, 3, 4]), torch.tensor([True, False]), torch.empty_like(x), "torch", "silu",
+                           None))
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
     torch.library.opcheck(torch.ops.tscompile.gated_delta_rule.default,
                           (q[:4], k[:4], v[:4], g[:4], beta[:4], pool, slots, cu, has_state, torch.empty_like(v[:4]),
@@ -389,9 +390,9 @@ def test_unknown_impl_and_activation_are_refused():
     args = (x, torch.randn(8, 4), None, torch.randn(2, 8, 3), torch.tensor([1]), torch.tensor([0, 2]),
             torch.tensor([False]), torch.empty_like(x))
     with pytest.raises(ValueError, match="tscompile: state kernel impl 'cuda'"):
-        torch.ops.tscompile.causal_conv1d(*args, "cuda", "silu")
+        torch.ops.tscompile.causal_conv1d(*args, "cuda", "silu", None)
     with pytest.raises(ValueError, match="tscompile: causal_conv1d activation 'gelu'"):
-        torch.ops.tscompile.causal_conv1d(*args, "torch", "gelu")
+        torch.ops.tscompile.causal_conv1d(*args, "torch", "gelu", None)
 
 
 @pytest.mark.gpu
@@ -412,13 +413,13 @@ def test_triton_decode_steps_on_small_heads_update_each_slot_once(op):
             pool = torch.randn(reqs + 1, 64, 3, generator=gen)
             tail = (slots, cu, keep)
             run = lambda impl, p, o, dev: torch.ops.tscompile.causal_conv1d(  # noqa: E731
-                *_on(dev, x, weight), None, p, *_on(dev, *tail), o, impl, "silu")
+                *_on(dev, x, weight), None, p, *_on(dev, *tail), o, impl, "silu", None)
             out_like = x
         else:
             q, k, v, g, beta = _inputs(gen, reqs, 2, 4, 8, 8)
             pool = torch.randn(reqs + 1, 4, 8, 8, generator=gen)
             run = lambda impl, p, o, dev: torch.ops.tscompile.gated_delta_rule(  # noqa: E731
-                *_on(dev, q, k, v, g, beta), p, *_on(dev, slots, cu, keep), o, impl, True, 8)
+                *_on(dev, q, k, v, g, beta), p, *_on(dev, slots, cu, keep), o, impl, True, 8, None)
             out_like = v
         want_pool, want_out = pool.clone(), torch.full_like(out_like, float("nan"))
         run("torch", want_pool, want_out, "cpu")

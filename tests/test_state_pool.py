@@ -100,8 +100,9 @@ def _step(pool, meta, layer, weight, pieces, bucket):
     out = torch.full_like(cat["v"], float("nan"))
     conv_out = torch.full_like(cat["x"], float("nan"))
     torch.ops.tscompile.gated_delta_rule(cat["q"], cat["k"], cat["v"], cat["g"], cat["beta"], ssm_pool, slots, cu,
-                                         flags, out, "torch", True, 4)
-    torch.ops.tscompile.causal_conv1d(cat["x"], weight, None, conv_pool, slots, cu, flags, conv_out, "torch", "silu")
+                                         flags, out, "torch", True, 4, None)
+    torch.ops.tscompile.causal_conv1d(cat["x"], weight, None, conv_pool, slots, cu, flags, conv_out, "torch", "silu",
+                                      None)
     b = cu.tolist()
     return [(out[b[i]:b[i + 1]], conv_out[b[i]:b[i + 1]]) for i in range(len(pieces))]
 
