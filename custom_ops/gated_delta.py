@@ -153,7 +153,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ``[r, i]``, for every row but the request's last (``W`` >= its rows - 1); they always walk.
     """
     _check_impl(impl)
-    _check_checkpoints("gated_delta_rule", checkpoints, state_slots, state_pool.shape[1:])
+    _check_checkpoints("gated_delta_rule", checkpoints, state_slots, state_pool.shape[1:], q.shape[0])
     if impl == "triton":
         from tscompile.custom_ops.triton_gated_delta import gated_delta_chunked_triton, gated_delta_triton
 
@@ -175,15 +175,20 @@ def _(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, imp
     return None
 
 
-def _check_checkpoints(op: str, checkpoints: torch.Tensor | None, state_slots: torch.Tensor, per_slot) -> None:
-    """A checkpoint buffer holds a row per request of the step, each entry shaped as one slot."""
+def _check_checkpoints(op: str, checkpoints: torch.Tensor | None, state_slots: torch.Tensor, per_slot,
+                       num_rows: int) -> None:
+    """A checkpoint buffer holds an entry per request of the step and per row but its last, each
+    entry shaped as one slot. The rows per request live on the device, so the check is on the shapes
+    a verify step has: ``num_rows`` spread evenly over the requests."""
     if checkpoints is None:
         return
-    if checkpoints.shape[0] < state_slots.shape[0] or checkpoints.shape[2:] != per_slot \
+    reqs = state_slots.shape[0]
+    depth = -(-num_rows // max(reqs, 1)) - 1  # the deepest an even split of the rows needs
+    if checkpoints.shape[0] < reqs or checkpoints.shape[1] < depth or checkpoints.shape[2:] != per_slot \
             or checkpoints.dtype != torch.float32:
         raise ValueError(f"tscompile: {op} checkpoints {tuple(checkpoints.shape)} {checkpoints.dtype} do not fit "
-                         f"{state_slots.shape[0]} requests of state {tuple(per_slot)}; pass float32 "
-                         f"[>= {state_slots.shape[0]}, W, {', '.join(map(str, per_slot))}]")
+                         f"{reqs} requests of {num_rows} rows and state {tuple(per_slot)}; pass float32 "
+                         f"[>= {reqs}, >= {depth}, {', '.join(map(str, per_slot))}]")
 
 
 def _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation, checkpoints):
@@ -225,7 +230,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation not in CONV_ACTIVATIONS:
         raise ValueError(f"tscompile: causal_conv1d activation {activation!r} is unknown; "
                          f"known: {list(CONV_ACTIVATIONS)}")
-    _check_checkpoints("causal_conv1d", checkpoints, state_slots, conv_pool.shape[1:])
+    _check_checkpoints("causal_conv1d", checkpoints, state_slots, conv_pool.shape[1:], x.shape[0])
     if impl == "triton":
         from tscompile.custom_ops.triton_gated_delta import causal_conv1d_triton
 
@@ -243,32 +248,36 @@ def _(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, impl,
 @torch.library.custom_op("tscompile::commit_state_checkpoints", mutates_args=("conv_pools", "ssm_pools"))
 def commit_state_checkpoints(conv_pools: torch.Tensor, ssm_pools: torch.Tensor, conv_checkpoints: torch.Tensor,
                              ssm_checkpoints: torch.Tensor, state_slots: torch.Tensor, accepted: torch.Tensor,
-                             impl: str) -> None:
-    """After a verify step: every layer's state of request ``r`` goes back to its state after row
-    ``accepted[r]`` of the window (the rows it keeps: the newest token and its accepted drafts).
+                             drafts: int, impl: str) -> None:
+    """After a verify step of ``drafts + 1`` rows per request: every layer's state of request ``r``
+    goes back to its state after row ``accepted[r]`` of the window (the rows it keeps: the newest
+    token and its accepted drafts).
 
     conv_pools:       [L, S, C, K - 1]      every state layer's pool, stacked
     ssm_pools:        [L, S, Hv, Dk, Dv]
-    conv_checkpoints: [L, R', W, C, K - 1]  what the step's ops stored (``R'`` >= R)
+    conv_checkpoints: [L, R', W, C, K - 1]  what the step's ops stored (``R'`` >= R, ``W`` >= drafts)
     ssm_checkpoints:  [L, R', W, Hv, Dk, Dv]
-    state_slots: [R] int64; accepted: [R] int32/int64 in ``[0, W]``
-    A request with ``accepted[r] == W`` kept its whole window: its slots already hold the state
+    state_slots: [R] int64; accepted: [R] int32/int64 in ``[0, drafts]``
+    A request with ``accepted[r] == drafts`` kept its whole window: its slots already hold the state
     after the last row, and nothing is copied.
     """
     _check_impl(impl)
+    if not 0 <= drafts <= ssm_checkpoints.shape[2] or state_slots.shape[0] > ssm_checkpoints.shape[1]:
+        raise ValueError(f"tscompile: commit_state_checkpoints of {state_slots.shape[0]} requests x {drafts} drafts "
+                         f"does not fit checkpoints of {ssm_checkpoints.shape[1]} requests x "
+                         f"{ssm_checkpoints.shape[2]} rows; allocate the pool's checkpoints for the widest window")
     if impl == "triton":
         from tscompile.custom_ops.triton_gated_delta import commit_state_checkpoints_triton
 
         commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots,
-                                        accepted)
+                                        accepted, drafts)
         return
-    width = ssm_checkpoints.shape[2]
     for r, (slot, kept) in enumerate(zip(state_slots.tolist(), accepted.tolist())):
-        if kept < width:
+        if kept < drafts:
             conv_pools[:, slot] = conv_checkpoints[:, r, kept]
             ssm_pools[:, slot] = ssm_checkpoints[:, r, kept]
 
 
 @commit_state_checkpoints.register_fake
-def _(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted, impl):
+def _(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted, drafts, impl):
     return None

@@ -201,7 +201,7 @@ def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, ha
 def _commit_kernel(conv_ptr, ssm_ptr, conv_ckpt_ptr, ssm_ckpt_ptr, slots_ptr, accepted_ptr,
                    stride_conv_l, stride_conv_s, stride_ssm_l, stride_ssm_s,
                    stride_cc_l, stride_cc_r, stride_cc_i, stride_sc_l, stride_sc_r, stride_sc_i,
-                   conv_span, ssm_span, ssm_blocks, width, BLOCK: tl.constexpr):
+                   conv_span, ssm_span, ssm_blocks, drafts, BLOCK: tl.constexpr):
     """Program (request, layer, block): a ``BLOCK`` of one layer's recurrent state (the first
     ``ssm_blocks`` blocks) or convolution window (the rest) of the request's slot, copied from the
     checkpoint at its accepted length."""
@@ -209,7 +209,7 @@ def _commit_kernel(conv_ptr, ssm_ptr, conv_ckpt_ptr, ssm_ckpt_ptr, slots_ptr, ac
     layer = tl.program_id(1).to(tl.int64)
     block = tl.program_id(2)
     kept = tl.load(accepted_ptr + req).to(tl.int64)
-    if kept < width:  # a request that kept its whole window already holds the state after the last row
+    if kept < drafts:  # a request that kept its whole window already holds the state after the last row
         slot = tl.load(slots_ptr + req).to(tl.int64)
         row = req.to(tl.int64)
         if block < ssm_blocks:
@@ -229,7 +229,8 @@ def _commit_kernel(conv_ptr, ssm_ptr, conv_ckpt_ptr, ssm_ckpt_ptr, slots_ptr, ac
 COMMIT_BLOCK = 4096  # float32 elements a program copies
 
 
-def commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted):
+def commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted,
+                                    drafts):
     """One launch over (request, layer, block of the slot's state): every entry a flat contiguous span."""
     num_reqs, num_layers = state_slots.shape[0], ssm_pools.shape[0]
     if num_reqs == 0 or num_layers == 0:
@@ -248,7 +249,7 @@ def commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm
         conv_pools.stride(0), conv_pools.stride(1), ssm_pools.stride(0), ssm_pools.stride(1),
         conv_checkpoints.stride(0), conv_checkpoints.stride(1), conv_checkpoints.stride(2),
         ssm_checkpoints.stride(0), ssm_checkpoints.stride(1), ssm_checkpoints.stride(2),
-        conv_span, ssm_span, ssm_blocks, ssm_checkpoints.shape[2], BLOCK=COMMIT_BLOCK)
+        conv_span, ssm_span, ssm_blocks, drafts, BLOCK=COMMIT_BLOCK)
 
 
 @triton.jit

@@ -295,34 +295,42 @@ def test_causal_conv1d_checkpoints_hold_the_window_after_each_row_but_the_last(i
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_commit_copies_each_requests_checkpoint_at_its_accepted_length_in_every_layer(impl, device):
+@pytest.mark.parametrize("drafts", [3, 2], ids=["window-as-deep-as-the-buffer", "narrower-window"])
+def test_commit_copies_each_requests_checkpoint_at_its_accepted_length_in_every_layer(impl, drafts, device):
     """Request r's slot, in every layer, becomes checkpoint [r, accepted[r]]; a request that accepted
-    its whole window (accepted == W) and every other slot keep their bits."""
-    gen = torch.Generator().manual_seed(29 + len(impl))
-    layers, num_slots, reqs, width = 3, 7, 4, 3
-    conv = torch.randn(layers, num_slots, 10, 3, generator=gen)
-    ssm = torch.randn(layers, num_slots, 2, 8, 4, generator=gen)
-    conv_ck = torch.randn(layers, reqs + 1, width, 10, 3, generator=gen)
-    ssm_ck = torch.randn(layers, reqs + 1, width, 2, 8, 4, generator=gen)
-    slots, accepted = torch.tensor([5, 2, 6, 1]), torch.tensor([1, 3, 0, 2], dtype=torch.int32)
-    want_conv, want_ssm = conv.clone(), ssm.clone()
+    all ``drafts`` drafts of its window, and every other slot, keep their bits (also where the buffer
+    is deeper than the window). A slot's state spans several of the kernel's copy blocks."""
+    gen = torch.Generator().manual_seed(29 + len(impl) + drafts)
+    layers, num_slots, reqs, depth = 3, 7, 4, 3
+    conv = torch.randn(layers, num_slots, 300, 3, generator=gen)
+    ssm = torch.randn(layers, num_slots, 4, 32, 40, generator=gen)  # 5120 elements: two copy blocks
+    conv_ck = torch.randn(layers, reqs + 1, depth, 300, 3, generator=gen)
+    ssm_ck = torch.randn(layers, reqs + 1, depth, 4, 32, 40, generator=gen)
+    slots, accepted = torch.tensor([5, 2, 6, 1]), torch.tensor([1, drafts, 0, drafts - 1], dtype=torch.int32)
+    want_conv, want_ssm, before = conv.clone(), ssm.clone(), ssm.clone()
     for r, (slot, a) in enumerate(zip(slots.tolist(), accepted.tolist())):
-        if a < width:
+        if a < drafts:
             want_conv[:, slot], want_ssm[:, slot] = conv_ck[:, r, a], ssm_ck[:, r, a]
     args = _on(device, conv, ssm, conv_ck, ssm_ck, slots, accepted)
-    torch.ops.tscompile.commit_state_checkpoints(*args, impl)
+    torch.ops.tscompile.commit_state_checkpoints(*args, drafts, impl)
     assert torch.equal(args[0].cpu(), want_conv) and torch.equal(args[1].cpu(), want_ssm)
-    assert not torch.equal(want_ssm[:, 2], ssm_ck[:, 1, 2])  # the whole-window request was not overwritten
+    assert torch.equal(want_ssm[:, 2], before[:, 2]) and not torch.equal(want_ssm[:, 5], before[:, 5])
+    with pytest.raises(ValueError, match=r"^tscompile: commit_state_checkpoints of 4 requests x 4 drafts does not "
+                                         r"fit checkpoints of 5 requests x 3 rows"):
+        torch.ops.tscompile.commit_state_checkpoints(*args, 4, impl)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_a_committed_verify_window_equals_running_only_the_kept_rows(impl, device):
+@pytest.mark.parametrize("dk,dv,channels", [(16, 16, 12), (32, 128, 300)], ids=["one-block", "several-blocks"])
+def test_a_committed_verify_window_equals_running_only_the_kept_rows(impl, dk, dv, channels, device):
     """The state ops over whole windows of 4 rows with checkpoints, then the commit, leave every slot
-    as the same ops over only each request's kept rows (accepted + 1) would."""
-    hk, hv, dk, dv, channels, width, rows = 2, 4, 16, 16, 12, 4, 4
+    as the same ops over only each request's kept rows (accepted + 1) would; also where a head's
+    values span two of the walk's blocks, the channels two of the convolution's and a slot's state
+    several of the commit's copy blocks."""
+    hk, hv, width, rows = 2, 4, 4, 4
     accepted = torch.tensor([0, 3, 1, 2], dtype=torch.int32)
     reqs = accepted.shape[0]
-    gen = torch.Generator().manual_seed(31 + len(impl))
+    gen = torch.Generator().manual_seed(31 + len(impl) + dv)
     q, k, v, g, beta = _inputs(gen, reqs * rows, hk, hv, dk, dv)
     x, weight = torch.randn(reqs * rows, channels, generator=gen), torch.randn(channels, width, generator=gen)
     ssm = torch.randn(1, 6, hv, dk, dv, generator=gen)
@@ -344,7 +352,8 @@ def test_a_committed_verify_window_equals_running_only_the_kept_rows(impl, devic
                                              _poisoned(1, reqs, rows - 1, channels, width - 1))
     run_ops(torch.arange(reqs * rows), torch.arange(0, reqs * rows + 1, rows), got_ssm[0], got_conv[0], ck_ssm[0],
             ck_conv[0])
-    torch.ops.tscompile.commit_state_checkpoints(got_conv, got_ssm, ck_conv, ck_ssm, slots_d, accepted_d, impl)
+    torch.ops.tscompile.commit_state_checkpoints(got_conv, got_ssm, ck_conv, ck_ssm, slots_d, accepted_d, rows - 1,
+                                                 impl)
 
     want_ssm, want_conv = _on(device, ssm.clone(), conv.clone())
     kept = (accepted + 1).tolist()
@@ -373,13 +382,13 @@ def test_opcheck_state_ops():
                            torch.tensor([True, False]), torch.empty_like(x), "torch", "silu", torch.zeros(2, 1, 8, 3)))
     torch.library.opcheck(torch.ops.tscompile.commit_state_checkpoints.default,
                           (torch.randn(2, 3, 8, 3), torch.randn(2, 3, 4, 2, 2), torch.randn(2, 2, 1, 8, 3),
-                           torch.randn(2, 2, 1, 4, 2, 2), torch.tensor([1, 2]), torch.tensor([0, 1]), "torch"))
+                           torch.randn(2, 2, 1, 4, 2, 2), torch.tensor([1, 2]), torch.tensor([0, 1]), 1, "torch"))
 
 
 def test_checkpoints_of_the_wrong_shape_are_refused():
     q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(3, [2, 2], [True, True])
     for checkpoints in (torch.zeros(1, 1, *pool.shape[1:]), torch.zeros(2, 1, 4, 16, 8),
-                        torch.zeros(2, 1, *pool.shape[1:], dtype=torch.float64)):
+                        torch.zeros(2, 1, *pool.shape[1:], dtype=torch.float64), torch.zeros(2, 0, *pool.shape[1:])):
         with pytest.raises(ValueError, match=r"^tscompile: gated_delta_rule checkpoints .* do not fit 2 requests"):
             torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool, slots, cu, has_state, torch.empty_like(v),
                                                  "torch", True, 4, checkpoints)

@@ -83,13 +83,14 @@ class StateBackend(AttentionBackend):
             views = self._decode_views[(bs, width)] = StateMetadata(slots, offsets, flags, checkpoints=width > 1)
         return views
 
-    def commit_verify(self, accepted: torch.Tensor) -> None:
-        """After a verify step's acceptance (``accepted``: [bs] drafts kept per request, on the
-        device): every state layer's slot back to its state after the kept rows, in one launch. Part
-        of the verify step, so it is captured with it."""
+    def commit_verify(self, accepted: torch.Tensor, drafts: int) -> None:
+        """After acceptance in a verify step of ``drafts + 1`` rows per request (``accepted``: [bs]
+        drafts kept per request, on the device): every state layer's slot back to its state after the
+        kept rows, in one launch. Part of the verify step, so it is captured with it."""
         p = self.pool
         torch.ops.tscompile.commit_state_checkpoints(p.conv_all, p.ssm_all, p.conv_checkpoints, p.ssm_checkpoints,
-                                                     self.forward_decode_metadata.state_slots, accepted, self.impl)
+                                                     self.forward_decode_metadata.state_slots, accepted, drafts,
+                                                     self.impl)
 
     def refresh_decode_metadata(self, bs: int, host_state_slots: np.ndarray, width: int) -> None:
         """Write the live rows' slots (``host_state_slots``: [n] int64, n <= bs) into the ``bs``

@@ -58,7 +58,7 @@ class VerifyGraphs:
                                                  out_accepted)
         state = getattr(self.decode.attention, "state", None)
         if state is not None:  # recurrent-state layers: back to the state after the kept rows
-            state.commit_verify(out_accepted)
+            state.commit_verify(out_accepted, out_tokens.shape[1] - 1)
 
     def _step_views(self, bs: int, width: int) -> tuple:
         """The inputs and outputs of a ``bs`` x ``width`` step: views made once, so a graph's
