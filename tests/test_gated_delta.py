@@ -394,6 +394,30 @@ def test_checkpoints_of_the_wrong_shape_are_refused():
                                                  "torch", True, 4, checkpoints)
 
 
+def test_the_ops_run_where_torch_bumps_versions_of_the_arguments_as_called(monkeypatch):
+    """torch 2.11's custom-op wrapper bumps the version of each mutated argument at its position in
+    the call as made, defaults not filled in (later releases fill them first): a mutated optional
+    argument left out of a call was an IndexError on the GPU machine. Every call, eager and from an
+    Inductor graph, passes ``checkpoints``, so the ops run under that rule too."""
+    import torch._library.utils as library_utils
+
+    if hasattr(library_utils, "fill_defaults"):
+        monkeypatch.setattr(library_utils, "fill_defaults", lambda schema, args, kwargs: (args, kwargs))
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(5, [2, 3], [True, False])
+
+    def layer(q, k, v, g, beta, pool, x, conv_pool):
+        out, conv_out = torch.empty_like(v), torch.empty_like(x)
+        torch.ops.tscompile.causal_conv1d(x, torch.ones(x.shape[1], 4), None, conv_pool, slots, cu, has_state,
+                                          conv_out, "torch", "silu", None)
+        torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, pool, slots, cu, has_state, out, "torch", True, 4, None)
+        return out + 1, conv_out
+
+    x, conv_pool = torch.randn(5, 6), torch.randn(pool.shape[0], 6, 3)
+    want = layer(q, k, v, g, beta, pool.clone(), x, conv_pool.clone())
+    got = torch.compile(layer, backend="inductor", fullgraph=True)(q, k, v, g, beta, pool.clone(), x, conv_pool.clone())
+    torch.testing.assert_close(got, want)
+
+
 def test_unknown_impl_and_activation_are_refused():
     x = torch.randn(2, 8)
     args = (x, torch.randn(8, 4), None, torch.randn(2, 8, 3), torch.tensor([1]), torch.tensor([0, 2]),
