@@ -51,6 +51,12 @@ def test_checkpoints_are_allocated_beside_the_stacked_layers_and_poisoned_with_t
     assert torch.isnan(pool.ssm_checkpoints).all() and torch.isnan(pool.conv_checkpoints).all()
     plain = StatePool.allocate(SPEC, 5, "cpu")
     assert plain.checkpoint_rows == 0 and plain.layer_checkpoints(0) is None
+    need = (5 + 4 * 3) * SPEC.slot_bytes
+    assert StatePool.allocate(SPEC, 5, "cpu", checkpoint_requests=4, checkpoint_rows=3, free_bytes=need).nbytes == need
+    with pytest.raises(ValueError, match=r"^tscompile: the recurrent state of 4 requests, with 3 verify checkpoints "
+                                         r"each, takes .* GiB, more than the .* GiB free on the device; lower "
+                                         r"max_num_seqs or num_speculative_tokens"):
+        StatePool.allocate(SPEC, 5, "cpu", checkpoint_requests=4, checkpoint_rows=3, free_bytes=need - 1)
 
 
 def test_verify_windows_need_checkpoints_for_every_request_and_row():

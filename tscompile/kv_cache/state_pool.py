@@ -108,10 +108,17 @@ class StatePool:
 
     @classmethod
     def allocate(cls, spec: StateSpec, num_slots: int, device: torch.device | str, *, checkpoint_requests: int = 0,
-                 checkpoint_rows: int = 0) -> "StatePool":
+                 checkpoint_rows: int = 0, free_bytes: int | None = None) -> "StatePool":
         """``checkpoint_requests`` x ``checkpoint_rows`` checkpoints per layer (0: none): for verify
-        steps of up to that many requests and ``checkpoint_rows + 1`` rows each."""
+        steps of up to that many requests and ``checkpoint_rows + 1`` rows each. ``free_bytes``: the
+        device memory it may take (None: unchecked); a pool larger is refused before allocating."""
         StateSlotAllocator(num_slots)  # the refusal for a pool too small, before any allocation
+        need = (num_slots + checkpoint_requests * checkpoint_rows) * spec.slot_bytes
+        if free_bytes is not None and need > free_bytes:
+            raise ValueError(f"tscompile: the recurrent state of {num_slots - 1} requests, with {checkpoint_rows} "
+                             f"verify checkpoints each, takes {need / 2**30:.2f} GiB, more than the "
+                             f"{free_bytes / 2**30:.2f} GiB free on the device; lower max_num_seqs or "
+                             "num_speculative_tokens")
         layers = len(spec.layer_ids)
         conv_entry = (spec.conv_channels, spec.conv_width - 1)
         ssm_entry = (spec.num_v_heads, spec.key_head_dim, spec.value_head_dim)

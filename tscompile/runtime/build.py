@@ -210,8 +210,9 @@ def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_
         return
     from tscompile.models.qwen3_next_linear import TRITON_CHUNK_SIZE
 
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     pool = StatePool.allocate(model.state_spec(), max_num_seqs + 1, device, checkpoint_requests=max_num_seqs,
-                              checkpoint_rows=max_verify_width - 1)
+                              checkpoint_rows=max_verify_width - 1, free_bytes=free)
     impl = "triton" if device.type == "cuda" else "torch"
     model.bind_state_pool(pool, impl, TRITON_CHUNK_SIZE if chunked_gated_delta else 0)
     attention.attach_state_backend(StateBackend(pool, device, impl))
