@@ -60,8 +60,7 @@ class StateBackend(AttentionBackend):
         self.forward_extend_metadata: StateMetadata | None = None
 
     def allocate_decode_buffers(self, max_decode_bs: int, max_width: int = 1) -> None:
-        rows, requests = self.pool.checkpoint_rows, 0 if self.pool.ssm_checkpoints is None else \
-            self.pool.ssm_checkpoints.shape[1]
+        rows, requests = self.pool.checkpoint_rows, self.pool.checkpoint_requests
         if max_width > 1 and (rows < max_width - 1 or requests < max_decode_bs):
             raise ValueError(f"tscompile: verify steps of {max_decode_bs} requests x {max_width} rows need state "
                              f"checkpoints for as many requests and {max_width - 1} rows; the state pool has "

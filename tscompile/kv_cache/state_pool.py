@@ -137,6 +137,11 @@ class StatePool:
         return 0 if self.ssm_checkpoints is None else self.ssm_checkpoints.shape[2]
 
     @property
+    def checkpoint_requests(self) -> int:
+        """Requests a verify step may have (0: no checkpoints)."""
+        return 0 if self.ssm_checkpoints is None else self.ssm_checkpoints.shape[1]
+
+    @property
     def nbytes(self) -> int:
         """The slots' bytes and the checkpoints'."""
         return sum(t.nbytes for t in self._tensors())
