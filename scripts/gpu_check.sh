@@ -9,7 +9,11 @@
 #                                                      free memory), one at a time
 #                                                    ARGS narrow a part: test files or -k expressions.
 #                                                    Each failure's report goes to $OUT/gpu_failures.txt as
-#                                                    it happens, every test's duration to the log.
+#                                                    it happens, every test's duration to the log, and each
+#                                                    passed or skipped test's id to $OUT/gpu_done_PART.txt.
+#                                                    `--resume FILE` (first, before ARGS): FILE is an earlier
+#                                                    call's gpu_done_PART.txt; only the tests not in it run
+#                                                    (a part that a machine's time limit cut short goes on).
 #   bash scripts/gpu_check.sh bench [BENCH ARGS...]    tscompile bench with these arguments (default: the
 #                                                      llama-1b run of the README), JSON and markdown in $OUT
 #   bash scripts/gpu_check.sh fuzz [FUZZ ARGS...]      scripts/fuzz_gpu.py, e.g. --count 1000 --bf16
@@ -41,7 +45,14 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 gpu_tests() {
   local part=$1 markers=$2
   shift 2
-  python3 -m pytest -v -rfE -m "$markers" --durations=0 --failure-log "$OUT/gpu_failures.txt" "$@" 2>&1 \
+  if [ "${1:-}" = "--resume" ]; then
+    cp "${2:?"--resume FILE"}" "$OUT/gpu_done_$part.txt" || return 1
+    shift 2
+  fi
+  # --done-log=PATH in one argument: pytest takes an existing path given apart for a test path when
+  # it picks the root directory, which would rename the ids the file holds
+  python3 -m pytest -v -rfE -m "$markers" --durations=0 --failure-log "$OUT/gpu_failures.txt" \
+    --done-log="$OUT/gpu_done_$part.txt" "$@" 2>&1 \
     | tee "$OUT/gpu_tests_$part.log" | tail -40
   return "${PIPESTATUS[0]}"
 }
@@ -53,7 +64,7 @@ case $job in
     gpu_tests alone "gpu and gpu_alone"; rc=$?
     [ "$rc_shared" -ne 0 ] && rc=$rc_shared ;;
   tests-shared)
-    gpu_tests shared "gpu and not gpu_alone" "${workers[@]}" "$@"; rc=$? ;;
+    gpu_tests shared "gpu and not gpu_alone" "$@" "${workers[@]}"; rc=$? ;;
   tests-alone)
     gpu_tests alone "gpu and gpu_alone" "$@"; rc=$? ;;
   bench)

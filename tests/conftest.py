@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 import tscompile  # noqa: F401  (registers the ops)
 
-pytest_plugins = ["failure_log"]
+pytest_plugins = ["failure_log", "done_log"]
 
 
 def _threads_per_worker() -> int | None:
