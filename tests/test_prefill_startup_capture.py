@@ -290,3 +290,39 @@ def test_gpu_start_up_capture_leaves_nothing_to_capture_and_tokens_equal_lazy_an
     counters.clear()
     assert [ids(llm.generate(b, params)) for b in batches] == eager == lazy
     assert counters["prefill_graphed"] > 0 and counters["prefill_captures"] == 0
+
+
+# -- the hybrid model (host replay) ---------------------------------------------------------------------
+def test_hybrid_placeholder_steps_write_only_the_null_state_slot_and_then_nothing_captures():
+    """qwen3-next-tiny: every placeholder request's state slot is the null slot, so the state ops of
+    the placeholder steps leave a request that is mid-prompt with its state; after them no real step
+    captures, and the tokens equal an eager engine's."""
+    from tscompile.kv_cache.state_pool import NULL_SLOT
+
+    kw = dict(dtype=torch.float32, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = small_llm("qwen3-next-tiny", compile_options=LADDER, **kw)
+    llm.runner.use_graphs(HostGraphs(), decode=False, prefill="piecewise")
+    busy = llm.add_request([(5 * j) % 300 + 1 for j in range(30)], SamplingParams(max_new_tokens=4))
+    llm.step()  # its first chunk: its slot holds a state now
+    llm.sync()
+    pool = llm.attention.state.pool
+    live = [pool.conv_all[:, NULL_SLOT + 1:].clone(), pool.ssm_all[:, NULL_SLOT + 1:].clone()]
+    assert any(t.abs().sum() > 0 for t in live)
+    plans = startup_plans(llm.runner, llm.scheduler)
+    assert plans and all(p.state_slots.tolist() == [NULL_SLOT] * p.num_requests for p in plans)
+    counters.clear()
+    llm.runner.capture_prefill_graphs(plans)
+    assert counters["prefill_captures"] > 0
+    assert torch.equal(pool.conv_all[:, NULL_SLOT + 1:], live[0])
+    assert torch.equal(pool.ssm_all[:, NULL_SLOT + 1:], live[1])
+    llm.abort(busy.rid)
+
+    rng = random.Random(5)
+    batches = [[[rng.randint(1, 400) for _ in range(rng.randint(1, 15))] for _ in range(rng.randint(1, 4))]
+               for _ in range(3)]
+    params = SamplingParams(max_new_tokens=3)
+    eager = small_llm("qwen3-next-tiny", enforce_eager=True, **kw)
+    expected = [ids(eager.generate(b, params)) for b in batches]
+    counters.clear()
+    assert [ids(llm.generate(b, params)) for b in batches] == expected
+    assert counters["prefill_replays"] > 0 and counters["prefill_captures"] == 0

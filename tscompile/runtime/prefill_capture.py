@@ -22,11 +22,12 @@ from typing import Callable
 import numpy as np
 
 from tscompile.kv_cache.spec import CacheGroupSpec, kept_rows
+from tscompile.kv_cache.state_pool import NULL_SLOT
 from tscompile.runtime.dynamic_sizes import min_logits_rows
 from tscompile.runtime.scheduler import Request
 from tscompile.runtime.step_builder import ScheduledBatch, build_step_plan
 from tscompile.sampling import SamplingParams
-from tscompile.step_plan import StepPlan
+from tscompile.step_plan import NO_ROWS, StepPlan
 from tscompile.utils import bucket
 
 PLACEHOLDER_TOKEN = 0
@@ -110,8 +111,9 @@ def _completion_splits(chunks: tuple[int, ...], window: int | None) -> list[tupl
 
 
 def placeholder_plan(shape: PlaceholderShape, specs: list[CacheGroupSpec], *, block_size: int, max_blocks: int,
-                     eos_token_ids: tuple[int, ...] = (), banned_width: int = 1) -> StepPlan:
-    """The plan of ``shape`` over placeholder requests whose every block is the null block."""
+                     eos_token_ids: tuple[int, ...] = (), banned_width: int = 1, with_state: bool = False) -> StepPlan:
+    """The plan of ``shape`` over placeholder requests whose every block is the null block, and, for a
+    model with recurrent-state layers (``with_state``), whose every state slot is the null slot."""
     params = SamplingParams(max_new_tokens=2)  # greedy
     extends = []
     for i, (n, complete) in enumerate(zip(shape.chunks, shape.completes)):
@@ -128,7 +130,9 @@ def placeholder_plan(shape: PlaceholderShape, specs: list[CacheGroupSpec], *, bl
         r.slot = slot
         r.group_lens = [r.num_computed] * len(specs)
     tables = [np.zeros((len(reqs), max_blocks), dtype=np.int32) for _ in specs]  # the null block only
-    return build_step_plan(ScheduledBatch(extends, decodes), specs, tables, block_size, eos_token_ids, banned_width)
+    state_slots = np.full(len(reqs), NULL_SLOT, dtype=np.int64) if with_state else NO_ROWS
+    return build_step_plan(ScheduledBatch(extends, decodes), specs, tables, block_size, eos_token_ids, banned_width,
+                           state_slots)
 
 
 def select_plans(shapes: list[PlaceholderShape], build: Callable[[PlaceholderShape], StepPlan],
@@ -173,6 +177,7 @@ def startup_plans(runner, scheduler) -> list[StepPlan]:
 
     def build(shape: PlaceholderShape) -> StepPlan:
         return placeholder_plan(shape, specs, block_size=scheduler.block_size, max_blocks=scheduler.max_blocks,
-                                eos_token_ids=scheduler.eos_token_ids, banned_width=scheduler.banned_width)
+                                eos_token_ids=scheduler.eos_token_ids, banned_width=scheduler.banned_width,
+                                with_state=scheduler.state_slots is not None)
 
     return select_plans(shapes, build, runner.prefill_graph_keys)
