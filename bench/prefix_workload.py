@@ -11,9 +11,11 @@ switching caching off forgets the cache).
 - ``distinct``: no shared tokens, so no hits: ``--prefix-requests`` prompts of ``--prefix-len`` +
   ``--prefix-suffix-len`` tokens each its own, submitted one at a time (each runs to its last token
   before the next is submitted), so every prefill is a step of its own. Per request it also records
-  the host's time from the submit until the step that launched its prefill returned (hashing, lookup
-  and admission run there), and the settings alternate off, on, off, on: each setting's figures are
-  over both of its passes, so a drift of the machine during the run falls on both alike.
+  the host's time from the submit until its prefill was launched (the admission, with the block
+  hashing and lookup, runs before the launch) and until that step returned (the scheduler's update
+  after the launch publishes the prompt's full blocks), and the settings alternate off, on, off, on:
+  each setting's figures are over both of its passes, so a drift of the machine during the run falls
+  on both alike.
 
 Each setting runs once unmeasured (compiles and graph captures), then measured from an empty cache.
 Per setting: mean and median TTFT (submit to the first token read back on the host, per request),
@@ -105,27 +107,44 @@ def _run_batch(llm, prompts: list[list[int]], output_len: int, device: torch.dev
 
 def _run_one_by_one(llm, prompts: list[list[int]], output_len: int, device: torch.device) -> dict:
     """Submit ``prompts`` one at a time, each run to its last token: per-request TTFT, the host's time
-    until its prefill's step returned, and the prefill and wall time."""
+    until its prefill was launched (the runner's launch returned: the admission, with its block hashing
+    and lookup, runs before it) and until that step returned (after the launch, the scheduler's update
+    publishes the prompt's full blocks), and the prefill and wall time."""
     params = llm_params(output_len)
-    ttft, host, prefill_s, outputs = [], [], 0.0, []
-    begin = time.perf_counter()
-    for p in prompts:
-        with Timer(device) as t:
-            start = time.perf_counter()
-            req = llm.add_request(p, params)
-            llm.step()  # admits it and launches its prefill (an idle engine has nothing in flight)
-            host.append(time.perf_counter() - start)
-            while not req.output:
+    ttft, launched, host, prefill_s, outputs = [], [], [], 0.0, []
+    launch_returns: list[float] = []
+    launch = llm.runner.launch
+
+    def timed_launch(*args, **kwargs):
+        tokens = launch(*args, **kwargs)
+        launch_returns.append(time.perf_counter())
+        return tokens
+
+    llm.runner.launch = timed_launch
+    try:
+        begin = time.perf_counter()
+        for p in prompts:
+            with Timer(device) as t:
+                launch_returns.clear()
+                start = time.perf_counter()
+                req = llm.add_request(p, params)
+                llm.step()  # admits it and launches its prefill (an idle engine has nothing in flight)
+                host.append(time.perf_counter() - start)
+                launched.append(launch_returns[0] - start)
+                while not req.output:
+                    llm.step()
+                ttft.append(time.perf_counter() - start)
+            prefill_s += t.seconds
+            while llm.has_unfinished():
                 llm.step()
-            ttft.append(time.perf_counter() - start)
-        prefill_s += t.seconds
-        while llm.has_unfinished():
-            llm.step()
-        outputs.append(list(req.output))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return {"ttft_s": ttft, "host_launch_s": host, "prefill_s": prefill_s, "wall_s": time.perf_counter() - begin,
-            "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(map(len, outputs)), "outputs": outputs}
+            outputs.append(list(req.output))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        del llm.runner.launch  # the runner's own method again
+    return {"ttft_s": ttft, "host_prelaunch_s": launched, "host_launch_s": host, "prefill_s": prefill_s,
+            "wall_s": time.perf_counter() - begin, "prompt_tokens": sum(map(len, prompts)),
+            "output_tokens": sum(map(len, outputs)), "outputs": outputs}
 
 
 def llm_params(output_len: int):
@@ -156,9 +175,12 @@ def run_workload(llm, workload: str, args: argparse.Namespace, vocab: int, devic
     wall = sum(b["wall_s"] for b in batches)
     tokens = sum(b["prompt_tokens"] + b["output_tokens"] for b in batches)
     host = [x for b in batches for x in b.get("host_launch_s", ())]
+    prelaunch = [x for b in batches for x in b.get("host_prelaunch_s", ())]
     return {"ttft_ms_mean": statistics.mean(ttft) * 1e3, "ttft_ms_median": statistics.median(ttft) * 1e3,
             "host_launch_ms_median": statistics.median(host) * 1e3 if host else None,
-            "host_launch_ms": [x * 1e3 for x in host], "ttft_ms": [x * 1e3 for x in ttft],
+            "host_launch_ms": [x * 1e3 for x in host],
+            "host_prelaunch_ms_median": statistics.median(prelaunch) * 1e3 if prelaunch else None,
+            "host_prelaunch_ms": [x * 1e3 for x in prelaunch], "ttft_ms": [x * 1e3 for x in ttft],
             "prefill_ms": sum(b["prefill_s"] for b in batches) * 1e3, "wall_ms": wall * 1e3,
             "tokens_per_s": tokens / wall, "output_tokens_per_s": sum(b["output_tokens"] for b in batches) / wall,
             "prompt_tokens": sum(b["prompt_tokens"] for b in batches), "requests": len(ttft),
@@ -196,13 +218,15 @@ def _merge_passes(passes: list[dict]) -> dict:
     """One setting's row from its interleaved passes: per-request figures pooled, totals summed."""
     ttft = [x for p in passes for x in p["ttft_ms"]]
     host = [x for p in passes for x in p["host_launch_ms"]]
+    prelaunch = [x for p in passes for x in p["host_prelaunch_ms"]]
     row = dict(passes[0], ttft_ms=ttft, outputs=[o for p in passes for o in p["outputs"]])
     for key in ("prefill_ms", "wall_ms", "prompt_tokens", "requests", "hit_tokens", "queried_tokens", "preemptions"):
         row[key] = sum(p[key] for p in passes)
     wall_s = row["wall_ms"] / 1e3
     tokens = sum(p["prompt_tokens"] + sum(map(len, p["outputs"])) for p in passes)
     row.update(ttft_ms_mean=statistics.mean(ttft), ttft_ms_median=statistics.median(ttft),
-               host_launch_ms=host, host_launch_ms_median=statistics.median(host), tokens_per_s=tokens / wall_s,
+               host_launch_ms=host, host_launch_ms_median=statistics.median(host), host_prelaunch_ms=prelaunch,
+               host_prelaunch_ms_median=statistics.median(prelaunch), tokens_per_s=tokens / wall_s,
                output_tokens_per_s=sum(sum(map(len, p["outputs"])) for p in passes) / wall_s,
                hit_rate=row["hit_tokens"] / row["queried_tokens"] if row["queried_tokens"] else 0.0, passes=len(passes))
     return row
@@ -228,17 +252,19 @@ def markdown(result: dict) -> str:
     lines = [f"## Prefix caching: `{result['workload']}` workload ({result['model']}, {result['device']}, "
              f"{result['dtype']}, attention={result['attention_backend']})", "",
              machine_line(result), "", f"{result['shape']}", "",
-             "| prefix caching | TTFT mean ms | TTFT median ms | " + ("host until launch ms (median) | " if host else "")
+             "| prefix caching | TTFT mean ms | TTFT median ms | "
+             + ("host until launch ms (median) | host until step returned ms (median) | " if host else "")
              + "prefill ms | wall ms | tokens/s | output tok/s | hit rate | preemptions |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if host else "")]
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if host else "")]
     for r in rows:
         lines.append(f"| {'on' if r['prefix_caching'] else 'off'} | {r['ttft_ms_mean']:.3f} | {r['ttft_ms_median']:.3f} | "
-                     + (f"{r['host_launch_ms_median']:.3f} | " if host else "")
+                     + (f"{r['host_prelaunch_ms_median']:.3f} | {r['host_launch_ms_median']:.3f} | " if host else "")
                      + f"{r['prefill_ms']:.1f} | {r['wall_ms']:.1f} | {r['tokens_per_s']:.0f} | "
                      f"{r['output_tokens_per_s']:.0f} | {r['hit_rate']:.1%} | {r['preemptions']} |")
     on, off = (next(r for r in rows if r["prefix_caching"] is v) for v in (True, False))
     if host:
-        lines += ["", f"on/off: host until launch {on['host_launch_ms_median'] / off['host_launch_ms_median']:.3f}, "
+        lines += ["", f"on/off: host until launch {on['host_prelaunch_ms_median'] / off['host_prelaunch_ms_median']:.3f}, "
+                      f"host until step returned {on['host_launch_ms_median'] / off['host_launch_ms_median']:.3f}, "
                       f"TTFT median {on['ttft_ms_median'] / off['ttft_ms_median']:.3f}, prefill time "
                       f"{on['prefill_ms'] / off['prefill_ms']:.3f} ({on.get('passes', 1)} interleaved passes of each "
                       f"setting, medians over their requests)"]

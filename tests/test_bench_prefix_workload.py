@@ -76,10 +76,14 @@ def test_the_distinct_workload_alternates_the_settings_and_never_hits(llm, monke
     assert not off["prefix_caching"] and on["prefix_caching"]
     assert off["hit_tokens"] == on["hit_tokens"] == 0 and on["queried_tokens"] == 2 * 3 * 9
     assert off["outputs"] == on["outputs"] and len(on["outputs"]) == 2 * 3
-    assert len(on["host_launch_ms"]) == len(on["ttft_ms"]) == 2 * 3 and on["passes"] == 2
-    assert all(0 < h <= t for h, t in zip(on["host_launch_ms"], on["ttft_ms"]))
+    assert len(on["host_launch_ms"]) == len(on["host_prelaunch_ms"]) == len(on["ttft_ms"]) == 2 * 3
+    assert on["passes"] == 2
+    for row in (off, on):  # the launch returns inside its step, which returns before the first token
+        assert all(0 < pre < h <= t for pre, h, t in zip(row["host_prelaunch_ms"], row["host_launch_ms"], row["ttft_ms"]))
+    assert "launch" not in vars(llm.runner)  # the timing wrapper is gone
     assert_idle(llm, "distinct")
     on.pop("outputs"), off.pop("outputs")
     md = prefix_workload.markdown({"workload": "distinct", "model": "llama-tiny", "device": "cpu", "dtype": "float32",
                                    "attention_backend": "torch", "shape": "-", "rows": [off, on], "outputs_equal": True})
-    assert "host until launch ms (median)" in md and "on/off: host until launch" in md
+    assert "host until launch ms (median) | host until step returned ms (median)" in md
+    assert "on/off: host until launch" in md and "host until step returned" in md
