@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -111,7 +112,7 @@ def _run_one_by_one(llm, prompts: list[list[int]], output_len: int, device: torc
     and lookup, runs before it) and until that step returned (after the launch, the scheduler's update
     publishes the prompt's full blocks), and the prefill and wall time."""
     params = llm_params(output_len)
-    ttft, launched, host, prefill_s, outputs = [], [], [], 0.0, []
+    ttft, until_launch, until_step, prefill_s, outputs = [], [], [], 0.0, []
     launch_returns: list[float] = []
     launch = llm.runner.launch
 
@@ -120,8 +121,7 @@ def _run_one_by_one(llm, prompts: list[list[int]], output_len: int, device: torc
         launch_returns.append(time.perf_counter())
         return tokens
 
-    llm.runner.launch = timed_launch
-    try:
+    with mock.patch.object(llm.runner, "launch", timed_launch):
         begin = time.perf_counter()
         for p in prompts:
             with Timer(device) as t:
@@ -129,8 +129,9 @@ def _run_one_by_one(llm, prompts: list[list[int]], output_len: int, device: torc
                 start = time.perf_counter()
                 req = llm.add_request(p, params)
                 llm.step()  # admits it and launches its prefill (an idle engine has nothing in flight)
-                host.append(time.perf_counter() - start)
-                launched.append(launch_returns[0] - start)
+                until_step.append(time.perf_counter() - start)
+                assert launch_returns, "the step after a submit to an idle engine launched nothing"
+                until_launch.append(launch_returns[0] - start)
                 while not req.output:
                     llm.step()
                 ttft.append(time.perf_counter() - start)
@@ -140,9 +141,8 @@ def _run_one_by_one(llm, prompts: list[list[int]], output_len: int, device: torc
             outputs.append(list(req.output))
         if device.type == "cuda":
             torch.cuda.synchronize()
-    finally:
-        del llm.runner.launch  # the runner's own method again
-    return {"ttft_s": ttft, "host_prelaunch_s": launched, "host_launch_s": host, "prefill_s": prefill_s,
+    return {"ttft_s": ttft, "host_until_launch_s": until_launch, "host_until_step_s": until_step,
+            "prefill_s": prefill_s,
             "wall_s": time.perf_counter() - begin, "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": sum(map(len, outputs)), "outputs": outputs}
 
@@ -174,13 +174,13 @@ def run_workload(llm, workload: str, args: argparse.Namespace, vocab: int, devic
     ttft = [x for b in batches for x in b["ttft_s"]]
     wall = sum(b["wall_s"] for b in batches)
     tokens = sum(b["prompt_tokens"] + b["output_tokens"] for b in batches)
-    host = [x for b in batches for x in b.get("host_launch_s", ())]
-    prelaunch = [x for b in batches for x in b.get("host_prelaunch_s", ())]
+    until_step = [x for b in batches for x in b.get("host_until_step_s", ())]
+    until_launch = [x for b in batches for x in b.get("host_until_launch_s", ())]
     return {"ttft_ms_mean": statistics.mean(ttft) * 1e3, "ttft_ms_median": statistics.median(ttft) * 1e3,
-            "host_launch_ms_median": statistics.median(host) * 1e3 if host else None,
-            "host_launch_ms": [x * 1e3 for x in host],
-            "host_prelaunch_ms_median": statistics.median(prelaunch) * 1e3 if prelaunch else None,
-            "host_prelaunch_ms": [x * 1e3 for x in prelaunch], "ttft_ms": [x * 1e3 for x in ttft],
+            "host_until_step_ms_median": statistics.median(until_step) * 1e3 if until_step else None,
+            "host_until_step_ms": [x * 1e3 for x in until_step],
+            "host_until_launch_ms_median": statistics.median(until_launch) * 1e3 if until_launch else None,
+            "host_until_launch_ms": [x * 1e3 for x in until_launch], "ttft_ms": [x * 1e3 for x in ttft],
             "prefill_ms": sum(b["prefill_s"] for b in batches) * 1e3, "wall_ms": wall * 1e3,
             "tokens_per_s": tokens / wall, "output_tokens_per_s": sum(b["output_tokens"] for b in batches) / wall,
             "prompt_tokens": sum(b["prompt_tokens"] for b in batches), "requests": len(ttft),
@@ -217,16 +217,17 @@ def measure(llm, workload: str, args: argparse.Namespace, vocab: int, device: to
 def _merge_passes(passes: list[dict]) -> dict:
     """One setting's row from its interleaved passes: per-request figures pooled, totals summed."""
     ttft = [x for p in passes for x in p["ttft_ms"]]
-    host = [x for p in passes for x in p["host_launch_ms"]]
-    prelaunch = [x for p in passes for x in p["host_prelaunch_ms"]]
+    until_step = [x for p in passes for x in p["host_until_step_ms"]]
+    until_launch = [x for p in passes for x in p["host_until_launch_ms"]]
     row = dict(passes[0], ttft_ms=ttft, outputs=[o for p in passes for o in p["outputs"]])
     for key in ("prefill_ms", "wall_ms", "prompt_tokens", "requests", "hit_tokens", "queried_tokens", "preemptions"):
         row[key] = sum(p[key] for p in passes)
     wall_s = row["wall_ms"] / 1e3
     tokens = sum(p["prompt_tokens"] + sum(map(len, p["outputs"])) for p in passes)
     row.update(ttft_ms_mean=statistics.mean(ttft), ttft_ms_median=statistics.median(ttft),
-               host_launch_ms=host, host_launch_ms_median=statistics.median(host), host_prelaunch_ms=prelaunch,
-               host_prelaunch_ms_median=statistics.median(prelaunch), tokens_per_s=tokens / wall_s,
+               host_until_step_ms=until_step, host_until_step_ms_median=statistics.median(until_step),
+               host_until_launch_ms=until_launch, host_until_launch_ms_median=statistics.median(until_launch),
+               tokens_per_s=tokens / wall_s,
                output_tokens_per_s=sum(sum(map(len, p["outputs"])) for p in passes) / wall_s,
                hit_rate=row["hit_tokens"] / row["queried_tokens"] if row["queried_tokens"] else 0.0, passes=len(passes))
     return row
@@ -248,7 +249,7 @@ def measure_interleaved(llm, workload: str, args: argparse.Namespace, vocab: int
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
-    host = all(r.get("host_launch_ms_median") is not None for r in rows)
+    host = all(r.get("host_until_step_ms_median") is not None for r in rows)
     lines = [f"## Prefix caching: `{result['workload']}` workload ({result['model']}, {result['device']}, "
              f"{result['dtype']}, attention={result['attention_backend']})", "",
              machine_line(result), "", f"{result['shape']}", "",
@@ -258,13 +259,15 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if host else "")]
     for r in rows:
         lines.append(f"| {'on' if r['prefix_caching'] else 'off'} | {r['ttft_ms_mean']:.3f} | {r['ttft_ms_median']:.3f} | "
-                     + (f"{r['host_prelaunch_ms_median']:.3f} | {r['host_launch_ms_median']:.3f} | " if host else "")
+                     + (f"{r['host_until_launch_ms_median']:.3f} | {r['host_until_step_ms_median']:.3f} | "
+                        if host else "")
                      + f"{r['prefill_ms']:.1f} | {r['wall_ms']:.1f} | {r['tokens_per_s']:.0f} | "
                      f"{r['output_tokens_per_s']:.0f} | {r['hit_rate']:.1%} | {r['preemptions']} |")
     on, off = (next(r for r in rows if r["prefix_caching"] is v) for v in (True, False))
     if host:
-        lines += ["", f"on/off: host until launch {on['host_prelaunch_ms_median'] / off['host_prelaunch_ms_median']:.3f}, "
-                      f"host until step returned {on['host_launch_ms_median'] / off['host_launch_ms_median']:.3f}, "
+        until_launch = on["host_until_launch_ms_median"] / off["host_until_launch_ms_median"]
+        until_step = on["host_until_step_ms_median"] / off["host_until_step_ms_median"]
+        lines += ["", f"on/off: host until launch {until_launch:.3f}, host until step returned {until_step:.3f}, "
                       f"TTFT median {on['ttft_ms_median'] / off['ttft_ms_median']:.3f}, prefill time "
                       f"{on['prefill_ms'] / off['prefill_ms']:.3f} ({on.get('passes', 1)} interleaved passes of each "
                       f"setting, medians over their requests)"]

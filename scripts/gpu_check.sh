@@ -45,14 +45,17 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 gpu_tests() {
   local part=$1 markers=$2
   shift 2
+  local done_log="$OUT/gpu_done_$part.txt"
   if [ "${1:-}" = "--resume" ]; then
-    cp "${2:?"--resume FILE"}" "$OUT/gpu_done_$part.txt" || return 1
+    [ "${2:?"--resume FILE"}" -ef "$done_log" ] || cp "$2" "$done_log" || return 1
     shift 2
+  else
+    rm -f "$done_log"  # a run without --resume runs every test, whatever an earlier run left in $OUT
   fi
   # --done-log=PATH in one argument: pytest takes an existing path given apart for a test path when
   # it picks the root directory, which would rename the ids the file holds
   python3 -m pytest -v -rfE -m "$markers" --durations=0 --failure-log "$OUT/gpu_failures.txt" \
-    --done-log="$OUT/gpu_done_$part.txt" "$@" 2>&1 \
+    --done-log="$done_log" "$@" 2>&1 \
     | tee "$OUT/gpu_tests_$part.log" | tail -40
   return "${PIPESTATUS[0]}"
 }

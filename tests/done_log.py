@@ -1,9 +1,10 @@
 """pytest plugin: ``--done-log PATH`` makes a run that a time limit cuts short resumable.
 
-Each test that passes (or is skipped) has its node id appended to PATH as it finishes, and the tests
-PATH listed when the run started are deselected. A GPU run on a lent machine stops at the machine's
-time limit; run again with the same file (``scripts/gpu_check.sh tests-shared --resume FILE``), it
-runs only the tests not done yet. A failed test is not listed, so it runs again."""
+Each test that passes, or that a mark skips before it starts, has its node id appended to PATH as it
+finishes, and the tests PATH listed when the run started are deselected. A GPU run on a lent machine
+stops at the machine's time limit; run again with the same file (``scripts/gpu_check.sh tests-shared
+--resume FILE``), it runs only the tests not done yet. A failed test is not listed, nor one that
+skipped itself while running or an expected failure: they depend on the run, so they run again."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class DoneLogWriter:
         if report.when == "call" and report.passed:
             self.calls_passed.add(report.nodeid)
         # a test whose call passed can still fail in its teardown: it is done once that passed too
-        done = report.skipped or (report.when == "teardown" and report.passed and report.nodeid in self.calls_passed)
+        marked_skip = report.when == "setup" and report.skipped
+        done = marked_skip or (report.when == "teardown" and report.passed and report.nodeid in self.calls_passed)
         if done:
             self.calls_passed.discard(report.nodeid)
             with open(self.path, "a") as f:
@@ -62,9 +64,9 @@ def pytest_collection_modifyitems(config, items):
     done = getattr(config, "_done_log_snapshot", None)
     if not done:
         return
-    skipped = [item for item in items if item.nodeid in done]
-    if skipped:
-        config.hook.pytest_deselected(items=skipped)
+    already_done = [item for item in items if item.nodeid in done]
+    if already_done:
+        config.hook.pytest_deselected(items=already_done)
         items[:] = [item for item in items if item.nodeid not in done]
 
 

@@ -76,10 +76,11 @@ def test_the_distinct_workload_alternates_the_settings_and_never_hits(llm, monke
     assert not off["prefix_caching"] and on["prefix_caching"]
     assert off["hit_tokens"] == on["hit_tokens"] == 0 and on["queried_tokens"] == 2 * 3 * 9
     assert off["outputs"] == on["outputs"] and len(on["outputs"]) == 2 * 3
-    assert len(on["host_launch_ms"]) == len(on["host_prelaunch_ms"]) == len(on["ttft_ms"]) == 2 * 3
+    assert len(on["host_until_step_ms"]) == len(on["host_until_launch_ms"]) == len(on["ttft_ms"]) == 2 * 3
     assert on["passes"] == 2
     for row in (off, on):  # the launch returns inside its step, which returns before the first token
-        assert all(0 < pre < h <= t for pre, h, t in zip(row["host_prelaunch_ms"], row["host_launch_ms"], row["ttft_ms"]))
+        times = zip(row["host_until_launch_ms"], row["host_until_step_ms"], row["ttft_ms"])
+        assert all(0 < launched < stepped <= first for launched, stepped, first in times)
     assert "launch" not in vars(llm.runner)  # the timing wrapper is gone
     assert_idle(llm, "distinct")
     on.pop("outputs"), off.pop("outputs")

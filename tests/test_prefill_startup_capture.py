@@ -303,7 +303,7 @@ def test_hybrid_placeholder_steps_write_only_the_null_state_slot_and_then_nothin
     llm = small_llm("qwen3-next-tiny", compile_options=LADDER, **kw)
     llm.runner.use_graphs(HostGraphs(), decode=False, prefill="piecewise")
     busy = llm.add_request([(5 * j) % 300 + 1 for j in range(30)], SamplingParams(max_new_tokens=4))
-    llm.step()  # its first chunk: its slot holds a state now
+    llm.step()  # its first chunk, after which its slot holds a state
     llm.sync()
     pool = llm.attention.state.pool
     live = [pool.conv_all[:, NULL_SLOT + 1:].clone(), pool.ssm_all[:, NULL_SLOT + 1:].clone()]
