@@ -252,7 +252,7 @@ def test_narrowing_model_after_start_up_capture_no_step_of_any_token_row_and_req
 # -- GPU ------------------------------------------------------------------------------------------------
 GPU_LADDER = {"decode_ladder": (1, 2, 4, 8), "token_ladder": (16, 32, 64), "prefill_graph_max_tokens": 64}
 GPU_CASES = [("llama-tiny", "whole", "triton"), ("llama-tiny", "piecewise", "torch"),
-             ("narrow-tiny", "piecewise", "torch")]
+             ("narrow-tiny", "piecewise", "torch"), ("qwen3-next-tiny", "piecewise", "triton")]
 
 
 def _gpu_llm(model, backend, **kw):
