@@ -147,6 +147,29 @@ def test_compiled_engine_equals_transformers_batched_and_one_at_a_time(checkpoin
     assert _all_slots_free(llm)
 
 
+def test_a_one_request_prefill_after_a_batched_one_compiles_nothing(checkpoint):
+    """The state metadata's request dimension is unbacked, as the page tables' are: a prefill of one
+    request after one of three reuses the compiled prefill graph instead of specializing to 1."""
+    from tscompile.counters import counters
+
+    path, _, want = checkpoint
+    llm = _engine(path, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=64)
+    compiled = []  # (requests, graphs compiled) per prefill step
+    run = llm.runner.prefill.run
+
+    def counting(plan):
+        before = counters["graphs"]
+        run(plan)
+        compiled.append((plan.num_requests, counters["graphs"] - before))
+
+    llm.runner.prefill.run = counting
+    assert _generate(llm, PROMPTS[:3]) == want[:3]
+    assert compiled[0][0] == 3 and compiled[0][1] > 0  # the first prefill compiled
+    compiled.clear()
+    assert _generate(llm, PROMPTS[3:4]) == want[3:4]
+    assert compiled == [(1, 0)]
+
+
 def test_graphed_pieces_run_the_state_ops_eagerly_and_equal_transformers(checkpoint):
     """Decode graphs and piecewise prefill graphs (``HostGraphs``: each bucket's pieces captured
     once and replayed, as on CUDA): the state ops are split ops, so a replayed piece never keeps the

@@ -44,11 +44,12 @@ class SpareRowSampling(SamplingBuffers):
         self.tokens = torch.zeros(self.max_rows + 1, dtype=torch.int64, device=inputs.seeds.device)
 
 
-def mark_extend_request_dims(leaves, completes: torch.Tensor | None) -> None:
+def mark_extend_request_dims(leaves, completes: torch.Tensor | None, state=None) -> None:
     """Keep an extend/mixed step's request count out of its graph's guards.
 
     The per-request metadata (each cache group's page table and KV lengths, the narrowing's
-    ``completes``) is read only by custom ops whose fake kernels never look at its rows, yet a
+    ``completes``, the recurrent-state layers' slots, row offsets and flags of ``state``, a
+    ``StateBackend``) is read only by custom ops whose fake kernels never look at its rows, yet a
     one-request step would specialize its size to 1 and compile a second graph. Unbacked sizes
     are never specialized. The logits rows cannot be unbacked (the sampler slices and writes by
     their count, which must be compared with the buffers'): the runner pads them to at least
@@ -60,6 +61,10 @@ def mark_extend_request_dims(leaves, completes: torch.Tensor | None) -> None:
         mark(meta.seq_lens, 0)
     if completes is not None:
         mark(completes, 0)
+    if state is not None:
+        meta = state.forward_extend_metadata
+        for t in (meta.state_slots, meta.cu_seqlens, meta.has_state):
+            mark(t, 0)
 
 
 def min_logits_rows(max_num_seqs: int) -> int:

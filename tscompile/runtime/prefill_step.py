@@ -114,7 +114,7 @@ class PrefillStep:
         greedy, mode = plan.sampling.all_greedy, plan.mode
 
         def step() -> None:  # under CUDA graphs only a capture runs it: a replay reads the buffers directly
-            mark_extend_request_dims(self.attention.leaves, dev[4])
+            mark_extend_request_dims(self.attention.leaves, dev[4], self.attention.state)
             with forward_context(ForwardContext(mode, self.attention, dev[2], dev[3], dev[4])):
                 self.clock.run("prefill", self.compiled, dev[0], dev[1], greedy)
 
@@ -166,7 +166,7 @@ class PrefillStep:
         self.staging.fill_sampling(plan.sampling, requests)
         self.staging.upload()
         ctx = ForwardContext(plan.mode, self.attention, logits_rows, qo_indptr, completes, prefill_graphs=graphs)
-        mark_extend_request_dims(self.attention.leaves, completes)
+        mark_extend_request_dims(self.attention.leaves, completes, self.attention.state)
         with forward_context(ctx):
             # the sample lands in sampling.tokens (an input the step writes), where launch reads it
             self.clock.run("prefill", self.compiled, ids, pos, plan.sampling.all_greedy)
