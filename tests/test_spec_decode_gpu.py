@@ -22,11 +22,14 @@ _PLAIN: dict[tuple, list] = {}
 
 def _engine(model: str, backend: str, num_prompts: int, spec=None):
     return tscompile.LLM(model, attention_backend=backend, device="cuda", dtype=torch.float32, max_model_len=128,
-                         max_num_seqs=num_prompts, page_size=16, speculative_config=spec,
+                         max_num_seqs=num_prompts, page_size=16, max_num_batched_tokens=256, speculative_config=spec,
                          gpu_memory_utilization=0.85, compile_options={"decode_ladder": (1, 32)})
 
 
 def _free() -> None:
+    # Dynamo's cache entries on the model's forward keep the parameters of a deleted engine alive (its
+    # guards and graphs hold them); llama-8b in float32 twice does not fit beside its draft
+    torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
 
