@@ -122,6 +122,34 @@ def test_the_prefill_graph_margin_covers_the_buckets_a_step_can_reach(options, b
     assert 0.73 * GiB < prefill_graph_bytes([2048], 16, 2048, 2) / PREFILL_GRAPH_VARIANTS < 0.8 * GiB
 
 
+def test_the_graph_margin_counts_no_prefill_bucket_above_what_the_requests_can_hold():
+    """llama-8b in float32 with one request of 128 tokens: a prefill step never holds more than 128
+    tokens, so the buckets up to the 2048 of the token budget (about 48 GiB of margin, which left an
+    80 GB card no room for the KV cache) do not count; the bucket 128 itself does."""
+    from types import SimpleNamespace
+
+    from tscompile.config import TscompileConfig
+    from tscompile.models import build_config
+    from tscompile.runtime.build import graph_margin_bytes
+    from tscompile.runtime.memory import DECODE_GRAPH_MARGIN_BYTES, prefill_graph_bytes
+
+    cfg = build_config("llama-8b")
+    support = SimpleNamespace(support=SimpleNamespace(prefill_graph=True))
+    config = TscompileConfig.from_options({})
+
+    def margin(max_num_seqs, max_model_len, budget=2048):
+        return graph_margin_bytes(cfg, torch.float32, config, support, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len, max_num_batched_tokens=budget, max_verify_width=1)
+
+    def prefill(buckets):
+        return prefill_graph_bytes(buckets, cfg.n_layers, cfg.dim, 4)
+
+    assert margin(1, 128) == DECODE_GRAPH_MARGIN_BYTES + prefill([16, 32, 64, 128]) < 4 * GiB
+    assert margin(1, 100) == margin(1, 128)  # a 100-token step pads to the 128 bucket
+    assert margin(32, 128) == DECODE_GRAPH_MARGIN_BYTES + prefill([16, 32, 64, 128, 256, 512, 1024, 2048])
+    assert margin(32, 128, budget=256) == margin(2, 128)
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", "narrow-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_page_bytes_are_the_bytes_of_one_page_of_every_group(model, dtype):

@@ -5,6 +5,9 @@ piece over the captured input tensors into the captured output tensors), so padd
 buffers, copies into static inputs and the capture keys are all exercised. tests/test_gpu_graphs.py
 runs the real graphs."""
 
+import gc
+import weakref
+
 import pytest
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
 import torch
@@ -126,6 +129,23 @@ def test_steps_inside_one_bucket_replay_without_capturing_or_recompiling():
     assert counters["graphs"] == graphs and dict(torch._dynamo.utils.counters["frames"]) == frames
     ids(llm.generate([[3] * 12], params))  # bucket 16: new captures, still no recompile
     assert counters["prefill_captures"] > captures and counters["graphs"] == graphs
+
+
+def test_a_deleted_engine_frees_its_weights_and_captured_pieces():
+    """Dynamo keeps an engine's compiled prefill step for the process's life (a map from the code it
+    wrote back to the code it compiled), and the step holds the graphed pieces, whose captures hold
+    the weights: deleting the engine must still free them, or a second engine in the process runs
+    out of device memory beside the first one's weights."""
+    llm = _graphed_llm("llama-tiny")
+    llm.runner.use_graphs(HostGraphs(), decode=True, prefill="piecewise")
+    llm.generate(RAGGED, SamplingParams(max_new_tokens=3, temperature=0.0))
+    weight = weakref.ref(next(llm.parts.model.parameters()))
+    pieces = [weakref.ref(p) for p in llm.runner.prefill.buckets.pieces]
+    assert pieces  # some piece captured
+    del llm
+    gc.collect()
+    assert weight() is None
+    assert all(p() is None or not p().graphs for p in pieces)
 
 
 def test_padded_tail_rows_of_attention_outputs_are_zero_and_write_only_the_null_page():

@@ -27,8 +27,8 @@ def _engine(model: str, backend: str, num_prompts: int, spec=None):
 
 
 def _free() -> None:
-    # Dynamo's cache entries on the model's forward keep the parameters of a deleted engine alive (its
-    # guards and graphs hold them); llama-8b in float32 twice does not fit beside its draft
+    # each engine from an empty Dynamo state: llama-8b in float32 beside its draft fills most of an
+    # 80 GB card, with no room for what an earlier engine's compiled steps may still hold
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()

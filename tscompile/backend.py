@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import types
+import weakref
 from typing import Callable
 
 import torch
@@ -86,11 +87,22 @@ def own_code(fn: Callable) -> Callable:
     object per engine gives each its own cache."""
     owner = getattr(fn, "__self__", None)
     func = getattr(fn, "__func__", fn)
-    clone = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                               func.__closure__)
+    code = func.__code__.replace()
+    clone = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     clone.__kwdefaults__ = func.__kwdefaults__
     clone.__qualname__ = func.__qualname__
+    # Dynamo maps each code object it writes back to the one it compiled (a global map, which keeps
+    # ``code`` alive), and ``code`` holds what it wrote in a slot the garbage collector does not see:
+    # a cycle nothing frees. Through it a deleted engine's compiled graphs, its captured prefill
+    # pieces and their weights would stay on the device for the process's life. Clearing ``code``'s
+    # entries once its owner is gone breaks the cycle.
+    weakref.finalize(owner if owner is not None else clone, forget_compiled_entries, code)
     return types.MethodType(clone, owner) if owner is not None else clone
+
+
+def forget_compiled_entries(code: types.CodeType) -> None:
+    """Drop Dynamo's compiled entries of ``code`` (what ``torch._dynamo.reset`` does for every code)."""
+    torch._C._dynamo.eval_frame.reset_code(code)
 
 
 def compile_step(fn: Callable, config: TscompileConfig, wrappers: PieceWrappers | None = None,

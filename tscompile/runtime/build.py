@@ -130,14 +130,27 @@ def profile_prompt_lengths(max_num_seqs: int, max_model_len: int, max_num_batche
 
 
 def prefill_graph_buckets(compile_config: TscompileConfig | None, graph_support: ResolvedGraphSupport,
-                          max_num_batched_tokens: int) -> list[int]:
+                          step_tokens: int) -> list[int]:
     """The token buckets an engine may capture prefill graphs for: the ladder up to
-    ``prefill_graph_max_tokens``, and no bucket above the one a full step pads to."""
+    ``prefill_graph_max_tokens``, and no bucket above the one a full step (``step_tokens``) pads to."""
     if compile_config is None or not compile_config.cudagraphs or not graph_support.support.prefill_graph:
         return []
     ladder = tuple(b for b in compile_config.token_ladder if b <= compile_config.prefill_graph_max_tokens)
-    top = bucket(ladder, max_num_batched_tokens) if ladder else None
+    top = bucket(ladder, step_tokens) if ladder else None
     return [b for b in ladder if top is None or b <= top]
+
+
+def graph_margin_bytes(cfg, dtype: torch.dtype, compile_config: TscompileConfig | None,
+                       graph_support: ResolvedGraphSupport, *, max_num_seqs: int, max_model_len: int,
+                       max_num_batched_tokens: int, max_verify_width: int) -> int:
+    """What the CUDA graphs captured after the KV pool exists may take (``runtime/memory.py``). A
+    prefill step holds at most ``max_num_batched_tokens`` tokens, and never more than ``max_num_seqs``
+    whole prompts of ``max_model_len``: no bucket above that is ever captured."""
+    step_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    prefill = prefill_graph_bytes(prefill_graph_buckets(compile_config, graph_support, step_tokens), cfg.n_layers,
+                                  cfg.dim, dtype.itemsize)
+    verify = verify_graph_bytes(max_num_seqs, max_verify_width, cfg.vocab_size, cfg.dim, dtype.itemsize)
+    return DECODE_GRAPH_MARGIN_BYTES + prefill + verify
 
 
 def pages_from_device_memory(built: Transformer, attention: AttentionRouter, specs: list[CacheGroupSpec],
@@ -187,9 +200,9 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
     del runner
     gc.collect()
     torch.cuda.empty_cache()
-    margin = DECODE_GRAPH_MARGIN_BYTES + prefill_graph_bytes(
-        prefill_graph_buckets(compile_config, graph_support, max_num_batched_tokens), cfg.n_layers, cfg.dim,
-        dtype.itemsize) + verify_graph_bytes(max_num_seqs, max_verify_width, vocab, cfg.dim, dtype.itemsize)
+    margin = graph_margin_bytes(cfg, dtype, compile_config, graph_support, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                                max_verify_width=max_verify_width)
     profile = MemoryProfile(total, used, peak, margin, gpu_memory_utilization)
     pages = kv_cache_pages(
         total_bytes=total, used_bytes=used, activation_peak_bytes=peak, margin_bytes=margin,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,6 +92,9 @@ class PrefillBuckets:
                  narrowed: int | None, window: int, max_num_seqs: int, request_ladder: tuple[int, ...] = ()):
         self.graphs = graphs
         self.pieces: list[GraphedPiece] = []  # pieces that captured at least once
+        # the pieces outlive the engine (Dynamo keeps its compiled code, which holds them, for the
+        # process's life): what they captured, weights and graph memory included, goes with it
+        weakref.finalize(self, release_captures, self.pieces)
         self.token_ladder = token_ladder
         self.request_ladder = request_ladder
         self.num_groups = num_groups
@@ -160,6 +164,13 @@ class PrefillBuckets:
             if rows is not None:
                 out[g] = rows
         return out
+
+
+def release_captures(pieces: list[GraphedPiece]) -> None:
+    """Forget every graph ``pieces`` captured, and the tensors they hold (their engine is gone)."""
+    for piece in pieces:
+        piece.graphs.clear()
+    pieces.clear()
 
 
 def current_plan() -> PrefillGraphPlan | None:
