@@ -131,17 +131,24 @@ def test_steps_inside_one_bucket_replay_without_capturing_or_recompiling():
     assert counters["prefill_captures"] > captures and counters["graphs"] == graphs
 
 
-def test_a_deleted_engine_frees_its_weights_and_captured_pieces():
-    """Dynamo keeps an engine's compiled prefill step for the process's life (a map from the code it
-    wrote back to the code it compiled), and the step holds the graphed pieces, whose captures hold
+@pytest.mark.parametrize("prefill,speculation", [
+    ("piecewise", None), ("whole", None), ("piecewise", {"method": "ngram", "num_speculative_tokens": 3}),
+], ids=["piecewise", "whole", "piecewise-ngram"])
+def test_a_deleted_engine_frees_its_weights_and_graphs(prefill, speculation):
+    """Dynamo keeps an engine's compiled steps for the process's life (a map from the code it wrote
+    back to the code it compiled), and the prefill step holds the graphed pieces, whose captures hold
     the weights: deleting the engine must still free them, or a second engine in the process runs
-    out of device memory beside the first one's weights."""
-    llm = _graphed_llm("llama-tiny")
-    llm.runner.use_graphs(HostGraphs(), decode=True, prefill="piecewise")
-    llm.generate(RAGGED, SamplingParams(max_new_tokens=3, temperature=0.0))
+    out of device memory beside the first one's weights. Decode, verify and whole-step prefill
+    graphs are the engine's own."""
+    llm = small_llm("llama-tiny", dtype=torch.float32, compile_options={**LADDER, "decode_ladder": (1, 2, 4)},
+                    max_num_batched_tokens=16, enable_prefix_caching=False, speculative_config=speculation)
+    llm.runner.use_graphs(HostGraphs(), decode=True, prefill=prefill)
+    repeating = [[5, 6, 7, 8] * 3, [9, 10] * 5]  # the n-gram drafter finds drafts in them
+    llm.generate(RAGGED + repeating, SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert llm.runner.graphs.graphs  # decode (or verify) graphs captured
     weight = weakref.ref(next(llm.parts.model.parameters()))
-    pieces = [weakref.ref(p) for p in llm.runner.prefill.buckets.pieces]
-    assert pieces  # some piece captured
+    pieces = [weakref.ref(p) for p in (llm.runner.prefill.buckets.pieces if prefill == "piecewise" else [])]
+    assert prefill == "whole" or pieces  # some piece captured
     del llm
     gc.collect()
     assert weight() is None
