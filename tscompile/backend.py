@@ -91,11 +91,11 @@ def own_code(fn: Callable) -> Callable:
     clone = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     clone.__kwdefaults__ = func.__kwdefaults__
     clone.__qualname__ = func.__qualname__
-    # Dynamo maps each code object it writes back to the one it compiled (a global map, which keeps
-    # ``code`` alive), and ``code`` holds what it wrote in a slot the garbage collector does not see:
-    # a cycle nothing frees. Through it a deleted engine's compiled graphs, its captured prefill
-    # pieces and their weights would stay on the device for the process's life. Clearing ``code``'s
-    # entries once its owner is gone breaks the cycle.
+    # Dynamo maps each code object it writes back to the one it compiled, and keeps each compiled
+    # graph in the module's globals until the written code goes; ``code`` holds the written code in
+    # a slot the garbage collector does not see, so a deleted engine's compiled graphs would stay
+    # for the process's life. Clearing ``code``'s entries once its owner is gone lets them go (the
+    # graphed prefill pieces drop their captures apart: ``piece_graphs.release_captures``).
     weakref.finalize(owner if owner is not None else clone, forget_compiled_entries, code)
     return types.MethodType(clone, owner) if owner is not None else clone
 

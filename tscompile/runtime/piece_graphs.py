@@ -92,8 +92,8 @@ class PrefillBuckets:
                  narrowed: int | None, window: int, max_num_seqs: int, request_ladder: tuple[int, ...] = ()):
         self.graphs = graphs
         self.pieces: list[GraphedPiece] = []  # pieces that captured at least once
-        # the pieces outlive the engine (Dynamo keeps its compiled code, which holds them, for the
-        # process's life): what they captured, weights and graph memory included, goes with it
+        # the pieces can outlive the engine (Dynamo's compiled code holds them, and Dynamo keeps
+        # code it compiled): what they captured, weights and graph memory included, goes with it
         weakref.finalize(self, release_captures, self.pieces)
         self.token_ladder = token_ladder
         self.request_ladder = request_ladder
