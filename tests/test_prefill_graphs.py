@@ -140,6 +140,12 @@ def test_a_deleted_engine_frees_its_weights_and_graphs(prefill, speculation):
     the weights: deleting the engine must still free them, or a second engine in the process runs
     out of device memory beside the first one's weights. Decode, verify and whole-step prefill
     graphs are the engine's own."""
+    import tscompile.runtime.prefill_step as prefill_module
+
+    def compiled_in_globals():  # Dynamo installs each compiled graph in the traced function's globals
+        return {k for k in vars(prefill_module) if k.startswith("__compiled_fn")}
+
+    before = compiled_in_globals()
     llm = small_llm("llama-tiny", dtype=torch.float32, compile_options={**LADDER, "decode_ladder": (1, 2, 4)},
                     max_num_batched_tokens=16, enable_prefix_caching=False, speculative_config=speculation)
     llm.runner.use_graphs(HostGraphs(), decode=True, prefill=prefill)
@@ -149,10 +155,12 @@ def test_a_deleted_engine_frees_its_weights_and_graphs(prefill, speculation):
     weight = weakref.ref(next(llm.parts.model.parameters()))
     pieces = [weakref.ref(p) for p in (llm.runner.prefill.buckets.pieces if prefill == "piecewise" else [])]
     assert prefill == "whole" or pieces  # some piece captured
+    assert compiled_in_globals() > before
     del llm
     gc.collect()
     assert weight() is None
     assert all(p() is None or not p().graphs for p in pieces)
+    assert compiled_in_globals() == before  # the engine's compiled graphs went with it
 
 
 def test_padded_tail_rows_of_attention_outputs_are_zero_and_write_only_the_null_page():
