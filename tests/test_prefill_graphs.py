@@ -155,12 +155,13 @@ def test_a_deleted_engine_frees_its_weights_and_graphs(prefill, speculation):
     weight = weakref.ref(next(llm.parts.model.parameters()))
     pieces = [weakref.ref(p) for p in (llm.runner.prefill.buckets.pieces if prefill == "piecewise" else [])]
     assert prefill == "whole" or pieces  # some piece captured
-    assert compiled_in_globals() > before
+    added = compiled_in_globals() - before  # this engine's (an earlier test's may go meanwhile)
+    assert added
     del llm
     gc.collect()
     assert weight() is None
     assert all(p() is None or not p().graphs for p in pieces)
-    assert compiled_in_globals() == before  # the engine's compiled graphs went with it
+    assert not compiled_in_globals() & added  # the engine's compiled graphs went with it
 
 
 def test_padded_tail_rows_of_attention_outputs_are_zero_and_write_only_the_null_page():
