@@ -3,8 +3,10 @@
 #
 #   bash scripts/gpu_check.sh tests                    the GPU tests (pytest -m gpu) in two parts, one after
 #                                                      the other (or one per call, on a time-limited machine):
-#   bash scripts/gpu_check.sh tests-shared [ARGS...]     those that share the device, over 3 pytest-xdist
-#                                                      workers (one when pytest-xdist is missing)
+#   bash scripts/gpu_check.sh tests-shared [ARGS...]     those that share the device, over pytest-xdist
+#                                                      workers (3, or --workers N; one when pytest-xdist is
+#                                                      missing); a file's tests that share expensive
+#                                                      fixtures stay on one worker (their xdist_group)
 #   bash scripts/gpu_check.sh tests-alone [ARGS...]      the gpu_alone tests (large models, or the device's
 #                                                      free memory), one at a time
 #                                                    ARGS narrow a part: test files or -k expressions.
@@ -26,11 +28,19 @@
 #                                                    `tscompile bench --compare` of the two (exit 1 past 3%)
 #
 # The exit status is the job's. The machine's GPU, driver and versions go to $OUT/gpu.txt.
+# --workers N (before the job): the tests-shared part's pytest-xdist workers (default 3).
 # --archive (before the job): when the job ends, everything it wrote under $OUT goes into one file,
 # $OUT/gpu_check.tgz, and the loose files are removed (for a machine that sends back only a few files).
 set -uo pipefail
 archive=0
-[ "${1:-}" = "--archive" ] && { archive=1; shift; }
+num_workers=3
+while [ $# -gt 0 ]; do
+  case $1 in
+    --archive) archive=1; shift ;;
+    --workers) num_workers=${2:?"--workers N"}; shift 2 ;;
+    *) break ;;
+  esac
+done
 job=${1:-tests}
 [ $# -gt 0 ] && shift
 OUT=${OUT:-/tmp/out}
@@ -60,7 +70,7 @@ gpu_tests() {
   return "${PIPESTATUS[0]}"
 }
 workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n 3 --dist loadfile)
+python3 -c "import xdist" 2>/dev/null && workers=(-n "$num_workers" --dist loadgroup)
 case $job in
   tests)
     gpu_tests shared "gpu and not gpu_alone" "${workers[@]}"; rc_shared=$?
@@ -96,7 +106,7 @@ case $job in
       --output-md "$OUT/ab_compare.md" 2>&1 | tee "$OUT/ab_compare.log"
     rc=${PIPESTATUS[0]} ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh [--archive] tests|tests-shared|tests-alone|bench|fuzz|ab [ARGS...]" >&2
+    echo "usage: bash scripts/gpu_check.sh [--workers N] [--archive] tests|tests-shared|tests-alone|bench|fuzz|ab [ARGS...]" >&2
     rc=2 ;;
 esac
 if [ "$archive" = 1 ]; then

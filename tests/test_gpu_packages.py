@@ -29,7 +29,8 @@ from helpers import (assert_other_releases_refused, assert_text_package_stops_li
                      write_text_checkpoint)
 from package_logits import assert_bf16_package_logits_match_engine
 
-pytestmark = pytest.mark.gpu
+# one worker builds the module's packages once (pytest-xdist's loadgroup)
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("gpu_packages")]
 
 SYSTEM_GXX = "/usr/bin/g++"
 BOUNDS = dict(max_num_seqs=4, max_model_len=64, page_size=16, max_num_batched_tokens=64)
