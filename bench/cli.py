@@ -215,6 +215,16 @@ def add_parser(sub) -> None:
                     help="batch sizes, comma-separated: requests per run (default 1,32 cuda, 2 cpu)")
     ps.add_argument("--spec-block", type=int, default=16, help="tokens of the block each prompt repeats")
     ps.add_argument("--spec-repeats", type=int, default=4, help="times each prompt repeats its block")
+    pg = p.add_argument_group("GEMV launch sweep (bench/gemv_sweep.py)")
+    pg.add_argument("--gemv-sweep", action="store_true",
+                    help="instead of the modes: time the Triton skinny matmul's launches against cuBLAS on --model's "
+                         "projection shapes and print the launch-table entries the timings support")
+    pg.add_argument("--gemv-rows", default=None, metavar="M,M,...",
+                    help="row counts to time, comma-separated, each in [1, 32] (default 1,2,4,8)")
+    pg.add_argument("--gemv-modes", nargs="+", choices=["acc", "fma", "dot"], default=None,
+                    help="the kinds of launch to time (default: all three)")
+    pg.add_argument("--gemv-shapes", nargs="+", default=None, metavar="PROJ",
+                    help="only these projections (e.g. layers.attention.wo output; default: every one)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="the run's JSON here")
     p.add_argument("--output-md", default=None, metavar="PATH", help="the run's markdown tables here")
     p.add_argument("--output-dir", default=report.DEFAULT_OUTPUT_DIR, metavar="DIR",
@@ -282,6 +292,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         _default_outputs(args)
         return compare.run(args)
+    if args.gemv_sweep:
+        from . import gemv_sweep
+
+        impls.refuse_several(args, "--gemv-sweep", "times kernels alone")
+        _default_outputs(args)
+        return gemv_sweep.run(args)
     if args.speculative:
         from . import spec_workload
 

@@ -430,7 +430,8 @@ TUNED_CHOICES = ("gemv", "cublas")
 # llama-8b 5.174 -> 5.023 / 5.438 -> 5.380 at bs 16 / 24.
 #
 # The entries: launch sweeps on the H200 (bench/results/gemv-few-row-sweeps-h200/, a test checks the
-# table equals their picks), each the best launch that beat cuBLAS by TABLE_MIN_SPEEDUP or more. At 8
+# table equals their picks; `tscompile bench --gemv-sweep` runs one), each the best launch that beat
+# cuBLAS by TABLE_MIN_SPEEDUP or more. At 8
 # and 32 rows (the bench's decode batch sizes) every pick is "dot_sum": the two-kernel split
 # lost to split 1, the in-kernel sum wins. At the ladder's other batch sizes 2, 4, 16 and 24:
 # "dot_sum" again at 16 and 24, the
