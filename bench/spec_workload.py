@@ -128,6 +128,9 @@ def _measure(make_llm, prompts, output_len, device, references=None, profile=Non
     # the host's share of a verify step (None for plain decode): on a GPU it adds to the step's time
     row["verify_host_ms"] = ((after.spec_host_seconds - before.spec_host_seconds) / verify_steps * 1e3
                              if verify_steps else None)
+    # of it, the drafter's: a draft model's k steps (the 1B -> 8B pair's draft cost per verify step)
+    row["verify_draft_ms"] = ((after.spec_draft_seconds - before.spec_draft_seconds) / verify_steps * 1e3
+                              if verify_steps else None)
     row["draft_tokens"] = drafts
     row["warmup_runs"] = settle_runs
     return row
@@ -153,13 +156,13 @@ def _step_kernel_table(llm, prompts, output_len, device, steps: int, count: int,
 def markdown(result: dict) -> str:
     lines = [f"## Speculative decoding: {result['model']}, {result['device']}, {result['dtype']}", "",
              machine_line(result), "", result["shape"], "",
-             "| bs | method | k | N | step ms | host ms of a verify step | vs N=1 step | tokens/step/request | "
-             "output tok/s | vs plain | acceptance | outputs equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| bs | method | k | N | step ms | host ms of a verify step | of it drafting | vs N=1 step | "
+             "tokens/step/request | output tok/s | vs plain | acceptance | outputs equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        host = r.get("verify_host_ms")
+        host, draft = r.get("verify_host_ms"), r.get("verify_draft_ms")
         lines.append(f"| {r['batch_size']} | {r['method']} | {r['k']} | {r['k'] + 1} | {r['decode_step_ms']:.3f} | "
-                     f"{'-' if host is None else f'{host:.3f}'} | "
+                     f"{'-' if host is None else f'{host:.3f}'} | {'-' if draft is None else f'{draft:.3f}'} | "
                      f"{r['step_ratio']:.2f}x | {r['tokens_per_step']:.2f} | {r['output_tokens_per_s']:.0f} | "
                      f"{r['ratio_to_plain']:.2f}x | {r['acceptance_rate']:.1%} | {r['outputs_equal']} |")
     tables = [report.kernel_section(f"bs={r['batch_size']} {r['method']} N={r['k'] + 1}", r["kernel_table"])

@@ -42,9 +42,13 @@ def test_every_method_equals_plain_decode_and_reports_ratios(tmp_path, monkeypat
     # the verify step's host share: measured for every drafter, within its step; none for plain decode
     assert by["plain"]["verify_host_ms"] is None
     assert all(0 < by[m]["verify_host_ms"] < by[m]["decode_step_ms"] for m in ("replay", "ngram", "draft_model"))
+    # of it, the drafter's: a draft model's own steps cost far more than replaying a table
+    assert by["plain"]["verify_draft_ms"] is None
+    assert all(0 < by[m]["verify_draft_ms"] < by[m]["verify_host_ms"] for m in ("replay", "ngram", "draft_model"))
+    assert by["draft_model"]["verify_draft_ms"] > 10 * by["replay"]["verify_draft_ms"]
     md = (tmp_path / "r.md").read_text()
-    assert "| 2 | replay | 2 | 3 |" in md and "| host ms of a verify step |" in md
-    assert f"| {by['plain']['decode_step_ms']:.3f} | - |" in md
+    assert "| 2 | replay | 2 | 3 |" in md and "| host ms of a verify step | of it drafting |" in md
+    assert f"| {by['plain']['decode_step_ms']:.3f} | - | - |" in md
 
 
 def test_the_cli_writes_its_results_into_the_output_dir_by_default(tmp_path, monkeypatch):

@@ -73,13 +73,15 @@ class EngineStats:
     num_preemptions: int
     num_cached_blocks: int
     num_free_blocks: int
-    # speculative decoding (0 without it): verify steps run, drafts proposed, drafts kept, and the
-    # verify steps' host seconds (drafting, planning and launching, then committing after the read-back;
-    # a verify step is synchronous, so on a GPU none of it overlaps the device)
+    # speculative decoding (0 without it): verify steps run, drafts proposed, drafts kept, the verify
+    # steps' host seconds (drafting, planning and launching, then committing after the read-back; a
+    # verify step is synchronous, so on a GPU none of it overlaps the device), and of those the
+    # drafter's (a draft model's own steps, which wait for their drafts, are all in it)
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_host_seconds: float = 0.0
+    spec_draft_seconds: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -43,6 +43,7 @@ class VerifyStep:
         # the host's share of the verify steps: up to the launch, then after the read-back; on a GPU
         # the launch is asynchronous, so this is host work
         self.host_seconds = 0.0
+        self.draft_seconds = 0.0  # of host_seconds, the drafter's
         self._histories: dict[object, TokenHistory] = {}
 
     def release(self, request) -> None:
@@ -61,7 +62,8 @@ class VerifyStep:
     def summary(self) -> dict:
         """``EngineStats``' speculative fields."""
         return dict(spec_verify_steps=self.verify_steps, spec_draft_tokens=self.proposed_drafts,
-                    spec_accepted_tokens=self.accepted_drafts, spec_host_seconds=self.host_seconds)
+                    spec_accepted_tokens=self.accepted_drafts, spec_host_seconds=self.host_seconds,
+                    spec_draft_seconds=self.draft_seconds)
 
     def _reserve_lookahead(self, requests) -> bool:
         """Blocks for every request's whole window, or False (nothing allocated) when they do not fit."""
@@ -92,7 +94,9 @@ class VerifyStep:
         batch = DraftBatch(tuple(r.rid for r in requests),
                            tuple(self._history(r) for r in requests),
                            tuple(len(r.prompt) for r in requests), k)
+        drafting = time.perf_counter()
         drafts = self.drafter.propose(batch)
+        self.draft_seconds += time.perf_counter() - drafting
         # never draft past the request's last token (one mask for the batch: this runs every step)
         room = np.array([r.params.max_new_tokens - r.num_generated - 1 for r in requests], dtype=np.int64)
         tokens = np.where(np.arange(k)[None, :] < room[:, None], drafts.tokens, -1)
