@@ -34,6 +34,7 @@ raises ``ValueError('tscompile: ...')`` before a kernel is launched.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -800,11 +801,14 @@ def register_dense_extend(fn) -> None:
 
 
 def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, write_loc,
-                     scale, decode, *, decode_pdl: bool = True, prefill_pdl: bool = False) -> None:
+                     scale, decode, *, decode_pdl: bool = True, prefill_pdl: bool = False,
+                     fused_verify: bool = False) -> None:
     """``tscompile::attention`` with Triton kernels: write the new K/V rows, then attend (decode:
     split-KV + combine, the splits writing the new rows; otherwise ragged causal extend, which also
     zeroes the rows past ``qo_indptr[-1]``). Never syncs with the host. ``decode_pdl`` /
     ``prefill_pdl``: the decode / dense extend kernels launch with PDL (``attention_impl_name``).
+    ``fused_verify``: a verify window's split kernel writes its new K/V rows, and its kernels take
+    ``decode_pdl`` (``KernelPolicy.fused_verify_attention``).
 
     The dense extend kernel writes the new K/V rows itself (it reads them from ``k``/``v``, never
     from the cache), so that path launches one kernel per layer; the paged one reads them from the
@@ -814,8 +818,12 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
         if _verify_attention is None:
             raise RuntimeError("tscompile: a decode with several rows per request needs the verify kernel, but "
                                "tscompile.custom_ops.triton_verify was never imported")
-        write_kv(k, v, k_cache, v_cache, write_loc)
-        _verify_attention(q, k_cache, v_cache, out, page_table, seq_lens, scale)
+        if fused_verify:
+            _verify_attention(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc),
+                              pdl=decode_pdl)
+        else:
+            write_kv(k, v, k_cache, v_cache, write_loc)
+            _verify_attention(q, k_cache, v_cache, out, page_table, seq_lens, scale)
     elif decode:
         paged_decode(q, k_cache, v_cache, out, page_table, seq_lens, scale, new_kv=(k, v, write_loc), pdl=decode_pdl)
     elif q.shape[2] in FAST_EXTEND_HEAD_DIMS:
@@ -829,19 +837,20 @@ def triton_attention(q, k, v, k_cache, v_cache, out, page_table, seq_lens, qo_in
         paged_extend(q, k_cache, v_cache, out, page_table, seq_lens, qo_indptr, scale, zero_padding=True)
 
 
-def attention_impl_name(decode_pdl: bool = True, prefill_pdl: bool = False) -> str:
+def attention_impl_name(decode_pdl: bool = True, prefill_pdl: bool = False, fused_verify: bool = False) -> str:
     """The ``tscompile::attention`` impl that runs these kernels with PDL as asked (``KernelPolicy``'s
     ``decode_pdl`` / ``prefill_pdl``): "triton" for the defaults, else "triton/" and the fields that
     differ ("triton/decode_pdl=0,prefill_pdl=1"). The name is the op's argument, so a graph or an
     exported program records which launches it makes; every name is registered on import."""
     changed = [f"{name}={int(value)}" for name, value, default in
-               (("decode_pdl", decode_pdl, True), ("prefill_pdl", prefill_pdl, False)) if value != default]
+               (("decode_pdl", decode_pdl, True), ("prefill_pdl", prefill_pdl, False),
+                ("fused_verify", fused_verify, False)) if value != default]
     return "triton" + ("/" + ",".join(changed) if changed else "")
 
 
 # the extend kernels zero the padding rows themselves: run_attention adds no masked_fill_
-for _decode_pdl in (True, False):
-    for _prefill_pdl in (True, False):
-        register_attention_impl(attention_impl_name(_decode_pdl, _prefill_pdl),
-                                functools.partial(triton_attention, decode_pdl=_decode_pdl, prefill_pdl=_prefill_pdl),
-                                zeroes_padding=True)
+for _decode_pdl, _prefill_pdl, _fused_verify in itertools.product((True, False), repeat=3):
+    register_attention_impl(attention_impl_name(_decode_pdl, _prefill_pdl, _fused_verify),
+                            functools.partial(triton_attention, decode_pdl=_decode_pdl, prefill_pdl=_prefill_pdl,
+                                              fused_verify=_fused_verify),
+                            zeroes_padding=True)

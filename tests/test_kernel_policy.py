@@ -26,9 +26,11 @@ SCALE = 0.25
     (KernelPolicy(prefill_pdl=True), "triton/prefill_pdl=1"),
     (KernelPolicy(decode_pdl=False, prefill_pdl=True), "triton/decode_pdl=0,prefill_pdl=1"),
     (KernelPolicy(decode_gemv=False, batch_gemv=False), "triton"),  # no attention choice among these
+    (KernelPolicy(fused_verify_attention=True), "triton/fused_verify=1"),
+    (KernelPolicy(decode_pdl=False, fused_verify_attention=True), "triton/decode_pdl=0,fused_verify=1"),
 ])
 def test_each_policy_names_a_registered_triton_impl(policy, name):
-    assert ta.attention_impl_name(policy.decode_pdl, policy.prefill_pdl) == name
+    assert ta.attention_impl_name(policy.decode_pdl, policy.prefill_pdl, policy.fused_verify_attention) == name
     assert name in attention_impls()
 
 

@@ -12,6 +12,7 @@ import torch
 from helpers import dense_reference, random_paged_batch
 from tscompile.custom_ops.metadata import torch_refresh
 from tscompile.custom_ops.triton_metadata import triton_refresh
+from tscompile.custom_ops import triton_attention as ta
 from tscompile.custom_ops.triton_verify import paged_verify
 from tscompile.kv_cache.slots import slot_from_block_table
 
@@ -214,6 +215,62 @@ def test_triton_window_matches_torch(width, kv_lens, page_size, hkv, group, pad,
     assert torch.equal(k_cache[1:], ref_k[1:]) and torch.equal(v_cache[1:], ref_v[1:])  # page 0: null page
 
 
+FUSED_CASES = [  # (width, kv_lens, page_size, num_kv_heads, group, pad, num_splits, block_n)
+    (4, [7, 40, 33], 4, 2, 2, 1, 3, 16),  # split boundaries at 16 and 32: a window straddles each
+    (3, [17, 5], 1, 1, 4, 2, 2, 16),
+    (2, [9, 30], 8, 2, 1, 0, 1, 16),
+    (5, [21, 6, 48], 4, 2, 3, 1, 4, 16),
+]
+
+
+@pytest.mark.parametrize("width,kv_lens,page_size,hkv,group,pad,splits,block_n", FUSED_CASES)
+def test_triton_window_writing_its_own_rows_equals_the_write_then_attend(width, kv_lens, page_size, hkv, group, pad,
+                                                                         splits, block_n, device):
+    """``KernelPolicy.fused_verify_attention``: the split kernel writes each window row in the split
+    whose range holds its position (windows straddling split boundaries included), then attends. The
+    cache equals the torch op's write on every page but the null page (padding requests write
+    nothing), and the output equals the torch oracle; the cache starts as random data."""
+    batch = _on(window_batch(width, kv_lens, pad_requests=pad, page_size=page_size, num_kv_heads=hkv, group=group,
+                             seed=width * 17 + len(kv_lens)), device)
+    ref, ref_k, ref_v = _run(batch, "torch")
+    out = torch.full_like(batch["q"], float("nan"))
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    rows = batch["write_loc"][: width * len(kv_lens)]
+    assert not torch.equal(k_cache.view(-1, *k_cache.shape[2:])[rows], ref_k.view(-1, *ref_k.shape[2:])[rows])
+    paged_verify(batch["q"], k_cache, v_cache, out, batch["page_table"], batch["seq_lens"], SCALE,
+                 new_kv=(batch["k"], batch["v"], batch["write_loc"]), num_splits=splits, block_n=block_n)
+    assert not out.isnan().any(), "some output row was never written"
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_cache[1:], ref_k[1:]) and torch.equal(v_cache[1:], ref_v[1:])
+    assert torch.equal(k_cache[0], batch["k_cache"][0])  # the null page: no padding row wrote it
+
+
+def test_the_fused_verify_impl_runs_windows_through_the_writing_kernel(device):
+    """Through the op: ``triton/fused_verify=1`` launches no separate K/V write for a window and
+    equals the torch oracle; a plain decode (width 1) under the same impl is unchanged."""
+    batch = _on(window_batch(3, [10, 4], pad_requests=1, page_size=4, seed=23), device)
+    ref, ref_k, _ = _run(batch, "torch")
+    writes = []
+    real = ta.write_kv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ta, "write_kv", lambda *a: writes.append(1) or real(*a))
+        out, k_cache, _ = _run(batch, "triton/fused_verify=1")
+        assert writes == []
+        _run(batch, "triton")
+        assert writes == [1]  # the default impl still writes first
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_cache[1:], ref_k[1:])
+
+
+def test_a_fused_write_refuses_k_rows_that_are_not_the_windows():
+    batch = window_batch(2, [4, 5], page_size=4, seed=4)
+    with pytest.raises(ValueError, match=r"^tscompile: a verify window that writes its K/V rows in the attention "
+                                         r"kernel needs one k row per query row: k has 3 rows, q has 4"):
+        paged_verify(batch["q"], batch["k_cache"], batch["v_cache"], torch.empty_like(batch["q"]),
+                     batch["page_table"], batch["seq_lens"], SCALE,
+                     new_kv=(batch["k"][:3], batch["v"], batch["write_loc"]))
+
+
 def test_triton_op_dispatches_windows_to_the_verify_kernel(device):
     batch = _on(window_batch(3, [10, 4], pad_requests=1, page_size=4, seed=21), device)
     ref, ref_k, _ = _run(batch, "torch")
@@ -239,3 +296,24 @@ def test_gpu_triton_window_llama8b_shape(bs, width, dtype):
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
     assert torch.equal(k_cache[1:], ref_k[1:])  # all but the null page, which padding rows race to write
+
+
+def test_speculative_greedy_with_the_fused_verify_attention_equals_plain_decode():
+    """``compile_options={"kernels": {"fused_verify_attention": True}}`` reaches the compiled verify
+    step's Triton attention (the leaves' impl name), and n-gram speculation through it, rejected
+    drafts included, gives plain decode's greedy tokens (float32, CPU: the Triton interpreter)."""
+    import tscompile
+
+    kw = dict(device="cpu", dtype=torch.float32, max_model_len=64, max_num_seqs=2, page_size=4)
+    prompts = [[(5 * i + j) % 50 + 3 for j in range(6)] * 2 for i in range(2)]
+    params = tscompile.SamplingParams(max_tokens=12, temperature=0.0)
+    plain = tscompile.LLM("llama-tiny", attention_backend="torch", enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = tscompile.LLM("llama-tiny", attention_backend="triton",
+                        compile_options={"kernels": {"fused_verify_attention": True}},
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, **kw)
+    assert {leaf.impl for leaf in llm.runner.decode.attention.child_backends()} == {"triton/fused_verify=1"}
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    stats = llm.stats()
+    assert got == want
+    assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens

@@ -39,6 +39,11 @@ class KernelPolicy:
         model's ``wqkv`` and ``w13`` shapes, the ones the GEMV tables list. A graph without such
         weights (the native model's) is unchanged. Off by default: its speed on a GPU is not yet
         measured against the separate projections.
+    fused_verify_attention: a speculative verify window's Triton attention runs as decode's does: its
+        split kernel writes the window's new K/V rows itself (each split the rows of its own KV
+        range, so no program reads a row another writes) instead of a write kernel launched before
+        it, and with ``decode_pdl`` its split and combine kernels launch with PDL. Off by default:
+        its speed on a GPU is not yet measured against the separate write.
     chunked_gated_delta: a hybrid model's prefill and verify steps run the Triton gated delta rule in
         its chunked form (``custom_ops/triton_gated_delta.py``: 16 rows at a time, matrix products
         inside a chunk) instead of walking each request's tokens one by one; decode steps walk either
@@ -50,6 +55,7 @@ class KernelPolicy:
     decode_pdl: bool = True
     prefill_pdl: bool = False
     fuse_projections: bool = False
+    fused_verify_attention: bool = False
     chunked_gated_delta: bool = False
 
     def __post_init__(self):

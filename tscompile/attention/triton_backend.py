@@ -24,8 +24,10 @@ class TritonAttentionBackend(PagedAttentionBackend):
     cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True)
 
     def use_kernel_policy(self, policy: KernelPolicy) -> None:
-        """The op's impl name carries the policy's PDL choices to the kernels (``attention_impl_name``)."""
-        self.impl = triton_attention.attention_impl_name(policy.decode_pdl, policy.prefill_pdl)
+        """The op's impl name carries the policy's PDL and verify-window choices to the kernels
+        (``attention_impl_name``)."""
+        self.impl = triton_attention.attention_impl_name(policy.decode_pdl, policy.prefill_pdl,
+                                                         policy.fused_verify_attention)
 
     def validate_cache_pool(self, pool: KVCachePool) -> None:
         """Refuse a cache group whose head_dim or dtype the kernels cannot serve."""
