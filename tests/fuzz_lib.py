@@ -8,6 +8,13 @@ each prompt runs alone on an engine with an ample pool. The two must agree token
 finish reasons included: the scheduler may queue, chunk and preempt, but a request's tokens depend
 only on its prompt and its parameters (a sampled request's draws on its seed and position).
 
+With speculative decoding (an ``EngineSpec`` with a ``speculative_config``) every request is greedy
+without min_tokens (which speculation refuses), and the one-at-a-time engine runs without speculation: a request's greedy tokens must not depend on
+whether its steps ran as verify windows, as plain decode steps (a step with a prefill chunk in it, a
+window the pool cannot hold) or both. Sampled requests are left out there: a verify step draws a
+sampled request's tokens by rejection sampling, from other random numbers than a plain step's, so
+the same seed gives a token sequence of the same distribution, not the same tokens.
+
 The narrowing model is the one exception: its tail cache keeps rows by chunk boundary, and a
 request's chunk boundaries depend on what shares its steps. Its compositions run either on an
 engine whose token budget never chunks (batched vs one at a time still holds exactly), or on a
@@ -52,11 +59,19 @@ class EngineSpec:
     num_pages: int | None
     async_scheduling: bool = True
     oracle: str = "single"
+    speculative_config: dict | None = None  # greedy compositions without min_tokens (the module docstring)
 
     def kwargs(self) -> dict:
-        return dict(page_size=self.page_size, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens, num_pages=self.num_pages,
-                    async_scheduling=self.async_scheduling)
+        kw = dict(page_size=self.page_size, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                  max_num_batched_tokens=self.max_num_batched_tokens, num_pages=self.num_pages,
+                  async_scheduling=self.async_scheduling)
+        if self.speculative_config is not None:
+            kw["speculative_config"] = dict(self.speculative_config)
+        return kw
+
+    @property
+    def method(self) -> str | None:
+        return self.speculative_config["method"] if self.speculative_config is not None else None
 
 
 def max_model_len_for(page_size: int) -> int:
@@ -120,16 +135,18 @@ def prompt_length(rng: random.Random, page_size: int) -> int:
 Preview = Callable[[tuple[int, ...], SamplingParams], list[int]]
 
 
-def draw_params(rng: random.Random, prompt: tuple[int, ...], vocab_size: int, preview: Preview) -> SamplingParams:
+def draw_params(rng: random.Random, prompt: tuple[int, ...], vocab_size: int, preview: Preview,
+                speculative: bool = False) -> SamplingParams:
     """Greedy or seeded sampling (a sampled request always has a seed: without one the engine draws
     it from its own generator in queue order, and batched would differ from one at a time by design),
     1-12 new tokens, sometimes min_tokens, sometimes stop ids taken from the tokens the request
-    generates without them, so that the stops do trigger."""
+    generates without them, so that the stops do trigger. ``speculative``: for an engine with
+    speculation, greedy only and no min_tokens (which speculation refuses)."""
     sp = SamplingParams(max_new_tokens=rng.randint(1, MAX_NEW_TOKENS))
-    if rng.random() < 0.5:
+    if rng.random() < 0.5 and not speculative:
         sp = replace(sp, temperature=round(rng.uniform(0.7, 1.0), 3), seed=rng.randrange(2**31),
                      top_k=rng.choice((0, 0, 5, 40)), top_p=rng.choice((1.0, 1.0, 0.8, 0.95)))
-    if rng.random() < 0.25:
+    if rng.random() < 0.25 and not speculative:
         sp = replace(sp, min_tokens=rng.randint(0, sp.max_new_tokens))
     if rng.random() < 0.4:
         stops = []
@@ -142,13 +159,14 @@ def draw_params(rng: random.Random, prompt: tuple[int, ...], vocab_size: int, pr
     return sp
 
 
-def draw_composition(seed: int, page_size: int, vocab_size: int, preview: Preview) -> Composition:
+def draw_composition(seed: int, page_size: int, vocab_size: int, preview: Preview,
+                     speculative: bool = False) -> Composition:
     rng = random.Random(f"fuzz-{seed}")
     prompts, params = [], []
     for _ in range(rng.randint(1, MAX_PROMPTS)):
         prompt = tuple(rng.randrange(vocab_size) for _ in range(prompt_length(rng, page_size)))
         prompts.append(prompt)
-        params.append(draw_params(rng, prompt, vocab_size, preview))
+        params.append(draw_params(rng, prompt, vocab_size, preview, speculative))
     return Composition(seed, page_size, tuple(prompts), tuple(params))
 
 
@@ -158,7 +176,7 @@ class StepLog:
     (``reset`` before the call, ``finish`` after it)."""
 
     def __init__(self, llm: tscompile.LLM):
-        self.scheduler = llm.scheduler
+        self.llm, self.scheduler = llm, llm.scheduler
         self.reset()
         launch = llm.runner.launch
 
@@ -174,9 +192,14 @@ class StepLog:
     def reset(self) -> None:
         self.steps, self.queued, self.chunked, self.mixed = 0, False, False, False
         self.preemptions, self._preemptions_before = 0, self.scheduler.num_preemptions
+        self.verify_steps, self._stats_before = 0, self.llm.stats()
 
     def finish(self) -> None:
         self.preemptions = self.scheduler.num_preemptions - self._preemptions_before
+        after = self.llm.stats()
+        # verify steps are launched apart (``launch_verify``): counted from the engine's statistics
+        self.verify_steps = after.spec_verify_steps - self._stats_before.spec_verify_steps
+        self.accepted = after.spec_accepted_tokens - self._stats_before.spec_accepted_tokens
 
 
 def assert_idle(llm: tscompile.LLM, where: str) -> None:
@@ -267,6 +290,10 @@ class Coverage:
         c["sampled_requests"] += sum(not sp.greedy for sp in comp.params)
         c["min_tokens_requests"] += sum(sp.min_tokens > 0 for sp in comp.params)
         c["tokens"] += sum(len(t) for t, _ in got)
+        c["verified"] += log.verify_steps > 0
+        c["verify_steps"] += log.verify_steps
+        c["accepted_drafts"] += log.accepted
+        c["verified_and_preempted"] += log.verify_steps > 0 and log.preemptions > 0
 
     def merge(self, other: "Coverage") -> None:
         self.counts.update(other.counts)
@@ -349,7 +376,7 @@ class Fuzzer:
 
     def draw(self, seed: int) -> Composition:
         return draw_composition(seed, self.spec.page_size, self.llm.config.vocab_size,
-                                preview_on(self.reference or self.llm))
+                                preview_on(self.reference or self.llm), self.spec.speculative_config is not None)
 
     def check(self, seed: int) -> str | None:
         """Run composition ``seed``; returns None or a failure message (never raises for a mismatch,
@@ -359,13 +386,18 @@ class Fuzzer:
             comp = self.draw(seed)
             if self.extra is not None:  # the extra check reruns the composition on an empty prefix cache too
                 self.llm.scheduler.reset_prefix_cache()
+            want = None
+            if self.spec.method == "replay":  # the drafts replay each prompt's greedy tokens alone
+                want = run_one_at_a_time(self.reference, comp, "reference")
+                self.llm.set_replay_references({p: list(w[0]) for p, w in zip(comp.prompts, want)})
             before = dict(counters)
             got = run_batched(self.llm, comp, f"{self.spec.name} batched", self.log)
             ran = graph_counters_since(before)
             self.coverage.record(self.log, comp, got)
             failure = None
             if self.spec.oracle == "single":
-                want = run_one_at_a_time(self.reference, comp, "reference")
+                if want is None:
+                    want = run_one_at_a_time(self.reference, comp, "reference")
                 failure = mismatch(comp, self.spec, "batched and one-at-a-time outputs", want, got)
             elif self.spec.oracle == "fresh":
                 want = run_batched(self.make_engine(self.spec), comp, f"{self.spec.name} fresh")

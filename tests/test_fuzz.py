@@ -7,6 +7,8 @@ nothing an earlier one left behind changes its tokens. The generator and the che
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -93,6 +95,59 @@ def test_fuzz_narrowing_model_against_same_chunking():
     assert coverage.counts["preemptions"] == 0  # it reserves at admission: pool pressure makes it wait
     for f in fuzzers:
         assert (f.coverage.counts["chunked"] > 0) == (f.spec.oracle == "fresh"), (f.spec.name, dict(f.coverage.counts))
+
+
+SPECULATIVE = {  # the drafters, each proposing often: a 1-token n-gram, the requests' own tokens, the target itself
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+    "replay": {"method": "replay", "num_speculative_tokens": 3},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, "model": "llama-tiny"},
+}
+SPEC_SEEDS = 25  # per drafter and page size
+
+
+def speculative_fuzzers(method: str) -> list[Fuzzer]:
+    fuzzers = []
+    for p in PAGE_SIZES:
+        spec = pressured_spec("llama-tiny", p)
+        fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}", speculative_config=SPECULATIVE[method]),
+                              make_engine))
+    return fuzzers
+
+
+@pytest.mark.parametrize("method", sorted(SPECULATIVE))
+def test_fuzz_speculative_greedy_batched_equals_plain_one_at_a_time(method):
+    """With speculation, under queueing, chunked prefill (steps with a chunk run plain decode) and
+    preemption (the target's and, for a draft model, its own cache), every greedy request gets the
+    tokens it gets alone without speculation, stops and length limits cutting accepted runs."""
+    fuzzers = speculative_fuzzers(method)
+    seeds = range(2000, 2000 + SPEC_SEEDS)
+    coverage, failures = run_fuzzers(fuzzers, seeds)
+    fail_with(failures, len(fuzzers) * len(seeds))
+    counts = coverage.counts
+    assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["sampled_requests"] == 0
+    assert counts["min_tokens_requests"] == 0
+    assert_covered(coverage, ["verified", "queued", "chunked", "mixed", "stop_fired", "verified_and_preempted"])
+    assert counts["accepted_drafts"] > 0, dict(counts)
+
+
+def test_the_speculative_fuzz_catches_a_wrong_emitted_token():
+    """Not vacuous with speculation either: a verify step that emits one wrong token is reported."""
+    fuzzer = speculative_fuzzers("replay")[1]
+    launch_verify = fuzzer.llm.runner.launch_verify
+    corrupted = []
+
+    def corrupt(plan):
+        both = launch_verify(plan)
+        if not corrupted:
+            corrupted.append(plan.request_ids)
+            both = both.clone()
+            both[0, 0] = (both[0, 0] + 1) % fuzzer.llm.config.vocab_size
+        return both
+
+    fuzzer.llm.runner.launch_verify = corrupt
+    messages = [m for m in (fuzzer.check(seed) for seed in range(2000, 2010)) if m is not None]
+    assert corrupted and messages, "no verify step to corrupt, or the corruption went unnoticed"
+    assert "batched and one-at-a-time outputs differ" in messages[0]
 
 
 def test_the_fuzz_oracle_catches_a_wrong_token():
