@@ -163,8 +163,17 @@ def draw_composition(seed: int, page_size: int, vocab_size: int, preview: Previe
                      speculative: bool = False) -> Composition:
     rng = random.Random(f"fuzz-{seed}")
     prompts, params = [], []
+    # with speculation, half the compositions share a prefix (whole pages, or a page and a token
+    # either side), so verify windows run over cached blocks that other requests hold
+    shared = ()
+    if speculative and rng.random() < 0.5:
+        pages = rng.randint(1, 2) * page_size
+        shared = tuple(rng.randrange(vocab_size) for _ in range(max(1, pages + rng.choice((-1, 0, 1)))))
     for _ in range(rng.randint(1, MAX_PROMPTS)):
-        prompt = tuple(rng.randrange(vocab_size) for _ in range(prompt_length(rng, page_size)))
+        own = prompt_length(rng, page_size)
+        if shared:  # no longer than the longest prompt the engines are sized for
+            own = max(1, min(own, MAX_LONG_PAGES * page_size + MAX_LONG_EXTRA - len(shared)))
+        prompt = shared + tuple(rng.randrange(vocab_size) for _ in range(own))
         prompts.append(prompt)
         params.append(draw_params(rng, prompt, vocab_size, preview, speculative))
     return Composition(seed, page_size, tuple(prompts), tuple(params))
@@ -192,7 +201,7 @@ class StepLog:
     def reset(self) -> None:
         self.steps, self.queued, self.chunked, self.mixed = 0, False, False, False
         self.preemptions, self._preemptions_before = 0, self.scheduler.num_preemptions
-        self.verify_steps, self._stats_before = 0, self.llm.stats()
+        self.verify_steps, self.accepted, self.prefix_hits, self._stats_before = 0, 0, 0, self.llm.stats()
 
     def finish(self) -> None:
         self.preemptions = self.scheduler.num_preemptions - self._preemptions_before
@@ -200,6 +209,7 @@ class StepLog:
         # verify steps are launched apart (``launch_verify``): counted from the engine's statistics
         self.verify_steps = after.spec_verify_steps - self._stats_before.spec_verify_steps
         self.accepted = after.spec_accepted_tokens - self._stats_before.spec_accepted_tokens
+        self.prefix_hits = after.prefix_cache_hits - self._stats_before.prefix_cache_hits
 
 
 def assert_idle(llm: tscompile.LLM, where: str) -> None:
@@ -294,6 +304,7 @@ class Coverage:
         c["verify_steps"] += log.verify_steps
         c["accepted_drafts"] += log.accepted
         c["verified_and_preempted"] += log.verify_steps > 0 and log.preemptions > 0
+        c["verified_with_prefix_hits"] += log.verify_steps > 0 and log.prefix_hits > 0
 
     def merge(self, other: "Coverage") -> None:
         self.counts.update(other.counts)

@@ -116,9 +116,10 @@ def speculative_fuzzers(method: str) -> list[Fuzzer]:
 
 @pytest.mark.parametrize("method", sorted(SPECULATIVE))
 def test_fuzz_speculative_greedy_batched_equals_plain_one_at_a_time(method):
-    """With speculation, under queueing, chunked prefill (steps with a chunk run plain decode) and
-    preemption (the target's and, for a draft model, its own cache), every greedy request gets the
-    tokens it gets alone without speculation, stops and length limits cutting accepted runs."""
+    """With speculation, under queueing, chunked prefill (steps with a chunk run plain decode),
+    preemption (the target's and, for a draft model, its own cache) and prefix-cache hits (prompts
+    sharing a prefix), every greedy request gets the tokens it gets alone without speculation, stops
+    and length limits cutting accepted runs."""
     fuzzers = speculative_fuzzers(method)
     seeds = range(2000, 2000 + SPEC_SEEDS)
     coverage, failures = run_fuzzers(fuzzers, seeds)
@@ -126,7 +127,8 @@ def test_fuzz_speculative_greedy_batched_equals_plain_one_at_a_time(method):
     counts = coverage.counts
     assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["sampled_requests"] == 0
     assert counts["min_tokens_requests"] == 0
-    assert_covered(coverage, ["verified", "queued", "chunked", "mixed", "stop_fired", "verified_and_preempted"])
+    assert_covered(coverage, ["verified", "queued", "chunked", "mixed", "stop_fired", "verified_and_preempted",
+                              "verified_with_prefix_hits"])
     assert counts["accepted_drafts"] > 0, dict(counts)
 
 
