@@ -15,6 +15,10 @@
    at least one graph and the rerun none (else the composition fails). With
    ``--bf16`` a bfloat16 engine (page size 16) is added on which only this check runs (another
    batch shape rounds differently in bfloat16, so batched-vs-single is not exact there).
+3. With ``--speculative METHOD...`` (ngram, replay, draft_model): per method a float32 engine of
+   page size 16 with speculative decoding, its verify windows replayed as (bs, N) graphs; its
+   greedy compositions (``fuzz_lib``: speculation draws sampled tokens from other random numbers)
+   are checked against the plain one-at-a-time engine and by the graph check.
 
 Prints a JSON summary (count, seconds, compile seconds, coverage, graph counters, failures) and
 writes it to OUT.json. The exit status is 1 when any composition failed. On the CPU the engines
@@ -35,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # fuzz_l
 
 import torch  # noqa: E402
 
-from fuzz_lib import (PAGE_SIZES, Coverage, Fuzzer, GraphCheck, build_engine, pressured_spec,  # noqa: E402
-                      reference_spec)
+from fuzz_lib import (PAGE_SIZES, SPECULATIVE_CONFIGS, Coverage, Fuzzer, GraphCheck, build_engine,  # noqa: E402
+                      pressured_spec, reference_spec)
 from tscompile.counters import counters  # noqa: E402
 
 GPU_MAX_NUM_SEQS = 4  # with decode_ladder (1, 2, 4): a batch of 3 replays the graph padded to 4
@@ -56,6 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--eager-reference", action="store_true",
                     help="run the one-at-a-time references eagerly (half the compiles; the oracle then also "
                          "spans compiled vs eager kernels, whose float32 rounding may differ)")
+    ap.add_argument("--speculative", nargs="+", choices=sorted(SPECULATIVE_CONFIGS), default=[],
+                    help="add a float32 engine with speculative decoding per method (page size 16, greedy "
+                         "compositions)")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES))
     ap.add_argument("--cpu-threads", type=int, default=1,
@@ -92,11 +99,17 @@ def main(argv=None) -> int:
     make32 = make_engine_factory(args, torch.float32, on_cuda, built, compiled=compiled)
     make_reference = make_engine_factory(args, torch.float32, on_cuda, built,
                                          compiled=compiled and not args.eager_reference)
-    fuzzers = []
+    fuzzers, references = [], {}
     for p in args.page_sizes:
         spec = pressured_spec("llama-tiny", p, max_num_seqs=GPU_MAX_NUM_SEQS)
-        fuzzers.append(Fuzzer(spec, make32, reference=make_reference(reference_spec("llama-tiny", p)),
-                              extra=graph_check if on_cuda else None))
+        references[p] = make_reference(reference_spec("llama-tiny", p))
+        fuzzers.append(Fuzzer(spec, make32, reference=references[p], extra=graph_check if on_cuda else None))
+    for method in args.speculative:
+        spec = pressured_spec("llama-tiny", 16, max_num_seqs=GPU_MAX_NUM_SEQS)
+        spec = replace(spec, name=f"{spec.name}/{method}", speculative_config=SPECULATIVE_CONFIGS[method])
+        if 16 not in references:
+            references[16] = make_reference(reference_spec("llama-tiny", 16))
+        fuzzers.append(Fuzzer(spec, make32, reference=references[16], extra=graph_check if on_cuda else None))
     if args.bf16:
         make16 = make_engine_factory(args, torch.bfloat16, on_cuda, built, compiled=compiled)
         spec = pressured_spec("llama-tiny", 16, max_num_seqs=GPU_MAX_NUM_SEQS)

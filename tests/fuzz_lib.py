@@ -40,6 +40,13 @@ PAGE_SIZES = (1, 16, 64)
 MAX_PROMPTS = 6
 MAX_NEW_TOKENS = 12
 MAX_LONG_PAGES, MAX_LONG_EXTRA = 4, 5  # a "long" prompt: 2-4 pages and 1-5 tokens more
+# the drafters of the speculative fuzz, each proposing often: a 1-token n-gram, the requests' own
+# greedy tokens, the target drafting for itself
+SPECULATIVE_CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+    "replay": {"method": "replay", "num_speculative_tokens": 3},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, "model": "llama-tiny"},
+}
 
 
 # -- engines -----------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fuzz_lib import PAGE_SIZES, Coverage, EngineSpec, Fuzzer, build_engine, pressured_spec
+from fuzz_lib import (PAGE_SIZES, SPECULATIVE_CONFIGS, Coverage, EngineSpec, Fuzzer, build_engine,
+                      pressured_spec)
 from helpers import ids
 from tscompile import SamplingParams
 
@@ -97,11 +98,6 @@ def test_fuzz_narrowing_model_against_same_chunking():
         assert (f.coverage.counts["chunked"] > 0) == (f.spec.oracle == "fresh"), (f.spec.name, dict(f.coverage.counts))
 
 
-SPECULATIVE = {  # the drafters, each proposing often: a 1-token n-gram, the requests' own tokens, the target itself
-    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
-    "replay": {"method": "replay", "num_speculative_tokens": 3},
-    "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, "model": "llama-tiny"},
-}
 SPEC_SEEDS = 25  # per drafter and page size
 
 
@@ -109,12 +105,12 @@ def speculative_fuzzers(method: str) -> list[Fuzzer]:
     fuzzers = []
     for p in PAGE_SIZES:
         spec = pressured_spec("llama-tiny", p)
-        fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}", speculative_config=SPECULATIVE[method]),
+        fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}", speculative_config=SPECULATIVE_CONFIGS[method]),
                               make_engine))
     return fuzzers
 
 
-@pytest.mark.parametrize("method", sorted(SPECULATIVE))
+@pytest.mark.parametrize("method", sorted(SPECULATIVE_CONFIGS))
 def test_fuzz_speculative_greedy_batched_equals_plain_one_at_a_time(method):
     """With speculation, under queueing, chunked prefill (steps with a chunk run plain decode),
     preemption (the target's and, for a draft model, its own cache) and prefix-cache hits (prompts
