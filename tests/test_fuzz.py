@@ -128,6 +128,25 @@ def test_fuzz_speculative_greedy_batched_equals_plain_one_at_a_time(method):
     assert counts["accepted_drafts"] > 0, dict(counts)
 
 
+def test_fuzz_hybrid_speculative_greedy_batched_equals_plain_one_at_a_time():
+    """The same for a hybrid model (Gated DeltaNet layers beside attention): each verify step keeps
+    a state checkpoint per window row and commits the one at the accepted length, and a preempted
+    request recomputes its state; every greedy request still gets its tokens alone without
+    speculation."""
+    fuzzers = []
+    for method in ("ngram", "replay"):
+        for p in (1, 16):
+            spec = pressured_spec("qwen3-next-tiny", p)
+            fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}",
+                                          speculative_config=SPECULATIVE_CONFIGS[method]), make_engine))
+    seeds = range(3000, 3000 + 12)
+    coverage, failures = run_fuzzers(fuzzers, seeds)
+    fail_with(failures, len(fuzzers) * len(seeds))
+    counts = coverage.counts
+    assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["accepted_drafts"] > 0, dict(counts)
+    assert_covered(coverage, ["verified", "queued", "chunked", "stop_fired", "verified_and_preempted"])
+
+
 def test_the_speculative_fuzz_catches_a_wrong_emitted_token():
     """Not vacuous with speculation either: a verify step that emits one wrong token is reported."""
     fuzzer = speculative_fuzzers("replay")[1]
