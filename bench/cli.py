@@ -278,6 +278,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     from . import hf_args, hf_model
 
     impls.check_model_impls(args)
+    if args.gemv_sweep:  # first: it refuses the other runs' flags rather than be overridden by them
+        from . import gemv_sweep
+
+        impls.refuse_several(args, "--gemv-sweep", "times kernels alone")
+        gemv_sweep.check_args(args)
+        _default_outputs(args)
+        return gemv_sweep.run(args)
     if args.merge:
         from . import merge
 
@@ -292,12 +299,6 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         _default_outputs(args)
         return compare.run(args)
-    if args.gemv_sweep:
-        from . import gemv_sweep
-
-        impls.refuse_several(args, "--gemv-sweep", "times kernels alone")
-        _default_outputs(args)
-        return gemv_sweep.run(args)
     if args.speculative:
         from . import spec_workload
 

@@ -18,7 +18,9 @@
 3. With ``--speculative METHOD...`` (ngram, replay, draft_model): per method a float32 engine of
    page size 16 with speculative decoding, its verify windows replayed as (bs, N) graphs; its
    greedy compositions (``fuzz_lib``: speculation draws sampled tokens from other random numbers)
-   are checked against the plain one-at-a-time engine and by the graph check.
+   are checked against the plain one-at-a-time engine and by the graph check (which turns a draft
+   model's graphs off too, and wants every verify step replayed as a graph). ``--fused-verify``:
+   those engines run ``KernelPolicy.fused_verify_attention``.
 
 Prints a JSON summary (count, seconds, compile seconds, coverage, graph counters, failures) and
 writes it to OUT.json. The exit status is 1 when any composition failed. On the CPU the engines
@@ -63,6 +65,9 @@ def parse_args(argv=None):
     ap.add_argument("--speculative", nargs="+", choices=sorted(SPECULATIVE_CONFIGS), default=[],
                     help="add a float32 engine with speculative decoding per method (page size 16, greedy "
                          "compositions)")
+    ap.add_argument("--fused-verify", action="store_true",
+                    help="the --speculative engines run KernelPolicy.fused_verify_attention (the verify window's "
+                         "K/V rows written in its attention kernel, PDL)")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES))
     ap.add_argument("--cpu-threads", type=int, default=1,
@@ -70,11 +75,11 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def make_engine_factory(args, dtype, on_cuda, built: list, *, compiled: bool):
+def make_engine_factory(args, dtype, on_cuda, built: list, *, compiled: bool, kernels: dict | None = None):
     kw = dict(device=args.device, dtype=dtype, attention_backend="triton" if on_cuda else "torch",
               enforce_eager=not compiled)
     if compiled:
-        kw["compile_options"] = COMPILE_OPTIONS
+        kw["compile_options"] = {**COMPILE_OPTIONS, **({"kernels": kernels} if kernels else {})}
 
     def make(spec):
         start = time.perf_counter()
@@ -104,12 +109,15 @@ def main(argv=None) -> int:
         spec = pressured_spec("llama-tiny", p, max_num_seqs=GPU_MAX_NUM_SEQS)
         references[p] = make_reference(reference_spec("llama-tiny", p))
         fuzzers.append(Fuzzer(spec, make32, reference=references[p], extra=graph_check if on_cuda else None))
+    make_speculative = (make_engine_factory(args, torch.float32, on_cuda, built, compiled=compiled,
+                                            kernels={"fused_verify_attention": True})
+                        if args.fused_verify else make32)
     for method in args.speculative:
         spec = pressured_spec("llama-tiny", 16, max_num_seqs=GPU_MAX_NUM_SEQS)
         spec = replace(spec, name=f"{spec.name}/{method}", speculative_config=SPECULATIVE_CONFIGS[method])
         if 16 not in references:
             references[16] = make_reference(reference_spec("llama-tiny", 16))
-        fuzzers.append(Fuzzer(spec, make32, reference=references[16], extra=graph_check if on_cuda else None))
+        fuzzers.append(Fuzzer(spec, make_speculative, reference=references[16], extra=graph_check if on_cuda else None))
     if args.bf16:
         make16 = make_engine_factory(args, torch.bfloat16, on_cuda, built, compiled=compiled)
         spec = pressured_spec("llama-tiny", 16, max_num_seqs=GPU_MAX_NUM_SEQS)

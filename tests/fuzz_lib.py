@@ -118,6 +118,7 @@ class Composition:
     page_size: int
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
+    shared_prefix_len: int = 0  # tokens every prompt starts with (speculative compositions only)
 
     def describe(self) -> str:
         """Everything needed to replay it by hand."""
@@ -183,7 +184,7 @@ def draw_composition(seed: int, page_size: int, vocab_size: int, preview: Previe
         prompt = shared + tuple(rng.randrange(vocab_size) for _ in range(own))
         prompts.append(prompt)
         params.append(draw_params(rng, prompt, vocab_size, preview, speculative))
-    return Composition(seed, page_size, tuple(prompts), tuple(params))
+    return Composition(seed, page_size, tuple(prompts), tuple(params), len(shared))
 
 
 # -- observing an engine -----------------------------------------------------------------------------
@@ -194,6 +195,15 @@ class StepLog:
     def __init__(self, llm: tscompile.LLM):
         self.llm, self.scheduler = llm, llm.scheduler
         self.reset()
+        graphs = llm.runner.graphs
+        if graphs is not None:  # verify windows replay graphs keyed (bs, N > 1)
+            replay_graph = graphs.replay_graph
+
+            def counted(key):
+                self.verify_replays += key.width > 1
+                return replay_graph(key)
+
+            graphs.replay_graph = counted
         launch = llm.runner.launch
 
         def observed(plan, prev_rows=None):
@@ -208,13 +218,15 @@ class StepLog:
     def reset(self) -> None:
         self.steps, self.queued, self.chunked, self.mixed = 0, False, False, False
         self.preemptions, self._preemptions_before = 0, self.scheduler.num_preemptions
-        self.verify_steps, self.accepted, self.prefix_hits, self._stats_before = 0, 0, 0, self.llm.stats()
+        self.verify_steps, self.verify_replays, self.proposed, self.accepted, self.prefix_hits = 0, 0, 0, 0, 0
+        self._stats_before = self.llm.stats()
 
     def finish(self) -> None:
         self.preemptions = self.scheduler.num_preemptions - self._preemptions_before
         after = self.llm.stats()
         # verify steps are launched apart (``launch_verify``): counted from the engine's statistics
         self.verify_steps = after.spec_verify_steps - self._stats_before.spec_verify_steps
+        self.proposed = after.spec_draft_tokens - self._stats_before.spec_draft_tokens
         self.accepted = after.spec_accepted_tokens - self._stats_before.spec_accepted_tokens
         self.prefix_hits = after.prefix_cache_hits - self._stats_before.prefix_cache_hits
 
@@ -310,22 +322,37 @@ class Coverage:
         c["verified"] += log.verify_steps > 0
         c["verify_steps"] += log.verify_steps
         c["accepted_drafts"] += log.accepted
+        c["rejected_drafts"] += log.proposed - log.accepted
+        c["verify_replays"] += log.verify_replays
         c["verified_and_preempted"] += log.verify_steps > 0 and log.preemptions > 0
-        c["verified_with_prefix_hits"] += log.verify_steps > 0 and log.prefix_hits > 0
+        # hits on a prefix the prompts share (a preempted request re-admitting its own blocks hits too)
+        c["verified_with_shared_prefix_hits"] += (log.verify_steps > 0 and log.prefix_hits > 0
+                                                  and comp.shared_prefix_len >= comp.page_size)
 
     def merge(self, other: "Coverage") -> None:
         self.counts.update(other.counts)
 
 
 # an extra check of a batched run: (engine, composition, its results, the graph counters the run
-# moved) -> None or a failure message
-ExtraCheck = Callable[[tscompile.LLM, Composition, list[Result], dict], "str | None"]
+# moved, its step log) -> None or a failure message
+ExtraCheck = Callable[[tscompile.LLM, Composition, list[Result], dict, StepLog], "str | None"]
 GRAPH_COUNTERS = ("decode_replays", "decode_captures", "prefill_replays", "prefill_captures", "decode_eager",
                   "prefill_graphed")
 
 
 def graph_counters_since(before: dict) -> dict:
     return {k: counters[k] - before.get(k, 0) for k in GRAPH_COUNTERS}
+
+
+def graph_runners(llm: tscompile.LLM) -> list:
+    """Every ``GraphRunner`` a step of ``llm`` may replay: the engine's, and a draft model's (its own
+    engine parts, graphed as the target); their replays share the global counters."""
+    runners = [llm.runner.graphs]
+    drafter = getattr(getattr(llm, "_verify", None), "drafter", None)
+    parts = getattr(getattr(drafter, "runner", None), "parts", None)
+    if parts is not None:
+        runners.append(parts.runner.graphs)
+    return [g for g in runners if g is not None]
 
 
 class GraphCheck:
@@ -341,14 +368,17 @@ class GraphCheck:
         self.graphs_on = collections.Counter()  # what the batched runs (graphs on) replayed and captured
         self.graphs_off = collections.Counter()  # what the reruns moved: only steps, never a replay
 
-    def __call__(self, llm, comp, got, ran: dict):
-        graphs = llm.runner.graphs
-        if graphs is None:
+    def __call__(self, llm, comp, got, ran: dict, log: StepLog | None = None):
+        runners = graph_runners(llm)
+        if llm.runner.graphs is None:
             return f"{llm.fuzz_name} has no graph runner: the graph check cannot run\n{comp.describe()}"
         if ran["decode_replays"] + ran["prefill_replays"] == 0:
             return f"the batched run replayed no graph ({ran}): nothing to compare\n{comp.describe()}"
+        if log is not None and log.verify_steps and not log.verify_replays:
+            return f"the batched run's {log.verify_steps} verify steps replayed no (bs, N) graph\n{comp.describe()}"
         before = dict(counters)
-        graphs.replay = False
+        for graphs in runners:
+            graphs.replay = False
         # the batched run cached these prompts' blocks: a rerun that hits them computes only the
         # suffixes, other shapes that round differently in bfloat16, so it starts from the same
         # empty cache (the Fuzzer empties it before the batched run too)
@@ -356,7 +386,8 @@ class GraphCheck:
         try:
             plain = run_batched(llm, comp, "graphs off")
         finally:
-            graphs.replay = True
+            for graphs in runners:
+                graphs.replay = True
         delta = graph_counters_since(before)
         self.compositions += 1
         self.graphs_on.update(ran)
@@ -421,7 +452,7 @@ class Fuzzer:
                 want = run_batched(self.make_engine(self.spec), comp, f"{self.spec.name} fresh")
                 failure = mismatch(comp, self.spec, "outputs of the reused engine and a fresh one", want, got)
             if failure is None and self.extra is not None:
-                failure = self.extra(self.llm, comp, got, ran)
+                failure = self.extra(self.llm, comp, got, ran, self.log)
             return failure
         except Exception as e:  # an engine error is a finding too: keep the composition with it
             where = comp.describe() if comp is not None else f"composition seed={seed} (not drawn)"

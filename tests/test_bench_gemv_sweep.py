@@ -40,6 +40,11 @@ def test_acc_launches_run_at_every_row_count_whose_accumulator_fits_in_registers
     assert all(c[5].startswith("dot") for c in gemv_sweep.launches(16, 4096, 4096, ["fma", "dot"])[1:])
     for config in gemv_sweep.launches(8, 4096, 4096):
         assert tg.check_config(config) == config
+    # a split the kernel would reduce is not timed twice: one launch per split that runs
+    for m in (1, 4, 8):
+        runs = [(c[:2] + c[3:], tg.split_layout(4096, c[1], c[2])[0]) for c in gemv_sweep.launches(m, 4096, 4096)]
+        assert len(runs) == len(set(runs)), m
+    assert not any(c[1] == 4096 and c[5] == "acc_sum" for c in at_four)  # K = 4096 in one chunk: no split
 
 
 @pytest.fixture
@@ -107,6 +112,7 @@ def test_a_wrong_launch_is_recorded_and_never_picked(tmp_path, small_grid, monke
     (["--gemv-rows", "4,33"], r"--gemv-rows \[33\] outside \[1, 32\]"),
     (["--gemv-rows", "one"], r"--gemv-rows 'one' must be comma-separated row counts"),
     (["--speculative", "ngram"], r"--gemv-sweep times kernels alone and runs no engine; leave out --speculative"),
+    (["--compare", "a.json", "b.json"], r"--gemv-sweep times kernels alone and runs no engine; leave out --compare"),
     (["--gemv-shapes", "wqkv"], r"--gemv-shapes \['wqkv'\] names no projection of llama-tiny; its projections: "
                                 r"\['layers.attention.wo', 'layers.attention.wqkv'"),
 ])

@@ -6,11 +6,13 @@ runs the real graphs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from fuzz_lib import Fuzzer, GraphCheck, build_engine, pressured_spec
+from fuzz_lib import SPECULATIVE_CONFIGS, Fuzzer, GraphCheck, build_engine, graph_runners, pressured_spec
 from helpers import ids, small_llm
 from tscompile import SamplingParams
 from tscompile.counters import counters
@@ -118,6 +120,33 @@ def test_the_fuzz_graph_check_compares_every_composition_and_refuses_to_pass_vac
     assert "the switch did not hold" in stuck(fuzzer.llm, comp, [], {"decode_replays": 1, "prefill_replays": 0})
     del fuzzer.llm.runner.graphs.run
     assert "replayed no graph" in stuck(fuzzer.llm, comp, [], {"decode_replays": 0, "prefill_replays": 0})
+
+
+def test_the_graph_check_switches_a_draft_models_graphs_off_too_and_wants_verify_replays():
+    """With a draft model the engine has two graph runners (the target's and the draft's, graphed as
+    the target): the rerun turns both off, so the check compares instead of failing on the draft's
+    replays; a speculative run whose verify steps replayed no (bs, N) graph is refused."""
+    def make(spec):
+        llm = build_engine(spec, device="cpu", dtype=torch.float32, attention_backend="torch", enforce_eager=True)
+        llm.runner.use_graphs(HostGraphs(), decode=True, prefill="whole")
+        if spec.speculative_config is not None:  # the one-at-a-time reference has no draft model
+            llm._verify.drafter.runner.parts.runner.use_graphs(HostGraphs(), decode=True, prefill="whole")
+        llm.fuzz_name = spec.name
+        return llm
+
+    spec = pressured_spec("llama-tiny", 16)
+    spec = replace(spec, name=f"{spec.name}/draft_model", speculative_config=SPECULATIVE_CONFIGS["draft_model"])
+    check = GraphCheck()
+    fuzzer = Fuzzer(spec, make, extra=check)
+    assert len(graph_runners(fuzzer.llm)) == 2
+    failures = [f for f in (fuzzer.check(seed) for seed in range(3)) if f is not None]
+    assert not failures, failures[0]
+    assert fuzzer.coverage.counts["verify_steps"] > 0
+    assert fuzzer.coverage.counts["verify_replays"] == fuzzer.coverage.counts["verify_steps"]
+    assert check.compositions == 3 and check.graphs_off["decode_replays"] == check.graphs_off["prefill_replays"] == 0
+    fuzzer.log.verify_steps, fuzzer.log.verify_replays = 2, 0
+    message = check(fuzzer.llm, fuzzer.draw(0), [], {"decode_replays": 1, "prefill_replays": 0}, fuzzer.log)
+    assert "verify steps replayed no (bs, N) graph" in message
 
 
 def test_compiles_and_captures_say_what_they_do_and_how_long_it_took(caplog):

@@ -281,17 +281,20 @@ def test_triton_op_dispatches_windows_to_the_verify_kernel(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "triton/fused_verify=1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bs,width", [(1, 4), (32, 4), (8, 2), (4, 6)])
-def test_gpu_triton_window_llama8b_shape(bs, width, dtype):
+def test_gpu_triton_window_llama8b_shape(bs, width, dtype, impl):
     """llama-8b's attention shape (32 query / 8 KV heads of 128, page 16), contexts of hundreds to
-    thousands of positions, against the torch oracle on the same inputs."""
+    thousands of positions, against the torch oracle on the same inputs; ``triton/fused_verify=1``:
+    the split kernels write the window's rows themselves (a CTA barrier before their tiles read
+    them) and launch with PDL."""
     g = torch.Generator().manual_seed(bs * 10 + width)
     kv_lens = torch.randint(width, 2100, (bs,), generator=g).tolist()
     batch = _on(window_batch(width, kv_lens, pad_requests=2, page_size=16, num_kv_heads=8, group=4, head_dim=128,
                              dtype=dtype, seed=bs + width), "cuda")
     ref, ref_k, _ = _run(batch, "torch")
-    out, k_cache, _ = _run(batch, "triton")
+    out, k_cache, _ = _run(batch, impl)
     assert not out.isnan().any()
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.float(), ref.float(), **tol)

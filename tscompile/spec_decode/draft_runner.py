@@ -32,7 +32,8 @@ from tscompile.utils import cdiv
 
 
 class EngineDraftRunner:
-    """``parts``: the draft model's ``EngineParts`` (``build_model_engine`` with no compile config)."""
+    """``parts``: the draft model's ``EngineParts`` (``engine_drafters.build_draft_parts``: compiled and
+    graphed as the target)."""
 
     def __init__(self, parts):
         if len(parts.scheduler.specs) != 1 or parts.scheduler.specs[0].window is not None:
