@@ -194,9 +194,35 @@ def test_ngram_on_real_weights_equals_plain_decode():
     assert stats.spec_accepted_tokens > 0
 
 
+def test_stop_strings_on_real_weights_end_the_text_where_plain_decode_ends_it():
+    """SmolLM2-135M-Instruct, float32, real text: a stop string (taken from the greedy output, so it
+    fires) ends a request with speculation at the same token, text, finish and stop reason as
+    without it, while drafts are being accepted (the output repeats itself, so n-gram drafts land)."""
+    from tests.real_weights import MODEL, checkpoint_or_skip
+
+    checkpoint_or_skip()
+    kw = dict(enforce_eager=True, device="cpu", attention_backend="torch", dtype=torch.float32, max_model_len=256,
+              max_num_seqs=1, page_size=16)
+    spec = tscompile.LLM(MODEL, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **kw)
+    plain = tscompile.LLM(MODEL, **kw)
+    text = "Repeat this list exactly three times: apple, banana, cherry, dates, elderberry, fig, grape. " * 3
+    free = plain.generate([text], tscompile.SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True))
+    free_text = free[0].outputs[0].text
+    before = spec.stats()
+    n = len(free_text)
+    for stop in (free_text[n // 2: n // 2 + 5], free_text[3 * n // 4: 3 * n // 4 + 6], free_text[n - 12: n - 6]):
+        params = tscompile.SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True, stop=[stop])
+        a, b = spec.generate([text], params)[0].outputs[0], plain.generate([text], params)[0].outputs[0]
+        assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == \
+            (b.text, b.token_ids, b.finish_reason, b.stop_reason), stop
+        assert b.finish_reason == "stop" and b.stop_reason == stop and stop not in b.text
+    assert spec.stats().spec_accepted_tokens > before.spec_accepted_tokens
+
+
 def test_compiled_engine_with_speculation_equals_plain_decode():
-    """The torch.compile engine (compiled prefill and plain decode steps; the verify steps run the
-    model eagerly) gives the greedy tokens of the eager engine without speculation."""
+    """The torch.compile engine (compiled prefill, decode and verify steps) gives the greedy tokens of
+    the eager engine without speculation."""
     spec = small_llm(dtype=torch.float32, enforce_eager=False, speculative_config=NGRAM, max_num_seqs=2)
     plain = small_llm(dtype=torch.float32, enforce_eager=True, max_num_seqs=2)
     assert ids(spec.generate(PROMPTS[:2], _greedy(10))) == ids(plain.generate(PROMPTS[:2], _greedy(10)))
