@@ -8,12 +8,16 @@ each prompt runs alone on an engine with an ample pool. The two must agree token
 finish reasons included: the scheduler may queue, chunk and preempt, but a request's tokens depend
 only on its prompt and its parameters (a sampled request's draws on its seed and position).
 
-With speculative decoding (an ``EngineSpec`` with a ``speculative_config``) every request is greedy
-without min_tokens (which speculation refuses), and the one-at-a-time engine runs without speculation: a request's greedy tokens must not depend on
+With speculative decoding (an ``EngineSpec`` with a ``speculative_config``) no request has
+min_tokens (which speculation refuses). Against the one-at-a-time engine, which runs without
+speculation, every request is greedy: a request's greedy tokens must not depend on
 whether its steps ran as verify windows, as plain decode steps (a step with a prefill chunk in it, a
 window the pool cannot hold) or both. Sampled requests are left out there: a verify step draws a
 sampled request's tokens by rejection sampling, from other random numbers than a plain step's, so
-the same seed gives a token sequence of the same distribution, not the same tokens.
+the same seed gives a token sequence of the same distribution, not the same tokens. Sampled
+requests are checked instead by the "fresh" oracle: the reused engine (its prefix cache emptied
+first, so both schedule alike) must give what a new engine of the same configuration gives, which
+nothing a drafter kept from an earlier composition may change.
 
 The narrowing model is the one exception: its tail cache keeps rows by chunk boundary, and a
 request's chunk boundaries depend on what shares its steps. Its compositions run either on an
@@ -66,7 +70,7 @@ class EngineSpec:
     num_pages: int | None
     async_scheduling: bool = True
     oracle: str = "single"
-    speculative_config: dict | None = None  # greedy compositions without min_tokens (the module docstring)
+    speculative_config: dict | None = None  # no min_tokens; greedy unless the oracle is "fresh" (module docstring)
 
     def kwargs(self) -> dict:
         kw = dict(page_size=self.page_size, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
@@ -144,14 +148,14 @@ Preview = Callable[[tuple[int, ...], SamplingParams], list[int]]
 
 
 def draw_params(rng: random.Random, prompt: tuple[int, ...], vocab_size: int, preview: Preview,
-                speculative: bool = False) -> SamplingParams:
+                speculative: bool = False, sampled: bool = True) -> SamplingParams:
     """Greedy or seeded sampling (a sampled request always has a seed: without one the engine draws
     it from its own generator in queue order, and batched would differ from one at a time by design),
     1-12 new tokens, sometimes min_tokens, sometimes stop ids taken from the tokens the request
     generates without them, so that the stops do trigger. ``speculative``: for an engine with
-    speculation, greedy only and no min_tokens (which speculation refuses)."""
+    speculation, no min_tokens (which speculation refuses); ``sampled=False``: greedy only."""
     sp = SamplingParams(max_new_tokens=rng.randint(1, MAX_NEW_TOKENS))
-    if rng.random() < 0.5 and not speculative:
+    if rng.random() < 0.5 and sampled:
         sp = replace(sp, temperature=round(rng.uniform(0.7, 1.0), 3), seed=rng.randrange(2**31),
                      top_k=rng.choice((0, 0, 5, 40)), top_p=rng.choice((1.0, 1.0, 0.8, 0.95)))
     if rng.random() < 0.25 and not speculative:
@@ -168,7 +172,7 @@ def draw_params(rng: random.Random, prompt: tuple[int, ...], vocab_size: int, pr
 
 
 def draw_composition(seed: int, page_size: int, vocab_size: int, preview: Preview,
-                     speculative: bool = False) -> Composition:
+                     speculative: bool = False, sampled: bool = True) -> Composition:
     rng = random.Random(f"fuzz-{seed}")
     prompts, params = [], []
     # with speculation, half the compositions share a prefix (whole pages, or a page and a token
@@ -183,7 +187,7 @@ def draw_composition(seed: int, page_size: int, vocab_size: int, preview: Previe
             own = max(1, min(own, MAX_LONG_PAGES * page_size + MAX_LONG_EXTRA - len(shared)))
         prompt = shared + tuple(rng.randrange(vocab_size) for _ in range(own))
         prompts.append(prompt)
-        params.append(draw_params(rng, prompt, vocab_size, preview, speculative))
+        params.append(draw_params(rng, prompt, vocab_size, preview, speculative, sampled))
     return Composition(seed, page_size, tuple(prompts), tuple(params), len(shared))
 
 
@@ -424,8 +428,11 @@ class Fuzzer:
         self.coverage = Coverage()
 
     def draw(self, seed: int) -> Composition:
+        speculative = self.spec.speculative_config is not None
+        # with speculation, sampled requests only where the oracle is the same engine afresh
         return draw_composition(seed, self.spec.page_size, self.llm.config.vocab_size,
-                                preview_on(self.reference or self.llm), self.spec.speculative_config is not None)
+                                preview_on(self.reference or self.llm), speculative,
+                                sampled=not speculative or self.spec.oracle == "fresh")
 
     def check(self, seed: int) -> str | None:
         """Run composition ``seed``; returns None or a failure message (never raises for a mismatch,
@@ -433,7 +440,10 @@ class Fuzzer:
         comp = None
         try:
             comp = self.draw(seed)
-            if self.extra is not None:  # the extra check reruns the composition on an empty prefix cache too
+            if self.extra is not None or (self.spec.oracle == "fresh" and self.spec.method is not None):
+                # the extra check reruns the composition on an empty prefix cache too; with speculation a
+                # fresh engine is the oracle of sampled requests, whose tokens depend on which steps
+                # verified, so the reused engine schedules from the same empty cache
                 self.llm.scheduler.reset_prefix_cache()
             want = None
             if self.spec.method == "replay":  # the drafts replay each prompt's greedy tokens alone

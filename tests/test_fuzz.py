@@ -130,6 +130,26 @@ def test_fuzz_speculative_greedy_batched_equals_plain_one_at_a_time(method):
         assert counts["rejected_drafts"] > 0, dict(counts)  # n-gram drafts get rejected
 
 
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_fuzz_speculative_sampled_reused_engine_equals_a_fresh_one(method):
+    """Seeded sampled requests with speculation: the engine reused across compositions gives what a
+    new engine of the same configuration gives, so no drafter state (a draft model's cache rows, the
+    n-gram histories) outlives its requests; drafts shape a sampled request's tokens, so a leak would
+    show here, where greedy tokens hide it."""
+    fuzzers = []
+    for p in (1, 16):
+        spec = pressured_spec("llama-tiny", p)
+        fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}/sampled", oracle="fresh",
+                                      speculative_config=SPECULATIVE_CONFIGS[method]), make_engine))
+    seeds = range(4000, 4000 + 12)
+    coverage, failures = run_fuzzers(fuzzers, seeds)
+    fail_with(failures, len(fuzzers) * len(seeds))
+    counts = coverage.counts
+    assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["accepted_drafts"] > 0, dict(counts)
+    assert counts["min_tokens_requests"] == 0
+    assert_covered(coverage, ["verified", "sampled_requests", "queued", "chunked", "stop_fired"])
+
+
 def test_fuzz_hybrid_speculative_greedy_batched_equals_plain_one_at_a_time():
     """The same for a hybrid model (Gated DeltaNet layers beside attention): each verify step keeps
     a state checkpoint per window row and commits the one at the accepted length, and a preempted
