@@ -101,13 +101,25 @@ def test_fuzz_narrowing_model_against_same_chunking():
 SPEC_SEEDS = 25  # per drafter and page size
 
 
-def speculative_fuzzers(method: str) -> list[Fuzzer]:
+def speculative_fuzzers(method: str, model: str = "llama-tiny", page_sizes=PAGE_SIZES,
+                        oracle: str = "single") -> list[Fuzzer]:
     fuzzers = []
-    for p in PAGE_SIZES:
-        spec = pressured_spec("llama-tiny", p)
-        fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}", speculative_config=SPECULATIVE_CONFIGS[method]),
+    for p in page_sizes:
+        spec = pressured_spec(model, p)
+        name = f"{spec.name}/{method}" + ("/sampled" if oracle == "fresh" else "")
+        fuzzers.append(Fuzzer(replace(spec, name=name, oracle=oracle, speculative_config=SPECULATIVE_CONFIGS[method]),
                               make_engine))
     return fuzzers
+
+
+def run_speculative(fuzzers: list[Fuzzer], seeds: range) -> Coverage:
+    """Every composition passes its oracle, drafts were accepted, and no request had min_tokens."""
+    coverage, failures = run_fuzzers(fuzzers, seeds)
+    fail_with(failures, len(fuzzers) * len(seeds))
+    counts = coverage.counts
+    assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["accepted_drafts"] > 0, dict(counts)
+    assert counts["min_tokens_requests"] == 0
+    return coverage
 
 
 @pytest.mark.parametrize("method", sorted(SPECULATIVE_CONFIGS))
@@ -116,18 +128,12 @@ def test_fuzz_speculative_greedy_batched_equals_plain_one_at_a_time(method):
     preemption (the target's and, for a draft model, its own cache) and prefix-cache hits (prompts
     sharing a prefix), every greedy request gets the tokens it gets alone without speculation, stops
     and length limits cutting accepted runs."""
-    fuzzers = speculative_fuzzers(method)
-    seeds = range(2000, 2000 + SPEC_SEEDS)
-    coverage, failures = run_fuzzers(fuzzers, seeds)
-    fail_with(failures, len(fuzzers) * len(seeds))
-    counts = coverage.counts
-    assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["sampled_requests"] == 0
-    assert counts["min_tokens_requests"] == 0
+    coverage = run_speculative(speculative_fuzzers(method), range(2000, 2000 + SPEC_SEEDS))
+    assert coverage.counts["sampled_requests"] == 0
     assert_covered(coverage, ["verified", "queued", "chunked", "mixed", "stop_fired", "verified_and_preempted",
                               "verified_with_shared_prefix_hits"])
-    assert counts["accepted_drafts"] > 0, dict(counts)
     if method == "ngram":  # replay and a self-drafting model propose the target's own tokens: only
-        assert counts["rejected_drafts"] > 0, dict(counts)  # n-gram drafts get rejected
+        assert coverage.counts["rejected_drafts"] > 0, dict(coverage.counts)  # n-gram drafts get rejected
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
@@ -136,17 +142,7 @@ def test_fuzz_speculative_sampled_reused_engine_equals_a_fresh_one(method):
     new engine of the same configuration gives, so no drafter state (a draft model's cache rows, the
     n-gram histories) outlives its requests; drafts shape a sampled request's tokens, so a leak would
     show here, where greedy tokens hide it."""
-    fuzzers = []
-    for p in (1, 16):
-        spec = pressured_spec("llama-tiny", p)
-        fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}/sampled", oracle="fresh",
-                                      speculative_config=SPECULATIVE_CONFIGS[method]), make_engine))
-    seeds = range(4000, 4000 + 12)
-    coverage, failures = run_fuzzers(fuzzers, seeds)
-    fail_with(failures, len(fuzzers) * len(seeds))
-    counts = coverage.counts
-    assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["accepted_drafts"] > 0, dict(counts)
-    assert counts["min_tokens_requests"] == 0
+    coverage = run_speculative(speculative_fuzzers(method, page_sizes=(1, 16), oracle="fresh"), range(4000, 4012))
     assert_covered(coverage, ["verified", "sampled_requests", "queued", "chunked", "stop_fired"])
 
 
@@ -155,17 +151,9 @@ def test_fuzz_hybrid_speculative_greedy_batched_equals_plain_one_at_a_time():
     a state checkpoint per window row and commits the one at the accepted length, and a preempted
     request recomputes its state; every greedy request still gets its tokens alone without
     speculation."""
-    fuzzers = []
-    for method in ("ngram", "replay"):
-        for p in (1, 16):
-            spec = pressured_spec("qwen3-next-tiny", p)
-            fuzzers.append(Fuzzer(replace(spec, name=f"{spec.name}/{method}",
-                                          speculative_config=SPECULATIVE_CONFIGS[method]), make_engine))
-    seeds = range(3000, 3000 + 12)
-    coverage, failures = run_fuzzers(fuzzers, seeds)
-    fail_with(failures, len(fuzzers) * len(seeds))
-    counts = coverage.counts
-    assert counts["compositions"] == len(fuzzers) * len(seeds) and counts["accepted_drafts"] > 0, dict(counts)
+    fuzzers = [f for method in ("ngram", "replay")
+               for f in speculative_fuzzers(method, "qwen3-next-tiny", page_sizes=(1, 16))]
+    coverage = run_speculative(fuzzers, range(3000, 3012))
     assert_covered(coverage, ["verified", "queued", "chunked", "stop_fired", "verified_and_preempted"])
 
 
