@@ -282,7 +282,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         from . import gemv_sweep
 
         impls.refuse_several(args, "--gemv-sweep", "times kernels alone")
-        gemv_sweep.check_args(args)
         _default_outputs(args)
         return gemv_sweep.run(args)
     if args.merge:

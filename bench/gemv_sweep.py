@@ -176,11 +176,11 @@ def sweep_shape(n: int, k: int, rows, modes, dtype: torch.dtype, device: torch.d
             key = ",".join(map(str, config))
             try:
                 tg.gemv(x, weights[0], out, config=config)
-                entry = {"max_diff": max_diff(out, ref)}
+                entry = {"launch": list(config), "max_diff": max_diff(out, ref)}
                 if entry["max_diff"] <= MAX_DIFF:
                     entry["s"] = timer(_cycling(lambda w, c=config, o=out: tg.gemv(x, w, o, config=c), weights))
             except Exception as exc:  # a tile past the shared memory or registers: recorded, never picked
-                entry = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+                entry = {"launch": list(config), "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
             row["triton"][key] = entry
         out_rows.append(row)
     return out_rows
@@ -191,12 +191,11 @@ def summarize(rows: list[dict]) -> dict:
     and its speedup over cuBLAS's best, and the M = 1 fields."""
     by_m = {}
     for r in rows:
-        timed = {c: e["s"] for c, e in r["triton"].items() if "s" in e}
+        timed = [e for e in r["triton"].values() if "s" in e]
         cublas = min(e["s"] for e in r["cublas"].values())
-        pick = min(timed, key=timed.get) if timed else None
-        by_m[str(r["m"])] = {"best": [int(v) if v.isdigit() else v for v in pick.split(",")] if pick else None,
-                             "us": timed[pick] * 1e6 if pick else None, "cublas_us": cublas * 1e6,
-                             "speedup": cublas / timed[pick] if pick else None}
+        pick = min(timed, key=lambda e: e["s"]) if timed else None
+        by_m[str(r["m"])] = {"best": pick["launch"] if pick else None, "us": pick["s"] * 1e6 if pick else None,
+                             "cublas_us": cublas * 1e6, "speedup": cublas / pick["s"] if pick else None}
     one = by_m.get("1", {})
     return {"n": rows[0]["n"], "k": rows[0]["k"], "best_by_m": by_m, "best_m1": one.get("best"),
             "best_m1_us": one.get("us"), "cublas_m1_us": one.get("cublas_us"), "speedup_m1": one.get("speedup")}
