@@ -64,7 +64,7 @@ gpu_tests() {
   fi
   # --done-log=PATH in one argument: pytest takes an existing path given apart for a test path when
   # it picks the root directory, which would rename the ids the file holds
-  python3 -m pytest -v -rfE -m "$markers" --durations=0 --failure-log "$OUT/gpu_failures.txt" \
+  python3 -m pytest -v -rfE -m "$markers" --durations=0 --failure-log="$OUT/gpu_failures.txt" \
     --done-log="$done_log" "$@" 2>&1 \
     | tee "$OUT/gpu_tests_$part.log" | tail -40
   return "${PIPESTATUS[0]}"

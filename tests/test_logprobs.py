@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tscompile
-from helpers import TEXTS, write_text_checkpoint
+from helpers import FLOAT32_NOISE, TEXTS, assert_equal_but_near_ties, top_two, write_text_checkpoint
 from tscompile import SamplingParams
 from tscompile.outputs import Logprob
 
@@ -113,3 +113,39 @@ def test_decode_graphs_sample_without_logprobs_and_a_step_that_asks_runs_without
     plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert counters["decode_replays"] > before
     assert plain.outputs[0].token_ids == asked.outputs[0].token_ids and plain.outputs[0].logprobs is None
+
+
+def test_top_two_gives_the_reference_two_most_likely_tokens_and_their_raw_log_probabilities(checkpoint):
+    """The GPU equality tests' near-tie check asks the engine for its pick and runner-up (the pick
+    with the first banned): both must be transformers' top two with their unbanned log-probabilities."""
+    path, model, tok = checkpoint
+    llm = _engine(path)
+    for text in TEXTS[:3]:
+        context = tok(text)["input_ids"]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([context])).logits[0, -1].float(), dim=-1)
+        want = torch.topk(lp, 2)
+        (t1, l1), (t2, l2) = top_two(llm, context)
+        assert [t1, t2] == want.indices.tolist()
+        assert l1 == pytest.approx(want.values[0].item(), abs=ATOL) and l2 == pytest.approx(want.values[1].item(),
+                                                                                             abs=ATOL)
+
+
+def test_near_tie_rule_passes_a_tie_and_fails_a_margin_a_third_token_or_too_many_requests():
+    prompts = [[1, 2], [3, 4]] + [[5]] * 14
+    want = [[7, 8, 9], [7, 8, 9]] + [[1]] * 14
+    tie = {(1, 2, 7): ((8, -1.0), (5, -1.0 - FLOAT32_NOISE / 2))}
+    assert_equal_but_near_ties([[7, 5, 6]] + want[1:], want, prompts, lambda ctx: tie[tuple(ctx)])
+    assert_equal_but_near_ties(want, want, prompts, lambda ctx: tie[tuple(ctx)])  # nothing differs: nothing asked
+    margin = {(1, 2, 7): ((8, -1.0), (5, -1.0 - 10 * FLOAT32_NOISE))}
+    with pytest.raises(AssertionError, match="not a near tie"):
+        assert_equal_but_near_ties([[7, 5, 6]] + want[1:], want, prompts, lambda ctx: margin[tuple(ctx)])
+    third = {(1, 2, 7): ((8, -1.0), (4, -1.0))}
+    with pytest.raises(AssertionError, match="not a near tie"):
+        assert_equal_but_near_ties([[7, 5, 6]] + want[1:], want, prompts, lambda ctx: third[tuple(ctx)])
+    with pytest.raises(AssertionError, match="has 2 tokens"):
+        assert_equal_but_near_ties([[7, 8]] + want[1:], want, prompts, lambda ctx: tie[tuple(ctx)])
+    ties = {(1, 2, 7): ((8, -1.0), (5, -1.0)), (3, 4, 7): ((8, -2.0), (5, -2.0)), (5,): ((1, -3.0), (2, -3.0))}
+    with pytest.raises(AssertionError, match="3 of 16 requests differ"):
+        assert_equal_but_near_ties([[7, 5, 6], [7, 5, 6], [2]] + want[3:], want, prompts,
+                                   lambda ctx: ties[tuple(ctx)])

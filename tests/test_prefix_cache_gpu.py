@@ -14,7 +14,7 @@ import torch
 
 import tscompile
 from fuzz_lib import assert_idle
-from helpers import ids
+from helpers import FLOAT32_NOISE, ids  # a hit's shorter prefill rounds its products differently
 from tscompile import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -30,12 +30,6 @@ def _workloads(rng: random.Random, vocab: int, n: int, prefix_lens: list[int]):
         params = [SamplingParams(max_new_tokens=rng.randint(2, 24), ignore_eos=True) for _ in range(n)]
         out.append((prompts, params))
     return out
-
-
-# float32 log-probabilities of one token under two batch compositions: cuBLAS picks its kernel per
-# shape, so a hit's shorter prefill rounds its products differently (measured: about 1e-5 here and on
-# the CPU); a wrong prefix (stale pages, a position off by one) moves them by far more than this
-FLOAT32_NOISE = 1e-4
 
 
 def _with_logprobs(llm, prompts, params, caching: bool):

@@ -1,6 +1,7 @@
 """Speculative decoding on the GPU with CUDA graphs: for every drafter, greedy tokens with speculation
 equal plain greedy decode's, on llama-1b and llama-8b shapes (random weights, float32) at 1 and 32
-requests, torch and Triton attention; the verify steps replay graphs keyed (bs, N). FlashInfer has no
+requests, torch and Triton attention, except where plain's own engine has a float32 near tie
+(``assert_equal_but_near_ties``); the verify steps replay graphs keyed (bs, N). FlashInfer has no
 float32 kernels; its verify windows are checked against the torch reference in
 tests/test_verify_router.py."""
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import tscompile
-from tests.helpers import ids
+from tests.helpers import assert_equal_but_near_ties, ids, top_two
 
 # the draft of each target: itself for llama-1b (every draft accepted), llama-1b for llama-8b (the
 # 1B -> 8B pair: same vocabulary, other weights, so drafts are rejected too)
@@ -50,6 +51,19 @@ def _plain(model: str, backend: str, num_prompts: int, params) -> list[list[int]
     return _PLAIN[key]
 
 
+def _assert_near_ties(model: str, backend: str, num_prompts: int, got, want) -> None:
+    """Speculation left plain decode somewhere: only at a float32 near tie of plain's own engine (a
+    verify window's row rounds its products otherwise than a decode row; llama-8b's random weights
+    give nearly flat logits over 128,256 tokens, where such ties occur)."""
+    plain = _engine(model, backend, num_prompts)
+    try:
+        assert_equal_but_near_ties(got, want, _prompts(num_prompts), lambda ctx: top_two(plain, ctx),
+                                   f"{model} {backend} bs {num_prompts}")
+    finally:
+        del plain
+        _free()
+
+
 @pytest.mark.gpu
 @pytest.mark.gpu_alone  # llama-8b in float32 beside its draft
 @pytest.mark.parametrize("method", ["replay", "ngram", "draft_model"])
@@ -72,10 +86,13 @@ def test_gpu_speculative_greedy_equals_plain_with_graphs(model, backend, num_pro
     finally:
         del llm
         _free()
-    assert got == want
+    if got != want:
+        _assert_near_ties(model, backend, num_prompts, got, want)
     assert stats.spec_verify_steps > 0 and 4 in widths  # verify steps ran as (bs, N = 4) graphs
-    if method == "replay":  # the target's own tokens: every draft is accepted
+    if method == "replay" and got == want:  # the target's own tokens: every draft is accepted
         assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    elif method == "replay":  # after a near tie, a request's replayed drafts are plain's other branch
+        assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens > 0
     elif method == "draft_model" and DRAFT_OF[model] == model:
         # the same weights through other kernels (the draft's decode steps, the target's verify
         # window): a float32 near-tie may flip an argmax, so nearly every draft
