@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import tscompile
-from tests.helpers import assert_equal_but_near_ties, ids, top_two
+from tests.helpers import assert_equal_but_near_ties, first_divergences, ids, top_two
 
 # the draft of each target: itself for llama-1b (every draft accepted), llama-1b for llama-8b (the
 # 1B -> 8B pair: same vocabulary, other weights, so drafts are rejected too)
 DRAFT_OF = {"llama-1b": "llama-1b", "llama-8b": "llama-1b"}
 _PLAIN: dict[tuple, list] = {}
+_TOP_TWO: dict[tuple, tuple] = {}  # ((model, backend, requests), context) -> plain's top two there
 
 
 def _engine(model: str, backend: str, num_prompts: int, spec=None):
@@ -55,13 +56,18 @@ def _assert_near_ties(model: str, backend: str, num_prompts: int, got, want) -> 
     """Speculation left plain decode somewhere: only at a float32 near tie of plain's own engine (a
     verify window's row rounds its products otherwise than a decode row; llama-8b's random weights
     give nearly flat logits over 128,256 tokens, where such ties occur)."""
-    plain = _engine(model, backend, num_prompts)
-    try:
-        assert_equal_but_near_ties(got, want, _prompts(num_prompts), lambda ctx: top_two(plain, ctx),
-                                   f"{model} {backend} bs {num_prompts}")
-    finally:
-        del plain
-        _free()
+    prompts, key = _prompts(num_prompts), (model, backend, num_prompts)
+    contexts = [tuple(prompts[i]) + tuple(want[i][:k]) for i, k in first_divergences(got, want)]
+    if any((key, c) not in _TOP_TWO for c in contexts):  # the drafters of one case mostly meet the same tie
+        plain = _engine(model, backend, num_prompts)
+        try:
+            for c in contexts:
+                _TOP_TWO[(key, c)] = top_two(plain, list(c))
+        finally:
+            del plain
+            _free()
+    assert_equal_but_near_ties(got, want, prompts, lambda ctx: _TOP_TWO[(key, tuple(ctx))],
+                               f"{model} {backend} bs {num_prompts}")
 
 
 @pytest.mark.gpu
