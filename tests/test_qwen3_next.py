@@ -188,15 +188,67 @@ def test_graphed_pieces_run_the_state_ops_eagerly_and_equal_transformers(checkpo
     assert _all_slots_free(llm)
 
 
-def test_the_state_backend_turns_whole_step_prefill_graphs_off_and_keeps_the_others(checkpoint):
+def test_the_state_backend_supports_every_graph_kind(checkpoint):
     from tscompile.attention import resolve_cuda_graph_support
 
     llm = _engine(checkpoint[0], max_num_seqs=2)
+    assert llm.attention.state.cuda_graph_support.whole_prefill_graph
     support = resolve_cuda_graph_support(llm.attention)
     assert support.support.decode_graph and support.support.prefill_graph
-    assert not support.support.whole_prefill_graph and "StateBackend" in support.whole_prefill_culprits
-    assert support.prefill_culprits == ()
+    assert "StateBackend" not in support.whole_prefill_culprits and support.prefill_culprits == ()
     assert not llm.scheduler.prefix_caching_supported  # a cached KV prefix has no recurrent state
+
+
+def test_whole_step_prefill_graphs_read_the_state_metadata_from_their_bucket_and_equal_transformers(checkpoint):
+    """Whole-step prefill graphs (``HostGraphs``; a CUDA graph reads its inputs at the addresses of
+    its capture): every graphed step publishes its state slots, row offsets and flags as views of its
+    bucket's persistent buffers, the same storage at every step of a bucket, and the padded request
+    rows (null slot, empty range, fresh state) leave the live slots alone: transformers' tokens, in
+    chunked mixed batches and one prompt at a time."""
+    from tscompile.counters import counters
+    from tscompile.runtime.graph_runner import HostGraphs
+
+    path, _, want = checkpoint
+    llm = _engine(path, enforce_eager=False, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
+                  compile_options={"decode_ladder": (1, 2, 4), "token_ladder": (4, 8), "prefill_graph_max_tokens": 8})
+    llm.runner.use_graphs(HostGraphs(), decode=True, prefill="whole")
+    whole, state = llm.runner.prefill.whole, llm.attention.state
+    published: dict[tuple, set] = {}  # bucket -> the (slots, offsets, flags) storage its steps published
+    stage = whole.stage
+
+    def staging(size, fill):
+        dev = stage(size, fill)
+        staged = tuple(t.data_ptr() for t in dev[-3:])
+        original_init = state.init_forward_metadata
+
+        def init(plan, arrays):
+            original_init(plan, arrays)
+            meta = state.forward_extend_metadata
+            published.setdefault(size, set()).add(
+                (staged, tuple(t.data_ptr() for t in (meta.state_slots, meta.cu_seqlens, meta.has_state))))
+            state.init_forward_metadata = original_init
+
+        state.init_forward_metadata = init
+        return dev
+
+    whole.stage = staging
+    before = counters["prefill_graphed"]
+    assert _generate(llm) == want
+    assert [_generate(llm, [p])[0] for p in PROMPTS] == want
+    assert counters["prefill_graphed"] > before and published
+    for size, seen in published.items():
+        assert len(seen) == 1, (size, seen)  # one storage per bucket, step after step
+        ((staged, meta),) = seen
+        assert staged == meta  # the metadata the model reads is the bucket's buffers
+    assert any(requests > 1 for _, requests in published)  # a batch of several requests ran graphed
+    # the sampled variant's graphs are captured on sampling placeholders: seeded samples as eager's
+    sampled = [tscompile.SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, seed=s, ignore_eos=True)
+               for s in range(len(PROMPTS))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    eager = _engine(path, max_num_seqs=4, max_num_batched_tokens=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled)] == \
+        [o.outputs[0].token_ids for o in eager.generate(prompts, sampled)]
+    assert _all_slots_free(llm)
 
 
 def test_config_mapping_and_moe_refusal(checkpoint, tmp_path):
@@ -295,23 +347,28 @@ def test_the_kernel_policy_gives_the_linear_layers_the_chunked_triton_form():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefill", ["whole", "piecewise"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["walk", "chunked"])
-def test_cuda_graphs_equal_transformers_in_float32(checkpoint, chunked):
-    """On the GPU with graphs on (decode graphs per ladder size, piecewise prefill graphs per token
-    bucket, the state kernels in Triton between the pieces, the gated delta rule's prefill walking the
-    tokens or chunked): the greedy tokens of transformers in
-    float32, batched with padding rows (3 and 4 live rows in the bs 4 graph) and one request at a
-    time (bs 1 graph)."""
+def test_cuda_graphs_equal_transformers_in_float32(checkpoint, chunked, prefill):
+    """On the GPU with graphs on (decode graphs per ladder size; prefill graphs per token and request
+    bucket, whole-step (the state kernels captured with the step, each graph captured on a
+    placeholder step) or piecewise (the state kernels in Triton between the pieces); the gated delta
+    rule's prefill walking the tokens or chunked): the greedy tokens of transformers in float32,
+    batched with padding rows (3 and 4 live rows in the bs 4 graph) and one request at a time (bs 1
+    graph)."""
     from tscompile.counters import counters
 
     path, _, want = checkpoint
     llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
                         max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
-                        compile_options={"decode_ladder": (1, 2, 4), "kernels": {"chunked_gated_delta": chunked}})
-    before = counters["decode_replays"], counters["prefill_replays"]
+                        compile_options={"decode_ladder": (1, 2, 4), "kernels": {"chunked_gated_delta": chunked},
+                                         "prefill_graph_mode": prefill})
+    assert (llm.runner.prefill.whole is not None) == (prefill == "whole")
+    before = counters["decode_replays"], counters["prefill_replays"], counters["prefill_graphed"]
     assert _generate(llm) == want
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     assert counters["decode_replays"] > before[0] and counters["prefill_replays"] > before[1]
+    assert counters["prefill_graphed"] > before[2]
     assert _all_slots_free(llm)
 
 

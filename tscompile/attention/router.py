@@ -203,11 +203,14 @@ class AttentionRouter(AttentionBackend):
         layout = []
         for leaf, n in zip(self.leaves, rows, strict=True):
             layout += [((requests, leaf.max_pages), i32), ((requests,), i32), ((requests + 1,), i32), ((n,), i64)]
+        if self.state is not None:
+            layout += self.state.extend_array_layout(requests)
         return layout
 
     def extend_host_arrays(self, plan: StepPlan, pad_rows: Mapping[int, int], pad_requests: int = 0) -> list:
         """Per cache group, in order: page table ``[R, max_pages]`` int32, KV lengths ``[R]`` int32,
-        query offsets ``[R + 1]`` int32 and write slots ``[rows]`` int64 of an extend or mixed step.
+        query offsets ``[R + 1]`` int32 and write slots ``[rows]`` int64 of an extend or mixed step;
+        then, with recurrent-state layers, the state backend's arrays (``StateBackend``).
 
         ``pad_requests``: R, at least the plan's B (0: B). Request rows past B are padding: a null
         page-table row, KV length 0 and an empty query range (the offsets repeat their last value),
@@ -231,6 +234,8 @@ class AttentionRouter(AttentionBackend):
             put_padded(seq_lens, group.seq_lens, 0)
             put_padded(qo_indptr, group.qo_indptr, group.qo_indptr[b])  # padded requests: empty ranges
             put_padded(slots, group.write_slots, 0)
+        if self.state is not None:
+            self.state.fill_extend_host_arrays(plan, out[4 * len(plan.groups):])
 
     def _page_rows(self, gid: int, block_tables: np.ndarray) -> np.ndarray:
         """Group ``gid``'s page table rows of ``block_tables`` (the scheduler's)."""
@@ -253,7 +258,7 @@ class AttentionRouter(AttentionBackend):
             write_locs.append(slots)
         self.extend_write_locations = tuple(write_locs)
         if self.state is not None:
-            self.state.init_forward_metadata(plan)
+            self.state.init_forward_metadata(plan, arrays[4 * len(plan.groups):])
 
     # -- what the model reads ----------------------------------------------------------------------
     def write_locations(self, layer_id: int, mode: ForwardMode) -> torch.Tensor:

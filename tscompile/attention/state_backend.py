@@ -11,12 +11,15 @@ metadata paths, so one refresh serves KV pages and state slots alike:
   and ``checkpoints`` set: the state ops store the state after each window row in the pool's
   checkpoints, and ``commit_verify``, inside the verify step after acceptance, puts every slot back
   to its state after the kept rows (``runtime/verify_graphs.py``).
-- extend / mixed: fresh tensors from the plan: its ``state_slots``, its row offsets, and
-  ``prefix_lens > 0`` (a first chunk, or a preempted request's re-prefill, starts from zeros).
+- extend / mixed: the plan's ``state_slots``, its row offsets, and ``prefix_lens > 0`` (a first
+  chunk, or a preempted request's re-prefill, starts from zeros), staged with the paged leaves'
+  extend arrays (``AttentionRouter.extend_host_arrays``): fresh tensors of the step's one upload,
+  or a whole-step prefill graph's persistent buffers, which its replays read. Request rows past
+  the live ones (a graph's request bucket) take the null slot, an empty row range and a fresh
+  state, so the kernels leave every live slot alone.
 
-Piecewise prefill graphs are supported: the state ops are split ops, so they run eagerly between the
-replayed pieces, as attention does, and read this step's fresh extend metadata. Whole-step prefill
-graphs are not: they would keep the storage of the step that captured them.
+Piecewise prefill graphs run the state ops eagerly between the replayed pieces, as attention; a
+whole-step prefill graph captures them with the rest of the step.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from tscompile.attention.base import AttentionBackend
 from tscompile.attention.support import CudaGraphSupport
 from tscompile.custom_ops import gated_delta  # noqa: F401  (registers tscompile::commit_state_checkpoints)
 from tscompile.forward_context import ForwardMode
-from tscompile.kv_cache.state_pool import StatePool, StateSlotMetadata
-from tscompile.step_plan import StepPlan
+from tscompile.kv_cache.state_pool import NULL_SLOT, StatePool, StateSlotMetadata
+from tscompile.step_plan import StepPlan, put_padded
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class StateMetadata:
 
 
 class StateBackend(AttentionBackend):
-    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, whole_prefill_graph=False)
+    cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=True, whole_prefill_graph=True)
 
     def __init__(self, pool: StatePool, device: torch.device | str, impl: str = "torch"):
         self.pool = pool
@@ -99,14 +102,33 @@ class StateBackend(AttentionBackend):
         self._slots.refresh(host_state_slots.tolist(), [True] * n, bs)
         self.forward_decode_metadata = views
 
-    def init_forward_metadata(self, plan: StepPlan) -> None:
+    @staticmethod
+    def extend_array_layout(requests: int) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """Shape and dtype of the extend arrays of a step padded to ``requests`` requests: state slots
+        ``[R]`` int64, row offsets ``[R + 1]`` int32, continues-a-state flags ``[R]`` bool."""
+        return [((requests,), np.dtype(np.int64)), ((requests + 1,), np.dtype(np.int32)), ((requests,), np.dtype(bool))]
+
+    def fill_extend_host_arrays(self, plan: StepPlan, out: list[np.ndarray]) -> None:
+        """The plan's arrays written into ``out`` (of ``extend_array_layout``'s shapes), every element:
+        request rows past the plan's take the null slot, an empty row range and a fresh state."""
         if plan.state_slots.shape[0] != plan.num_requests:
             raise ValueError(f"tscompile: the step plan carries {plan.state_slots.shape[0]} state slots for "
                              f"{plan.num_requests} requests; a model with recurrent-state layers needs a scheduler "
                              "that gives every request a state slot")
-        host = (plan.state_slots.astype(np.int64), plan.qo_indptr.astype(np.int32), plan.prefix_lens > 0)
-        self.forward_extend_metadata = StateMetadata(*(torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-                                                       for a in host))
+        slots, cu_seqlens, has_state = out
+        put_padded(slots, plan.state_slots, NULL_SLOT)
+        put_padded(cu_seqlens, plan.qo_indptr, plan.qo_indptr[plan.num_requests])
+        put_padded(has_state, plan.prefix_lens > 0, False)
+
+    def init_forward_metadata(self, plan: StepPlan, arrays: list[torch.Tensor]) -> None:
+        """Publish the extend metadata: ``arrays`` are ``fill_extend_host_arrays``' on the device. The
+        same tensors as the step before (a whole-step graph's buffers) keep the same metadata object."""
+        del plan  # the arrays carry it
+        slots, cu_seqlens, has_state = arrays
+        meta = self.forward_extend_metadata
+        if meta is None or meta.state_slots is not slots or meta.cu_seqlens is not cu_seqlens \
+                or meta.has_state is not has_state:
+            self.forward_extend_metadata = StateMetadata(slots, cu_seqlens, has_state)
 
     def metadata(self, mode: ForwardMode) -> StateMetadata:
         meta = self.forward_decode_metadata if mode.is_decode else self.forward_extend_metadata

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,7 +29,7 @@ from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, 
                                       measure_activation_peak, measure_device_memory, pages_for_requests,
                                       prefill_graph_bytes, verify_graph_bytes)
 from tscompile.runtime.model_runner import ModelRunner
-from tscompile.runtime.prefill_capture import startup_plans
+from tscompile.runtime.prefill_capture import placeholder_like, startup_plans
 from tscompile.runtime.readback import PendingTokens
 from tscompile.runtime.scheduler import Request, Scheduler
 from tscompile.runtime.state_slots import StateSlots
@@ -313,6 +314,8 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
     runner = ModelRunner(built, attention, max_num_seqs=max_num_seqs, max_blocks=scheduler.max_blocks,
                          banned_width=scheduler.banned_width, device=device, compile_config=compile_config,
                          graph_support=graph_support, max_verify_width=max_verify_width)
+    if scheduler.state_slots is not None:  # recurrent state: whole-step prefill graphs capture on placeholders
+        runner.prefill.capture_placeholder = functools.partial(placeholder_like, scheduler=scheduler)
     runner.capture_decode_graphs()
     runner.capture_prefill_graphs(startup_plans(runner, scheduler))  # none under prefill_capture="lazy"
     return EngineParts(cfg, device, dtype, attention, pool, scheduler, runner, built, tokenizer, checkpoint, memory)

@@ -111,10 +111,12 @@ def _completion_splits(chunks: tuple[int, ...], window: int | None) -> list[tupl
 
 
 def placeholder_plan(shape: PlaceholderShape, specs: list[CacheGroupSpec], *, block_size: int, max_blocks: int,
-                     eos_token_ids: tuple[int, ...] = (), banned_width: int = 1, with_state: bool = False) -> StepPlan:
+                     eos_token_ids: tuple[int, ...] = (), banned_width: int = 1, with_state: bool = False,
+                     greedy: bool = True) -> StepPlan:
     """The plan of ``shape`` over placeholder requests whose every block is the null block, and, for a
-    model with recurrent-state layers (``with_state``), whose every state slot is the null slot."""
-    params = SamplingParams(max_new_tokens=2)  # greedy
+    model with recurrent-state layers (``with_state``), whose every state slot is the null slot.
+    ``greedy=False``: the requests sample (the step's other compiled variant)."""
+    params = SamplingParams(max_new_tokens=2, temperature=0.0 if greedy else 1.0)
     extends = []
     for i, (n, complete) in enumerate(zip(shape.chunks, shape.completes)):
         # an open chunk is the first part of a longer prompt
@@ -181,3 +183,21 @@ def startup_plans(runner, scheduler) -> list[StepPlan]:
                                 with_state=scheduler.state_slots is not None)
 
     return select_plans(shapes, build, runner.prefill_graph_keys)
+
+
+def shape_of(plan: StepPlan) -> PlaceholderShape:
+    """The placeholder shape of a real step: its extend chunks, which of them complete their
+    prompts, and its decode rows."""
+    chunks = tuple(int(n) for n in np.diff(plan.qo_indptr[: plan.num_extends + 1]))
+    return PlaceholderShape(chunks, tuple(bool(c) for c in plan.completes[: plan.num_extends]), plan.num_decodes)
+
+
+def placeholder_like(plan: StepPlan, scheduler) -> StepPlan:
+    """A placeholder step of ``plan``'s shape and sampling variant over ``scheduler``'s limits: the
+    same prefill graph key, no live page or state slot touched. A whole-step graph of a model with
+    recurrent-state layers is captured on it, since a capture runs its step more than once and a
+    state must advance once per step (``PrefillStep._run_whole``)."""
+    return placeholder_plan(shape_of(plan), scheduler.specs, block_size=scheduler.block_size,
+                            max_blocks=scheduler.max_blocks, eos_token_ids=scheduler.eos_token_ids,
+                            banned_width=scheduler.banned_width, with_state=scheduler.state_slots is not None,
+                            greedy=plan.sampling.all_greedy)

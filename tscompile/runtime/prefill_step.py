@@ -18,6 +18,8 @@ bucket, so that piece captures per request bucket rather than per request count.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -54,6 +56,9 @@ class PrefillStep:
         self.mode: str | None = None
         self.buckets: PrefillBuckets | None = None  # piecewise
         self.whole: WholeStepBuffers | None = None  # whole-step
+        # a step of the same graph key over placeholder requests (prefill_capture.placeholder_like);
+        # set for a model with recurrent-state layers, whose whole-step graphs are captured on it
+        self.capture_placeholder: Callable[[StepPlan], StepPlan] | None = None
         if config is None:
             self.compiled = self.forward
         else:
@@ -105,8 +110,20 @@ class PrefillStep:
             return None
         return self.graphs.prefill_key(*size, plan.sampling.all_greedy, plan.mode)
 
-    def _run_whole(self, plan: StepPlan, key: GraphKey) -> None:
-        """The step padded to ``key.tokens`` rows and ``key.batch_size`` requests, as one graph."""
+    def _run_whole(self, plan: StepPlan, key: GraphKey, placeholder_first: bool = True) -> None:
+        """The step padded to ``key.tokens`` rows and ``key.batch_size`` requests, as one graph.
+
+        A capture runs its step more than once (warm-up, then the replay that gives the first
+        outputs): the K/V writes repeat the same values, but a recurrent state would advance twice.
+        With ``capture_placeholder`` the graph is captured on a placeholder step of the same key
+        (null pages and the null state slot), and this step only replays it."""
+        if placeholder_first and self.capture_placeholder is not None and key not in self.graphs.graphs:
+            placeholder = self.capture_placeholder(plan)
+            if self._whole_key(placeholder) != key:
+                raise RuntimeError(f"tscompile: the placeholder of a prefill step reaches graph "
+                                   f"{self._whole_key(placeholder)}, not the step's {key}")
+            self._run_whole(placeholder, key, placeholder_first=False)
+            counters["prefill_graphed"] -= 1  # a capture, not a step
         dev = self.whole.stage((key.tokens, key.batch_size), lambda host: self._fill_whole_step(plan, host))
         self.attention.publish_extend_metadata(plan, dev[5:])
         self.staging.fill_sampling(plan.sampling, key.batch_size)
