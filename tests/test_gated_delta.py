@@ -102,6 +102,42 @@ def test_gated_delta_op_continues_each_slot_like_transformers(impl, chunk, lengt
     assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("impl,chunk", GATED_DELTA_FORMS, ids=FORM_IDS)
+def test_padded_requests_of_a_graph_bucket_touch_only_the_null_slot(impl, chunk, device):
+    """A whole-step prefill graph pads its requests to a bucket (null slot 0, an empty row range, a
+    fresh state) and its tokens to a bucket (rows past the last request's): both ops give the live
+    requests what an unpadded call gives, write no output row past them, and change no slot but
+    the live ones and the null slot."""
+    lengths, fresh = [5, 1, 12], [True, False, False]
+    q, k, v, g, beta, pool, slots, cu, has_state = _packed_case(41 + chunk + len(impl), lengths, fresh)
+    pad_rows, pad_requests = 6, 2
+    q, k, v, g, beta = (torch.cat([t, torch.randn(pad_rows, *t.shape[1:])]) for t in (q, k, v, g, beta))
+    g = -g.abs()  # log-decays stay <= 0 on the padded rows too
+    conv_x = torch.randn(q.shape[0], 24)
+    conv_pool = torch.randn(pool.shape[0], 24, 3)
+    weight = torch.randn(24, 4)
+
+    def run(slots, cu, has_state, rows):
+        ssm, conv = pool.clone(), conv_pool.clone()
+        out, conv_out = torch.full_like(v[:rows], float("nan")), torch.full_like(conv_x[:rows], float("nan"))
+        args = _on(device, q[:rows], k[:rows], v[:rows], g[:rows], beta[:rows], ssm, slots, cu, has_state, out)
+        torch.ops.tscompile.gated_delta_rule(*args, impl, True, chunk, None)
+        conv_args = _on(device, conv_x[:rows], weight, None, conv, slots, cu, has_state, conv_out)
+        torch.ops.tscompile.causal_conv1d(*conv_args, impl, "silu", None)
+        return args[5].cpu(), args[9].cpu(), conv_args[3].cpu(), conv_args[7].cpu()
+
+    live = sum(lengths)
+    want = run(slots, cu, has_state, live)
+    padded = run(torch.cat([slots, torch.zeros(pad_requests, dtype=slots.dtype)]),
+                 torch.cat([cu, cu[-1:].repeat(pad_requests)]), torch.cat([has_state, torch.zeros(pad_requests,
+                                                                                            dtype=torch.bool)]),
+                 live + pad_rows)
+    for w, p in ((want[0], padded[0]), (want[2], padded[2])):  # every slot but the null one as unpadded
+        assert torch.equal(w[1:], p[1:])
+    for w, p in ((want[1], padded[1]), (want[3], padded[3])):  # live rows as unpadded, padded rows unwritten
+        assert torch.equal(w, p[:live]) and torch.isnan(p[live:]).all()
+
+
 @pytest.mark.parametrize("chunk", [0, 16], ids=["triton-walk", "triton-chunk16"])
 def test_gated_delta_state_split_across_calls_equals_one_call(chunk, device):
     """A prompt prefilled in two chunks and then decoded continues exactly as one long sequence."""
