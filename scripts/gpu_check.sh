@@ -26,6 +26,11 @@
 #                                                    the source tree BEFORE_DIR (e.g. `git archive REV | tar
 #                                                    -x -C DIR`), then from this checkout, back to back, and
 #                                                    `tscompile bench --compare` of the two (exit 1 past 3%)
+#   bash scripts/gpu_check.sh host-ab BEFORE_DIR [HOST PROFILE ARGS...]
+#                                                    scripts/host_profile.py (default: llama-1b, a 32-token
+#                                                    prompt) over the tree BEFORE_DIR, then this checkout:
+#                                                    where each one's step host time goes, in
+#                                                    $OUT/host_before and $OUT/host_after
 #
 # The exit status is the job's. The machine's GPU, driver and versions go to $OUT/gpu.txt.
 # --workers N (before the job): the tests-shared part's pytest-xdist workers (default 3).
@@ -105,8 +110,20 @@ case $job in
     tscompile bench --compare "$OUT/ab_before.json" "$OUT/ab_after.json" --output-json "$OUT/ab_compare.json" \
       --output-md "$OUT/ab_compare.md" 2>&1 | tee "$OUT/ab_compare.log"
     rc=${PIPESTATUS[0]} ;;
+  host-ab)
+    before=${1:?"usage: bash scripts/gpu_check.sh host-ab BEFORE_DIR [HOST PROFILE ARGS...]"}
+    shift
+    [ $# -gt 0 ] || set -- --model llama-1b --prompt-len 32
+    script=$(pwd)/scripts/host_profile.py
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$site" "$before" >> "$OUT/install.log" 2>&1 \
+      || { tail -20 "$OUT/install.log"; exit 1; }
+    (cd "$site" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 "$script" "$@" --out "$OUT/host_before") \
+      2>&1 | tee "$OUT/host_before.log" | tail -3
+    python3 "$script" "$@" --out "$OUT/host_after" 2>&1 | tee "$OUT/host_after.log" | tail -3
+    rc=${PIPESTATUS[0]} ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh [--workers N] [--archive] tests|tests-shared|tests-alone|bench|fuzz|ab [ARGS...]" >&2
+    echo "usage: bash scripts/gpu_check.sh [--workers N] [--archive] tests|tests-shared|tests-alone|bench|fuzz|ab|host-ab [ARGS...]" >&2
     rc=2 ;;
 esac
 if [ "$archive" = 1 ]; then

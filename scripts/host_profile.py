@@ -9,6 +9,10 @@ median wall time of a prefill and of a decode step beside the profiled ones. A b
 on the device (``synchronize``, ``item``, ``tolist``) at the top of the own-time list is a step
 that blocks where it should not; under the profiler every Python call costs more, so compare the
 lists between two trees, not their totals with the bench's figures.
+
+The engine profiled is the installed ``tscompile``'s, so the same script profiles another tree
+installed apart, as ``scripts/gpu_check.sh ab`` installs the tree before a change:
+``(cd SITE && PYTHONPATH=SITE python3 /path/to/scripts/host_profile.py ...)``.
 """
 
 from __future__ import annotations
@@ -18,14 +22,11 @@ import cProfile
 import io
 import pstats
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ from a checkout
-
-from bench.workloads import bench_engine  # noqa: E402
+from tscompile.bench.workloads import bench_engine  # the installed tree's: see the module docstring
 
 
 def _write(profile: cProfile.Profile, path: Path, top: int) -> None:
