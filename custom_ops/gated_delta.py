@@ -32,7 +32,10 @@ the state after each row of a request but its last (the slot keeps the last), an
 ``commit_state_checkpoints`` writes back, in one launch over every layer, the checkpoint at each
 request's accepted length: rejected rows leave no trace, and nothing is gathered on the host.
 
-Kernels are chosen per call by ``impl`` ("torch" or "triton"), as for attention.
+Kernels are chosen per call by ``impl`` ("torch", "triton", or "triton/pdl": the Triton kernels
+launched with programmatic dependent launch where the device has it, as the decode graphs launch
+their other kernels under ``KernelPolicy.decode_pdl``), as for attention; the name is the ops'
+argument, so a graph records which launches it makes.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import math
 
 import torch
 
-STATE_IMPLS = ("torch", "triton")
+STATE_IMPLS = ("torch", "triton", "triton/pdl")
 CONV_ACTIVATIONS = ("silu", "none")
 
 
@@ -154,16 +157,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """
     _check_impl(impl)
     _check_checkpoints("gated_delta_rule", checkpoints, state_slots, state_pool.shape[1:], q.shape[0])
-    if impl == "triton":
+    if impl != "torch":
         from tscompile.custom_ops.triton_gated_delta import gated_delta_chunked_triton, gated_delta_triton
 
+        pdl = impl == "triton/pdl"
         # shapes only: the choice holds under capture
         if chunk_size and checkpoints is None and q.shape[0] > state_slots.shape[0]:
             gated_delta_chunked_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
-                                       qk_l2norm, chunk_size)
+                                       qk_l2norm, chunk_size, pdl=pdl)
         else:
             gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
-                               checkpoints)
+                               checkpoints, pdl=pdl)
     else:
         _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
                            chunk_size, checkpoints)
@@ -231,11 +235,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"tscompile: causal_conv1d activation {activation!r} is unknown; "
                          f"known: {list(CONV_ACTIVATIONS)}")
     _check_checkpoints("causal_conv1d", checkpoints, state_slots, conv_pool.shape[1:], x.shape[0])
-    if impl == "triton":
+    if impl != "torch":
         from tscompile.custom_ops.triton_gated_delta import causal_conv1d_triton
 
         causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation,
-                             checkpoints)
+                             checkpoints, pdl=impl == "triton/pdl")
     else:
         _conv_torch(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation, checkpoints)
 
@@ -266,11 +270,11 @@ def commit_state_checkpoints(conv_pools: torch.Tensor, ssm_pools: torch.Tensor, 
         raise ValueError(f"tscompile: commit_state_checkpoints of {state_slots.shape[0]} requests x {drafts} drafts "
                          f"does not fit checkpoints of {ssm_checkpoints.shape[1]} requests x "
                          f"{ssm_checkpoints.shape[2]} rows; allocate the pool's checkpoints for the widest window")
-    if impl == "triton":
+    if impl != "torch":
         from tscompile.custom_ops.triton_gated_delta import commit_state_checkpoints_triton
 
         commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots,
-                                        accepted, drafts)
+                                        accepted, drafts, pdl=impl == "triton/pdl")
         return
     for r, (slot, kept) in enumerate(zip(state_slots.tolist(), accepted.tolist())):
         if kept < drafts:

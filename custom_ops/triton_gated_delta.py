@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tscompile.custom_ops.triton_attention import pdl_launch
+
 
 @triton.jit
 def _program_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk,
@@ -43,7 +45,11 @@ def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
                         ckpt_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
                         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, stride_cr, stride_ci,
                         scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, CHECKPOINT: tl.constexpr):
+                        BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, CHECKPOINT: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    if PDL:  # impl "triton/pdl": everything below may read the kernel before's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
         state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
     # entry [request, row] of the checkpoints is laid out as a slot
@@ -82,9 +88,10 @@ def _unit_stride(*tensors):
 
 
 def _launch(kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm, block_k, block_v,
-            pointers=(), strides=(), **meta):
+            pointers=(), strides=(), pdl: bool = False, **meta):
     """One program per (request, value head, ``block_v`` value columns) of either gated delta kernel;
-    a kernel's own ``pointers`` go after ``out``, its own ``strides`` after the state pool's."""
+    a kernel's own ``pointers`` go after ``out``, its own ``strides`` after the state pool's;
+    ``pdl``: launched with programmatic dependent launch where the device has it."""
     num_reqs = state_slots.shape[0]
     if num_reqs == 0:
         return
@@ -96,11 +103,12 @@ def _launch(kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_s
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), *strides, dk ** -0.5,
-        GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=qk_l2norm, **meta)
+        GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, L2NORM=qk_l2norm, **meta,
+        **pdl_launch(q.device, pdl))
 
 
 def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
-                       checkpoints=None):
+                       checkpoints=None, pdl: bool = False):
     """The walk over every request's rows; with ``checkpoints`` ([R', W, Hv, Dk, Dv], each entry laid
     out as a slot) it also stores the state after each row but a request's last."""
     dk, dv = q.shape[2], v.shape[2]
@@ -110,14 +118,18 @@ def gated_delta_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, ha
                          f"the state pool's slots {state_pool.stride()}; allocate them contiguous")
     _launch(_gated_delta_kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
             triton.next_power_of_2(dk), min(triton.next_power_of_2(dv), 64),
-            pointers=(ckpt,), strides=(ckpt.stride(0), ckpt.stride(1)), CHECKPOINT=checkpoints is not None)
+            pointers=(ckpt,), strides=(ckpt.stride(0), ckpt.stride(1)), pdl=pdl, CHECKPOINT=checkpoints is not None)
 
 
 @triton.jit
 def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, pool_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr, ckpt_ptr,
                           stride_xt, stride_ot, stride_ps, stride_pc, stride_cr, stride_ci, channels,
                           WIDTH: tl.constexpr, WINDOW_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          SILU: tl.constexpr, BLOCK_C: tl.constexpr, CHECKPOINT: tl.constexpr):
+                          SILU: tl.constexpr, BLOCK_C: tl.constexpr, CHECKPOINT: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    if PDL:  # impl "triton/pdl": everything below may read the kernel before's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     cblock = tl.program_id(1)
     offs_c = cblock * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -176,7 +188,7 @@ def _window_after(x_ptr, window_base, lo, rows, keep, stride_xt, offs_c, entry, 
 
 
 def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, has_state, out, activation,
-                         checkpoints=None):
+                         checkpoints=None, pdl: bool = False):
     """One program per (request, channel block); with ``checkpoints`` ([R', W, C, K - 1], contiguous
     entries) it also stores the window after each row but a request's last."""
     num_reqs = state_slots.shape[0]
@@ -194,17 +206,20 @@ def causal_conv1d_triton(x, weight, bias, conv_pool, state_slots, cu_seqlens, ha
         x, weight, bias if bias is not None else weight, conv_pool, state_slots, cu_seqlens, has_state, out, ckpt,
         x.stride(0), out.stride(0), conv_pool.stride(0), conv_pool.stride(1), ckpt.stride(0), ckpt.stride(1), channels,
         WIDTH=width, WINDOW_BLOCK=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BLOCK_C=block_c, CHECKPOINT=checkpoints is not None)
+        SILU=activation == "silu", BLOCK_C=block_c, CHECKPOINT=checkpoints is not None, **pdl_launch(x.device, pdl))
 
 
 @triton.jit
 def _commit_kernel(conv_ptr, ssm_ptr, conv_ckpt_ptr, ssm_ckpt_ptr, slots_ptr, accepted_ptr,
                    stride_conv_l, stride_conv_s, stride_ssm_l, stride_ssm_s,
                    stride_cc_l, stride_cc_r, stride_cc_i, stride_sc_l, stride_sc_r, stride_sc_i,
-                   conv_span, ssm_span, ssm_blocks, drafts, BLOCK: tl.constexpr):
+                   conv_span, ssm_span, ssm_blocks, drafts, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (request, layer, block): a ``BLOCK`` of one layer's recurrent state (the first
     ``ssm_blocks`` blocks) or convolution window (the rest) of the request's slot, copied from the
     checkpoint at its accepted length."""
+    if PDL:  # impl "triton/pdl": everything below may read the kernel before's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     block = tl.program_id(2)
@@ -230,7 +245,7 @@ COMMIT_BLOCK = 4096  # float32 elements a program copies
 
 
 def commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm_checkpoints, state_slots, accepted,
-                                    drafts):
+                                    drafts, pdl: bool = False):
     """One launch over (request, layer, block of the slot's state): every entry a flat contiguous span."""
     num_reqs, num_layers = state_slots.shape[0], ssm_pools.shape[0]
     if num_reqs == 0 or num_layers == 0:
@@ -249,7 +264,7 @@ def commit_state_checkpoints_triton(conv_pools, ssm_pools, conv_checkpoints, ssm
         conv_pools.stride(0), conv_pools.stride(1), ssm_pools.stride(0), ssm_pools.stride(1),
         conv_checkpoints.stride(0), conv_checkpoints.stride(1), conv_checkpoints.stride(2),
         ssm_checkpoints.stride(0), ssm_checkpoints.stride(1), ssm_checkpoints.stride(2),
-        conv_span, ssm_span, ssm_blocks, drafts, BLOCK=COMMIT_BLOCK)
+        conv_span, ssm_span, ssm_blocks, drafts, BLOCK=COMMIT_BLOCK, **pdl_launch(ssm_pools.device, pdl))
 
 
 @triton.jit
@@ -258,12 +273,15 @@ def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, s
                               stride_bt, stride_ot, stride_oh,
                               stride_ss, stride_sh, stride_sk, scale, GROUP: tl.constexpr, DK: tl.constexpr,
                               DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
-                              LOG2_C: tl.constexpr, L2NORM: tl.constexpr):
+                              LOG2_C: tl.constexpr, L2NORM: tl.constexpr, PDL: tl.constexpr = False):
     """The chunked form (``gated_delta.chunked_reference``): the program walks its request C rows at a
     time; inside a chunk every product is a matrix product (IEEE float32, no TF32). The chunk's unit lower-triangular system
     (I + A) is inverted as (I - A)(I + A^2)(I + A^4)...: A is strictly lower triangular, so A^C = 0
     and the product of LOG2_C factors is the exact inverse, in matrix products only. Rows past the
     request's end load as zero with beta = 0 and g = 0: they change neither the state nor the decay."""
+    if PDL:  # impl "triton/pdl": everything below may read the kernel before's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
         state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
     offs_c = tl.arange(0, C)
@@ -315,7 +333,7 @@ CHUNK_ROWS = 16  # tl.dot's smallest tile, and the largest chunk whose inverse's
 
 
 def gated_delta_chunked_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out, qk_l2norm,
-                               chunk_size: int = CHUNK_ROWS):
+                               chunk_size: int = CHUNK_ROWS, pdl: bool = False):
     """The chunked form over packed rows, ``CHUNK_ROWS`` rows a chunk. The product form of the
     inverse multiplies powers of A up to A^(C/2); where a chunk's keys all point one way and barely
     decay those powers hold binomial-sized entries that cancel: at 16 rows the outputs stayed within
@@ -326,4 +344,4 @@ def gated_delta_chunked_triton(q, k, v, g, beta, state_pool, state_slots, cu_seq
     dk, dv = q.shape[2], v.shape[2]
     _launch(_gated_delta_chunk_kernel, q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, out,
             qk_l2norm, max(16, triton.next_power_of_2(dk)), max(16, min(triton.next_power_of_2(dv), 64)),
-            C=chunk_size, LOG2_C=chunk_size.bit_length() - 1)
+            pdl=pdl, C=chunk_size, LOG2_C=chunk_size.bit_length() - 1)

@@ -16,11 +16,12 @@ from tscompile.custom_ops.gated_delta import chunked_reference, recurrent_refere
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
-IMPLS = ["torch", "triton"]
+# "triton/pdl": the Triton kernels launched with PDL (on a Hopper GPU; elsewhere as "triton")
+IMPLS = ["torch", "triton", "triton/pdl"]
 # (impl, chunk) of the gated delta op: the torch form chunks at any size; Triton walks the tokens at 0
 # and runs the chunked kernel at 16
-GATED_DELTA_FORMS = [("torch", 8), ("triton", 0), ("triton", 16)]
-FORM_IDS = ["torch", "triton-walk", "triton-chunked"]
+GATED_DELTA_FORMS = [("torch", 8), ("triton", 0), ("triton", 16), ("triton/pdl", 0), ("triton/pdl", 16)]
+FORM_IDS = ["torch", "triton-walk", "triton-chunked", "triton-pdl-walk", "triton-pdl-chunked"]
 # transformers renamed its conv helpers across 5.x releases
 _conv_update = getattr(qwen3_next, "causal_conv1d_update", None) or getattr(qwen3_next, "torch_causal_conv1d_update")
 
@@ -372,7 +373,7 @@ def test_a_committed_verify_window_equals_running_only_the_kept_rows(impl, dk, d
     ssm = torch.randn(1, 6, hv, dk, dv, generator=gen)
     conv = torch.randn(1, 6, channels, width - 1, generator=gen)
     slots, keep = torch.tensor([3, 5, 1, 4]), torch.ones(reqs, dtype=torch.bool)
-    chunk = 0 if impl == "triton" else 8
+    chunk = 8 if impl == "torch" else 0
     weight_d, slots_d, accepted_d = _on(device, weight, slots, accepted)
 
     def run_ops(pick, cu, ssm_pool, conv_pool, ssm_ck=None, conv_ck=None):

@@ -188,6 +188,18 @@ def test_graphed_pieces_run_the_state_ops_eagerly_and_equal_transformers(checkpo
     assert _all_slots_free(llm)
 
 
+def test_the_state_kernels_launch_with_pdl_on_cuda_only_where_state_pdl_asks():
+    from tscompile.runtime.build import state_kernel_impl
+
+    assert state_kernel_impl(torch.device("cuda"), pdl=True) == "triton/pdl"
+    assert state_kernel_impl(torch.device("cuda"), pdl=False) == "triton"
+    assert state_kernel_impl(torch.device("cpu"), pdl=True) == "torch"
+    llm = tscompile.LLM("qwen3-next-tiny", device="cpu", attention_backend="torch", max_model_len=64, max_num_seqs=2,
+                        page_size=8, compile_options={"kernels": {"state_pdl": True}})
+    assert {layer.linear_attn.impl for layer in llm.runner.model.layers if layer.linear} == {"torch"}
+    assert not tscompile.KernelPolicy().state_pdl  # off until measured
+
+
 def test_the_state_backend_supports_every_graph_kind(checkpoint):
     from tscompile.attention import resolve_cuda_graph_support
 
@@ -364,11 +376,30 @@ def test_cuda_graphs_equal_transformers_in_float32(checkpoint, chunked, prefill)
                         compile_options={"decode_ladder": (1, 2, 4), "kernels": {"chunked_gated_delta": chunked},
                                          "prefill_graph_mode": prefill})
     assert (llm.runner.prefill.whole is not None) == (prefill == "whole")
+    assert {layer.linear_attn.impl for layer in llm.runner.model.layers if layer.linear} == {"triton"}
     before = counters["decode_replays"], counters["prefill_replays"], counters["prefill_graphed"]
     assert _generate(llm) == want
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     assert counters["decode_replays"] > before[0] and counters["prefill_replays"] > before[1]
     assert counters["prefill_graphed"] > before[2]
+    assert _all_slots_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_state_kernels_launched_with_pdl_equal_transformers_in_float32(checkpoint):
+    """``KernelPolicy.state_pdl``: the convolution and gated delta kernels launched with PDL (where the
+    GPU has it) inside the decode and whole-step prefill graphs give transformers' float32 tokens."""
+    from tscompile.custom_ops.triton_attention import pdl_available
+
+    path, _, want = checkpoint
+    llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
+                        max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
+                        compile_options={"decode_ladder": (1, 2, 4), "kernels": {"state_pdl": True}})
+    assert {layer.linear_attn.impl for layer in llm.runner.model.layers if layer.linear} == \
+        {"triton/pdl" if pdl_available() else "triton"}
+    assert _generate(llm) == want
+    assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     assert _all_slots_free(llm)
 
 

@@ -48,6 +48,11 @@ class KernelPolicy:
         its chunked form (``custom_ops/triton_gated_delta.py``: 16 rows at a time, matrix products
         inside a chunk) instead of walking each request's tokens one by one; decode steps walk either
         way. Off by default: its speed on a GPU is not yet measured against the walk.
+    state_pdl: with ``decode_pdl``, a hybrid model's state kernels (the causal convolution, the gated
+        delta rule and the verify commit) launch with PDL too, in every step (the ops cannot tell a
+        decode step from a prefill; there a PDL launch only lets a kernel start sooner), so the decode
+        graph's chain of PDL launches is not broken twice per linear-attention layer. Off by default:
+        its speed on a GPU is not yet measured.
     """
 
     decode_gemv: bool = True
@@ -57,6 +62,7 @@ class KernelPolicy:
     fuse_projections: bool = False
     fused_verify_attention: bool = False
     chunked_gated_delta: bool = False
+    state_pdl: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

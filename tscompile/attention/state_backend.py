@@ -55,7 +55,7 @@ class StateBackend(AttentionBackend):
     def __init__(self, pool: StatePool, device: torch.device | str, impl: str = "torch"):
         self.pool = pool
         self.device = torch.device(device)
-        self.impl = impl  # the state kernels' ("torch" or "triton"), as bound to the model's layers
+        self.impl = impl  # the state kernels' ("torch", "triton" or "triton/pdl"), as bound to the model's layers
         self._slots = StateSlotMetadata(self.device)
         self._max_decode_bs, self._max_width = 0, 0
         self._decode_views: dict[tuple[int, int], StateMetadata] = {}  # (bs, width): built once, never moved

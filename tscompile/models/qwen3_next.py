@@ -226,8 +226,8 @@ class Qwen3NextTransformer(Transformer):
         return state_spec(self.config)
 
     def bind_state_pool(self, pool: StatePool, impl: str, triton_chunk: int = 0) -> None:
-        """Point every linear layer at its state in ``pool``; ``impl``: the state kernels ("torch" or
-        "triton"); ``triton_chunk``: the Triton gated delta rule's chunk for multi-row steps (0: it
+        """Point every linear layer at its state in ``pool``; ``impl``: the state kernels ("torch",
+        "triton" or "triton/pdl"); ``triton_chunk``: the Triton gated delta rule's chunk for multi-row steps (0: it
         walks the tokens)."""
         for layer in self.layers:
             if layer.linear:

@@ -25,6 +25,7 @@ from tscompile.kv_cache.spec import CacheGroupSpec
 from tscompile.kv_cache.state_pool import StatePool
 from tscompile.models import PRESETS, CheckpointInfo, ModelConfig, Transformer, load_model
 from tscompile.models.parallel import TensorParallel, min_over_ranks
+from tscompile.piece_compiler import graph_pdl_on
 from tscompile.runtime.memory import (DECODE_GRAPH_MARGIN_BYTES, MemoryProfile, kv_cache_pages, log_kv_cache,
                                       measure_activation_peak, measure_device_memory, pages_for_requests,
                                       prefill_graph_bytes, verify_graph_bytes)
@@ -214,12 +215,14 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
 
 
 def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_seqs: int,
-                        device: torch.device, chunked_gated_delta: bool = False, max_verify_width: int = 1) -> None:
+                        device: torch.device, chunked_gated_delta: bool = False, max_verify_width: int = 1,
+                        pdl: bool = False) -> None:
     """A model with recurrent-state layers (``state_spec``): its state pool (a slot per running request
     plus the null slot, float32; with speculative decoding, ``max_verify_width - 1`` checkpoints per
     running request), bound to the model and served by a ``StateBackend`` under the router. The state
     kernels: Triton on CUDA (the chunked gated delta kernel for multi-row steps with
-    ``chunked_gated_delta``), the torch reference on the CPU."""
+    ``chunked_gated_delta``; launched with PDL with ``pdl``: ``KernelPolicy.state_pdl``), the torch
+    reference on the CPU."""
     if not hasattr(model, "state_spec"):
         return
     from tscompile.models.qwen3_next_linear import TRITON_CHUNK_SIZE
@@ -227,9 +230,17 @@ def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     pool = StatePool.allocate(model.state_spec(), max_num_seqs + 1, device, checkpoint_requests=max_num_seqs,
                               checkpoint_rows=max_verify_width - 1, free_bytes=free)
-    impl = "triton" if device.type == "cuda" else "torch"
+    impl = state_kernel_impl(device, pdl)
     model.bind_state_pool(pool, impl, TRITON_CHUNK_SIZE if chunked_gated_delta else 0)
     attention.attach_state_backend(StateBackend(pool, device, impl))
+
+
+def state_kernel_impl(device: torch.device, pdl: bool) -> str:
+    """The state ops' ``impl`` (``custom_ops/gated_delta.py``): Triton on CUDA, with PDL launches
+    where ``pdl``; the torch reference elsewhere."""
+    if device.type != "cuda":
+        return "torch"
+    return "triton/pdl" if pdl else "triton"
 
 
 def without_combo_kernels(config: TscompileConfig) -> TscompileConfig:
@@ -294,7 +305,9 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                                         kernels=compile_config.kernels if compile_config is not None else None)
     attach_state_layers(built, attention, max_num_seqs, device,
                         chunked_gated_delta=compile_config is not None and compile_config.kernels.chunked_gated_delta,
-                        max_verify_width=max_verify_width)
+                        max_verify_width=max_verify_width,
+                        pdl=compile_config is not None and compile_config.kernels.state_pdl
+                        and graph_pdl_on(compile_config.kernels, False, False))
     if hasattr(built, "state_spec") and compile_config is not None:
         compile_config = without_combo_kernels(compile_config)
     graph_support = resolve_cuda_graph_support(attention)
