@@ -120,8 +120,11 @@ case $job in
       || { tail -20 "$OUT/install.log"; exit 1; }
     (cd "$site" && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" python3 "$script" "$@" --out "$OUT/host_before") \
       2>&1 | tee "$OUT/host_before.log" | tail -3
+    rc_before=${PIPESTATUS[0]}
     python3 "$script" "$@" --out "$OUT/host_after" 2>&1 | tee "$OUT/host_after.log" | tail -3
-    rc=${PIPESTATUS[0]} ;;
+    rc=${PIPESTATUS[0]}
+    [ "$rc_before" -ne 0 ] && rc=$rc_before
+    rm -rf "$site" ;;
   *)
     echo "usage: bash scripts/gpu_check.sh [--workers N] [--archive] tests|tests-shared|tests-alone|bench|fuzz|ab|host-ab [ARGS...]" >&2
     rc=2 ;;

@@ -395,13 +395,21 @@ FLOAT32_NOISE = 1e-4
 
 def top_two(llm, context: list[int]) -> tuple[tuple[int, float], tuple[int, float]]:
     """The greedy pick after ``context`` and the runner-up (the pick once the first is banned: a
-    stop token before ``min_tokens``), each with its log-probability under the raw distribution."""
+    stop token before ``min_tokens``), each with its log-probability under the raw distribution.
+    Both are prefills of the whole context (the prefix cache off, so both take the same path). The
+    ban covers the model's eos ids too: where one of them is the true runner-up, the third token is
+    returned, and a near-tie check fails rather than passes."""
     def pick(**banned):
         params = tscompile.SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=0, ignore_eos=True, **banned)
         out = llm.generate([list(context)], params)[0].outputs[0]
         return out.token_ids[0], out.logprobs[0][out.token_ids[0]].logprob
-    first = pick()
-    return first, pick(stop_token_ids=(first[0],), min_tokens=1)
+    caching = llm.scheduler.prefix_cache is not None
+    llm.scheduler.set_prefix_caching(False)
+    try:
+        first = pick()
+        return first, pick(stop_token_ids=(first[0],), min_tokens=1)
+    finally:
+        llm.scheduler.set_prefix_caching(caching)
 
 
 def first_divergences(got: list[list[int]], want: list[list[int]]) -> list[tuple[int, int]]:
@@ -423,6 +431,7 @@ def assert_equal_but_near_ties(got, want, prompts, top_two_of, what: str = "") -
     within ``FLOAT32_NOISE`` of each other. Random-weight models of a large vocabulary have nearly
     flat logits, where such ties occur; a bug moves a token by far more. At most one request in
     eight may differ."""
+    assert len(got) == len(want), f"{what}: {len(got)} requests, the reference {len(want)}"
     diverged = first_divergences(got, want)
     lines = []
     for i, k in diverged:

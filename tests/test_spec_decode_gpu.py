@@ -86,8 +86,8 @@ def test_gpu_speculative_greedy_equals_plain_with_graphs(model, backend, num_pro
     try:
         if method == "replay":
             llm.set_replay_references({tuple(p): w for p, w in zip(_prompts(num_prompts), want)})
-        got = ids(llm.generate(_prompts(num_prompts), params))
-        stats = llm.stats()
+        outputs = llm.generate(_prompts(num_prompts), params)
+        got, stats = ids(outputs), llm.stats()
         widths = {k.width for k in llm.runner.graphs.graphs}
     finally:
         del llm
@@ -95,10 +95,11 @@ def test_gpu_speculative_greedy_equals_plain_with_graphs(model, backend, num_pro
     if got != want:
         _assert_near_ties(model, backend, num_prompts, got, want)
     assert stats.spec_verify_steps > 0 and 4 in widths  # verify steps ran as (bs, N = 4) graphs
-    if method == "replay" and got == want:  # the target's own tokens: every draft is accepted
-        assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
-    elif method == "replay":  # after a near tie, a request's replayed drafts are plain's other branch
-        assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens > 0
+    if method == "replay":  # the target's own tokens: every draft is accepted, but by a request that
+        # left plain decode at a near tie (its replayed drafts after it are plain's other branch)
+        tied = {i for i, _ in first_divergences(got, want)}
+        assert all(o.num_accepted_tokens == o.num_draft_tokens for i, o in enumerate(outputs) if i not in tied)
+        assert stats.spec_accepted_tokens > 0 and (tied or stats.spec_accepted_tokens == stats.spec_draft_tokens)
     elif method == "draft_model" and DRAFT_OF[model] == model:
         # the same weights through other kernels (the draft's decode steps, the target's verify
         # window): a float32 near-tie may flip an argmax, so nearly every draft

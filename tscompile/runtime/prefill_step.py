@@ -117,7 +117,8 @@ class PrefillStep:
         outputs): the K/V writes repeat the same values, but a recurrent state would advance twice.
         With ``capture_placeholder`` the graph is captured on a placeholder step of the same key
         (null pages and the null state slot), and this step only replays it."""
-        if placeholder_first and self.capture_placeholder is not None and key not in self.graphs.graphs:
+        if placeholder_first and self.capture_placeholder is not None and self.graphs.replay \
+                and key not in self.graphs.graphs:
             placeholder = self.capture_placeholder(plan)
             if self._whole_key(placeholder) != key:
                 raise RuntimeError(f"tscompile: the placeholder of a prefill step reaches graph "
