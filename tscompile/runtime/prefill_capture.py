@@ -177,12 +177,14 @@ def startup_plans(runner, scheduler) -> list[StepPlan]:
     shapes = candidate_shapes(reachable_token_ladder(runner.prefill_token_ladder, limits.max_tokens),
                               runner.prefill_request_ladder, limits, window)
 
-    def build(shape: PlaceholderShape) -> StepPlan:
-        return placeholder_plan(shape, specs, block_size=scheduler.block_size, max_blocks=scheduler.max_blocks,
-                                eos_token_ids=scheduler.eos_token_ids, banned_width=scheduler.banned_width,
-                                with_state=scheduler.state_slots is not None)
+    return select_plans(shapes, lambda shape: scheduler_placeholder(shape, scheduler), runner.prefill_graph_keys)
 
-    return select_plans(shapes, build, runner.prefill_graph_keys)
+
+def scheduler_placeholder(shape: PlaceholderShape, scheduler, greedy: bool = True) -> StepPlan:
+    """``placeholder_plan`` of ``shape`` over ``scheduler``'s cache groups and limits."""
+    return placeholder_plan(shape, scheduler.specs, block_size=scheduler.block_size, max_blocks=scheduler.max_blocks,
+                            eos_token_ids=scheduler.eos_token_ids, banned_width=scheduler.banned_width,
+                            with_state=scheduler.state_slots is not None, greedy=greedy)
 
 
 def shape_of(plan: StepPlan) -> PlaceholderShape:
@@ -197,7 +199,4 @@ def placeholder_like(plan: StepPlan, scheduler) -> StepPlan:
     same prefill graph key, no live page or state slot touched. A whole-step graph of a model with
     recurrent-state layers is captured on it, since a capture runs its step more than once and a
     state must advance once per step (``PrefillStep._run_whole``)."""
-    return placeholder_plan(shape_of(plan), scheduler.specs, block_size=scheduler.block_size,
-                            max_blocks=scheduler.max_blocks, eos_token_ids=scheduler.eos_token_ids,
-                            banned_width=scheduler.banned_width, with_state=scheduler.state_slots is not None,
-                            greedy=plan.sampling.all_greedy)
+    return scheduler_placeholder(shape_of(plan), scheduler, greedy=plan.sampling.all_greedy)

@@ -110,34 +110,38 @@ class PrefillStep:
             return None
         return self.graphs.prefill_key(*size, plan.sampling.all_greedy, plan.mode)
 
-    def _run_whole(self, plan: StepPlan, key: GraphKey, placeholder_first: bool = True) -> None:
+    def _run_whole(self, plan: StepPlan, key: GraphKey) -> None:
         """The step padded to ``key.tokens`` rows and ``key.batch_size`` requests, as one graph.
 
         A capture runs its step more than once (warm-up, then the replay that gives the first
         outputs): the K/V writes repeat the same values, but a recurrent state would advance twice.
-        With ``capture_placeholder`` the graph is captured on a placeholder step of the same key
-        (null pages and the null state slot), and this step only replays it."""
-        if placeholder_first and self.capture_placeholder is not None and self.graphs.replay \
-                and key not in self.graphs.graphs:
+        With ``capture_placeholder`` a new key is captured on a placeholder step's inputs (null pages
+        and the null state slot), as decode captures on idle inputs, and this step only replays it."""
+        greedy, mode = plan.sampling.all_greedy, plan.mode
+        if self.capture_placeholder is not None and self.graphs.replay and not self.graphs.captured(key):
             placeholder = self.capture_placeholder(plan)
             if self._whole_key(placeholder) != key:
                 raise RuntimeError(f"tscompile: the placeholder of a prefill step reaches graph "
                                    f"{self._whole_key(placeholder)}, not the step's {key}")
-            self._run_whole(placeholder, key, placeholder_first=False)
-            counters["prefill_graphed"] -= 1  # a capture, not a step
+            self.graphs.capture(key, self._whole_step(self._stage_whole(placeholder, key), mode, greedy))
+        self.graphs.run(key, self._whole_step(self._stage_whole(plan, key), mode, greedy))
+        counters["prefill_graphed"] += 1
+
+    def _stage_whole(self, plan: StepPlan, key: GraphKey) -> list[torch.Tensor]:
+        """``plan``'s inputs in the persistent buffers of ``key``'s bucket (returned), published."""
         dev = self.whole.stage((key.tokens, key.batch_size), lambda host: self._fill_whole_step(plan, host))
         self.attention.publish_extend_metadata(plan, dev[5:])
         self.staging.fill_sampling(plan.sampling, key.batch_size)
         self.staging.upload()
-        greedy, mode = plan.sampling.all_greedy, plan.mode
+        return dev
 
+    def _whole_step(self, dev: list[torch.Tensor], mode, greedy: bool) -> Callable[[], None]:
         def step() -> None:  # under CUDA graphs only a capture runs it: a replay reads the buffers directly
             mark_extend_request_dims(self.attention.leaves, dev[4], self.attention.state)
             with forward_context(ForwardContext(mode, self.attention, dev[2], dev[3], dev[4])):
                 self.clock.run("prefill", self.compiled, dev[0], dev[1], greedy)
 
-        self.graphs.run(key, step)
-        counters["prefill_graphed"] += 1
+        return step
 
     def _layout(self, tokens: int, requests: int) -> list[tuple[tuple[int, ...], np.dtype]]:
         """The input arrays of a whole-step bucket, in ``_fill_whole_step``'s order."""
