@@ -172,7 +172,7 @@ class HybridBlock(nn.Module):
         meta = ctx.attention.state_metadata(ctx.attention_mode)
         checkpoints = (self.conv_checkpoints, self.ssm_checkpoints) if meta.checkpoints else None
         return self.linear_attn(x, self.conv_state, self.ssm_state, meta.state_slots, meta.cu_seqlens, meta.has_state,
-                                checkpoints)
+                                checkpoints, decode=ctx.attention_mode.is_decode)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.mix(self.attention_norm(x), cos, sin)
@@ -225,10 +225,10 @@ class Qwen3NextTransformer(Transformer):
     def state_spec(self) -> StateSpec:
         return state_spec(self.config)
 
-    def bind_state_pool(self, pool: StatePool, impl: str, triton_chunk: int = 0) -> None:
+    def bind_state_pool(self, pool: StatePool, impl: str, triton_chunk: int = 0, fused_decode: bool = False) -> None:
         """Point every linear layer at its state in ``pool``; ``impl``: the state kernels ("torch",
         "triton" or "triton/pdl"); ``triton_chunk``: the Triton gated delta rule's chunk for multi-row steps (0: it
-        walks the tokens)."""
+        walks the tokens); ``fused_decode``: decode steps run ``tscompile::gated_delta_fused``."""
         for layer in self.layers:
             if layer.linear:
                 layer.conv_state, layer.ssm_state = pool.layer_state(layer.layer_id)
@@ -237,6 +237,7 @@ class Qwen3NextTransformer(Transformer):
                     layer.conv_checkpoints, layer.ssm_checkpoints = checkpoints
                 layer.linear_attn.impl = impl
                 layer.linear_attn.triton_chunk = triton_chunk
+                layer.linear_attn.fused_decode = fused_decode
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3NextTransformer":
         """Seeded random weights: matrices ``N(0, std)``, norms at one (offset norms at zero), the

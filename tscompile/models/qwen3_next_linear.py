@@ -15,10 +15,10 @@ state lives in a ``StatePool`` (``kv_cache/state_pool.py``) at the step's ``stat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tscompile.custom_ops import gated_delta  # noqa: F401  (registers tscompile::gated_delta_rule)
+from tscompile.custom_ops.gated_delta_fused import gated_rms_norm, gates
 from tscompile.kv_cache.state_pool import StateSpec
 
 CHUNK_SIZE = 64  # the torch reference's prefill chunk (transformers' default)
@@ -77,10 +77,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * xf.to(dtype)) * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -93,6 +90,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.impl = impl
         self.triton_chunk = 0  # the Triton kernel's chunk: 0 walks the tokens (Qwen3NextTransformer.bind_state_pool)
+        self.fused_decode = False  # decode steps through tscompile::gated_delta_fused (KernelPolicy.fused_gated_delta)
         width = c.linear_conv_kernel_dim
         # a plain Conv1d so the checkpoint's conv1d.weight [C, 1, K] loads as is
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
@@ -105,9 +103,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, state_slots: torch.Tensor,
                 cu_seqlens: torch.Tensor, has_state: torch.Tensor,
-                checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None, decode: bool = False) -> torch.Tensor:
         """``x: [T, hidden]`` packed rows -> ``[T, hidden]``; reads and writes the slots in place.
-        ``checkpoints``: a verify step's (conv, ssm) checkpoints, stored after each window row."""
+        ``checkpoints``: a verify step's (conv, ssm) checkpoints, stored after each window row.
+        ``decode``: a decode or verify step (a few rows per request), which ``fused_decode`` runs
+        from the gates to the gated norm as one op."""
         conv_checkpoints, ssm_checkpoints = checkpoints if checkpoints is not None else (None, None)
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
@@ -115,11 +115,16 @@ class GatedDeltaNet(nn.Module):
         torch.ops.tscompile.causal_conv1d(mixed, self.conv1d.weight[:, 0], None, conv_pool, state_slots, cu_seqlens,
                                           has_state, conv_out, self.impl, "silu", conv_checkpoints)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # float32: A may overflow in 16 bits
+        q, k, v = q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk), v.reshape(t, self.hv, self.dv)
+        z = z.view(t, self.hv, self.dv)
         core = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
-        torch.ops.tscompile.gated_delta_rule(q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk),
-                                             v.reshape(t, self.hv, self.dv), g, beta, ssm_pool, state_slots,
-                                             cu_seqlens, has_state, core, self.impl, True,
-                                             CHUNK_SIZE if self.impl == "torch" else self.triton_chunk, ssm_checkpoints)
-        return self.out_proj(self.norm(core, z.view(t, self.hv, self.dv)).reshape(t, self.value_dim))
+        if decode and self.fused_decode:
+            torch.ops.tscompile.gated_delta_fused(q, k, v, a, b, self.A_log, self.dt_bias, z, self.norm.weight,
+                                                  self.norm.eps, ssm_pool, state_slots, cu_seqlens, has_state, core,
+                                                  self.impl, True, ssm_checkpoints)
+            return self.out_proj(core.reshape(t, self.value_dim))
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
+        torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, ssm_pool, state_slots, cu_seqlens, has_state, core,
+                                             self.impl, True, CHUNK_SIZE if self.impl == "torch" else self.triton_chunk,
+                                             ssm_checkpoints)
+        return self.out_proj(self.norm(core, z).reshape(t, self.value_dim))

@@ -84,5 +84,7 @@ class WholeStepBuffers:
         if self.cuda:
             if buf.sent is None:  # one event per bucket, re-recorded: its last record was waited for above
                 buf.sent = torch.cuda.Event()
-            buf.sent.record(torch.cuda.current_stream(self.device))  # the copy's stream, not the current device's
+            # the copy's stream, not the current device's; the arena's device carries its index (an
+            # index-less device costs a lookup of the current device through availability checks)
+            buf.sent.record(torch.cuda.current_stream(buf.arena.device))
         return buf.tensors

@@ -44,7 +44,8 @@ class PendingTokens:
 class TokenReadback:
     def __init__(self, max_rows: int, device: torch.device):
         cuda = device.type == "cuda"
-        self.device = device
+        # with its index: an index-less device costs every stream lookup a search for the current device
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda and device.index is None else device
         self._host = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._lp_host = [torch.zeros(max_rows, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
         # events are reused: a buffer's earlier tokens are read (and kept) before its event is recorded again

@@ -1,0 +1,78 @@
+"""The core of a Gated DeltaNet layer in one op: its gates from the input projection's raw columns,
+the gated delta rule, and the gated RMSNorm of the result (``tscompile::gated_delta_fused``).
+
+Unfused, a linear-attention layer of a decode step launches three kernels between its convolution
+and its output projection: the pointwise gates (``beta = sigmoid(b)``, the log-decay ``g = -exp(A_log)
+* softplus(a + dt_bias)``), the delta rule, and the norm of each head's output gated by ``SiLU(z)``.
+At batch size 1 each of them is a few microseconds of launch and tail for almost no work, in every
+linear layer. The Triton form here is one kernel: a program holds a whole value head (``Dv``
+columns), so the head's norm needs nothing from another program.
+
+The math, rounding included, is the model's (``models/qwen3_next_linear.py`` calls the same
+``gates`` and ``gated_rms_norm``): ``beta`` and the delta rule's output are rounded to the model
+dtype where the unfused layer stores them, so in float32 both forms agree to the last bits of the
+reductions' order, and in bfloat16 they differ only where such a sum rounds across a bf16 step.
+
+Arguments are ``gated_delta_rule``'s (``gated_delta.py``, which documents slots, rows and
+checkpoints) with ``g``/``beta`` replaced by their sources and the norm's inputs added.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tscompile.custom_ops.gated_delta import _check_checkpoints, _check_impl, _gated_delta_torch
+
+TORCH_CHUNK = 64  # the torch form's chunk for multi-row requests (transformers' default)
+
+
+def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """``(g, beta)`` of a step from the projection's raw ``a``, ``b`` ``[T, Hv]``: the log-decay in
+    float32 (``A = exp(A_log)`` may overflow 16 bits) and the write strength in the model dtype."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension, then the SiLU gate of ``z`` (norm before gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+@torch.library.custom_op("tscompile::gated_delta_fused", mutates_args=("state_pool", "out", "checkpoints"))
+def gated_delta_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      a_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float, state_pool: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                      has_state: torch.Tensor, out: torch.Tensor, impl: str, qk_l2norm: bool,
+                      checkpoints: torch.Tensor | None) -> None:
+    """``out = gated_rms_norm(gated_delta_rule(q, k, v, *gates(a, b, a_log, dt_bias)), z)``.
+
+    q, k:           [T, Hk, Dk]   model dtype
+    v, z, out:      [T, Hv, Dv]   model dtype
+    a, b:           [T, Hv]       the input projection's raw decay and write-strength columns
+    a_log, dt_bias: [Hv]; norm_weight: [Dv]
+    state_pool, state_slots, cu_seqlens, has_state, checkpoints: as for ``gated_delta_rule``.
+    Triton walks every request's rows (the decode and verify steps this op serves).
+    """
+    _check_impl(impl)
+    _check_checkpoints("gated_delta_fused", checkpoints, state_slots, state_pool.shape[1:], q.shape[0])
+    if impl != "torch":
+        from tscompile.custom_ops.triton_gated_delta_fused import gated_delta_fused_triton
+
+        gated_delta_fused_triton(q, k, v, a, b, a_log, dt_bias, z, norm_weight, eps, state_pool, state_slots,
+                                 cu_seqlens, has_state, out, qk_l2norm, checkpoints, pdl=impl == "triton/pdl")
+        return
+    g, beta = gates(a, b, a_log, dt_bias)
+    core = torch.empty_like(v)
+    _gated_delta_torch(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_state, core, qk_l2norm,
+                       TORCH_CHUNK, checkpoints)
+    rows = int(cu_seqlens[-1])  # rows past the last request's (a padded bucket) are left unwritten
+    out[:rows] = gated_rms_norm(core[:rows], z[:rows], norm_weight, eps)
+
+
+@gated_delta_fused.register_fake
+def _(q, k, v, a, b, a_log, dt_bias, z, norm_weight, eps, state_pool, state_slots, cu_seqlens, has_state, out, impl,
+      qk_l2norm, checkpoints):
+    return None

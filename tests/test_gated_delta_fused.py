@@ -1,0 +1,140 @@
+"""``tscompile::gated_delta_fused`` (the gates, the gated delta rule and the gated RMSNorm of a
+linear-attention layer as one op) against transformers' own delta rule and gated norm in float32,
+on random data with fresh inputs per check, NaN-poisoned outputs and untouched slots compared bit
+for bit; the Triton kernel runs under the interpreter on the CPU.
+"""
+
+import pytest
+import torch
+
+from tscompile.custom_ops.gated_delta_fused import gated_rms_norm, gates
+
+qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+IMPLS = ["torch", "triton", "triton/pdl"]
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def _case(seed, lengths, fresh, hk=2, hv=4, dk=16, dv=16, num_slots=8):
+    """Packed rows of ``lengths`` requests: the layer's projections (q, k, v, raw a and b, z), its
+    parameters (A_log, dt_bias, the norm's weight), a random state pool and the requests' slots."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    t = {"q": torch.randn(total, hk, dk, generator=gen), "k": torch.randn(total, hk, dk, generator=gen),
+         "v": torch.randn(total, hv, dv, generator=gen), "a": torch.randn(total, hv, generator=gen),
+         "b": torch.randn(total, hv, generator=gen), "z": torch.randn(total, hv, dv, generator=gen),
+         "a_log": (1 + 15 * torch.rand(hv, generator=gen)).log(), "dt_bias": 1 + 0.5 * torch.randn(hv, generator=gen),
+         "norm_weight": 1 + 0.3 * torch.randn(dv, generator=gen),
+         "pool": torch.randn(num_slots, hv, dk, dv, generator=gen),
+         "slots": torch.randperm(num_slots - 1, generator=gen)[:len(lengths)] + 1,  # slot 0 is the null slot
+         "cu": torch.tensor([0] + lengths).cumsum(0).to(torch.int32), "has_state": torch.tensor([not f for f in fresh])}
+    return t
+
+
+def _hf_request(t, lo, hi, start):
+    """transformers' recurrent delta rule and gated norm over rows ``[lo, hi)`` of one request."""
+    g, beta = gates(t["a"][lo:hi], t["b"][lo:hi], t["a_log"], t["dt_bias"])
+    group = t["v"].shape[1] // t["q"].shape[1]
+    q, k = (t[n][lo:hi].repeat_interleave(group, dim=1)[None] for n in ("q", "k"))
+    core, state = qwen3_next.torch_recurrent_gated_delta_rule(
+        q, k, t["v"][lo:hi][None], g[None], beta[None], initial_state=None if start is None else start[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    norm = qwen3_next.Qwen3NextRMSNormGated(t["v"].shape[2], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(t["norm_weight"])
+        return norm(core[0], t["z"][lo:hi]), state[0]
+
+
+def _run(t, impl, device, rows=None, checkpoints=None):
+    rows = t["q"].shape[0] if rows is None else rows
+    out = torch.full_like(t["v"][:rows], float("nan"))
+    args = _on(device, t["q"][:rows], t["k"][:rows], t["v"][:rows], t["a"][:rows], t["b"][:rows], t["a_log"],
+               t["dt_bias"], t["z"][:rows], t["norm_weight"])
+    pool, out, slots, cu, has_state = _on(device, t["pool"].clone(), out, t["slots"], t["cu"], t["has_state"])
+    ckpt = None if checkpoints is None else checkpoints.to(device)
+    torch.ops.tscompile.gated_delta_fused(*args, 1e-6, pool, slots, cu, has_state, out, impl, True, ckpt)
+    return out.cpu(), pool.cpu(), None if ckpt is None else ckpt.cpu()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lengths,fresh", [([1, 1, 1], [False, False, False]),  # a decode step
+                                           ([4, 4], [False, True]),  # verify windows
+                                           ([5, 1, 12], [True, False, False])])
+@pytest.mark.parametrize("dv", [16, 12], ids=["dv16", "dv12"])  # 12: the norm over a masked tile
+def test_fused_op_equals_transformers_delta_rule_and_gated_norm(impl, lengths, fresh, dv, device):
+    t = _case(sum(lengths) * 11 + len(impl) + dv, lengths, fresh, dv=dv)
+    out, pool, _ = _run(t, impl, device)
+    bounds = t["cu"].tolist()
+    for r, slot in enumerate(t["slots"].tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        want_out, want_state = _hf_request(t, lo, hi, None if fresh[r] else t["pool"][slot])
+        torch.testing.assert_close(out[lo:hi], want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slot], want_state, rtol=1e-4, atol=1e-4)
+    untouched = [s for s in range(pool.shape[0]) if s not in t["slots"].tolist()]
+    assert torch.equal(pool[untouched], t["pool"][untouched])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_op_equals_the_three_ops_it_replaces(impl, device):
+    """The model's unfused path (its ``gates``, ``tscompile::gated_delta_rule``, ``gated_rms_norm``)
+    and the fused op: the same outputs and states, and the same checkpoints of a verify window."""
+    lengths, fresh = [4, 4, 4], [False, True, False]
+    t = _case(97 + len(impl), lengths, fresh)
+    ckpt = torch.full((3, 3, *t["pool"].shape[1:]), float("nan"))
+    out, pool, fused_ckpt = _run(t, impl, device, checkpoints=ckpt)
+
+    g, beta = gates(t["a"], t["b"], t["a_log"], t["dt_bias"])
+    core = torch.full_like(t["v"], float("nan"))
+    want_pool, want_ckpt = t["pool"].clone(), ckpt.clone()
+    args = _on(device, t["q"], t["k"], t["v"], g, beta, want_pool, t["slots"], t["cu"], t["has_state"], core, want_ckpt)
+    torch.ops.tscompile.gated_delta_rule(*args[:10], impl, True, 0 if impl != "torch" else 8, args[10])
+    want_out = gated_rms_norm(args[9].cpu(), t["z"], t["norm_weight"], 1e-6)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, args[5].cpu(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_ckpt, args[10].cpu(), rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert not torch.isnan(fused_ckpt[:, :3]).any()  # each request's 3 entries (4 rows but the last) written
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padded_requests_and_rows_touch_only_the_null_slot(impl, device):
+    """A graph bucket pads requests (null slot 0, an empty row range, a fresh state) and rows past the
+    last request's: the live requests get what an unpadded call gives, no padded row is written, and
+    no slot but the live ones and the null slot changes."""
+    lengths, fresh = [1, 1, 1], [False, False, True]
+    t = _case(5 + len(impl), lengths, fresh)
+    want_out, want_pool, _ = _run(t, impl, device)
+    pad_rows, pad_requests = 5, 2
+    padded = dict(t)
+    for name in ("q", "k", "v", "a", "b", "z"):
+        padded[name] = torch.cat([t[name], torch.randn(pad_rows, *t[name].shape[1:])])
+    padded["slots"] = torch.cat([t["slots"], torch.zeros(pad_requests, dtype=t["slots"].dtype)])
+    padded["cu"] = torch.cat([t["cu"], t["cu"][-1:].repeat(pad_requests)])
+    padded["has_state"] = torch.cat([t["has_state"], torch.zeros(pad_requests, dtype=torch.bool)])
+    out, pool, _ = _run(padded, impl, device)
+    live = sum(lengths)
+    # close, not equal: the CPU's vectorized and scalar exp round differently at other lengths
+    torch.testing.assert_close(out[:live], want_out, rtol=1e-6, atol=1e-6)
+    assert torch.isnan(out[live:]).all()
+    torch.testing.assert_close(pool[1:], want_pool[1:], rtol=1e-6, atol=1e-6)
+
+
+def test_opcheck_fused_op():
+    t = _case(3, [2, 1], [True, False])
+    out = torch.empty_like(t["v"])
+    args = (t["q"], t["k"], t["v"], t["a"], t["b"], t["a_log"], t["dt_bias"], t["z"], t["norm_weight"], 1e-6,
+            t["pool"].clone(), t["slots"], t["cu"], t["has_state"], out, "torch", True, None)
+    torch.library.opcheck(torch.ops.tscompile.gated_delta_fused.default, args)
+
+
+def test_unknown_impl_and_misshapen_checkpoints_are_refused():
+    t = _case(4, [2, 2], [True, True])
+    out = torch.empty_like(t["v"])
+    args = [t["q"], t["k"], t["v"], t["a"], t["b"], t["a_log"], t["dt_bias"], t["z"], t["norm_weight"], 1e-6,
+            t["pool"], t["slots"], t["cu"], t["has_state"], out]
+    with pytest.raises(ValueError, match=r"^tscompile: state kernel impl 'cuda' is unknown"):
+        torch.ops.tscompile.gated_delta_fused(*args, "cuda", True, None)
+    with pytest.raises(ValueError, match=r"^tscompile: gated_delta_fused checkpoints \(2, 1, 4, 16, 8\)"):
+        torch.ops.tscompile.gated_delta_fused(*args, "torch", True, torch.zeros(2, 1, 4, 16, 8))
