@@ -44,7 +44,7 @@ import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import compile_stats, environment, impls, kernel_table, package_mode, plot, report, roofline
+from . import compile_stats, environment, impls, kernel_table, package_mode, plot, report, roofline, variants
 from .runner import Bench, backend_available
 
 FIXED_MODES = ("eager", "compile-default", "compile-reduce-overhead", "compile-reduce-overhead-tuned")
@@ -154,6 +154,10 @@ def add_parser(sub) -> None:
     p.add_argument("--tscompile-options", type=_json_object, default=None, metavar="JSON",
                    help="compile options of the compiled tscompile modes (TscompileConfig's fields), e.g. "
                         "'{\"decode_ladder\": [2, 4, 8]}': a variant measured against the defaults of another run")
+    p.add_argument("--kernel-variants", nargs="+", default=None, metavar="NAME=JSON",
+                   help="each compiled tscompile mode again per variant, in this process, with these KernelPolicy "
+                        "fields laid over its kernels: rows <mode>@NAME and their ratio to the mode's, e.g. "
+                        "'fused={\"fused_gated_delta\": true}'")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -278,6 +282,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     from . import hf_args, hf_model
 
     impls.check_model_impls(args)
+    kernel_variants = variants.parse(args.kernel_variants)
+    other = [flag for flag, on in (("--gemv-sweep", args.gemv_sweep), ("--merge", args.merge),
+                                   ("--compare", args.compare), ("--speculative", args.speculative),
+                                   ("--prefix-workload", args.prefix_workload), ("--hf-model", args.hf_model)) if on]
+    if kernel_variants and other:
+        raise ValueError(f"tscompile: --kernel-variants measures the engine modes' decode and prefill rows once per "
+                         f"variant; {other[0]} runs none of them: leave one of the two out")
     if args.gemv_sweep:  # first: it refuses the other runs' flags rather than be overridden by them
         from . import gemv_sweep
 
@@ -330,6 +341,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         _check_tscompile_options(args.tscompile_options, modes)
     impls.check_some_engine_mode(modes, impls.model_impls(args))
     modes = impls.labelled_modes(modes, impls.model_impls(args))  # several implementations: a row label each
+    if kernel_variants:
+        if not any(variants.is_variant_mode(m) for m in modes):
+            raise ValueError(f"tscompile: --kernel-variants runs the compiled tscompile modes once per variant, and "
+                             f"this run measures none of them (modes {modes}); add one to --modes")
+        modes = variants.labelled(modes, kernel_variants)
     _default_outputs(args)
     threads = torch.get_num_threads()
     if args.cpu_threads:

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from . import impls
+from . import impls, variants
 
 
 def now_iso() -> str:
@@ -414,5 +414,5 @@ def markdown(result: dict) -> str:
     return "\n".join([head, "### Decode", "", decode_table(result["results"]), "",
                       "### Compiles per mode", "", compile_table(result.get("modes", {})), "", *phase_part,
                       "### Prefill", "", prefill_table(result["prefill"], mfu_header(result)), *notes, "",
-                      *impl_ratio_markdown(result), *kernels_markdown(result),
+                      *impl_ratio_markdown(result), *variants.ratio_markdown(result), *kernels_markdown(result),
                       *autotune_markdown(result.get("modes", {}))])

@@ -15,7 +15,8 @@ import torch
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import autotune_record, compile_stats, gpu_clocks, impls, reference, report, roofline, row_kernels, workloads
+from . import (autotune_record, compile_stats, gpu_clocks, impls, reference, report, roofline, row_kernels, variants,
+               workloads)
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -139,9 +140,10 @@ class Bench:
         _cleanup(self.device)
 
     # -- one mode ----------------------------------------------------------------------------------
-    def make_runner(self, mode: str, model, model_impl: str | None = None):
+    def make_runner(self, mode: str, model, model_impl: str | None = None, kernels: dict | None = None):
         """The runner of ``mode`` (a mode's name, no label); an engine mode runs ``model_impl``
-        (default: the run's one --model-impl value)."""
+        (default: the run's one --model-impl value), a compiled one with ``kernels`` (a variant's
+        KernelPolicy fields) over the run's compile options."""
         a = self.args
         if mode in workloads.STATIC_MODES:
             return workloads.StaticCacheRunner(model, mode, self.device)
@@ -158,6 +160,8 @@ class Bench:
             if not ok:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
         options = None if mode == "eager" else getattr(a, "tscompile_options", None)
+        if kernels:
+            options = variants.compile_options(options, kernels)
         impl = model_impl or self.impls[0]
         tp = getattr(a, "tensor_parallel_size", 1)
         return workloads.EngineRunner(self.engine_model(model, impl) if tp == 1 else a.model, attention_backend=backend,
@@ -300,9 +304,13 @@ class Bench:
         from tscompile.models import build_model
 
         a = self.args
-        plain_mode, impl = impls.split_label(mode, self.impls)
+        base_label, variant = variants.split(mode)
+        plain_mode, impl = impls.split_label(base_label, self.impls)
+        kernels = variants.parse(getattr(a, "kernel_variants", None))[variant] if variant else None
         info: dict = {"error": None}
         self.modes[mode] = info
+        if kernels:
+            info["kernel_variant"] = kernels
         if len(self.impls) > 1 and impls.is_engine_mode(plain_mode):
             info["model_impl"] = impl
         torch._dynamo.reset()
@@ -322,7 +330,7 @@ class Bench:
             if plain_mode != PACKAGE_MODE and not sharded:  # a package brings its own weights; ranks build their shards
                 model = build_model(a.model, dtype=self.dtype, device=self.device, seed=a.seed)
                 info["weights_fingerprint"] = _fingerprint(model)
-            runner = self.make_runner(plain_mode, model, impl)
+            runner = self.make_runner(plain_mode, model, impl, kernels)
             info["setup_s"] = time.perf_counter() - t0
             if isinstance(runner, workloads.StaticCacheRunner):
                 info["gqa"], info["gqa_why"] = runner.gqa, runner.gqa_why
@@ -387,7 +395,7 @@ class Bench:
                                                            logprobs=self.logprobs.get((row["mode"], row["batch_size"])))
             elif self.reference_info.get("error"):
                 row["reference_check"] = {"error": self.reference_info["error"]}
-            eager = self.tokens.get((impls.same_impl(row["mode"], "eager"), row["batch_size"]))
+            eager = self.tokens.get((impls.same_impl(variants.split(row["mode"])[0], "eager"), row["batch_size"]))
             if eager is not None:
                 row["match_eager"] = f"{sum(x == y for x, y in zip(got, eager))}/{len(eager)}"
 
