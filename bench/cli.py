@@ -284,11 +284,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     impls.check_model_impls(args)
     kernel_variants = variants.parse(args.kernel_variants)
     other = [flag for flag, on in (("--gemv-sweep", args.gemv_sweep), ("--merge", args.merge),
-                                   ("--compare", args.compare), ("--speculative", args.speculative),
-                                   ("--prefix-workload", args.prefix_workload), ("--hf-model", args.hf_model)) if on]
+                                   ("--compare", args.compare), ("--prefix-workload", args.prefix_workload),
+                                   ("--hf-model", args.hf_model)) if on]
     if kernel_variants and other:
-        raise ValueError(f"tscompile: --kernel-variants measures the engine modes' decode and prefill rows once per "
-                         f"variant; {other[0]} runs none of them: leave one of the two out")
+        raise ValueError(f"tscompile: --kernel-variants measures the engine's rows (decode and prefill, or "
+                         f"--speculative's) once per variant; {other[0]} runs none of them: leave one of the two out")
     if args.gemv_sweep:  # first: it refuses the other runs' flags rather than be overridden by them
         from . import gemv_sweep
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import time
 
 import torch
 
 from tscompile.utils import resolve_device, resolve_dtype
 
-from . import environment, kernel_table, report, row_kernels
+from . import environment, kernel_table, report, row_kernels, variants
 from .report import machine_line
 from .workloads import Timer
 
@@ -154,18 +155,28 @@ def _step_kernel_table(llm, prompts, output_len, device, steps: int, count: int,
 
 
 def markdown(result: dict) -> str:
+    # a variant column only where --kernel-variants ran (a run without it reads as it always did)
+    variant_rows = any(r.get("variant") for r in result["rows"])
     lines = [f"## Speculative decoding: {result['model']}, {result['device']}, {result['dtype']}", "",
              machine_line(result), "", result["shape"], "",
-             "| bs | method | k | N | step ms | host ms of a verify step | of it drafting | vs N=1 step | "
+             ("| kernels " if variant_rows else "")
+             + "| bs | method | k | N | step ms | host ms of a verify step | of it drafting | vs N=1 step | "
              "tokens/step/request | output tok/s | vs plain | acceptance | outputs equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("|---" if variant_rows else "") + "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    given = variants.parse((result.get("args") or {}).get("kernel_variants"))
     for r in result["rows"]:
         host, draft = r.get("verify_host_ms"), r.get("verify_draft_ms")
-        lines.append(f"| {r['batch_size']} | {r['method']} | {r['k']} | {r['k'] + 1} | {r['decode_step_ms']:.3f} | "
-                     f"{'-' if host is None else f'{host:.3f}'} | {'-' if draft is None else f'{draft:.3f}'} | "
-                     f"{r['step_ratio']:.2f}x | {r['tokens_per_step']:.2f} | {r['output_tokens_per_s']:.0f} | "
-                     f"{r['ratio_to_plain']:.2f}x | {r['acceptance_rate']:.1%} | {r['outputs_equal']} |")
-    tables = [report.kernel_section(f"bs={r['batch_size']} {r['method']} N={r['k'] + 1}", r["kernel_table"])
+        cells = (f"| {r['batch_size']} | {r['method']} | {r['k']} | {r['k'] + 1} | {r['decode_step_ms']:.3f} | "
+                 f"{'-' if host is None else f'{host:.3f}'} | {'-' if draft is None else f'{draft:.3f}'} | "
+                 f"{r['step_ratio']:.2f}x | {r['tokens_per_step']:.2f} | {r['output_tokens_per_s']:.0f} | "
+                 f"{r['ratio_to_plain']:.2f}x | {r['acceptance_rate']:.1%} | {r['outputs_equal']} |")
+        if variant_rows:
+            name = r.get("variant")
+            kernels = "the run's" if name is None else f"{name} `{json.dumps(given.get(name, {}), sort_keys=True)}`"
+            cells = f"| {kernels} {cells}"
+        lines.append(cells)
+    tables = [report.kernel_section(f"bs={r['batch_size']} {r['method']} N={r['k'] + 1}"
+                                    + (f" ({r['variant']})" if r.get("variant") else ""), r["kernel_table"])
               for r in result["rows"] if r.get("kernel_table")]
     if tables:
         lines += ["", "### Kernels", "",
@@ -195,30 +206,36 @@ def run(args: argparse.Namespace) -> int:
     profile = ((args.kernel_table_steps, args.kernel_table_top, dtype.itemsize)
                if getattr(args, "kernel_table", False) else None)
     rows = []
+    # --kernel-variants: after the run's own kernels, each variant's plain and speculative rows again,
+    # in this process, each against its own plain decode
+    runs = [(None, args.tscompile_options)] + [
+        (name, variants.compile_options(args.tscompile_options, kernels))
+        for name, kernels in variants.parse(getattr(args, "kernel_variants", None)).items()]
     for bs in sizes:
         prompts = repetitive_prompts(args.seed + bs, model.config.vocab_size, bs, args.spec_block, args.spec_repeats)
+        for variant, options in runs:
+            def make(spec=None, bs=bs, options=options):
+                return tscompile.LLM(model, attention_backend=(args.attention_backends or ["auto"])[0], device=device,
+                                     dtype=dtype, max_num_seqs=bs, max_model_len=max_len, page_size=page,
+                                     seed=args.seed, compile_options=options, speculative_config=spec)
 
-        def make(spec=None, bs=bs):
-            return tscompile.LLM(model, attention_backend=(args.attention_backends or ["auto"])[0], device=device,
-                                 dtype=dtype, max_num_seqs=bs, max_model_len=max_len, page_size=page, seed=args.seed,
-                                 compile_options=args.tscompile_options, speculative_config=spec)
-
-        plain = _measure(make, prompts, output_len, device, profile=profile)
-        outputs = plain.pop("outputs")
-        references = {tuple(p): o for p, o in zip(prompts, outputs)}
-        plain.update(batch_size=bs, method="plain", k=0, outputs_equal=True, ratio_to_plain=1.0, step_ratio=1.0)
-        rows.append(plain)
-        for method in methods:
-            for k in ks:
-                spec = {"method": method, "num_speculative_tokens": k}
-                if method == "draft_model":
-                    spec["model"] = draft
-                row = _measure(lambda: make(spec), prompts, output_len, device,
-                               references if method == "replay" else None, profile)
-                row.update(batch_size=bs, method=method, k=k, outputs_equal=row.pop("outputs") == outputs,
-                           ratio_to_plain=row["output_tokens_per_s"] / plain["output_tokens_per_s"],
-                           step_ratio=row["decode_step_ms"] / plain["decode_step_ms"])
-                rows.append(row)
+            plain = _measure(make, prompts, output_len, device, profile=profile)
+            outputs = plain.pop("outputs")
+            references = {tuple(p): o for p, o in zip(prompts, outputs)}
+            plain.update(batch_size=bs, method="plain", k=0, outputs_equal=True, ratio_to_plain=1.0, step_ratio=1.0,
+                         variant=variant)
+            rows.append(plain)
+            for method in methods:
+                for k in ks:
+                    spec = {"method": method, "num_speculative_tokens": k}
+                    if method == "draft_model":
+                        spec["model"] = draft
+                    row = _measure(lambda: make(spec), prompts, output_len, device,
+                                   references if method == "replay" else None, profile)
+                    row.update(batch_size=bs, method=method, k=k, outputs_equal=row.pop("outputs") == outputs,
+                               ratio_to_plain=row["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                               step_ratio=row["decode_step_ms"] / plain["decode_step_ms"], variant=variant)
+                    rows.append(row)
     shape = (f"batch sizes {sizes}, prompts of a {args.spec_block}-token block repeated {args.spec_repeats} times, "
              f"{output_len} greedy tokens each; draft model {draft}")
     result = {"date": report.now_iso(), "env": environment.environment(device),

@@ -1,5 +1,6 @@
 """``tscompile bench --kernel-variants NAME=JSON ...``: the compiled engine modes measured once more
-per kernel-policy variant, in the same process, each variant's rows right after the mode's own.
+per kernel-policy variant, in the same process, each variant's rows right after the mode's own
+(with ``--speculative``: every plain and speculative row again per variant, ``spec_workload.py``).
 
 A variant is a name and a dict of ``KernelPolicy`` fields (``'fused={"fused_gated_delta": true}'``)
 laid over the run's kernels (its ``--tscompile-options`` ``kernels``, else the defaults). Its rows

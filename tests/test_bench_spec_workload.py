@@ -126,3 +126,31 @@ def test_kernel_tables_profile_the_plain_and_the_verify_steps(tmp_path, monkeypa
     assert "tscompile::accept_greedy" in verify and "tscompile::sample" not in verify
     md = (tmp_path / "r.md").read_text()
     assert "### Kernels" in md and "**bs=1 plain N=1**" in md and "**bs=1 replay N=3**" in md
+
+
+def test_kernel_variants_repeat_every_row_with_their_kernels(tmp_path, monkeypatch):
+    """--kernel-variants with --speculative: plain decode and each method run again per variant, the
+    engines built with the variant's kernels over the run's options, each row's ratios against its
+    own variant's plain decode; the markdown gains a kernels column."""
+    torch.set_num_threads(1)
+    seen, real = [], tscompile.LLM
+
+    def recording(*a, **kw):
+        seen.append(kw.get("compile_options"))
+        return real(*a, enforce_eager=True, **kw)
+
+    monkeypatch.setattr(tscompile, "LLM", recording)
+    args = argparse.Namespace(
+        device="cpu", dtype="float32", speculative=["replay"], num_speculative_tokens="2", spec_requests="1",
+        output_len=4, draft_model=None, model="llama-tiny", seed=0, page_size=4, spec_block=4, spec_repeats=2,
+        attention_backends=["torch"], tscompile_options={"decode_ladder": [1]},
+        kernel_variants=['fv={"fused_verify_attention": true}'], output_json=str(tmp_path / "r.json"),
+        output_md=str(tmp_path / "r.md"))
+    assert spec_workload.run(args) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [(r["variant"], r["method"]) for r in rows] == [(None, "plain"), (None, "replay"), ("fv", "plain"),
+                                                           ("fv", "replay")]
+    assert all(r["outputs_equal"] for r in rows) and rows[2]["step_ratio"] == 1.0
+    assert seen == [{"decode_ladder": [1]}] * 2 + [{"decode_ladder": [1], "kernels": {"fused_verify_attention": True}}] * 2
+    md = (tmp_path / "r.md").read_text()
+    assert '| fv `{"fused_verify_attention": true}` | 1 | replay | 2 | 3 |' in md and "| the run's | 1 | plain |" in md
