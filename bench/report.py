@@ -254,9 +254,15 @@ def kernels_markdown(result: dict) -> list[str]:
             "last one's end, and the span less the busy time is the pauses between its kernels; for synchronous "
             "calls the row's wall time less the span is host work. A bs=1 prefill's staging copies and its graph "
             "can fall into separate bursts: then no span, and host until launch plus busy time tell the same.")
-    paths = result.get("env", {}).get("kernel_paths", {})
-    if any(paths.get(k) for k in ("decode_pdl", "gemv_pdl", "prefill_pdl")):  # gemv_pdl: older runs
-        note += (" **PDL was on** (" + ", ".join(k for k in ("decode_pdl", "gemv_pdl", "prefill_pdl") if paths.get(k))
+    # the kernel choices per engine mode where the run recorded them (a variant's differ), else the run's
+    per_mode = {m: i["kernel_paths"] for m, i in result.get("modes", {}).items() if i.get("kernel_paths")}
+    per_mode = per_mode or {None: result.get("env", {}).get("kernel_paths", {})}
+    pdl_keys = ("decode_pdl", "gemv_pdl", "prefill_pdl")  # gemv_pdl: older runs
+    pdl_on = [k for k in pdl_keys if any(p.get(k) for p in per_mode.values())]
+    with_pdl = [m for m, p in per_mode.items() if m is not None and any(p.get(k) for k in pdl_keys)]
+    if pdl_on:
+        where = f" in {', '.join(with_pdl)}" if with_pdl and len(with_pdl) < len(per_mode) else ""
+        note += (f" **PDL was on** ({', '.join(pdl_on)}{where}"
                  + "): a kernel launched with it starts before the one before it ends and waits, and the profiler "
                  "counts the wait, so kernel times overlap and their sum exceeds the step; per-kernel figures "
                  "need a run with PDL off (compile_options={\"kernels\": {\"decode_pdl\": False, \"prefill_pdl\": False}}).")
@@ -326,6 +332,13 @@ def _row_times(rows: list[dict], size_key: str, time_key: str) -> dict[tuple[str
     return {(r["mode"], r[size_key]): r[time_key] for r in rows if not r.get("error") and r.get(time_key)}
 
 
+def _impl_label(mode_label: str, impl: str) -> str:
+    """The label of ``impl``'s row of the run that gave ``mode_label`` (a variant's suffix kept last)."""
+    base, variant = variants.split(mode_label)
+    label = impls.label(base, impl)
+    return label if variant is None else f"{label}{variants.SEPARATOR}{variant}"
+
+
 def impl_ratio_markdown(result: dict, impl: str = "transformers") -> list[str]:
     """"transformers backend vs native" (``--model-impl native transformers``, bench/impls.py): per
     engine mode that ran both ways, the transformers rows' median time over the native rows' (decode
@@ -334,7 +347,8 @@ def impl_ratio_markdown(result: dict, impl: str = "transformers") -> list[str]:
     decode = _row_times(result["results"], "batch_size", "tpot_ms_median")
     prefill = _row_times(result["prefill"], "prompt_len", "prefill_ms")
     run = result.get("modes_run", [])
-    both_ways = [m for m in run if impls.SEPARATOR not in m and impls.label(m, impl) in run]
+    # a kernel variant's native row pairs with the same variant's transformers row (bench/variants.py)
+    both_ways = [m for m in run if impls.SEPARATOR not in m and _impl_label(m, impl) in run]
     if not both_ways:
         return []
     sizes = sorted({r["batch_size"] for r in result["results"] if r["mode"] in both_ways})
@@ -344,7 +358,7 @@ def impl_ratio_markdown(result: dict, impl: str = "transformers") -> list[str]:
     for mode in both_ways:
         cells = []
         for times, n, name in columns:
-            theirs, native = times.get((impls.label(mode, impl), n)), times.get((mode, n))
+            theirs, native = times.get((_impl_label(mode, impl), n)), times.get((mode, n))
             ratio = theirs / native if theirs and native else None
             cells.append(_fmt(ratio, ".3f"))
             if ratio is not None and (worst is None or ratio > worst[0]):

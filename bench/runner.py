@@ -15,8 +15,10 @@ import torch
 from tscompile.counters import counters
 from tscompile.utils import cdiv
 
-from . import (autotune_record, compile_stats, gpu_clocks, impls, reference, report, roofline, row_kernels, variants,
-               workloads)
+from tscompile.kernel_policy import KernelPolicy
+
+from . import (autotune_record, compile_stats, environment, gpu_clocks, impls, reference, report, roofline,
+               row_kernels, variants, workloads)
 from .package_mode import PACKAGE_MODE, PackageRunner
 
 # engine counters recorded per measured row: they say whether the timed runs replayed graphs, ran
@@ -311,6 +313,10 @@ class Bench:
         self.modes[mode] = info
         if kernels:
             info["kernel_variant"] = kernels
+        if variants.is_variant_mode(plain_mode):  # the kernel choices this mode's engine runs with, here
+            info["kernel_paths"] = environment.kernel_paths(KernelPolicy.from_options(
+                (variants.compile_options(a.tscompile_options, kernels) if kernels
+                 else getattr(a, "tscompile_options", None) or {}).get("kernels")))
         if len(self.impls) > 1 and impls.is_engine_mode(plain_mode):
             info["model_impl"] = impl
         torch._dynamo.reset()

@@ -8,10 +8,16 @@ At batch size 1 each of them is a few microseconds of launch and tail for almost
 linear layer. The Triton form here is one kernel: a program holds a whole value head (``Dv``
 columns), so the head's norm needs nothing from another program.
 
-The math, rounding included, is the model's (``models/qwen3_next_linear.py`` calls the same
-``gates`` and ``gated_rms_norm``): ``beta`` and the delta rule's output are rounded to the model
-dtype where the unfused layer stores them, so in float32 both forms agree to the last bits of the
-reductions' order, and in bfloat16 they differ only where such a sum rounds across a bf16 step.
+The math is the model's (``models/qwen3_next_linear.py`` calls the same ``gates`` and
+``gated_rms_norm``), and the Triton kernel rounds to the model dtype where the model's eager code
+does (``beta``, the delta rule's output, the normed row before its weight). In float32 the fused
+and unfused layers agree to the order of their reductions. In bfloat16 they need not agree bit for
+bit: Inductor's kernels of the unfused layer may keep such an intermediate in float32 (it does not
+emulate every cast by default), so a bf16 token can differ between the two policies where two
+logits are that close.
+
+A program holds a whole head's ``[Dk, Dv]`` float32 state in registers: heads up to
+``MAX_HEAD_TILE`` elements (128 x 128, Qwen3-Next's) fit; larger ones run the three ops.
 
 Arguments are ``gated_delta_rule``'s (``gated_delta.py``, which documents slots, rows and
 checkpoints) with ``g``/``beta`` replaced by their sources and the norm's inputs added.
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 from tscompile.custom_ops.gated_delta import _check_checkpoints, _check_impl, _gated_delta_torch
 
 TORCH_CHUNK = 64  # the torch form's chunk for multi-row requests (transformers' default)
+MAX_HEAD_TILE = 128 * 128  # the largest (power-of-two padded) Dk x Dv a Triton program holds
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tscompile.custom_ops.gated_delta_fused import MAX_HEAD_TILE
 from tscompile.custom_ops.triton_attention import pdl_launch
 from tscompile.custom_ops.triton_gated_delta import _program_state, _unit_stride
 
@@ -45,9 +46,16 @@ def _gated_delta_fused_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_b
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q * scale
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        # the gates: softplus as torch's (the input itself past 20), beta stored in the model dtype
+        # the gates: softplus as torch's, log1p(exp(x)) (the input itself past 20). log(1 + e) loses e's
+        # low bits to the rounding of 1 + e, and A (up to e^16) magnifies that in the decay, so log1p is
+        # computed as log(u) * e / (u - 1), u = 1 + e rounded, which cancels that rounding (e where u is 1).
+        # beta is stored in the model dtype.
         x = tl.load(a_ptr + t * stride_at + hv).to(tl.float32) + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        ex = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + ex
+        exact = u == 1.0
+        log1p = tl.where(exact, ex, tl.log(u) * (ex / tl.where(exact, 1.0, u - 1.0)))
+        softplus = tl.where(x > 20.0, x, log1p)
         decay = tl.exp(-decay_rate * softplus)
         b = tl.load(b_ptr + t * stride_bt + hv).to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
@@ -85,6 +93,9 @@ def gated_delta_fused_triton(q, k, v, a, b, a_log, dt_bias, z, norm_weight, eps,
                          f"the state pool's slots {state_pool.stride()}; allocate them contiguous")
     q, k, v, a, b, z = _unit_stride(q, k, v, a, b, z)
     block_k, block_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    if block_k * block_v > MAX_HEAD_TILE:
+        raise ValueError(f"tscompile: gated_delta_fused holds a value head's [{dk}, {dv}] state in registers, at most "
+                         f"{MAX_HEAD_TILE} elements; run larger heads through the three ops (fused_gated_delta=False)")
     # the [Dk, Dv] float32 slice lives in registers: 8 warps keep a 128 x 128 head at 64 per thread
     num_warps = 8 if block_k * block_v >= 128 * 128 else 4
     _gated_delta_fused_kernel[(num_reqs, hv, 1)](

@@ -339,3 +339,18 @@ def test_the_kernels_section_says_when_pdl_made_kernel_times_overlap(paths, warn
         assert "PDL was on" not in note
     else:
         assert f"**PDL was on** ({warned})" in note
+
+
+def test_the_pdl_note_names_the_modes_that_ran_with_it_where_variants_differ():
+    """Per-mode kernel choices (a --kernel-variants run): the note names the modes with PDL on."""
+    table = {"activity": "cuda kernels", "steps": 3, "top_n": 15, "distinct": 1, "kernels_per_step": 1.0,
+             "kernel_ms_per_step": 0.005, "step_bytes": 10_000, "step_gbps": 2.0,
+             "top": [{"name": "k", "count_per_step": 1.0, "us_per_step": 5.0, "share_pct": 100.0, "gbps": None}]}
+    result = {"env": {"kernel_paths": {"decode_pdl": True}}, "prefill": [],
+              "modes": {"tscompile-triton": {"kernel_paths": {"decode_pdl": True}},
+                        "tscompile-triton@nopdl": {"kernel_paths": {"decode_pdl": False}}},
+              "results": [{"mode": m, "batch_size": 1, "kernel_table": table}
+                          for m in ("tscompile-triton", "tscompile-triton@nopdl")]}
+    assert "**PDL was on** (decode_pdl in tscompile-triton)" in report.kernels_markdown(result)[2]
+    result["modes"]["tscompile-triton"]["kernel_paths"]["decode_pdl"] = False
+    assert "PDL was on" not in report.kernels_markdown(result)[2]  # the run's default is not what ran

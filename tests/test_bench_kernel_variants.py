@@ -33,16 +33,21 @@ def test_each_variant_runs_its_mode_again_with_its_kernels_over_the_runs_options
     out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
     argv = [*RUN, "--modes", "eager", "tscompile-torch",
             "--tscompile-options", '{"decode_ladder": [2, 4], "kernels": {"decode_pdl": false}}',
-            "--kernel-variants", 'pdl={"decode_pdl": true}', 'state={"state_pdl": true}',
+            "--kernel-variants", 'pdl={"decode_pdl": true}', 'state={"state_pdl": true, "chunked_gated_delta": true}',
             "--output-json", str(out_json), "--output-md", str(out_md)]
     assert tscompile_main(argv) == 1  # every row an error row
     assert seen == [None, {"decode_ladder": [2, 4], "kernels": {"decode_pdl": False}},
                     {"decode_ladder": [2, 4], "kernels": {"decode_pdl": True}},
-                    {"decode_ladder": [2, 4], "kernels": {"decode_pdl": False, "state_pdl": True}}]
+                    {"decode_ladder": [2, 4], "kernels": {"decode_pdl": False, "state_pdl": True,
+                                                          "chunked_gated_delta": True}}]
     result = json.loads(out_json.read_text())
     assert result["modes_run"] == ["eager", "tscompile-torch", "tscompile-torch@pdl", "tscompile-torch@state"]
-    assert result["modes"]["tscompile-torch@state"]["kernel_variant"] == {"state_pdl": True}
-    assert "kernel_variant" not in result["modes"]["tscompile-torch"]
+    modes = result["modes"]
+    assert modes["tscompile-torch@state"]["kernel_variant"] == {"state_pdl": True, "chunked_gated_delta": True}
+    assert "kernel_variant" not in modes["tscompile-torch"] and "kernel_paths" not in modes["eager"]
+    # each engine's kernel choices as they applied (the run's, not the defaults')
+    assert modes["tscompile-torch@state"]["kernel_paths"]["chunked_gated_delta"] is True
+    assert modes["tscompile-torch"]["kernel_paths"]["chunked_gated_delta"] is False
 
 
 def test_a_variant_row_measures_on_the_cpu_and_gets_its_ratio(tmp_path, capsys):
@@ -106,3 +111,17 @@ def test_variant_options_lay_the_kernels_over_a_policy_given_as_an_object():
     assert variants.split("tscompile-triton+transformers@f") == ("tscompile-triton+transformers", "f")
     assert variants.labelled(["eager", "tscompile-triton", "package"], {"a": {}, "b": {}}) == \
         ["eager", "tscompile-triton", "tscompile-triton@a", "tscompile-triton@b", "package"]
+
+
+def test_a_variants_transformers_rows_pair_with_its_native_rows():
+    """--model-impl native transformers with a variant: the impl ratio table pairs
+    ``tscompile-triton@f`` with ``tscompile-triton+transformers@f``, as it pairs the modes'."""
+    from tscompile.bench import report
+
+    labels = ["tscompile-triton", "tscompile-triton+transformers", "tscompile-triton@f",
+              "tscompile-triton+transformers@f"]
+    assert variants.labelled(labels[:2], {"f": {}}) == [labels[0], labels[2], labels[1], labels[3]]
+    result = {"modes_run": labels, "prefill": [],
+              "results": [{"mode": m, "batch_size": 1, "tpot_ms_median": t} for m, t in zip(labels, [1.0, 1.1, 2.0, 2.4])]}
+    lines = "\n".join(report.impl_ratio_markdown(result))
+    assert "| tscompile-triton | 1.100 |" in lines and "| tscompile-triton@f | 1.200 |" in lines

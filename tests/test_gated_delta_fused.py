@@ -99,25 +99,30 @@ def test_fused_op_equals_the_three_ops_it_replaces(impl, device):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_padded_requests_and_rows_touch_only_the_null_slot(impl, device):
-    """A graph bucket pads requests (null slot 0, an empty row range, a fresh state) and rows past the
-    last request's: the live requests get what an unpadded call gives, no padded row is written, and
-    no slot but the live ones and the null slot changes."""
+@pytest.mark.parametrize("padding", ["prefill", "decode"])
+def test_padded_requests_and_rows_touch_only_the_null_slot(impl, padding, device):
+    """A prefill graph's bucket pads requests (null slot 0, an empty row range, a fresh state) and
+    rows past the last request's; a decode graph's pads requests of one row each, all on the null
+    slot at once. The live requests get what an unpadded call gives, no slot but the live ones and
+    the null slot changes, and in a prefill bucket no padded row is written."""
     lengths, fresh = [1, 1, 1], [False, False, True]
     t = _case(5 + len(impl), lengths, fresh)
     want_out, want_pool, _ = _run(t, impl, device)
-    pad_rows, pad_requests = 5, 2
+    pad_rows, pad_requests = (5, 2) if padding == "prefill" else (3, 3)
     padded = dict(t)
     for name in ("q", "k", "v", "a", "b", "z"):
         padded[name] = torch.cat([t[name], torch.randn(pad_rows, *t[name].shape[1:])])
     padded["slots"] = torch.cat([t["slots"], torch.zeros(pad_requests, dtype=t["slots"].dtype)])
-    padded["cu"] = torch.cat([t["cu"], t["cu"][-1:].repeat(pad_requests)])
+    pad_ends = t["cu"][-1:].repeat(pad_requests)
+    if padding == "decode":
+        pad_ends = pad_ends + torch.arange(1, pad_requests + 1, dtype=pad_ends.dtype)
+    padded["cu"] = torch.cat([t["cu"], pad_ends])
     padded["has_state"] = torch.cat([t["has_state"], torch.zeros(pad_requests, dtype=torch.bool)])
     out, pool, _ = _run(padded, impl, device)
     live = sum(lengths)
     # close, not equal: the CPU's vectorized and scalar exp round differently at other lengths
     torch.testing.assert_close(out[:live], want_out, rtol=1e-6, atol=1e-6)
-    assert torch.isnan(out[live:]).all()
+    assert torch.isnan(out[live:]).all() if padding == "prefill" else torch.isfinite(out[live:]).all()
     torch.testing.assert_close(pool[1:], want_pool[1:], rtol=1e-6, atol=1e-6)
 
 
@@ -138,3 +143,32 @@ def test_unknown_impl_and_misshapen_checkpoints_are_refused():
         torch.ops.tscompile.gated_delta_fused(*args, "cuda", True, None)
     with pytest.raises(ValueError, match=r"^tscompile: gated_delta_fused checkpoints \(2, 1, 4, 16, 8\)"):
         torch.ops.tscompile.gated_delta_fused(*args, "torch", True, torch.zeros(2, 1, 4, 16, 8))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_decay_inputs_far_below_zero_keep_their_softplus(impl, device):
+    """``a + dt_bias`` from -40 to 30 with a large ``A``: torch's softplus is ``log1p(exp(x))`` below 20
+    and ``x`` past it; the kernel's gives the same decays where ``log(1 + exp(x))`` would lose the low
+    bits of ``exp(x)`` (or all of them, below about -17)."""
+    t = _case(61, [6, 6], [False, False])
+    t["dt_bias"] = torch.zeros_like(t["dt_bias"])
+    t["a_log"] = torch.full_like(t["a_log"], 12.0)  # A = exp(12): a softplus of 1e-7 still decays visibly
+    t["a"] = torch.linspace(-40, 30, 48).reshape(12, 4)
+    out, pool, _ = _run(t, impl, device)
+    bounds = t["cu"].tolist()
+    for r, slot in enumerate(t["slots"].tolist()):
+        want_out, want_state = _hf_request(t, bounds[r], bounds[r + 1], t["pool"][slot])
+        torch.testing.assert_close(out[bounds[r]:bounds[r + 1]], want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[slot], want_state, rtol=1e-4, atol=1e-4)
+
+
+def test_heads_past_the_register_tile_take_the_three_ops():
+    from tscompile.custom_ops.triton_gated_delta_fused import gated_delta_fused_triton
+    from tscompile.models.qwen3_next_linear import fused_head_fits
+
+    assert fused_head_fits(128, 128) and fused_head_fits(100, 128) and not fused_head_fits(256, 128)
+    t = _case(2, [1], [False], dk=256, dv=128)
+    with pytest.raises(ValueError, match=r"^tscompile: gated_delta_fused holds a value head's \[256, 128\] state"):
+        gated_delta_fused_triton(t["q"], t["k"], t["v"], t["a"], t["b"], t["a_log"], t["dt_bias"], t["z"],
+                                 t["norm_weight"], 1e-6, t["pool"], t["slots"], t["cu"], t["has_state"],
+                                 torch.empty_like(t["v"]), True)

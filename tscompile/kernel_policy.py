@@ -44,10 +44,11 @@ class KernelPolicy:
         range, so no program reads a row another writes) instead of a write kernel launched before
         it, and with ``decode_pdl`` its split and combine kernels launch with PDL. Off by default:
         its speed on a GPU is not yet measured against the separate write.
-    chunked_gated_delta: a hybrid model's prefill and verify steps run the Triton gated delta rule in
+    chunked_gated_delta: a hybrid model's prefill steps run the Triton gated delta rule in
         its chunked form (``custom_ops/triton_gated_delta.py``: 16 rows at a time, matrix products
-        inside a chunk) instead of walking each request's tokens one by one; decode steps walk either
-        way. Off by default: its speed on a GPU is not yet measured against the walk.
+        inside a chunk) instead of walking each request's tokens one by one; decode and verify steps
+        (whose checkpoints keep the state after every row) walk either way. Off by default: its
+        speed on a GPU is not yet measured against the walk.
     state_pdl: with ``decode_pdl``, a hybrid model's state kernels (the causal convolution, the gated
         delta rule and the verify commit) launch with PDL too, in every step (the ops cannot tell a
         decode step from a prefill; there a PDL launch only lets a kernel start sooner), so the decode
@@ -55,9 +56,10 @@ class KernelPolicy:
         its speed on a GPU is not yet measured.
     fused_gated_delta: a hybrid model's decode and verify steps run each linear-attention layer's
         gates, gated delta rule and gated RMSNorm as one op (``custom_ops/gated_delta_fused.py``: on
-        CUDA one Triton kernel, a program per value head) instead of three kernels. On the H100,
-        qwen3-next-1b bf16 bs=1 TPOT 1.456 -> 1.390 ms (251 -> 215 kernels a step); not yet timed on
-        the H200.
+        CUDA one Triton kernel, a program per value head, for heads up to 128 x 128) instead of three
+        kernels. On the H100, qwen3-next-1b bf16 bs=1 TPOT 1.456 -> 1.390 ms (251 -> 215 kernels a
+        step, two processes); not yet timed on the H200. In bf16 it may round an intermediate where
+        Inductor's unfused kernels keep float32 (``custom_ops/gated_delta_fused.py``).
     """
 
     decode_gemv: bool = True
