@@ -282,13 +282,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from . import hf_args, hf_model
 
     impls.check_model_impls(args)
-    kernel_variants = variants.parse(args.kernel_variants)
-    other = [flag for flag, on in (("--gemv-sweep", args.gemv_sweep), ("--merge", args.merge),
-                                   ("--compare", args.compare), ("--prefix-workload", args.prefix_workload),
-                                   ("--hf-model", args.hf_model)) if on]
-    if kernel_variants and other:
-        raise ValueError(f"tscompile: --kernel-variants measures the engine's rows (decode and prefill, or "
-                         f"--speculative's) once per variant; {other[0]} runs none of them: leave one of the two out")
+    kernel_variants = variants.from_args(args)
     if args.gemv_sweep:  # first: it refuses the other runs' flags rather than be overridden by them
         from . import gemv_sweep
 
@@ -341,11 +335,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         _check_tscompile_options(args.tscompile_options, modes)
     impls.check_some_engine_mode(modes, impls.model_impls(args))
     modes = impls.labelled_modes(modes, impls.model_impls(args))  # several implementations: a row label each
-    if kernel_variants:
-        if not any(variants.is_variant_mode(m) for m in modes):
-            raise ValueError(f"tscompile: --kernel-variants runs the compiled tscompile modes once per variant, and "
-                             f"this run measures none of them (modes {modes}); add one to --modes")
-        modes = variants.labelled(modes, kernel_variants)
+    modes = variants.labelled(modes, kernel_variants)
     _default_outputs(args)
     threads = torch.get_num_threads()
     if args.cpu_threads:

@@ -46,13 +46,29 @@ def parse(values: list[str] | None) -> dict[str, dict]:
     return variants
 
 
+def from_args(args) -> dict[str, dict]:
+    """``--kernel-variants`` parsed, refused beside a bench part that runs no engine rows."""
+    kernel_variants = parse(getattr(args, "kernel_variants", None))
+    other = [flag for flag, on in (("--gemv-sweep", args.gemv_sweep), ("--merge", args.merge),
+                                   ("--compare", args.compare), ("--prefix-workload", args.prefix_workload),
+                                   ("--hf-model", args.hf_model)) if on]
+    if kernel_variants and other:
+        raise ValueError(f"tscompile: --kernel-variants measures the engine's rows (decode and prefill, or "
+                         f"--speculative's) once per variant; {other[0]} runs none of them: leave one of the two out")
+    return kernel_variants
+
+
 def is_variant_mode(mode: str) -> bool:
     """The modes a variant applies to: the compiled engine's (an eager engine compiles nothing)."""
     return mode.startswith("tscompile-")
 
 
 def labelled(labels: list[str], variants: dict[str, dict]) -> list[str]:
-    """The run's row labels with each compiled engine mode's variants right after it."""
+    """The run's row labels with each compiled engine mode's variants right after it (refused where
+    none of them is a compiled engine mode)."""
+    if variants and not any(is_variant_mode(m) for m in labels):
+        raise ValueError(f"tscompile: --kernel-variants runs the compiled tscompile modes once per variant, and "
+                         f"this run measures none of them (modes {labels}); add one to --modes")
     out: list[str] = []
     for label in labels:
         out.append(label)
