@@ -68,6 +68,12 @@ def gated_delta_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
     if impl != "torch":
         from tscompile.custom_ops.triton_gated_delta_fused import gated_delta_fused_triton
 
+        tile = (1 << (q.shape[2] - 1).bit_length()) * (1 << (v.shape[2] - 1).bit_length())
+        if tile > MAX_HEAD_TILE:
+            raise ValueError(f"tscompile: gated_delta_fused holds a value head's [{q.shape[2]}, {v.shape[2]}] state in "
+                             f"registers, at most {MAX_HEAD_TILE} elements; run larger heads through the three ops "
+                             "(kernels fused_gated_delta=False)")
+
         gated_delta_fused_triton(q, k, v, a, b, a_log, dt_bias, z, norm_weight, eps, state_pool, state_slots,
                                  cu_seqlens, has_state, out, qk_l2norm, checkpoints, pdl=impl == "triton/pdl")
         return

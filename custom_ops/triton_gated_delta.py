@@ -18,11 +18,15 @@ from tscompile.custom_ops.triton_attention import pdl_launch
 @triton.jit
 def _program_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk,
                    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+                   BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """What program (request, value head, value block) works on: its key head, key and value
     offsets and masks, the request's rows ``[lo, hi)`` and its ``[BLOCK_K, BLOCK_V]`` state slice in
     float32, with the slice's offsets and mask for the write-back. A request that starts fresh gets
-    zeros, whatever its slot held."""
+    zeros, whatever its slot held. Every gated delta kernel starts here: with ``PDL`` (impl
+    "triton/pdl") it first waits for the kernel before, whose output everything below may read."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     hv = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
@@ -41,35 +45,49 @@ def _program_state(state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, strid
 
 
 @triton.jit
+def _row_qkv(q_ptr, k_ptr, v_ptr, t, hk, hv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+             offs_k, offs_v, mask_k, mask_v, scale, L2NORM: tl.constexpr):
+    """Row ``t``'s query and key of key head ``hk`` (L2-normalized with ``L2NORM``, the query scaled)
+    and its value columns ``offs_v`` of value head ``hv``, in float32."""
+    q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    return q * scale, k, v
+
+
+@triton.jit
+def _delta_row(state, q, k, v, decay, beta):
+    """One row of the recurrence on a ``[BLOCK_K, BLOCK_V]`` state slice: (the new state, the row's
+    output columns), float32."""
+    state = state * decay
+    predicted = tl.sum(state * k[:, None], axis=0)
+    delta = (v - predicted) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, tl.sum(state * q[:, None], axis=0)
+
+
+@triton.jit
 def _gated_delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, cu_ptr, has_state_ptr, out_ptr,
                         ckpt_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
                         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, stride_cr, stride_ci,
                         scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
                         BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, CHECKPOINT: tl.constexpr,
                         PDL: tl.constexpr = False):
-    if PDL:  # impl "triton/pdl": everything below may read the kernel before's output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
-        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
+        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V,
+        PDL)
     # entry [request, row] of the checkpoints is laid out as a slot
     ckpt_row0 = ckpt_ptr + tl.program_id(0).to(tl.int64) * stride_cr + hv * stride_sh + offs_k[:, None] * stride_sk \
         + offs_v[None, :]
     for t in range(lo, hi):
-        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        q = q * scale
-        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        q, k, v = _row_qkv(q_ptr, k_ptr, v_ptr, t, hk, hv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                           stride_vh, offs_k, offs_v, mask_k, mask_v, scale, L2NORM)
         decay = tl.exp(tl.load(g_ptr + t * stride_gt + hv).to(tl.float32))
         beta = tl.load(beta_ptr + t * stride_bt + hv).to(tl.float32)
-        state = state * decay
-        predicted = tl.sum(state * k[:, None], axis=0)
-        delta = (v - predicted) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
+        state, o = _delta_row(state, q, k, v, decay, beta)
         tl.store(out_ptr + t * stride_ot + hv * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
         if CHECKPOINT:
             if t < hi - 1:
@@ -279,11 +297,9 @@ def _gated_delta_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, s
     (I + A) is inverted as (I - A)(I + A^2)(I + A^4)...: A is strictly lower triangular, so A^C = 0
     and the product of LOG2_C factors is the exact inverse, in matrix products only. Rows past the
     request's end load as zero with beta = 0 and g = 0: they change neither the state nor the decay."""
-    if PDL:  # impl "triton/pdl": everything below may read the kernel before's output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
-        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
+        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V,
+        PDL)
     offs_c = tl.arange(0, C)
     lower = offs_c[:, None] >= offs_c[None, :]
     strict = offs_c[:, None] > offs_c[None, :]

@@ -12,9 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tscompile.custom_ops.gated_delta_fused import MAX_HEAD_TILE
 from tscompile.custom_ops.triton_attention import pdl_launch
-from tscompile.custom_ops.triton_gated_delta import _program_state, _unit_stride
+from tscompile.custom_ops.triton_gated_delta import _delta_row, _program_state, _row_qkv, _unit_stride
 
 
 @triton.jit
@@ -26,11 +25,9 @@ def _gated_delta_fused_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_b
                               GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, CHECKPOINT: tl.constexpr,
                               PDL: tl.constexpr = False):
-    if PDL:  # impl "triton/pdl": everything below may read the kernel before's output
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     hv, hk, offs_k, offs_v, mask_k, mask_v, lo, hi, state, state_offs, state_mask = _program_state(
-        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V)
+        state_ptr, slots_ptr, cu_ptr, has_state_ptr, stride_ss, stride_sh, stride_sk, GROUP, DK, DV, BLOCK_K, BLOCK_V,
+        PDL)
     dtype = out_ptr.dtype.element_ty
     # per head: A = exp(A_log) in float32 (it may overflow 16 bits), the norm's weight per column
     decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
@@ -39,13 +36,8 @@ def _gated_delta_fused_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_b
     ckpt_row0 = ckpt_ptr + tl.program_id(0).to(tl.int64) * stride_cr + hv * stride_sh + offs_k[:, None] * stride_sk \
         + offs_v[None, :]
     for t in range(lo, hi):
-        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        q = q * scale
-        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        q, k, v = _row_qkv(q_ptr, k_ptr, v_ptr, t, hk, hv, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                           stride_vh, offs_k, offs_v, mask_k, mask_v, scale, L2NORM)
         # the gates: softplus as torch's, log1p(exp(x)) (the input itself past 20). log(1 + e) loses e's
         # low bits to the rounding of 1 + e, and A (up to e^16) magnifies that in the decay, so log1p is
         # computed as log(u) * e / (u - 1), u = 1 + e rounded, which cancels that rounding (e where u is 1).
@@ -59,11 +51,8 @@ def _gated_delta_fused_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_b
         decay = tl.exp(-decay_rate * softplus)
         b = tl.load(b_ptr + t * stride_bt + hv).to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
-        state = state * decay
-        predicted = tl.sum(state * k[:, None], axis=0)
-        delta = (v - predicted) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0).to(dtype).to(tl.float32)
+        state, o = _delta_row(state, q, k, v, decay, beta)
+        o = o.to(dtype).to(tl.float32)
         # the gated RMSNorm of the row: normed in float32, rounded, weighted, gated by SiLU(z)
         mean_square = tl.sum(tl.where(mask_v, o * o, 0.0), axis=0) / DV
         normed = (o * tl.math.rsqrt(mean_square + eps)).to(dtype).to(tl.float32)
@@ -93,9 +82,6 @@ def gated_delta_fused_triton(q, k, v, a, b, a_log, dt_bias, z, norm_weight, eps,
                          f"the state pool's slots {state_pool.stride()}; allocate them contiguous")
     q, k, v, a, b, z = _unit_stride(q, k, v, a, b, z)
     block_k, block_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    if block_k * block_v > MAX_HEAD_TILE:
-        raise ValueError(f"tscompile: gated_delta_fused holds a value head's [{dk}, {dv}] state in registers, at most "
-                         f"{MAX_HEAD_TILE} elements; run larger heads through the three ops (fused_gated_delta=False)")
     # the [Dk, Dv] float32 slice lives in registers: 8 warps keep a 128 x 128 head at 64 per thread
     num_warps = 8 if block_k * block_v >= 128 * 128 else 4
     _gated_delta_fused_kernel[(num_reqs, hv, 1)](

@@ -163,12 +163,9 @@ def test_decay_inputs_far_below_zero_keep_their_softplus(impl, device):
 
 
 def test_heads_past_the_register_tile_take_the_three_ops():
-    from tscompile.custom_ops.triton_gated_delta_fused import gated_delta_fused_triton
     from tscompile.models.qwen3_next_linear import fused_head_fits
 
     assert fused_head_fits(128, 128) and fused_head_fits(100, 128) and not fused_head_fits(256, 128)
     t = _case(2, [1], [False], dk=256, dv=128)
     with pytest.raises(ValueError, match=r"^tscompile: gated_delta_fused holds a value head's \[256, 128\] state"):
-        gated_delta_fused_triton(t["q"], t["k"], t["v"], t["a"], t["b"], t["a_log"], t["dt_bias"], t["z"],
-                                 t["norm_weight"], 1e-6, t["pool"], t["slots"], t["cu"], t["has_state"],
-                                 torch.empty_like(t["v"]), True)
+        _run(t, "triton", "cpu")
