@@ -169,3 +169,27 @@ def test_heads_past_the_register_tile_take_the_three_ops():
     t = _case(2, [1], [False], dk=256, dv=128)
     with pytest.raises(ValueError, match=r"^tscompile: gated_delta_fused holds a value head's \[256, 128\] state"):
         _run(t, "triton", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_fused_kernel_rounds_where_the_eager_layer_does():
+    """bfloat16 on the GPU: the fused kernel against the layer's eager form (torch's gates, the Triton
+    delta rule, torch's gated norm), which rounds ``beta``, the rule's output and the normed row to
+    bf16. The two differ only in the order of the norm's sum, so nearly every element is equal and
+    none is more than two bf16 steps away. (The interpreter on the CPU truncates bf16 casts, so this
+    check needs the GPU.)"""
+    t = _case(17, [1, 1, 1, 1], [False, True, False, False], hk=4, hv=8, dk=128, dv=128)
+    for name in ("q", "k", "v", "a", "b", "z", "dt_bias", "norm_weight"):
+        t[name] = t[name].to(torch.bfloat16)
+    fused, fused_pool, _ = _run(t, "triton", "cuda")
+    g, beta = gates(*[x.cuda() for x in (t["a"], t["b"], t["a_log"], t["dt_bias"])])
+    core = torch.full_like(t["v"], float("nan")).cuda()
+    pool = t["pool"].clone().cuda()
+    args = _on("cuda", t["q"], t["k"], t["v"], g, beta, pool, t["slots"], t["cu"], t["has_state"], core)
+    torch.ops.tscompile.gated_delta_rule(*args, "triton", True, 0, None)
+    eager = gated_rms_norm(core, t["z"].cuda(), t["norm_weight"].cuda(), 1e-6).cpu()
+    assert fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), eager.float(), rtol=2 ** -7, atol=1e-3)
+    assert (fused == eager).float().mean() >= 0.9
+    torch.testing.assert_close(fused_pool, pool.cpu(), rtol=1e-5, atol=1e-5)
