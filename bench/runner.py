@@ -161,9 +161,7 @@ class Bench:
             ok, why = backend_available(backend, self.device)
             if not ok:
                 raise RuntimeError(f"backend {backend!r} unavailable: {why}")
-        options = None if mode == "eager" else getattr(a, "tscompile_options", None)
-        if kernels:
-            options = variants.compile_options(options, kernels)
+        options = None if mode == "eager" else self.compile_options(kernels)
         impl = model_impl or self.impls[0]
         tp = getattr(a, "tensor_parallel_size", 1)
         return workloads.EngineRunner(self.engine_model(model, impl) if tp == 1 else a.model, attention_backend=backend,
@@ -173,6 +171,11 @@ class Bench:
                                       compile_options=options, model_impl=impl,
                                       enable_prefix_caching=not getattr(a, "no_prefix_caching", False),
                                       tensor_parallel_size=tp)
+
+    def compile_options(self, kernels: dict | None) -> dict | None:
+        """A compiled engine mode's compile options: the run's, with a variant's ``kernels`` over them."""
+        options = getattr(self.args, "tscompile_options", None)
+        return variants.compile_options(options, kernels) if kernels else options
 
     def engine_model(self, model, model_impl: str):
         """What an engine mode builds its ``tscompile.LLM`` from: the mode's native model, or under
@@ -314,9 +317,8 @@ class Bench:
         if kernels:
             info["kernel_variant"] = kernels
         if variants.is_variant_mode(plain_mode):  # the kernel choices this mode's engine runs with, here
-            info["kernel_paths"] = environment.kernel_paths(KernelPolicy.from_options(
-                (variants.compile_options(a.tscompile_options, kernels) if kernels
-                 else getattr(a, "tscompile_options", None) or {}).get("kernels")))
+            options = self.compile_options(kernels) or {}
+            info["kernel_paths"] = environment.kernel_paths(KernelPolicy.from_options(options.get("kernels")))
         if len(self.impls) > 1 and impls.is_engine_mode(plain_mode):
             info["model_impl"] = impl
         torch._dynamo.reset()

@@ -34,6 +34,12 @@ TORCH_CHUNK = 64  # the torch form's chunk for multi-row requests (transformers'
 MAX_HEAD_TILE = 128 * 128  # the largest (power-of-two padded) Dk x Dv a Triton program holds
 
 
+def fused_head_fits(dk: int, dv: int) -> bool:
+    """Whether a value head's ``[Dk, Dv]`` state fits one Triton program (its sizes padded to powers
+    of two, as the kernel's tiles are)."""
+    return (1 << (dk - 1).bit_length()) * (1 << (dv - 1).bit_length()) <= MAX_HEAD_TILE
+
+
 def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
     """``(g, beta)`` of a step from the projection's raw ``a``, ``b`` ``[T, Hv]``: the log-decay in
     float32 (``A = exp(A_log)`` may overflow 16 bits) and the write strength in the model dtype."""
@@ -68,8 +74,7 @@ def gated_delta_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
     if impl != "torch":
         from tscompile.custom_ops.triton_gated_delta_fused import gated_delta_fused_triton
 
-        tile = (1 << (q.shape[2] - 1).bit_length()) * (1 << (v.shape[2] - 1).bit_length())
-        if tile > MAX_HEAD_TILE:
+        if not fused_head_fits(q.shape[2], v.shape[2]):
             raise ValueError(f"tscompile: gated_delta_fused holds a value head's [{q.shape[2]}, {v.shape[2]}] state in "
                              f"registers, at most {MAX_HEAD_TILE} elements; run larger heads through the three ops "
                              "(kernels fused_gated_delta=False)")

@@ -4,6 +4,8 @@ on random data with fresh inputs per check, NaN-poisoned outputs and untouched s
 for bit; the Triton kernel runs under the interpreter on the CPU.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -163,12 +165,22 @@ def test_decay_inputs_far_below_zero_keep_their_softplus(impl, device):
 
 
 def test_heads_past_the_register_tile_take_the_three_ops():
-    from tscompile.models.qwen3_next_linear import fused_head_fits
+    """The Triton op refuses a head it cannot hold; a model with such heads binds its layers to the
+    three ops even where the policy asks for the fused one."""
+    from tscompile.custom_ops.gated_delta_fused import fused_head_fits
+    from tscompile.kv_cache.state_pool import StatePool
+    from tscompile.models.qwen3_next import QWEN3_NEXT_PRESETS, Qwen3NextTransformer
 
     assert fused_head_fits(128, 128) and fused_head_fits(100, 128) and not fused_head_fits(256, 128)
     t = _case(2, [1], [False], dk=256, dv=128)
     with pytest.raises(ValueError, match=r"^tscompile: gated_delta_fused holds a value head's \[256, 128\] state"):
         _run(t, "triton", "cpu")
+    for dk, dv, fused in ((32, 32, True), (256, 128, False)):
+        cfg = dataclasses.replace(QWEN3_NEXT_PRESETS["qwen3-next-tiny"], linear_key_head_dim=dk,
+                                  linear_value_head_dim=dv)
+        model = Qwen3NextTransformer(cfg)
+        model.bind_state_pool(StatePool.allocate(model.state_spec(), 2, "cpu"), "torch", fused_decode=True)
+        assert {layer.linear_attn.fused_decode for layer in model.layers if layer.linear} == {fused}
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from tscompile.custom_ops.gated_delta_fused import fused_head_fits
 from tscompile.forward_context import get_forward_context
 from tscompile.kv_cache.pool import KVCachePool
 from tscompile.kv_cache.spec import CacheGroupSpec
@@ -228,7 +229,8 @@ class Qwen3NextTransformer(Transformer):
     def bind_state_pool(self, pool: StatePool, impl: str, triton_chunk: int = 0, fused_decode: bool = False) -> None:
         """Point every linear layer at its state in ``pool``; ``impl``: the state kernels ("torch",
         "triton" or "triton/pdl"); ``triton_chunk``: the Triton gated delta rule's chunk for multi-row steps (0: it
-        walks the tokens); ``fused_decode``: decode steps run ``tscompile::gated_delta_fused``."""
+        walks the tokens); ``fused_decode``: decode steps run ``tscompile::gated_delta_fused`` (heads it
+        can hold)."""
         for layer in self.layers:
             if layer.linear:
                 layer.conv_state, layer.ssm_state = pool.layer_state(layer.layer_id)
@@ -237,7 +239,9 @@ class Qwen3NextTransformer(Transformer):
                     layer.conv_checkpoints, layer.ssm_checkpoints = checkpoints
                 layer.linear_attn.impl = impl
                 layer.linear_attn.triton_chunk = triton_chunk
-                layer.linear_attn.fused_decode = fused_decode
+                # a head past the fused kernel's register tile keeps the three ops
+                attn = layer.linear_attn
+                attn.fused_decode = fused_decode and fused_head_fits(attn.dk, attn.dv)
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3NextTransformer":
         """Seeded random weights: matrices ``N(0, std)``, norms at one (offset norms at zero), the

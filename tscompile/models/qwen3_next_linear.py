@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tscompile.custom_ops import gated_delta  # noqa: F401  (registers tscompile::gated_delta_rule)
-from tscompile.custom_ops.gated_delta_fused import MAX_HEAD_TILE, gated_rms_norm, gates
+from tscompile.custom_ops.gated_delta_fused import gated_rms_norm, gates
 from tscompile.kv_cache.state_pool import StateSpec
 
 CHUNK_SIZE = 64  # the torch reference's prefill chunk (transformers' default)
@@ -66,12 +66,6 @@ def in_proj_rows(hk: int, hv: int, dk: int, dv: int) -> tuple[int, ...]:
             for kind, size in zip(kinds, sizes):
                 rows.extend(range(starts[kind] + h * size, starts[kind] + (h + 1) * size))
     return tuple(rows)
-
-
-def fused_head_fits(dk: int, dv: int) -> bool:
-    """Whether a value head's state fits one program of the fused kernel (its sizes padded to powers
-    of two, as the kernel's tiles are)."""
-    return (1 << (dk - 1).bit_length()) * (1 << (dv - 1).bit_length()) <= MAX_HEAD_TILE
 
 
 class GatedRMSNorm(nn.Module):
@@ -124,7 +118,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk), v.reshape(t, self.hv, self.dv)
         z = z.view(t, self.hv, self.dv)
         core = torch.empty(t, self.hv, self.dv, dtype=x.dtype, device=x.device)
-        if decode and self.fused_decode and fused_head_fits(self.dk, self.dv):
+        if decode and self.fused_decode:
             torch.ops.tscompile.gated_delta_fused(q, k, v, a, b, self.A_log, self.dt_bias, z, self.norm.weight,
                                                   self.norm.eps, ssm_pool, state_slots, cu_seqlens, has_state, core,
                                                   self.impl, True, ssm_checkpoints)
