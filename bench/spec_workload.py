@@ -46,7 +46,7 @@ def methods_of(names: list[str]) -> list[str]:
     return [m for m in METHODS if m in chosen]
 
 
-def _run(llm, prompts: list[list[int]], output_len: int, device: torch.device, window=None) -> dict:
+def greedy_run(llm, prompts: list[list[int]], output_len: int, device: torch.device, window=None) -> dict:
     """One greedy run of ``prompts``; ``window``: a ``kernel_table.StepWindow`` told of every decode
     (or verify) step, which profiles the ones it was asked for."""
     from tscompile import SamplingParams
@@ -92,7 +92,7 @@ def settle_replay(llm, prompts, output_len, device, references: dict, max_runs: 
     output as references and the measured run's acceptance says how close it came."""
     for runs in range(1, max_runs + 1):
         llm.set_replay_references(references)
-        outputs = _run(llm, prompts, output_len, device)["outputs"]
+        outputs = greedy_run(llm, prompts, output_len, device)["outputs"]
         own = {tuple(p): o for p, o in zip(prompts, outputs)}
         if own == references:
             return runs
@@ -111,9 +111,9 @@ def _measure(make_llm, prompts, output_len, device, references=None, profile=Non
         if references is not None:
             settle_runs = settle_replay(llm, prompts, output_len, device, references)
         else:
-            _run(llm, prompts, output_len, device)  # warm-up: compiles and graph captures
+            greedy_run(llm, prompts, output_len, device)  # warm-up: compiles and graph captures
         before = llm.stats()
-        row = _run(llm, prompts, output_len, device)
+        row = greedy_run(llm, prompts, output_len, device)
         after = llm.stats()
         if profile is not None:
             row["kernel_table"] = row_kernels.guarded_table(
@@ -144,7 +144,7 @@ def _step_kernel_table(llm, prompts, output_len, device, steps: int, count: int,
     count = min(count, steps)
     window = kernel_table.StepWindow(device.type, (steps - count) // 2, count)
     try:
-        _run(llm, prompts, output_len, device, window)
+        greedy_run(llm, prompts, output_len, device, window)
     finally:
         window.finish()
     if window.steps < 1:

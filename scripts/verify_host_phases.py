@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import torch
 
-from tscompile.bench.spec_workload import repetitive_prompts
+from tscompile.bench.spec_workload import greedy_run, repetitive_prompts
 from tscompile.bench.workloads import time_method
 
 
@@ -39,22 +39,18 @@ def _engine(model, device, dtype, bs: int, max_len: int, spec: dict | None):
                          seed=0, speculative_config=spec)
 
 
-def _run(llm, prompts, output_len: int, device, phases: dict | None = None) -> list[list[int]]:
-    """One greedy run of ``prompts``; with ``phases``, each pure-decode step's wall time is added
-    under "step" (the wrapped phases add their own)."""
-    from tscompile import SamplingParams
+class _StepClock:
+    """The ``window`` that ``spec_workload.greedy_run`` tells of each pure-decode step: each step's wall
+    time (device synchronized after it) goes under "step"."""
 
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
-    reqs = [llm.add_request(p, params) for p in prompts]
-    sched = llm.scheduler
-    while llm.has_unfinished():
-        decoding = not sched.waiting and all(r.prefill_done for r in sched.running)
-        start = time.perf_counter()
-        llm.step()
-        llm.sync()
-        if phases is not None and decoding:
-            phases["step"].append(time.perf_counter() - start)
-    return [list(r.output) for r in reqs]
+    def __init__(self, phases: dict):
+        self.phases, self._start = phases, 0.0
+
+    def before(self, step: int) -> None:
+        self._start = time.perf_counter()
+
+    def after(self, step: int) -> None:
+        self.phases["step"].append(time.perf_counter() - self._start)
 
 
 def _instrument(llm, phases: dict) -> None:
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = _engine(model, device, dtype, a.batch_size, max_len, config)
         if config is not None and a.method == "replay":
             llm.set_replay_references(references)
-        outputs = _run(llm, prompts, a.output_len, device)  # compiles and captures
+        outputs = greedy_run(llm, prompts, a.output_len, device)["outputs"]  # compiles and captures
         if config is None:
             references = {tuple(q): o for q, o in zip(prompts, outputs)}
         phases: dict[str, list[float]] = defaultdict(list)
@@ -114,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if config is not None and a.method == "replay":  # its own output: every draft accepted
             llm.set_replay_references({tuple(q): o for q, o in zip(prompts, outputs)})
         before = llm.stats()
-        _run(llm, prompts, a.output_len, device, phases)
+        greedy_run(llm, prompts, a.output_len, device, _StepClock(phases))
         after = llm.stats()
         verify_steps = after.spec_verify_steps - before.spec_verify_steps
         if verify_steps:  # the verify step's own host measure: all of VerifyStep.run but the read-back wait

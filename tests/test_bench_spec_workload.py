@@ -76,7 +76,7 @@ def test_replay_settles_on_the_engines_own_output_when_plain_decodes_differs():
     gives them back, and the measured run accepts every draft."""
     torch.set_num_threads(1)
     prompts = spec_workload.repetitive_prompts(0, 256, 2, 4, 3)
-    plain = spec_workload._run(_tiny_engine(2), prompts, 6, torch.device("cpu"))["outputs"]
+    plain = spec_workload.greedy_run(_tiny_engine(2), prompts, 6, torch.device("cpu"))["outputs"]
     wrong = {tuple(p): o[:2] + [(o[2] + 1) % 256] + o[3:] for p, o in zip(prompts, plain)}
     row = spec_workload._measure(lambda: _tiny_engine(2, {"method": "replay", "num_speculative_tokens": 2}),
                                  prompts, 6, torch.device("cpu"), wrong)
@@ -96,7 +96,7 @@ def test_settle_replay_stops_at_its_run_limit_and_keeps_the_last_output(monkeypa
     def run(llm, prompts, output_len, device):
         return {"outputs": [[len(handed)] * output_len for _ in prompts]}
 
-    monkeypatch.setattr(spec_workload, "_run", run)
+    monkeypatch.setattr(spec_workload, "greedy_run", run)
     prompts = [[1, 2], [3, 4]]
     assert spec_workload.settle_replay(Engine(), prompts, 3, None, {(1, 2): [0] * 3, (3, 4): [0] * 3},
                                        max_runs=3) == 3
