@@ -371,12 +371,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, conf
 # With ``KernelPolicy.decode_gemv`` (on by default) the engine's bs=1 decode graph on CUDA runs the
 # one-row matmuls whose weight shape has an entry below through ``tscompile::gemv``
 # (passes/decode_gemv.py) instead of cuBLAS; other shapes stay cuBLAS. The launches are the picks of
-# one launch sweep on the H200 (each beat cuBLAS's best by TABLE_MIN_SPEEDUP or more at M = 1), so the pass acts only on a GPU named
-# in DECODE_GEMV_DEVICES. In the engine, one H200, back-to-back processes, bf16, bs=1 TPOT: llama-8b 4.542 -> 4.316 ms,
-# llama-1b 1.100 -> 0.993 ms. The launches are for one row (the
-# accumulator holds M x BLOCK_N x BLOCK_K products): the pass swaps one-row matmuls only. With
-# coordinate-descent tuning on, Inductor turns one-row matmuls into its own reductions before the
-# pass runs, so the pass then finds none.
+# launch sweeps on the H200 (each beat cuBLAS's best by TABLE_MIN_SPEEDUP or more at M = 1), so the
+# pass acts only on a GPU named in DECODE_GEMV_DEVICES. A model's shapes enter the table from a sweep
+# of them (`tscompile bench --gemv-sweep --model M --gemv-rows 1`, then `scripts/apply_gemv_sweep.py`
+# on its JSON). In the engine, one H200, back-to-back processes, bf16, bs=1 TPOT: llama-8b 4.542 ->
+# 4.316 ms, llama-1b 1.100 -> 0.993 ms. The launches are for one row (the accumulator holds
+# M x BLOCK_N x BLOCK_K products): the pass swaps one-row matmuls only. With coordinate-descent tuning
+# on, Inductor turns one-row matmuls into its own reductions before the pass runs, so the pass then
+# finds none.
 #
 # Not done, measured slower: moving the RMSNorm, the SiLU-mul and the residual add into the kernel (prologues and an
 # epilogue): on the H200 bs=1 TPOT went llama-8b 4.317 -> 5.075 ms, llama-1b 0.996 -> 1.035; the norm prologue's extra loads cost the kernel more than
