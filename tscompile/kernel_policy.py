@@ -43,9 +43,9 @@ class KernelPolicy:
         split kernel writes the window's new K/V rows itself (each split the rows of its own KV
         range, so no program reads a row another writes) instead of a write kernel launched before
         it, and with ``decode_pdl`` its split and combine kernels launch with PDL. Off by default:
-        on one H100 (llama-8b bf16 bs=1, k=3, one process) the verify step took 7.151 -> 6.716 ms
-        with the device busy 5.964 -> 5.969 ms a step, a gain in host time within the spread of
-        two identical plain engines (6.207 and 6.408 ms); not yet repeated on the H200.
+        on one H100 (llama-8b bf16 bs=1, k=3, one process) the verify step took 7.151 -> 6.716 ms,
+        all of it in the step's host part (the device busy 5.964 -> 5.969 ms a step), from one run
+        in which two identical plain engines differed by 0.2 ms; not yet repeated on the H200.
     chunked_gated_delta: a hybrid model's prefill steps run the Triton gated delta rule in
         its chunked form (``custom_ops/triton_gated_delta.py``: 16 rows at a time, matrix products
         inside a chunk) instead of walking each request's tokens one by one; decode and verify steps
