@@ -44,6 +44,10 @@ from tscompile.step_plan import GroupPlan
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 NEEDS = FLASHINFER_NEEDS.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
 BACKEND_MODULE = "tscompile.attention.flashinfer_backend"
+# One worker for the file's GPU tests (scripts/gpu_check.sh runs them with --dist loadgroup): the first
+# use of a kernel builds it into FlashInfer's cache, which takes a minute or more; on one worker the
+# other tests find it built, where spread over several each worker builds the same kernels at once.
+pytestmark = pytest.mark.xdist_group("flashinfer")
 
 
 # -- refusals ----------------------------------------------------------------------------------------
