@@ -284,6 +284,37 @@ def test_compiled_graphs_equal_enforce_eager_tokens(model):
     assert ids(make(model, max_num_batched_tokens=32).generate(PROMPTS, params)) == eager
 
 
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graphs_holding_the_refresh_give_the_tokens_of_graphs_refreshed_before_replay(backend, speculative):
+    """``KernelPolicy.graphed_refresh``: the decode and verify graphs refresh their metadata over the
+    staged rows padded to the graph's batch size. Before each of their replays every decode metadata
+    buffer is overwritten with wrong in-range values, and the tokens are still those of the default
+    engine (greedy and sampled, 7 requests in graphs of 8, async scheduling, n-gram verify windows)."""
+    spec = None if speculative is None else {"method": "ngram", "num_speculative_tokens": 3}
+    params = [SamplingParams(max_new_tokens=6 + 2 * (i % 3), temperature=0.7 * (i % 2), top_k=50, seed=i)
+              for i in range(len(PROMPTS))]
+    want = ids(make(backend=backend, speculative_config=spec).generate(PROMPTS, params))
+    llm = make(backend=backend, speculative_config=spec,
+               compile_options={"decode_ladder": (1, 2, 4, 8), "kernels": {"graphed_refresh": True}})
+    assert llm.runner.decode.graphed_refresh
+    graphs, router = llm.runner.graphs, llm.runner.attention
+    replay, widths = graphs.replay_graph, set()
+
+    def poisoned(key):
+        if key.phase == "decode":
+            widths.add(key.width)
+            for leaf in router.leaves:
+                leaf.page_table_buf.random_(1, 4)
+                leaf.seq_lens_buf.fill_(1)
+            router._write_loc_stack.random_(0, 16)
+        return replay(key)
+
+    graphs.replay_graph = poisoned
+    assert ids(llm.generate(PROMPTS, params)) == want
+    assert (4 if speculative else 1) in widths  # the verify graphs (N = 4) replayed too
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_async_scheduling_on_graphs_gives_the_tokens_of_synchronous_steps(backend):
     """Decode replays launched before the previous step's tokens are read (the input token gathered

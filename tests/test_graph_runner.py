@@ -171,3 +171,62 @@ def test_compiles_and_captures_say_what_they_do_and_how_long_it_took(caplog):
     assert "tscompile: capturing decode graphs (3 sizes) ..." in lines
     assert any(m.startswith("tscompile: captured 3 decode graphs in ") for m in lines)
     assert len(graphs.graphs) == 3 and out.item() == 7  # each capture ran its step once
+
+
+def _poison_decode_metadata_at_each_replay(llm) -> list:
+    """Right before each decode or verify replay, every decode metadata buffer of the engine gets wrong
+    values that are still in range (pages and slots of the first blocks, length 1): a refresh the
+    graph holds rewrites them before its forward reads them, one launched before the replay cannot.
+    Returns the list the replayed keys go to."""
+    graphs, router = llm.runner.graphs, llm.runner.attention
+    replay = graphs.replay_graph
+    gen = torch.Generator().manual_seed(0)
+    replayed = []
+
+    def poisoned(key):
+        replayed.append(key)
+        if key.phase == DECODE:
+            for leaf in router.leaves:
+                leaf.page_table_buf.copy_(torch.randint(1, 4, leaf.page_table_buf.shape, generator=gen))
+                leaf.seq_lens_buf.fill_(1)
+            router._write_loc_stack.copy_(torch.randint(0, 16, router._write_loc_stack.shape, generator=gen))
+        return replay(key)
+
+    graphs.replay_graph = poisoned
+    return replayed
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_graphs_that_hold_the_refresh_rewrite_every_decode_buffer_they_read(speculative):
+    """``graphed_refresh``: the decode (and verify) graphs refresh the staged rows, padded to the
+    graph's batch size, themselves. With the metadata poisoned at each replay, such an engine still
+    gives the unpadded engine's tokens (greedy and seeded; a batch of 3 in graphs of 4, so padding
+    rows are refreshed too); the same engine refreshing before its replays does not, which shows the
+    poison reaches what the forward reads."""
+    spec = None if speculative is None else SPECULATIVE_CONFIGS[speculative]
+    kw = dict(dtype=torch.float32, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=32,
+              attention_backend="torch", speculative_config=spec)
+    prompts = [[(5 * i + j) % 7 + 1 for j in range(n)] for i, n in enumerate([13, 9, 11])]  # repeating: drafts
+    runs = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=5)]
+    expected = [ids(small_llm(**kw).generate(prompts, p)) for p in runs]
+    outcomes = {}
+    for graphed in (True, False):
+        llm = small_llm(**kw)
+        llm.runner.use_graphs(HostGraphs(), decode=True, prefill="whole", graphed_refresh=graphed)
+        assert llm.runner.decode.graphed_refresh is graphed
+        replayed = _poison_decode_metadata_at_each_replay(llm)
+        outcomes[graphed] = [ids(llm.generate(prompts, p)) for p in runs]
+        assert any(key.phase == DECODE for key in replayed)
+        if speculative is not None and graphed:  # verify graphs replayed, drafts accepted
+            assert any(key.width > 1 for key in replayed) and llm.stats().spec_accepted_tokens > 0
+    assert outcomes[True] == expected
+    assert outcomes[False] != expected
+
+
+def test_a_refresh_that_reads_the_host_is_never_held_by_a_graph():
+    """A model with recurrent-state layers refreshes its state slots from the host: asking for graphed
+    refresh leaves its graphs refreshing before each replay."""
+    llm = small_llm("qwen3-next-tiny", dtype=torch.float32, enforce_eager=True)
+    assert llm.runner.attention.refresh_reads_host
+    llm.runner.use_graphs(HostGraphs(), decode=True, prefill=None, graphed_refresh=True)
+    assert llm.runner.decode.graphed_refresh is False

@@ -62,6 +62,13 @@ class KernelPolicy:
         kernels. On the H100, qwen3-next-1b bf16 bs=1 TPOT 1.456 -> 1.390 ms (251 -> 215 kernels a
         step, two processes); not yet timed on the H200. In bf16 it may round an intermediate where
         Inductor's unfused kernels keep float32 (``custom_ops/gated_delta_fused.py``).
+    graphed_refresh: the decode and verify graphs hold the decode metadata refresh
+        (``tscompile::refresh_decode_metadata``, one launch over the staged tables), so a replay
+        launches nothing before the graph: the staging pads its tables and lengths to the graph's
+        batch size, and the refresh over those padded rows is the padding refresh. A backend whose
+        refresh plans on the host (FlashInfer) or a model with recurrent-state layers refreshes
+        before each replay either way. Off by default: the host time it saves a step is not yet
+        measured on a GPU.
     """
 
     decode_gemv: bool = True
@@ -73,6 +80,7 @@ class KernelPolicy:
     chunked_gated_delta: bool = False
     state_pdl: bool = False
     fused_gated_delta: bool = True
+    graphed_refresh: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

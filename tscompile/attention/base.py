@@ -114,6 +114,8 @@ class PagedAttentionBackend(AttentionBackend):
 
     impl: ClassVar[str] = ""  # tscompile::attention kernel
     refresh_impl: ClassVar[str] = "torch"  # tscompile::refresh_decode_metadata kernel
+    # the decode refresh reads host arrays (a host planner): it cannot be replayed inside a graph
+    refresh_reads_host: ClassVar[bool] = False
 
     def __init__(self, group_id: int, *, max_pages: int, device: torch.device):
         self.group_id = group_id

@@ -143,6 +143,7 @@ def _library_missing(uri: str) -> bool:
 class FlashInferAttentionBackend(PagedAttentionBackend):
     impl = "flashinfer"  # the backend's name; calls go to the per-instance ``op_impl``
     refresh_impl = _REFRESH_IMPL
+    refresh_reads_host = True  # plan_decode / plan_verify run on the host
     cuda_graph_support = CudaGraphSupport(decode_graph=True, prefill_graph=False, whole_prefill_graph=False)
 
     def __init__(self, group_id: int, *, max_pages: int, device: torch.device):

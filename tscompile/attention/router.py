@@ -181,6 +181,20 @@ class AttentionRouter(AttentionBackend):
                                  "slots; pass the plan's (DecodeInputs.host_state_slots)")
             self.state.refresh_decode_metadata(bs, inputs.host_state_slots, inputs.width)
 
+    @property
+    def refresh_reads_host(self) -> bool:
+        """Whether the decode refresh reads host arrays (a leaf that plans on the host, or the state
+        slots): then it must run before each replay, outside any graph."""
+        return self.state is not None or any(leaf.refresh_reads_host for leaf in self.leaves)
+
+    def publish_decode_views(self, bs: int, width: int = 1) -> None:
+        """Publish what a refresh of ``bs`` x ``width`` rows publishes (every group's metadata views
+        and write slots) without running it: a graph that holds the refresh rewrites those buffers
+        when it replays."""
+        self.decode_write_locations = self._decode_write_locs(bs, width)
+        for leaf in self.leaves:
+            leaf.forward_decode_metadata = leaf.decode_views(bs, width)
+
     def refresh_idle_decode_metadata(self, bs: int, width: int = 1) -> None:
         """The refresh a graph capture runs: every row padding, over placeholder tables. It is the
         decode refresh itself, so capture needs no metadata path of its own."""

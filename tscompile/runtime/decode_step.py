@@ -3,10 +3,12 @@
 
 Padding: the smallest decode-ladder size ``bs >= n`` (``GraphRunner.decode_size``; above the ladder,
 or without graphs, ``bs = n``). The plan's host facts go up in one upload (``DecodeStaging``); the
-only decode metadata is ``refresh_decode_metadata`` (eager, capture and replay alike), which
-rewrites the persistent buffers the graph reads. Rows ``[n, bs)`` are padding and resolve to the
-null page. A batch size's graph is captured on its first sampled (not all-greedy) step, or at
-start-up for the greedy variant of every ladder size (``capture_ladder``).
+only decode metadata is ``refresh_decode_metadata``, which rewrites the persistent buffers the graph
+reads: launched before each replay, or, with ``KernelPolicy.graphed_refresh`` where the backend's
+refresh reads nothing from the host, captured in the graph over the staged rows padded to ``bs``.
+Rows ``[n, bs)`` are padding and resolve to the null page. A batch size's graph is captured on its
+first sampled (not all-greedy) step, or at start-up for the greedy variant of every ladder size
+(``capture_ladder``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
         self.logits_rows = torch.arange(max_num_seqs, device=device)  # a decode row samples itself
         self.graphs: GraphRunner | None = None
         self._said_above_ladder = False
+        # the graphs hold the refresh, so a replay launches nothing before its graph (set with the graphs:
+        # ModelRunner.use_graphs)
+        self.graphed_refresh = False
         if config is None:
             self.compiled = self.compiled_one = self.forward
         else:
@@ -92,8 +97,13 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
             key = graphs.decode_key(bs, greedy)
             if key is not None and key not in graphs.graphs:
                 self.capture(key)  # a first sampled batch at this size: one-time capture
-        self.staging.fill(plan, bs, prev_rows)
+        in_graph = key is not None and self.graphed_refresh
+        self.staging.fill(plan, bs, prev_rows, pad_tables=in_graph)
         self.staging.upload()
+        if in_graph:
+            self.attention.publish_decode_views(bs)
+            graphs.replay_graph(key)
+            return
         self.attention.refresh_decode_metadata(bs, self.staging.decode_inputs(n, plan))
         if key is not None:
             graphs.replay_graph(key)
@@ -104,6 +114,12 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
                         "%s); later ones say nothing", n, graphs.decode_ladder)
         self.run_compiled(bs, greedy, logprobs)
         counters["decode_eager"] += 1
+
+    def refresh_padded(self, bs: int, width: int = 1) -> None:
+        """The refresh a graph holds (``graphed_refresh``): over all ``bs`` staged rows, whose tables
+        and lengths the staging padded, so rows past the live ones refresh as padding."""
+        inputs = self.staging.decode_inputs(bs)
+        self.attention.refresh_decode_metadata(bs, inputs if width == 1 else inputs.with_width(width))
 
     def run_compiled(self, bs: int, greedy: bool, logprobs: bool = False) -> None:
         """The compiled decode step over the first ``bs`` rows of the static buffers (what a graph
@@ -119,6 +135,8 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
         query rows each) a padding row."""
         self.attention.refresh_idle_decode_metadata(bs, width)
         st = self.staging
+        if self.graphed_refresh:
+            st.pad_tables(bs)  # the captured refresh reads them
         st.input_ids[:bs * width].zero_()
         st.prev_rows[:bs].fill_(-1)
         st.positions[:bs * width].zero_()
@@ -131,8 +149,14 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
         """Record the step of ``key``'s size on idle inputs: two warm-up runs (the first size's
         compiles, lazy allocations), then the capture, into the decode pool."""
         bs, greedy = key.batch_size, key.greedy
-        self.graphs.capture(key, lambda: self.run_compiled(bs, greedy), prepare=lambda: self.idle_inputs(bs),
-                            warmup=2, tidy=True, guard_roots=self.guard_roots)
+
+        def step() -> None:
+            if self.graphed_refresh:
+                self.refresh_padded(bs)
+            self.run_compiled(bs, greedy)
+
+        self.graphs.capture(key, step, prepare=lambda: self.idle_inputs(bs), warmup=2, tidy=True,
+                            guard_roots=self.guard_roots)
 
     def capture_ladder(self) -> None:
         """Capture the greedy variant of every ladder size, largest first (the sizes share one pool);

@@ -148,12 +148,18 @@ class ModelRunner:
             if support.decode_graph or prefill is not None:
                 self.use_graphs(CudaGraphs(device), decode=support.decode_graph, prefill=prefill)
 
-    def use_graphs(self, backend: GraphBackend, *, decode: bool = True, prefill: str | None = None) -> GraphRunner:
+    def use_graphs(self, backend: GraphBackend, *, decode: bool = True, prefill: str | None = None,
+                   graphed_refresh: bool | None = None) -> GraphRunner:
         """Run steps through one ``GraphRunner`` over ``backend``: decode graphs per decode-ladder size
         (``decode``), and prefill graphs (``prefill``: "whole", "piecewise" or None) per token bucket
         up to ``prefill_graph_max_tokens`` and request bucket. The ladders are the compile config's
-        (an eager engine's: the defaults; with ``HostGraphs`` it then runs every step padded, eagerly)."""
+        (an eager engine's: the defaults; with ``HostGraphs`` it then runs every step padded, eagerly).
+        ``graphed_refresh``: the decode and verify graphs hold the decode refresh (default: the config's
+        ``KernelPolicy.graphed_refresh``); never where the refresh reads the host."""
         cfg = self.config if self.config is not None else TscompileConfig()
+        if graphed_refresh is None:
+            graphed_refresh = cfg.kernels.graphed_refresh
+        self.decode.graphed_refresh = decode and graphed_refresh and not self.attention.refresh_reads_host
         if prefill not in (None, "whole", "piecewise"):
             raise ValueError(f"tscompile: prefill graph mode {prefill!r} must be 'whole', 'piecewise' or None")
         self.graphs = GraphRunner(

@@ -126,11 +126,11 @@ class DecodeStaging:
             put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
         self._fill_sampling(host, plan.sampling, bs)
 
-    def fill_verify(self, plan: StepPlan, bs: int) -> None:
+    def fill_verify(self, plan: StepPlan, bs: int, *, pad_tables: bool = False) -> None:
         """A verify step's host writes (``plan.verify_width`` = N > 1): ``n * N`` token ids and
         positions, the drafts, tables, lengths and sampling rows; requests ``[n, bs)`` are padding
         (token 0 at position 0, no drafts). Every input token is on the host (a verify step waits
-        for the step before it)."""
+        for the step before it). ``pad_tables`` as for ``fill``."""
         n, width = plan.num_requests, plan.verify_width
         host = self._writable_set()
         n64 = host.n64
@@ -138,7 +138,7 @@ class DecodeStaging:
         put_rows(n64, 0, plan.input_ids, n * width, bs * width, 0)
         put_rows(n64, self._positions_at, plan.positions, n * width, bs * width, 0)
         put_rows(n64, self._drafts_at, plan.draft_tokens.reshape(-1), n * k, bs * k, -1)
-        self._fill_tables(host, plan, n)
+        self._fill_tables(host, plan, bs if pad_tables else n)
         self._fill_sampling(host, plan.sampling, bs)
 
     def _fill_tables(self, host: _HostSet, plan: StepPlan, live: int) -> None:
@@ -147,6 +147,14 @@ class DecodeStaging:
         for g, group in enumerate(plan.groups):
             put_rows(n32, g * b, group.seq_lens, n, live, 0)
             put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
+
+    def pad_tables(self, bs: int) -> None:
+        """Rows ``[0, bs)`` of every group's staged block tables and lengths become the null block and
+        0 on the device (the inputs of a refresh over ``bs`` padding rows, before a capture)."""
+        b, mb = self.max_bs, self.max_blocks
+        for g in range(self.num_groups):
+            self.d32[g * b: g * b + bs].zero_()
+            self.d32[self._tables_at + g * b * mb: self._tables_at + g * b * mb + bs * mb].zero_()
 
     def fill_sampling(self, rows: SamplingRows, bs: int | None = None) -> None:
         """An extend or mixed step's sampling rows (the sampling op reads these buffers in every

@@ -6,9 +6,10 @@ A verify step of ``n`` requests pads to the decode-ladder size ``bs >= n`` (as d
 runs the graph ``GraphKey("decode", bs, bs * N, N, greedy)``, captured on first use or at start-up
 (``capture_ladder``); above the ladder, or without graphs, the same compiled step runs unpadded.
 What the graph reads: the staged ids, positions and drafts (``DecodeStaging.fill_verify``), the
-decode metadata the refresh rewrote for ``bs * N`` rows, the sampling inputs; what it writes: the
-emitted tokens ``[bs, N]`` (accepted drafts, the target's token, then -1) and accepted counts
-``[bs]``, persistent buffers read back once per step. Padding requests have no drafts and write
+decode metadata the refresh rewrote for ``bs * N`` rows (or, with ``graphed_refresh``, the staged
+tables it refreshes itself, as decode's graphs do), the sampling inputs; what it writes: the
+emitted tokens (accepted drafts, the target's token, then -1) and accepted counts, side by side in
+one persistent ``[bs, N + 1]`` buffer read back once per step. Padding requests have no drafts and write
 only the null page and the null state slot. With recurrent-state layers the step ends by committing
 each request's state at its accepted length (``StateBackend.commit_verify``), on the device.
 Plain decode (N = 1) never comes here: ``DecodeStep.run`` is unchanged.
@@ -37,6 +38,10 @@ class VerifyGraphs:
         self.rows = torch.arange(max_num_seqs * max_width, device=device)  # every window row is a logits row
         self.tokens = torch.full((max_num_seqs * max_width,), -1, dtype=torch.int64, device=device)
         self.accepted = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        # the step's one read-back, emitted tokens then the accepted count per request, written by the
+        # step itself (inside its graph) so that a replay launches nothing after it
+        self.emitted = torch.full((max_num_seqs * (max_width + 1),), -1, dtype=torch.int64, device=device)
+        self._read_views: dict[tuple[int, int, int], torch.Tensor] = {}
         self.no_probs = torch.zeros(0, 0, device=device)  # the drafters' q is one-hot
         self._indptr: dict[tuple[int, int], torch.Tensor] = {}
         self._views: dict[tuple[int, int], tuple] = {}
@@ -69,13 +74,22 @@ class VerifyGraphs:
             indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.rows.device) * k
             views = self._views[(bs, width)] = (
                 st.input_ids[:rows], st.positions[:rows], st.drafts[:bs * k], indptr,
-                self.tokens[:rows].view(bs, width), self.accepted[:bs], self.rows[:rows])
+                self.tokens[:rows].view(bs, width), self.accepted[:bs], self.rows[:rows],
+                self.emitted[:bs * (width + 1)].view(bs, width + 1))
         return views
 
+    def _read_view(self, bs: int, width: int, n: int) -> torch.Tensor:
+        """The ``[n, N + 1]`` rows of the read-back buffer (made once: a slice costs host time per step)."""
+        view = self._read_views.get((bs, width, n))
+        if view is None:
+            view = self._read_views[(bs, width, n)] = self._step_views(bs, width)[7][:n]
+        return view
+
     def run_compiled(self, bs: int, width: int, greedy: bool) -> None:
-        ids, pos, drafts, indptr, tokens, accepted, rows = self._step_views(bs, width)
+        ids, pos, drafts, indptr, tokens, accepted, rows, emitted = self._step_views(bs, width)
         with forward_context(ForwardContext(ForwardMode.DECODE, self.decode.attention, rows)):
             self.decode.clock.run("verify", self.compiled, ids, pos, drafts, indptr, tokens, accepted, greedy)
+        torch.cat([tokens, accepted[:, None].to(torch.int64)], dim=1, out=emitted)
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         d, n, width, greedy = self.decode, plan.num_requests, plan.verify_width, plan.sampling.all_greedy
@@ -84,15 +98,18 @@ class VerifyGraphs:
         key = None if graphs is None else graphs.decode_key(bs, greedy, width)
         if key is not None and key not in graphs.graphs:
             self.capture(key)
-        d.staging.fill_verify(plan, bs)
+        in_graph = key is not None and d.graphed_refresh
+        d.staging.fill_verify(plan, bs, pad_tables=in_graph)
         d.staging.upload()
-        d.attention.refresh_decode_metadata(bs, d.staging.decode_inputs(n, plan).with_width(width))
+        if in_graph:
+            d.attention.publish_decode_views(bs, width)
+        else:
+            d.attention.refresh_decode_metadata(bs, d.staging.decode_inputs(n, plan).with_width(width))
         if key is not None:
             graphs.replay_graph(key)
         else:
             self.run_compiled(bs, width, greedy)
-        tokens, accepted = self._step_views(bs, width)[4:6]
-        return torch.cat([tokens[:n], accepted[:n, None].to(torch.int64)], dim=1)
+        return self._read_view(bs, width, n)
 
     # -- capture -------------------------------------------------------------------------------------
     def idle_inputs(self, bs: int, width: int) -> None:
@@ -102,8 +119,13 @@ class VerifyGraphs:
 
     def capture(self, key: GraphKey) -> None:
         bs, width, greedy = key.batch_size, key.width, key.greedy
-        self.decode.graphs.capture(key, lambda: self.run_compiled(bs, width, greedy),
-                                   prepare=lambda: self.idle_inputs(bs, width), warmup=2, tidy=True,
+
+        def step() -> None:
+            if self.decode.graphed_refresh:
+                self.decode.refresh_padded(bs, width)
+            self.run_compiled(bs, width, greedy)
+
+        self.decode.graphs.capture(key, step, prepare=lambda: self.idle_inputs(bs, width), warmup=2, tidy=True,
                                    guard_roots=self.decode.guard_roots)
 
     def capture_ladder(self, width: int) -> None:
