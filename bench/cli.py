@@ -26,7 +26,8 @@ decode batch size and prefill length. The static-cache baselines and package run
 
 --kernel-table: after every timed row of a mode (never before one: a finished profiler run may
 slow what is timed after it), a few steps of each row's workload under torch.profiler: the top
-kernels per step (CPU ops on the CPU) with count, time and share.
+kernels per step (CPU ops on the CPU) with count, time and share. With --hf-model: after each
+mode's timed calls at each length, a few more forwards of that length.
 
 Correctness: each batch size's first request is decoded once by a float32 eager reference of the
 same weights. In a float32 run every mode must decode its tokens exactly: a difference is marked

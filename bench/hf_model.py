@@ -10,7 +10,8 @@ with a static cache (greedy) timed per new token and compared with eager's token
 logits row of every length against eager's. The stream part (``--hf-parts stream``) is a serving-like
 load: prompts of many distinct lengths, each once, from a fresh compile (compiles and captures
 included), then the same lengths again in another order; the graphs recorded and the CUDA memory
-held afterwards.
+held afterwards. With ``--kernel-table``, after each length's timed calls, ``--kernel-table-steps``
+more forwards of it under ``torch.profiler``: the kernels a forward runs, per mode and length.
 
 All modes share one model object: ``nn.Module.compile`` (what ``torch.compile(model, ...)`` does,
 but in place) so that ``generate``, which calls ``self(...)``, runs the compiled forward too; the
@@ -27,7 +28,8 @@ import time
 
 import torch
 
-from . import compile_stats, environment, hf_report, report
+from . import compile_stats, environment, hf_report, kernel_table, report
+from .row_kernels import guarded_table
 from .hf_args import check_model_spec, fill_defaults
 from .hf_presets import build_preset_model
 from .workloads import Timer
@@ -167,6 +169,8 @@ class HFBench:
                         self._forward(model, ids, mode)
                     times.append(timer.seconds * 1e3)
                 entry = {f"ms_{k}": v for k, v in _spread(times).items()}
+                if a.kernel_table:
+                    entry["kernel_table"] = guarded_table(lambda: self._forward_kernels(model, ids, mode), a.verbose)
                 # the last warm-up's row: under the trees, the call that recorded the graph
                 if mode == "eager":
                     self.eager_last_logits[length] = last
@@ -181,6 +185,15 @@ class HFBench:
         row["graphs_after_first_call"] = row["counters_after_first_call"]["graphs_compiled"]
         diffs = [e["max_abs_diff_vs_eager"] for e in row["lengths"].values() if e["max_abs_diff_vs_eager"] is not None]
         row["max_abs_diff_vs_eager"] = max(diffs) if diffs else None
+
+    def _forward_kernels(self, model, ids: torch.Tensor, mode: str) -> dict:
+        """``--kernel-table-steps`` forwards of ``ids``, profiled whole (bound by FLOPs: no bandwidth)."""
+        a = self.args
+        prof = kernel_table.profile_calls(lambda: self._forward(model, ids, mode), a.kernel_table_steps,
+                                          self.device.type)
+        return kernel_table.table(kernel_table.stats_of(prof, self.device.type, self.dtype.itemsize),
+                                  a.kernel_table_steps, self.device.type, a.kernel_table_top,
+                                  timeline=kernel_table.timeline_of(prof, self.device.type))
 
     def stream_row(self, mode: str, row: dict, bar) -> None:
         """Every stream length once from a fresh compile, then again in another order: wall times,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import report
 from .report import _error, _fmt, _table
 
 
@@ -96,4 +97,11 @@ def markdown(result: dict) -> str:
                   "stream, dead tensors collected and free cached blocks released, less the same before its compile "
                   "(the graphs' pools and what they keep alive); peak: the most reserved during the stream, less the "
                   "same base.", "", stream_table(result), ""]
+    blocks = [report.kernel_section(f"{r['mode']} forward {length} tokens", entry["kernel_table"])
+              for r in result["rows"] for length, entry in (r.get("lengths") or {}).items()
+              if entry.get("kernel_table")]
+    if blocks:
+        parts += ["### Kernels", "", "Per mode and prompt length, after its timed calls: more bs=1 forwards of the "
+                  "same prompt under torch.profiler (`--kernel-table-steps`), per forward; on CUDA the device's "
+                  "kernels, graph replays' included.", "", "\n\n".join(blocks), ""]
     return "\n".join(parts)

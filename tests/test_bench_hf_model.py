@@ -85,6 +85,21 @@ def test_tiny_preset_eager_and_split_through_the_cli(tmp_path, capsys, eager_pie
     assert split_line.split(" | ")[4:5] == ["0"] and "| same |" in split_line
 
 
+def test_kernel_table_lists_each_modes_forward_ops_per_length(tmp_path, eager_pieces):
+    """``--kernel-table`` with ``--hf-model``: per mode and length, the profiled forwards' ops (on the
+    CPU, aten ops by self time), in the JSON and under "### Kernels" in the markdown."""
+    rc, result, md = run_cli(tmp_path, extra=["--kernel-table", "--kernel-table-steps", "2"], lens=(12,))
+    assert rc == 0
+    for row in result["rows"]:
+        kt = row["lengths"]["12"]["kernel_table"]
+        assert "error" not in kt, kt
+        assert kt["steps"] == 2 and kt["kernels_per_step"] > 0 and kt["kernel_ms_per_step"] > 0
+        names = [k["name"] for k in kt["top"]]
+        # the projections, and the attention (the split mode's runs between its pieces)
+        assert "aten::mm" in names and any("scaled_dot_product" in name for name in names), names
+    assert "### Kernels" in md and "**eager forward 12 tokens**" in md and "**tscompile-split forward 12 tokens**" in md
+
+
 def _patch_mode(monkeypatch, mode: str, backend) -> None:
     kwargs = copy.deepcopy(hf_model.MODE_COMPILE_KWARGS)
     kwargs[mode] = {"backend": backend, "dynamic": True}
