@@ -199,8 +199,8 @@ class GraphRunner:
         self.capture_seconds = {DECODE: 0.0, PREFILL: 0.0}
         self._pools: dict[str, tuple[Any, Any]] = {}
         self._guards: dict[GraphKey, tuple[dict, Callable[[], dict]]] = {}  # graph-debug snapshots
-        # one key per (size, greedy, width 1), built once: a step looks its key up instead of building it
-        self._decode_keys = {(bs, greedy): GraphKey(DECODE, bs, bs, 1, greedy)
+        # one key per (size, greedy, width), built once: a step looks its key up instead of building it
+        self._decode_keys = {(bs, greedy, 1): GraphKey(DECODE, bs, bs, 1, greedy)
                              for bs in self.decode_ladder for greedy in (True, False)}
 
     # -- buckets and keys ----------------------------------------------------------------------------
@@ -214,11 +214,11 @@ class GraphRunner:
         None when the switch is off or the size is not on the ladder (the step runs without one)."""
         if not self.replay:
             return None
-        if width == 1:
-            return self._decode_keys.get((batch_size, greedy))
-        if batch_size not in self.decode_ladder:
-            return None
-        return GraphKey(DECODE, batch_size, batch_size * width, width, greedy)
+        key = self._decode_keys.get((batch_size, greedy, width))
+        if key is None and width > 1 and batch_size in self.decode_ladder:  # a verify width's first step
+            key = self._decode_keys[(batch_size, greedy, width)] = GraphKey(DECODE, batch_size, batch_size * width,
+                                                                           width, greedy)
+        return key
 
     def prefill_size(self, num_tokens: int, num_requests: int) -> tuple[int, int] | None:
         """``(tokens, requests)`` buckets of a whole prefill step, or None above either ladder."""

@@ -2,17 +2,17 @@
 query rows each (the newest token, then N - 1 drafts), acceptance on the device, through the same
 staging, refresh and ``GraphRunner`` as plain decode.
 
-A verify step of ``n`` requests pads to the decode-ladder size ``bs >= n`` (as decode does) and
-runs the graph ``GraphKey("decode", bs, bs * N, N, greedy)``, captured on first use or at start-up
-(``capture_ladder``); above the ladder, or without graphs, the same compiled step runs unpadded.
-What the graph reads: the staged ids, positions and drafts (``DecodeStaging.fill_verify``), the
-decode metadata the refresh rewrote for ``bs * N`` rows (or, with ``graphed_refresh``, the staged
-tables it refreshes itself, as decode's graphs do), the sampling inputs; what it writes: the
-emitted tokens (accepted drafts, the target's token, then -1) and accepted counts, side by side in
-one persistent ``[bs, N + 1]`` buffer read back once per step. Padding requests have no drafts and write
-only the null page and the null state slot. With recurrent-state layers the step ends by committing
-each request's state at its accepted length (``StateBackend.commit_verify``), on the device.
-Plain decode (N = 1) never comes here: ``DecodeStep.run`` is unchanged.
+A verify step of ``n`` requests pads to the decode-ladder size ``bs >= n`` (as decode does) and runs the
+graph ``GraphKey("decode", bs, bs * N, N, greedy)``, captured on first use or at start-up
+(``capture_ladder``); above the ladder, or without graphs, the same compiled step runs unpadded. What
+the graph reads: the staged ids, positions and drafts (``DecodeStaging.fill_verify``), the decode
+metadata the refresh rewrote for ``bs * N`` rows (or, with ``graphed_refresh``, the staged tables it
+refreshes itself, as decode's graphs do), the sampling inputs; what it writes: the emitted tokens
+(accepted drafts, the target's token, then -1) and accepted counts, side by side in one persistent
+``[bs, N + 1]`` buffer read back once per step. Padding requests have no drafts and write only the null
+page and the null state slot. With recurrent-state layers the step ends by committing each request's
+state at its accepted length (``StateBackend.commit_verify``), on the device. Plain decode (N = 1) never
+comes here: ``DecodeStep.run`` is unchanged.
 """
 
 from __future__ import annotations
