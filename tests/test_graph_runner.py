@@ -196,23 +196,23 @@ def _poison_decode_metadata_at_each_replay(llm) -> list:
     return replayed
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram"])
-def test_graphs_that_hold_the_refresh_rewrite_every_decode_buffer_they_read(speculative):
+@pytest.mark.parametrize("model, speculative", [("llama-tiny", None), ("llama-tiny", "ngram"), ("narrow-tiny", None)])
+def test_graphs_that_hold_the_refresh_rewrite_every_decode_buffer_they_read(model, speculative):
     """``graphed_refresh``: the decode (and verify) graphs refresh the staged rows, padded to the
     graph's batch size, themselves. With the metadata poisoned at each replay, such an engine still
     gives the unpadded engine's tokens (greedy and seeded; a batch of 3 in graphs of 4, so padding
-    rows are refreshed too); the same engine refreshing before its replays does not, which shows the
-    poison reaches what the forward reads."""
+    rows are refreshed too; the narrowing model's two cache groups); the same engine refreshing
+    before its replays does not, which shows the poison reaches what the forward reads."""
     spec = None if speculative is None else SPECULATIVE_CONFIGS[speculative]
     kw = dict(dtype=torch.float32, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=32,
               attention_backend="torch", speculative_config=spec)
     prompts = [[(5 * i + j) % 7 + 1 for j in range(n)] for i, n in enumerate([13, 9, 11])]  # repeating: drafts
     runs = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=5)]
-    expected = [ids(small_llm(**kw).generate(prompts, p)) for p in runs]
+    expected = [ids(small_llm(model, **kw).generate(prompts, p)) for p in runs]
     outcomes = {}
     for graphed in (True, False):
-        llm = small_llm(**kw)
-        llm.runner.use_graphs(HostGraphs(), decode=True, prefill="whole", graphed_refresh=graphed)
+        llm = small_llm(model, **kw)
+        llm.runner.use_graphs(HostGraphs(), decode=True, prefill=None, graphed_refresh=graphed)
         assert llm.runner.decode.graphed_refresh is graphed
         replayed = _poison_decode_metadata_at_each_replay(llm)
         outcomes[graphed] = [ids(llm.generate(prompts, p)) for p in runs]
