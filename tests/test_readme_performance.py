@@ -1,9 +1,11 @@
 """The README's performance table against the results file it cites: every figure is that file's,
 rounded as the table writes it, a "-" is a row the run has no figure for, and the bold figure of a
-row is its best. A table edited by hand, or a rerun copied into the README without its file, fails."""
+row is its best. A table edited by hand, or a rerun copied into the README without its file, fails.
+``scripts/readme_performance_table.py`` writes the table from the file."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -18,10 +20,14 @@ def _performance_section() -> str:
     return match.group(1)
 
 
-def _cited_results() -> dict:
+def _cited_path() -> Path:
     cited = re.findall(r"`(bench/results/[\w.-]+)/results\.md`", _performance_section())
     assert len(cited) == 1, f"the performance section should cite one results file, it cites {cited}"
-    return json.loads((ROOT / cited[0] / "results.json").read_text())
+    return ROOT / cited[0] / "results.json"
+
+
+def _cited_results() -> dict:
+    return json.loads(_cited_path().read_text())
 
 
 def _table() -> tuple[list[str], list[tuple[str, list[str]]]]:
@@ -77,3 +83,15 @@ def test_the_bold_figure_of_each_timed_row_is_its_fastest():
         figures = {mode: float(c.strip("*")) for mode, c in zip(modes, cells) if c != "-"}
         bold = [mode for mode, c in zip(modes, cells) if c.startswith("**")]
         assert bold == [min(figures, key=figures.get)], f"row {label!r}: bold {bold}, figures {figures}"
+
+
+def test_the_table_script_writes_the_readme_table_from_its_results_file(capsys):
+    spec = importlib.util.spec_from_file_location("readme_table", ROOT / "scripts" / "readme_performance_table.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    _, rows = _table()
+    lens = [int(m.group(1)) for label, _ in rows if (m := re.fullmatch(r"prefill (\d+) tokens, ms", label))]
+    sizes = [int(m.group(1)) for label, _ in rows if (m := re.fullmatch(r"decode bs (\d+).*", label))]
+    assert script.main([str(_cited_path()), "--batch-sizes", *map(str, sizes), "--prefill-lens", *map(str, lens)]) == 0
+    readme_lines = [line for line in _performance_section().splitlines() if line.startswith("|")]
+    assert capsys.readouterr().out.strip().splitlines() == readme_lines
