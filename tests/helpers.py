@@ -445,3 +445,28 @@ def assert_equal_but_near_ties(got, want, prompts, top_two_of, what: str = "") -
             f"{what}: not a near tie: " + "\n".join(lines)
     assert len(diverged) <= max(1, len(got) // 8), f"{what}: {len(diverged)} of {len(got)} requests differ\n" \
         + "\n".join(lines)
+
+
+def poison_decode_metadata_at_each_replay(llm) -> list:
+    """Right before each decode or verify replay, every decode metadata buffer of the engine gets wrong
+    values that are still in range (pages and slots of the first blocks, length 1): a refresh the
+    graph holds rewrites them before its forward reads them, one launched before the replay cannot.
+    Returns the list the replayed keys go to."""
+    from tscompile.runtime.graph_runner import DECODE
+
+    graphs, router = llm.runner.graphs, llm.runner.attention  # on any device: the values are made on the CPU
+    replay = graphs.replay_graph
+    gen = torch.Generator().manual_seed(0)
+    replayed = []
+
+    def poisoned(key):
+        replayed.append(key)
+        if key.phase == DECODE:
+            for leaf in router.leaves:
+                leaf.page_table_buf.copy_(torch.randint(1, 4, leaf.page_table_buf.shape, generator=gen))
+                leaf.seq_lens_buf.fill_(1)
+            router._write_loc_stack.copy_(torch.randint(0, 16, router._write_loc_stack.shape, generator=gen))
+        return replay(key)
+
+    graphs.replay_graph = poisoned
+    return replayed

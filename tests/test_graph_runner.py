@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fuzz_lib import SPECULATIVE_CONFIGS, Fuzzer, GraphCheck, build_engine, graph_runners, pressured_spec
-from helpers import ids, small_llm
+from helpers import ids, poison_decode_metadata_at_each_replay, small_llm
 from tscompile import SamplingParams
 from tscompile.counters import counters
 from tscompile.runtime.graph_runner import DECODE, PREFILL, CudaGraphs, GraphKey, GraphRunner, HostGraphs
@@ -173,29 +173,6 @@ def test_compiles_and_captures_say_what_they_do_and_how_long_it_took(caplog):
     assert len(graphs.graphs) == 3 and out.item() == 7  # each capture ran its step once
 
 
-def _poison_decode_metadata_at_each_replay(llm) -> list:
-    """Right before each decode or verify replay, every decode metadata buffer of the engine gets wrong
-    values that are still in range (pages and slots of the first blocks, length 1): a refresh the
-    graph holds rewrites them before its forward reads them, one launched before the replay cannot.
-    Returns the list the replayed keys go to."""
-    graphs, router = llm.runner.graphs, llm.runner.attention
-    replay = graphs.replay_graph
-    gen = torch.Generator().manual_seed(0)
-    replayed = []
-
-    def poisoned(key):
-        replayed.append(key)
-        if key.phase == DECODE:
-            for leaf in router.leaves:
-                leaf.page_table_buf.copy_(torch.randint(1, 4, leaf.page_table_buf.shape, generator=gen))
-                leaf.seq_lens_buf.fill_(1)
-            router._write_loc_stack.copy_(torch.randint(0, 16, router._write_loc_stack.shape, generator=gen))
-        return replay(key)
-
-    graphs.replay_graph = poisoned
-    return replayed
-
-
 @pytest.mark.parametrize("model, speculative", [("llama-tiny", None), ("llama-tiny", "ngram"), ("narrow-tiny", None)])
 def test_graphs_that_hold_the_refresh_rewrite_every_decode_buffer_they_read(model, speculative):
     """``graphed_refresh``: the decode (and verify) graphs refresh the staged rows, padded to the
@@ -214,7 +191,7 @@ def test_graphs_that_hold_the_refresh_rewrite_every_decode_buffer_they_read(mode
         llm = small_llm(model, **kw)
         llm.runner.use_graphs(HostGraphs(), decode=True, prefill=None, graphed_refresh=graphed)
         assert llm.runner.decode.graphed_refresh is graphed
-        replayed = _poison_decode_metadata_at_each_replay(llm)
+        replayed = poison_decode_metadata_at_each_replay(llm)
         outcomes[graphed] = [ids(llm.generate(prompts, p)) for p in runs]
         assert any(key.phase == DECODE for key in replayed)
         if speculative is not None and graphed:  # verify graphs replayed, drafts accepted

@@ -136,7 +136,7 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
         self.attention.refresh_idle_decode_metadata(bs, width)
         st = self.staging
         if self.graphed_refresh:
-            st.pad_tables(bs)  # the captured refresh reads them
+            st.zero_tables(bs)  # the captured refresh reads them
         st.input_ids[:bs * width].zero_()
         st.prev_rows[:bs].fill_(-1)
         st.positions[:bs * width].zero_()

@@ -148,7 +148,7 @@ class DecodeStaging:
             put_rows(n32, g * b, group.seq_lens, n, live, 0)
             put_rows(n32, self._tables_at + g * b * mb, group.block_tables.reshape(-1), n * mb, live * mb, 0)
 
-    def pad_tables(self, bs: int) -> None:
+    def zero_tables(self, bs: int) -> None:
         """Rows ``[0, bs)`` of every group's staged block tables and lengths become the null block and
         0 on the device (the inputs of a refresh over ``bs`` padding rows, before a capture)."""
         b, mb = self.max_bs, self.max_blocks
