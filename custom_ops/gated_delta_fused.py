@@ -59,7 +59,7 @@ def gated_delta_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
                       a_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float, state_pool: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
                       has_state: torch.Tensor, out: torch.Tensor, impl: str, qk_l2norm: bool,
-                      checkpoints: torch.Tensor | None) -> None:
+                      checkpoints: torch.Tensor | None, value_blocks: int = 1) -> None:
     """``out = gated_rms_norm(gated_delta_rule(q, k, v, *gates(a, b, a_log, dt_bias)), z)``.
 
     q, k:           [T, Hk, Dk]   model dtype
@@ -67,6 +67,8 @@ def gated_delta_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
     a, b:           [T, Hv]       the input projection's raw decay and write-strength columns
     a_log, dt_bias: [Hv]; norm_weight: [Dv]
     state_pool, state_slots, cu_seqlens, has_state, checkpoints: as for ``gated_delta_rule``.
+    value_blocks:   Triton splits each value head's columns over this many programs (a power of two
+                    up to the head's padded Dv; 1: a program per head); the torch form ignores it.
     Triton walks every request's rows (the decode and verify steps this op serves).
     """
     _check_impl(impl)
@@ -79,8 +81,13 @@ def gated_delta_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
                              f"registers, at most {MAX_HEAD_TILE} elements; run larger heads through the three ops "
                              "(kernels fused_gated_delta=False)")
 
+        padded_dv = 1 << (v.shape[2] - 1).bit_length()
+        if value_blocks < 1 or value_blocks & (value_blocks - 1) or value_blocks > padded_dv:
+            raise ValueError(f"tscompile: gated_delta_fused value_blocks {value_blocks} must be a power of two from 1 "
+                             f"to the head's padded value width {padded_dv}; pass 1 for a program per head")
         gated_delta_fused_triton(q, k, v, a, b, a_log, dt_bias, z, norm_weight, eps, state_pool, state_slots,
-                                 cu_seqlens, has_state, out, qk_l2norm, checkpoints, pdl=impl == "triton/pdl")
+                                 cu_seqlens, has_state, out, qk_l2norm, checkpoints, pdl=impl == "triton/pdl",
+                                 value_blocks=value_blocks)
         return
     g, beta = gates(a, b, a_log, dt_bias)
     core = torch.empty_like(v)
@@ -92,5 +99,5 @@ def gated_delta_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torc
 
 @gated_delta_fused.register_fake
 def _(q, k, v, a, b, a_log, dt_bias, z, norm_weight, eps, state_pool, state_slots, cu_seqlens, has_state, out, impl,
-      qk_l2norm, checkpoints):
+      qk_l2norm, checkpoints, value_blocks=1):
     return None

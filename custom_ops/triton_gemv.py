@@ -223,19 +223,21 @@ def _sum_splits_kernel(
 SUM_BLOCK = 1024
 
 # The "_sum" modes: one arrival counter per column block, in one zeroed buffer per device made once and kept
-# for the process (a CUDA graph captured with it holds its address; every launch leaves it zeroed).
+# for the process (a CUDA graph captured with it holds its address; every launch leaves it zeroed). Another
+# kernel that counts arrivals (the split gated delta kernel's heads) takes a buffer of its own (``owner``),
+# so two such kernels in flight at once never share a counter.
 ARRIVAL_SLOTS = 1 << 16
-_ARRIVALS: dict[tuple[str, int | None], torch.Tensor] = {}
+_ARRIVALS: dict[tuple[str, str, int | None], torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
+def arrival_counters(device: torch.device, blocks: int, owner: str = "gemv") -> torch.Tensor | None:
     """The "_sum" modes' counters for ``blocks`` column blocks on ``device``, or None where the call must
     sum with the second kernel instead: more blocks than ARRIVAL_SLOTS, or a CUDA-graph capture
     before the buffer exists (made inside a capture, it would be zeroed only when the graph
     replays, not before an eager call)."""
     if blocks > ARRIVAL_SLOTS:
         return None
-    key = (device.type, device.index)
+    key = (owner, device.type, device.index)
     counters = _ARRIVALS.get(key)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -110,7 +110,8 @@ def test_unknown_kernels_keys_are_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"^tscompile: unknown kernels option\(s\) \['gemv_fuse'\]; known kernels "
                                          r"options: \['decode_gemv', 'batch_gemv', 'decode_pdl', 'prefill_pdl', "
                                          r"'fuse_projections', 'fused_verify_attention', 'chunked_gated_delta', "
-                                         r"'state_pdl', 'fused_gated_delta', 'graphed_refresh'\]"):
+                                         r"'state_pdl', 'fused_gated_delta', 'split_gated_delta_heads', "
+                                         r"'graphed_refresh'\]"):
         TscompileConfig.from_options({"kernels": {"gemv_fuse": True}})
 
 

@@ -13,7 +13,8 @@ from tscompile.custom_ops.gated_delta_fused import gated_rms_norm, gates
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
-IMPLS = ["torch", "triton", "triton/pdl"]
+# (impl, value_blocks): the Triton kernel with a program per head and with each head split over programs
+SPLITS = [("torch", 1), ("triton", 1), ("triton", 4), ("triton/pdl", 1), ("triton/pdl", 2)]
 
 
 def _on(device, *tensors):
@@ -50,25 +51,26 @@ def _hf_request(t, lo, hi, start):
         return norm(core[0], t["z"][lo:hi]), state[0]
 
 
-def _run(t, impl, device, rows=None, checkpoints=None):
+def _run(t, impl, device, rows=None, checkpoints=None, value_blocks=1):
     rows = t["q"].shape[0] if rows is None else rows
     out = torch.full_like(t["v"][:rows], float("nan"))
     args = _on(device, t["q"][:rows], t["k"][:rows], t["v"][:rows], t["a"][:rows], t["b"][:rows], t["a_log"],
                t["dt_bias"], t["z"][:rows], t["norm_weight"])
     pool, out, slots, cu, has_state = _on(device, t["pool"].clone(), out, t["slots"], t["cu"], t["has_state"])
     ckpt = None if checkpoints is None else checkpoints.to(device)
-    torch.ops.tscompile.gated_delta_fused(*args, 1e-6, pool, slots, cu, has_state, out, impl, True, ckpt)
+    torch.ops.tscompile.gated_delta_fused(*args, 1e-6, pool, slots, cu, has_state, out, impl, True, ckpt, value_blocks)
     return out.cpu(), pool.cpu(), None if ckpt is None else ckpt.cpu()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,value_blocks", SPLITS)
 @pytest.mark.parametrize("lengths,fresh", [([1, 1, 1], [False, False, False]),  # a decode step
                                            ([4, 4], [False, True]),  # verify windows
                                            ([5, 1, 12], [True, False, False])])
-@pytest.mark.parametrize("dv", [16, 12], ids=["dv16", "dv12"])  # 12: the norm over a masked tile
-def test_fused_op_equals_transformers_delta_rule_and_gated_norm(impl, lengths, fresh, dv, device):
-    t = _case(sum(lengths) * 11 + len(impl) + dv, lengths, fresh, dv=dv)
-    out, pool, _ = _run(t, impl, device)
+# 12: the norm over a masked tile (split in 4, the last program's columns are all masked)
+@pytest.mark.parametrize("dv", [16, 12], ids=["dv16", "dv12"])
+def test_fused_op_equals_transformers_delta_rule_and_gated_norm(impl, value_blocks, lengths, fresh, dv, device):
+    t = _case(sum(lengths) * 11 + len(impl) + dv + value_blocks, lengths, fresh, dv=dv)
+    out, pool, _ = _run(t, impl, device, value_blocks=value_blocks)
     bounds = t["cu"].tolist()
     for r, slot in enumerate(t["slots"].tolist()):
         lo, hi = bounds[r], bounds[r + 1]
@@ -79,14 +81,14 @@ def test_fused_op_equals_transformers_delta_rule_and_gated_norm(impl, lengths, f
     assert torch.equal(pool[untouched], t["pool"][untouched])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_fused_op_equals_the_three_ops_it_replaces(impl, device):
+@pytest.mark.parametrize("impl,value_blocks", SPLITS)
+def test_fused_op_equals_the_three_ops_it_replaces(impl, value_blocks, device):
     """The model's unfused path (its ``gates``, ``tscompile::gated_delta_rule``, ``gated_rms_norm``)
     and the fused op: the same outputs and states, and the same checkpoints of a verify window."""
     lengths, fresh = [4, 4, 4], [False, True, False]
-    t = _case(97 + len(impl), lengths, fresh)
+    t = _case(97 + len(impl) + value_blocks, lengths, fresh)
     ckpt = torch.full((3, 3, *t["pool"].shape[1:]), float("nan"))
-    out, pool, fused_ckpt = _run(t, impl, device, checkpoints=ckpt)
+    out, pool, fused_ckpt = _run(t, impl, device, checkpoints=ckpt, value_blocks=value_blocks)
 
     g, beta = gates(t["a"], t["b"], t["a_log"], t["dt_bias"])
     core = torch.full_like(t["v"], float("nan"))
@@ -100,16 +102,16 @@ def test_fused_op_equals_the_three_ops_it_replaces(impl, device):
     assert not torch.isnan(fused_ckpt[:, :3]).any()  # each request's 3 entries (4 rows but the last) written
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,value_blocks", SPLITS)
 @pytest.mark.parametrize("padding", ["prefill", "decode"])
-def test_padded_requests_and_rows_touch_only_the_null_slot(impl, padding, device):
+def test_padded_requests_and_rows_touch_only_the_null_slot(impl, value_blocks, padding, device):
     """A prefill graph's bucket pads requests (null slot 0, an empty row range, a fresh state) and
     rows past the last request's; a decode graph's pads requests of one row each, all on the null
     slot at once. The live requests get what an unpadded call gives, no slot but the live ones and
     the null slot changes, and in a prefill bucket no padded row is written."""
     lengths, fresh = [1, 1, 1], [False, False, True]
-    t = _case(5 + len(impl), lengths, fresh)
-    want_out, want_pool, _ = _run(t, impl, device)
+    t = _case(5 + len(impl) + value_blocks, lengths, fresh)
+    want_out, want_pool, _ = _run(t, impl, device, value_blocks=value_blocks)
     pad_rows, pad_requests = (5, 2) if padding == "prefill" else (3, 3)
     padded = dict(t)
     for name in ("q", "k", "v", "a", "b", "z"):
@@ -120,7 +122,7 @@ def test_padded_requests_and_rows_touch_only_the_null_slot(impl, padding, device
         pad_ends = pad_ends + torch.arange(1, pad_requests + 1, dtype=pad_ends.dtype)
     padded["cu"] = torch.cat([t["cu"], pad_ends])
     padded["has_state"] = torch.cat([t["has_state"], torch.zeros(pad_requests, dtype=torch.bool)])
-    out, pool, _ = _run(padded, impl, device)
+    out, pool, _ = _run(padded, impl, device, value_blocks=value_blocks)
     live = sum(lengths)
     # close, not equal: the CPU's vectorized and scalar exp round differently at other lengths
     torch.testing.assert_close(out[:live], want_out, rtol=1e-6, atol=1e-6)
@@ -183,9 +185,37 @@ def test_heads_past_the_register_tile_take_the_three_ops():
         assert {layer.linear_attn.fused_decode for layer in model.layers if layer.linear} == {fused}
 
 
+def test_value_blocks_that_do_not_tile_a_head_are_refused():
+    t = _case(8, [1], [False], dv=16)
+    for blocks in (0, 3, 32):
+        with pytest.raises(ValueError, match=rf"^tscompile: gated_delta_fused value_blocks {blocks} must be a power "
+                                             r"of two from 1 to the head's padded value width 16"):
+            _run(t, "triton", "cpu", value_blocks=blocks)
+
+
+def test_split_heads_leave_their_arrival_counters_at_zero(monkeypatch, device):
+    """Each split launch counts every program of a head in and the last one resets the counter, so
+    the next launch (a graph's next replay) starts from zero; a launch with no counters to take
+    (more heads than counters) runs a program per head and gives the same result."""
+    import tscompile.custom_ops.triton_gemv as tg
+
+    monkeypatch.setattr(tg, "_ARRIVALS", {})
+    t = _case(23, [1, 3, 1], [False, False, True])
+    split, split_pool, _ = _run(t, "triton", device, value_blocks=4)
+    counters = tg._ARRIVALS[("gated_delta", torch.device(device).type, torch.device(device).index)]
+    assert int(counters.abs().sum()) == 0
+    again, _, _ = _run(t, "triton", device, value_blocks=4)
+    assert torch.equal(again, split)
+    monkeypatch.setattr(tg, "ARRIVAL_SLOTS", 3 * 4 - 1)  # 3 requests x 4 heads: one counter short
+    whole, whole_pool, _ = _run(t, "triton", device, value_blocks=4)
+    torch.testing.assert_close(whole, split, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole_pool, split_pool, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_fused_kernel_rounds_where_the_eager_layer_does():
+@pytest.mark.parametrize("value_blocks", [1, 4])
+def test_bf16_fused_kernel_rounds_where_the_eager_layer_does(value_blocks):
     """bfloat16 on the GPU: the fused kernel against the layer's eager form (torch's gates, the Triton
     delta rule, torch's gated norm), which rounds ``beta``, the rule's output and the normed row to
     bf16. The two differ only in the order of the norm's sum, so nearly every element is equal and
@@ -194,7 +224,7 @@ def test_bf16_fused_kernel_rounds_where_the_eager_layer_does():
     t = _case(17, [1, 1, 1, 1], [False, True, False, False], hk=4, hv=8, dk=128, dv=128)
     for name in ("q", "k", "v", "a", "b", "z", "dt_bias", "norm_weight"):
         t[name] = t[name].to(torch.bfloat16)
-    fused, fused_pool, _ = _run(t, "triton", "cuda")
+    fused, fused_pool, _ = _run(t, "triton", "cuda", value_blocks=value_blocks)
     g, beta = gates(*[x.cuda() for x in (t["a"], t["b"], t["a_log"], t["dt_bias"])])
     core = torch.full_like(t["v"], float("nan")).cuda()
     pool = t["pool"].clone().cuda()

@@ -147,11 +147,13 @@ def test_compiled_engine_equals_transformers_batched_and_one_at_a_time(checkpoin
     assert _all_slots_free(llm)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_compiled_decode_steps_run_the_fused_op_where_the_policy_asks(checkpoint, fused, monkeypatch):
+@pytest.mark.parametrize("fused,split", [(True, False), (True, True), (False, False)],
+                         ids=["fused", "fused-split", "unfused"])
+def test_compiled_decode_steps_run_the_fused_op_where_the_policy_asks(checkpoint, fused, split, monkeypatch):
     """``KernelPolicy.fused_gated_delta`` (on by default): a compiled engine's decode steps run each
     linear layer's gates, delta rule and gated norm as ``tscompile::gated_delta_fused``, its prefill
-    steps the three ops; off, every step runs the three. Tokens are transformers' either way."""
+    steps the three ops; off, every step runs the three. Tokens are transformers' either way.
+    ``split_gated_delta_heads`` hands the op 4 programs a head (the torch form ignores it)."""
     from tscompile.custom_ops import gated_delta_fused
 
     path, _, want = checkpoint
@@ -159,8 +161,9 @@ def test_compiled_decode_steps_run_the_fused_op_where_the_policy_asks(checkpoint
     inner = gated_delta_fused._gated_delta_torch
     monkeypatch.setattr(gated_delta_fused, "_gated_delta_torch", lambda q, *a: (calls.append(q.shape[0]), inner(q, *a)))
     llm = _engine(path, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=8,
-                  compile_options={"kernels": {"fused_gated_delta": fused}})
+                  compile_options={"kernels": {"fused_gated_delta": fused, "split_gated_delta_heads": split}})
     assert {layer.linear_attn.fused_decode for layer in llm.runner.model.layers if layer.linear} == {fused}
+    assert {layer.linear_attn.value_blocks for layer in llm.runner.model.layers if layer.linear} == {4 if split else 1}
     assert _generate(llm) == want
     assert bool(calls) == fused and all(rows <= 4 for rows in calls)  # decode steps only: a row per request
     assert tscompile.KernelPolicy().fused_gated_delta
@@ -426,15 +429,19 @@ def test_state_kernels_launched_with_pdl_equal_transformers_in_float32(checkpoin
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_decode_graphs_with_and_without_the_fused_op_equal_transformers_in_float32(checkpoint, fused):
+@pytest.mark.parametrize("fused,split", [(True, False), (True, True), (False, False)],
+                         ids=["fused", "fused-split", "unfused"])
+def test_decode_graphs_with_and_without_the_fused_op_equal_transformers_in_float32(checkpoint, fused, split):
     """``KernelPolicy.fused_gated_delta``: the decode graphs' linear layers as one Triton kernel each
-    (gates, delta rule, gated norm) or as three; transformers' float32 tokens either way."""
+    (gates, delta rule, gated norm; with ``split_gated_delta_heads`` each head over several programs)
+    or as three; transformers' float32 tokens either way."""
     path, _, want = checkpoint
     llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
                         max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
-                        compile_options={"decode_ladder": (1, 2, 4), "kernels": {"fused_gated_delta": fused}})
+                        compile_options={"decode_ladder": (1, 2, 4),
+                                         "kernels": {"fused_gated_delta": fused, "split_gated_delta_heads": split}})
     assert {layer.linear_attn.fused_decode for layer in llm.runner.model.layers if layer.linear} == {fused}
+    assert {layer.linear_attn.value_blocks for layer in llm.runner.model.layers if layer.linear} == {4 if split else 1}
     assert _generate(llm) == want
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     assert _all_slots_free(llm)

@@ -123,7 +123,7 @@ def test_counters_are_never_first_made_inside_a_cuda_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert tg.arrival_counters(cuda0, 4) is None and tg._ARRIVALS == {}
     made = torch.zeros(tg.ARRIVAL_SLOTS, dtype=torch.int32)
-    tg._ARRIVALS[("cuda", 0)] = made
+    tg._ARRIVALS[("gemv", "cuda", 0)] = made
     assert tg.arrival_counters(cuda0, 4) is made
 
 
@@ -310,7 +310,7 @@ def test_dot_sum_equals_the_two_kernel_split_on_every_launch_gpu(model, proj):
             tg.gemv(x, w, out, config=config)
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"launch {i} ({'replay' if i % 2 else 'eager'})"
-    assert int(tg._ARRIVALS[("cuda", torch.cuda.current_device())].abs().sum()) == 0
+    assert int(tg._ARRIVALS[("gemv", "cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 @pytest.mark.gpu

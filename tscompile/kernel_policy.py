@@ -62,6 +62,10 @@ class KernelPolicy:
         kernels. On the H100, qwen3-next-1b bf16 bs=1 TPOT 1.456 -> 1.390 ms (251 -> 215 kernels a
         step, two processes); not yet timed on the H200. In bf16 it may round an intermediate where
         Inductor's unfused kernels keep float32 (``custom_ops/gated_delta_fused.py``).
+    split_gated_delta_heads: with ``fused_gated_delta``, the fused kernel splits each value head's
+        columns over 4 programs (``custom_ops/triton_gated_delta_fused.py``: the head's last program to
+        finish norms its rows), so a small batch's linear-attention layer runs on about as many SMs
+        as it has heads times 4 instead of one per head. Off by default: not yet timed on a GPU.
     graphed_refresh: the decode and verify graphs hold the decode metadata refresh
         (``tscompile::refresh_decode_metadata``, one launch over the staged tables), so a replay
         launches nothing before the graph: the staging pads its tables and lengths to the graph's
@@ -80,6 +84,7 @@ class KernelPolicy:
     chunked_gated_delta: bool = False
     state_pdl: bool = False
     fused_gated_delta: bool = True
+    split_gated_delta_heads: bool = False
     graphed_refresh: bool = False
 
     def __post_init__(self):

@@ -226,11 +226,12 @@ class Qwen3NextTransformer(Transformer):
     def state_spec(self) -> StateSpec:
         return state_spec(self.config)
 
-    def bind_state_pool(self, pool: StatePool, impl: str, triton_chunk: int = 0, fused_decode: bool = False) -> None:
+    def bind_state_pool(self, pool: StatePool, impl: str, triton_chunk: int = 0, fused_decode: bool = False,
+                        value_blocks: int = 1) -> None:
         """Point every linear layer at its state in ``pool``; ``impl``: the state kernels ("torch",
         "triton" or "triton/pdl"); ``triton_chunk``: the Triton gated delta rule's chunk for multi-row steps (0: it
         walks the tokens); ``fused_decode``: decode steps run ``tscompile::gated_delta_fused`` (heads it
-        can hold)."""
+        can hold), its Triton kernel with ``value_blocks`` programs per value head."""
         for layer in self.layers:
             if layer.linear:
                 layer.conv_state, layer.ssm_state = pool.layer_state(layer.layer_id)
@@ -242,6 +243,7 @@ class Qwen3NextTransformer(Transformer):
                 # a head past the fused kernel's register tile keeps the three ops
                 attn = layer.linear_attn
                 attn.fused_decode = fused_decode and fused_head_fits(attn.dk, attn.dv)
+                attn.value_blocks = value_blocks
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3NextTransformer":
         """Seeded random weights: matrices ``N(0, std)``, norms at one (offset norms at zero), the

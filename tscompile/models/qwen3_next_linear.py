@@ -23,6 +23,9 @@ from tscompile.kv_cache.state_pool import StateSpec
 
 CHUNK_SIZE = 64  # the torch reference's prefill chunk (transformers' default)
 TRITON_CHUNK_SIZE = 16  # the chunked Triton kernel's (KernelPolicy.chunked_gated_delta)
+# the fused kernel's programs per value head with KernelPolicy.split_gated_delta_heads: Qwen3-Next's 32 heads
+# of a batch of one fill about one program per SM of an H100 or H200 (a program per head leaves 3 in 4 idle)
+SPLIT_HEAD_BLOCKS = 4
 
 
 def moe_layers(hf_config) -> list[int]:
@@ -91,6 +94,7 @@ class GatedDeltaNet(nn.Module):
         self.impl = impl
         self.triton_chunk = 0  # the Triton kernel's chunk: 0 walks the tokens (Qwen3NextTransformer.bind_state_pool)
         self.fused_decode = False  # decode steps through tscompile::gated_delta_fused (KernelPolicy.fused_gated_delta)
+        self.value_blocks = 1  # the fused kernel's programs per value head (KernelPolicy.split_gated_delta_heads)
         width = c.linear_conv_kernel_dim
         # a plain Conv1d so the checkpoint's conv1d.weight [C, 1, K] loads as is
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, width, groups=self.conv_dim, bias=False,
@@ -121,7 +125,7 @@ class GatedDeltaNet(nn.Module):
         if decode and self.fused_decode:
             torch.ops.tscompile.gated_delta_fused(q, k, v, a, b, self.A_log, self.dt_bias, z, self.norm.weight,
                                                   self.norm.eps, ssm_pool, state_slots, cu_seqlens, has_state, core,
-                                                  self.impl, True, ssm_checkpoints)
+                                                  self.impl, True, ssm_checkpoints, self.value_blocks)
             return self.out_proj(core.reshape(t, self.value_dim))
         g, beta = gates(a, b, self.A_log, self.dt_bias)
         torch.ops.tscompile.gated_delta_rule(q, k, v, g, beta, ssm_pool, state_slots, cu_seqlens, has_state, core,

@@ -216,22 +216,25 @@ def pages_from_device_memory(built: Transformer, attention: AttentionRouter, spe
 
 def attach_state_layers(model: Transformer, attention: AttentionRouter, max_num_seqs: int,
                         device: torch.device, chunked_gated_delta: bool = False, max_verify_width: int = 1,
-                        pdl: bool = False, fused_gated_delta: bool = False) -> None:
+                        pdl: bool = False, fused_gated_delta: bool = False,
+                        split_gated_delta_heads: bool = False) -> None:
     """A model with recurrent-state layers (``state_spec``): its state pool (a slot per running request
     plus the null slot, float32; with speculative decoding, ``max_verify_width - 1`` checkpoints per
     running request), bound to the model and served by a ``StateBackend`` under the router. The state
     kernels: Triton on CUDA (the chunked gated delta kernel for multi-row steps with
     ``chunked_gated_delta``; launched with PDL with ``pdl``: ``KernelPolicy.state_pdl``), the torch
-    reference on the CPU; decode steps through the fused op with ``fused_gated_delta``."""
+    reference on the CPU; decode steps through the fused op with ``fused_gated_delta``, its heads split
+    over ``SPLIT_HEAD_BLOCKS`` programs each with ``split_gated_delta_heads``."""
     if not hasattr(model, "state_spec"):
         return
-    from tscompile.models.qwen3_next_linear import TRITON_CHUNK_SIZE
+    from tscompile.models.qwen3_next_linear import SPLIT_HEAD_BLOCKS, TRITON_CHUNK_SIZE
 
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     pool = StatePool.allocate(model.state_spec(), max_num_seqs + 1, device, checkpoint_requests=max_num_seqs,
                               checkpoint_rows=max_verify_width - 1, free_bytes=free)
     impl = state_kernel_impl(device, pdl)
-    model.bind_state_pool(pool, impl, TRITON_CHUNK_SIZE if chunked_gated_delta else 0, fused_gated_delta)
+    model.bind_state_pool(pool, impl, TRITON_CHUNK_SIZE if chunked_gated_delta else 0, fused_gated_delta,
+                          SPLIT_HEAD_BLOCKS if split_gated_delta_heads else 1)
     attention.attach_state_backend(StateBackend(pool, device, impl))
 
 
@@ -308,7 +311,9 @@ def build_model_engine(model: str | ModelConfig | Transformer, *, attention_back
                         max_verify_width=max_verify_width,
                         pdl=compile_config is not None and compile_config.kernels.state_pdl
                         and graph_pdl_on(compile_config.kernels, False, False),
-                        fused_gated_delta=compile_config is not None and compile_config.kernels.fused_gated_delta)
+                        fused_gated_delta=compile_config is not None and compile_config.kernels.fused_gated_delta,
+                        split_gated_delta_heads=compile_config is not None
+                        and compile_config.kernels.split_gated_delta_heads)
     if hasattr(built, "state_spec") and compile_config is not None:
         compile_config = without_combo_kernels(compile_config)
     graph_support = resolve_cuda_graph_support(attention)
