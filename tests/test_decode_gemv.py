@@ -286,7 +286,8 @@ def test_a_bench_run_records_the_kernel_choices_and_launch_tables_it_ran_with(mo
     monkeypatch.setattr(piece_compiler, "cuda_device_name", lambda: "NVIDIA H200")
     off = KernelPolicy(decode_gemv=False, batch_gemv=False)
     assert environment.kernel_paths(off) == {"fuse_projections": False, "chunked_gated_delta": False,
-                                             "fused_gated_delta": True, "decode_gemv": False, "batch_gemv": False,
+                                             "fused_gated_delta": True, "split_gated_delta_heads": False,
+                                             "decode_gemv": False, "batch_gemv": False,
                                              "decode_pdl": False, "prefill_pdl": False, "state_pdl": False}
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)
     monkeypatch.setattr(tg, "DECODE_TUNED_MATMULS", {(512, 256): "gemv", (256, 256): "cublas"})
