@@ -60,6 +60,34 @@ def test_whole_graphs_replay_bitwise_equal_to_the_padded_graph_and_close_to_eage
     assert counters["user_whole_graphs"] == 1 and counters["user_captures"] == 2, graph_counters()  # at 32 and 128
 
 
+def test_large_logits_leave_the_graph_and_need_no_copy(monkeypatch):
+    """Outputs over ``EAGER_TAIL_MIN_BYTES`` (here every bucket's): each bucket's graph stops before the
+    vocabulary projection, which runs after the replay at the live rows. Its logits are the padded
+    graph's bit for bit, and each call's are memory of its own (the next call leaves them alone)."""
+    from tscompile import user_graph_tail
+
+    monkeypatch.setattr(user_graph_tail, "EAGER_TAIL_MIN_BYTES", 0)
+    torch.compiler.reset()
+    model = tiny_llama(torch.bfloat16)
+    fwd = split_graphs(model)
+    gen = torch.Generator("cuda").manual_seed(2)
+    tails = counters["user_eager_tails"]
+    with torch.no_grad():
+        for n in (20, 100):
+            ids = torch.randint(0, 256, (1, n), device="cuda", generator=gen)
+            replayed = logits(fwd, ids)
+            kept = replayed.clone()
+            replayed_again = logits(fwd, ids)
+            with user_graphs.pad_without_graphs():
+                padded = logits(fwd, ids)
+            assert torch.equal(replayed, padded), f"length {n}"
+            assert torch.equal(replayed, kept) and torch.equal(replayed_again, kept), f"length {n}"
+            assert replayed.data_ptr() != replayed_again.data_ptr()
+            torch.testing.assert_close(replayed.float(), model(input_ids=ids, use_cache=False).logits.float(),
+                                       rtol=3e-2, atol=3e-2, msg=f"length {n}")
+    assert counters["user_eager_tails"] - tails == 6, graph_counters()  # 2 replays and 1 padded run a length
+
+
 def test_no_capture_or_recompile_inside_a_bucket_and_none_above_the_ladder():
     torch.compiler.reset()
     model = tiny_llama(torch.bfloat16)

@@ -20,7 +20,9 @@ and its slicing between each two.
 
 Why outputs are copied: a replayed piece writes the same memory at every call; the caller's
 tensors must survive the next call, so the graph's outputs are cloned out of graph memory. That is
-what lets a user call the compiled model in a loop with nothing to do per step.
+what lets a user call the compiled model in a loop with nothing to do per step. A whole graph whose
+outputs are large at a bucket leaves its last piece out instead (``user_graph_tail.py``), so those
+outputs are made outside graph memory and need no copy.
 
 Why these graphs do not go through the engine's ``GraphRunner``: a ``torch.compile`` user has no
 engine, no step plan and no persistent input buffers, so there is no step key to select a graph
@@ -46,6 +48,7 @@ import torch.utils._pytree as pytree
 from tscompile.counters import counters
 from tscompile.passes.split import SDPA_TARGETS, SplitPlan
 from tscompile.piece_compiler import mutated_inputs
+from tscompile.user_graph_tail import GraphTail, split_off_tail
 from tscompile.token_padding import (TokenShapes, Unsupported, check_row_wise, example_value, find_token_symbol,
                                      is_token_count, symbols_of)
 from tscompile.utils import bucket
@@ -118,10 +121,11 @@ class UserGraphRuntime:
 
 
 class _Entry:
-    __slots__ = ("graph", "inputs", "outputs")
+    __slots__ = ("graph", "inputs", "outputs", "tailed")
 
-    def __init__(self, graph, inputs, outputs):
+    def __init__(self, graph, inputs, outputs, tailed=False):
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
+        self.tailed = tailed  # a whole graph captured without its last piece (``user_graph_tail``)
 
 
 def _capture_key(rows: int, args, shapes: TokenShapes) -> tuple:
@@ -202,22 +206,35 @@ class PaddedPiece:
 
 class WholeGraph:
     """A split graph whose breaks all run at the bucket (``sdpa_over_live_keys``): the whole forward
-    at the call's bucket, captured once per bucket (and per the shapes of its other inputs) on CUDA."""
+    at the call's bucket, captured once per bucket (and per the shapes of its other inputs) on CUDA.
+    ``tail``: where it pays at a bucket (large outputs), the graph stops before the last piece, which
+    runs after it at the live rows (``user_graph_tail``)."""
 
-    def __init__(self, forward: Callable, inputs: TokenShapes, runtime: UserGraphRuntime):
-        self.forward, self.inputs, self.runtime = forward, inputs, runtime
+    def __init__(self, forward: Callable, inputs: TokenShapes, runtime: UserGraphRuntime,
+                 tail: GraphTail | None = None):
+        self.forward, self.inputs, self.runtime, self.tail = forward, inputs, runtime, tail
         self.graphs: dict[tuple, _Entry] = {}
         self.live_count: torch.Tensor | None = None  # the live row count of the replay, on the device
 
+    def _tailed(self, rows: int) -> bool:
+        return self.tail is not None and self.tail.pays_at(rows)
+
     def run_padded(self, args, live: int, rows: int):
-        """The forward at the bucket, without graphs (``pad_without_graphs``)."""
+        """The forward at the bucket, without graphs (``pad_without_graphs``), its last piece at the
+        live rows where a replay's would be."""
         counters["user_padded_runs"] += 1
         padded = self.inputs.resize(args, rows, pad=True)
         device = next(a.device for a, w in zip(args, self.inputs.where) if w and w is not True)
+        tailed = self._tailed(rows)
         with _attending_live_keys(torch.arange(rows, device=device) < live):
-            return self.forward(*padded)
+            out = (self.tail.head if tailed else self.forward)(*padded)
+        if not tailed:
+            return out
+        counters["user_eager_tails"] += 1
+        return self.tail.finish(out, live)[0]
 
-    def replay(self, args, live: int, rows: int):
+    def replay(self, args, live: int, rows: int) -> tuple[object, set[int]]:
+        """The forward's outputs, and the ids of those outside graph memory (no copy needed)."""
         key = _capture_key(rows, args, self.inputs)
         entry = self.graphs.get(key)
         if entry is None:
@@ -227,7 +244,10 @@ class WholeGraph:
         self.live_count.fill_(live)
         entry.graph.replay()
         counters["user_replays"] += 1
-        return entry.outputs
+        if entry.tailed:
+            counters["user_eager_tails"] += 1
+            return self.tail.finish(entry.outputs, live)
+        return entry.outputs, set()
 
     def _capture(self, args, live: int, rows: int) -> _Entry:
         from tscompile.runtime.graph_runner import capture_graph
@@ -243,17 +263,19 @@ class WholeGraph:
         if self.live_count is None:
             self.live_count = torch.zeros((), dtype=torch.int64, device=device)
         self.live_count.fill_(live)
+        tailed = self._tailed(rows)
+        run = self.tail.head if tailed else self.forward
 
         def forward():
             # every tensor the graph reads must outlive it: the key positions are made inside it
             with _attending_live_keys(torch.arange(rows, device=device) < self.live_count):
-                return self.forward(*static)
+                return run(*static)
 
         pool, stream = rt.graphs_for(device)
         start = time.perf_counter()
         graph, outputs = capture_graph(forward, device, stream, pool, f"the whole graph at {rows} tokens")
         rt.capture_seconds += time.perf_counter() - start
-        return _Entry(graph, inputs, outputs)
+        return _Entry(graph, inputs, outputs, tailed)
 
 
 def _attends_over_token_rows(break_module: torch.fx.GraphModule, sym) -> bool:
@@ -327,6 +349,7 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
         raise Unsupported(f"no input carries the token count {sym}")
     runtime = UserGraphRuntime(ladder)
     padded = 0
+    padded_fns: dict[str, Callable] = {}
     whole = all(_attends_over_token_rows(split._modules[p.name], sym) for p in plan.of_kind("break"))
     for piece in plan.pieces:
         shapes = TokenShapes(list(fake_args[piece.name]), sym)
@@ -339,6 +362,7 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
                 raise Unsupported(f"piece {piece.name} writes in place to a token-shaped input")
             whole = whole and not written  # a whole graph's inputs are copied in: no write may be lost
             split.__dict__[piece.name] = PaddedPiece(piece.name, fn, shapes, written, runtime)
+            padded_fns[piece.name] = fn
             padded += 1
         else:
             if piece.kind == "compiled":
@@ -351,7 +375,8 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
     if whole:
         for piece in plan.of_kind("break"):
             _mask_padded_keys(split._modules[piece.name])
-        whole_graph = WholeGraph(forward, entry, runtime)
+        tail = split_off_tail(split, padded_fns, fake_args, pytree.tree_leaves(fake_result), sym)
+        whole_graph = WholeGraph(forward, entry, runtime, tail)
         counters["user_whole_graphs"] += 1
 
     def run(*args):
@@ -360,12 +385,13 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
         if rows is None:
             counters["user_above_ladder"] += 1
             return forward(*args)
+        fresh: set[int] = set()  # ids of outputs outside graph memory
         cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         runtime.replay = cuda and not _PAD_WITHOUT_GRAPHS[-1]
         if not cuda and not _PAD_WITHOUT_GRAPHS[-1]:
             return forward(*args)  # no graphs on this device: padding would only cost
         if whole and runtime.replay:
-            out = whole_graph.replay(args, live, rows)
+            out, fresh = whole_graph.replay(args, live, rows)
         elif whole:
             out = whole_graph.run_padded(args, live, rows)
         else:
@@ -377,7 +403,8 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
         leaves, spec = pytree.tree_flatten(out)
         live_leaves = outputs.resize(leaves, live, pad=False)
         if runtime.replay:  # graph memory is rewritten by the next call: hand out copies
-            live_leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in live_leaves]
+            live_leaves = [t.clone() if isinstance(t, torch.Tensor) and id(t) not in fresh else t
+                           for t in live_leaves]
         return pytree.tree_unflatten(live_leaves, spec)
 
     counters["user_padded_pieces"] += padded
