@@ -48,9 +48,9 @@ import torch.utils._pytree as pytree
 from tscompile.counters import counters
 from tscompile.passes.split import SDPA_TARGETS, SplitPlan
 from tscompile.piece_compiler import mutated_inputs
-from tscompile.user_graph_tail import GraphTail, split_off_tail
 from tscompile.token_padding import (TokenShapes, Unsupported, check_row_wise, example_value, find_token_symbol,
                                      is_token_count, symbols_of)
+from tscompile.user_graph_tail import GraphTail, split_off_tail
 from tscompile.utils import bucket
 
 logger = logging.getLogger("tscompile")
