@@ -431,10 +431,14 @@ def test_state_kernels_launched_with_pdl_equal_transformers_in_float32(checkpoin
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fused,split", [(True, False), (True, True), (False, False)],
                          ids=["fused", "fused-split", "unfused"])
-def test_decode_graphs_with_and_without_the_fused_op_equal_transformers_in_float32(checkpoint, fused, split):
+def test_decode_graphs_with_and_without_the_fused_op_equal_transformers_in_float32(checkpoint, fused, split,
+                                                                                   monkeypatch):
     """``KernelPolicy.fused_gated_delta``: the decode graphs' linear layers as one Triton kernel each
     (gates, delta rule, gated norm; with ``split_gated_delta_heads`` each head over several programs)
     or as three; transformers' float32 tokens either way."""
+    from tscompile.custom_ops import triton_gemv
+
+    monkeypatch.setattr(triton_gemv, "_ARRIVALS", {})  # this engine's launches make their own counters
     path, _, want = checkpoint
     llm = tscompile.LLM(str(path), device="cuda", dtype=torch.float32, attention_backend="triton",
                         max_model_len=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=8,
@@ -445,6 +449,8 @@ def test_decode_graphs_with_and_without_the_fused_op_equal_transformers_in_float
     assert _generate(llm) == want
     assert [_generate(llm, [p])[0] for p in PROMPTS] == want
     assert _all_slots_free(llm)
+    # the split kernel ran (without its counters it falls back to whole heads, silently)
+    assert (("gated_delta", "cuda", torch.cuda.current_device()) in triton_gemv._ARRIVALS) == split
 
 
 @pytest.mark.gpu

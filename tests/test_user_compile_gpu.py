@@ -61,12 +61,22 @@ def test_whole_graphs_replay_bitwise_equal_to_the_padded_graph_and_close_to_eage
 
 
 def test_large_logits_leave_the_graph_and_need_no_copy(monkeypatch):
-    """Outputs over ``EAGER_TAIL_MIN_BYTES`` (here every bucket's): each bucket's graph stops before the
-    vocabulary projection, which runs after the replay at the live rows. Its logits are the padded
-    graph's bit for bit, and each call's are memory of its own (the next call leaves them alone)."""
+    """Outputs over ``EAGER_TAIL_MIN_BYTES`` (here every bucket's): each bucket's graph stops before its
+    last piece, which runs after the replay at the live rows. The logits handed back are the tail's
+    own output (no copy), equal to the padded graph's bit for bit, and a later call at the same
+    bucket with other ids leaves them as they were."""
     from tscompile import user_graph_tail
 
     monkeypatch.setattr(user_graph_tail, "EAGER_TAIL_MIN_BYTES", 0)
+    made = []
+    finish = user_graph_tail.GraphTail.finish
+
+    def spy(self, head_out, live):
+        out, fresh = finish(self, head_out, live)
+        made.append(out[0])
+        return out, fresh
+
+    monkeypatch.setattr(user_graph_tail.GraphTail, "finish", spy)
     torch.compiler.reset()
     model = tiny_llama(torch.bfloat16)
     fwd = split_graphs(model)
@@ -74,15 +84,16 @@ def test_large_logits_leave_the_graph_and_need_no_copy(monkeypatch):
     tails = counters["user_eager_tails"]
     with torch.no_grad():
         for n in (20, 100):
-            ids = torch.randint(0, 256, (1, n), device="cuda", generator=gen)
+            ids, other_ids = (torch.randint(0, 256, (1, n), device="cuda", generator=gen) for _ in range(2))
             replayed = logits(fwd, ids)
+            assert replayed is made[-1], f"length {n}: the logits were copied"
             kept = replayed.clone()
-            replayed_again = logits(fwd, ids)
+            other = logits(fwd, other_ids)
+            assert not torch.equal(other, kept)
+            assert torch.equal(replayed, kept), f"length {n}: the next call overwrote the logits"
             with user_graphs.pad_without_graphs():
                 padded = logits(fwd, ids)
             assert torch.equal(replayed, padded), f"length {n}"
-            assert torch.equal(replayed, kept) and torch.equal(replayed_again, kept), f"length {n}"
-            assert replayed.data_ptr() != replayed_again.data_ptr()
             torch.testing.assert_close(replayed.float(), model(input_ids=ids, use_cache=False).logits.float(),
                                        rtol=3e-2, atol=3e-2, msg=f"length {n}")
     assert counters["user_eager_tails"] - tails == 6, graph_counters()  # 2 replays and 1 padded run a length

@@ -57,6 +57,19 @@ def test_the_head_and_tail_give_the_forward_and_only_the_tails_own_memory_is_fre
         assert fresh == ({id(out[0]), id(out[2])} if isinstance(last, _Twice) else {id(out[2])})
 
 
+def test_only_the_outputs_the_tail_makes_count_toward_the_limit(monkeypatch):
+    """The forward's second output comes from before the tail (copied out of graph memory either
+    way): however large, it does not make leaving the tail out pay."""
+    small, huge = torch.empty(2, 4), torch.empty(1000, 1000)
+    module = _two_pieces(_Twice())
+    tail = user_graph_tail.split_off_tail(module, {"submod_1": _Twice()}, {"submod_1": [small]}, [small, huge, small],
+                                          None)
+    monkeypatch.setattr(user_graph_tail, "EAGER_TAIL_MIN_BYTES", 2 * small.nbytes)
+    assert tail.pays_at(1)
+    monkeypatch.setattr(user_graph_tail, "EAGER_TAIL_MIN_BYTES", 2 * small.nbytes + 1)
+    assert not tail.pays_at(1)
+
+
 def test_no_tail_where_the_forward_computes_after_its_last_piece_or_does_not_know_it():
     x = torch.randn(3, 4)
     assert user_graph_tail.split_off_tail(_two_pieces(_Twice(), compute_after=True), {"submod_1": _Twice()},
@@ -87,6 +100,29 @@ def test_large_logits_run_the_last_piece_at_the_live_rows_and_equal_eager(monkey
     assert counters["user_whole_graphs"] - wholes == 1
     assert counters["user_eager_tails"] - tails == 2
     assert rows_seen == [(100, torch.Size([1, 100, 96])), (120, torch.Size([1, 120, 96]))]
+
+
+def test_a_batch_of_prompts_hands_the_tail_dense_rows(monkeypatch):
+    """Two prompts a call ([2, tokens] ids): the tail's arguments cut to the live rows from the bucket's
+    are not dense (the batch dim's stride is the bucket's), so they are copied dense before the
+    compiled tail piece, which asserts dense strides at the live row count."""
+    torch.compiler.reset()
+    monkeypatch.setattr(user_graph_tail, "EAGER_TAIL_MIN_BYTES", 0)
+    model = tiny_llama(layers=2)
+    # the token dim dynamic, the batch of two static (a graph with another dynamic size runs unpadded)
+    fwd = torch.compile(model.forward, backend="tscompile",
+                        options={"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 128)})
+    tails = counters["user_eager_tails"]
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad(), user_graphs.pad_without_graphs():
+        for n in (20, 100, 128):
+            ids = torch.randint(0, 96, (2, n), generator=gen)
+            torch._dynamo.mark_dynamic(ids, 1)
+            out = torch.full((2, n, 96), float("nan"))
+            out.copy_(fwd(input_ids=ids, use_cache=False).logits)
+            torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5,
+                                       msg=f"length {n}")
+    assert counters["user_eager_tails"] - tails == 3
 
 
 class _TokenDim1:

@@ -232,8 +232,20 @@ def _resize(t: torch.Tensor, dims: tuple[int, ...], rows: int, pad: bool) -> tor
 def _zeros_like_layout(t: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
     """Zeros shaped like ``t`` with ``rows`` at ``dim``, dims laid out in ``t``'s stride order: the
     compiled pieces assert their inputs' strides (an attention output is often a transposed view)."""
-    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))  # outermost first
     shape = list(t.shape)
     shape[dim] = rows
-    dense = t.new_zeros([shape[i] for i in order])
-    return dense.permute([order.index(i) for i in range(t.dim())])
+    return _new_in_layout(t, shape, t.new_zeros)
+
+
+def dense_in_layout(t: torch.Tensor) -> torch.Tensor:
+    """A dense copy of ``t`` with its dims in ``t``'s stride order. A view narrowed in its token dim
+    keeps the strides of the tensor it was cut from, which a compiled piece (asserting the strides
+    of a dense input at the live row count) refuses wherever a dim larger than one precedes it."""
+    dense = _new_in_layout(t, list(t.shape), t.new_empty)
+    dense.copy_(t)
+    return dense
+
+
+def _new_in_layout(t: torch.Tensor, shape: list[int], new) -> torch.Tensor:
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))  # outermost first
+    return new([shape[i] for i in order]).permute([order.index(i) for i in range(t.dim())])

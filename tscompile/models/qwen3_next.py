@@ -243,7 +243,7 @@ class Qwen3NextTransformer(Transformer):
                 # a head past the fused kernel's register tile keeps the three ops
                 attn = layer.linear_attn
                 attn.fused_decode = fused_decode and fused_head_fits(attn.dk, attn.dv)
-                attn.value_blocks = value_blocks
+                attn.value_blocks = min(value_blocks, 1 << (attn.dv - 1).bit_length())  # at most a column each
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Qwen3NextTransformer":
         """Seeded random weights: matrices ``N(0, std)``, norms at one (offset norms at zero), the
