@@ -21,6 +21,7 @@ compiled call is dropped after the mode. The ``--hf-*`` arguments are ``hf_args.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import statistics
 import sys
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from . import compile_stats, environment, hf_report, kernel_table, report
+from . import compile_stats, environment, hf_report, kernel_table, report, variants
 from .row_kernels import guarded_table
 from .hf_args import check_model_spec, fill_defaults
 from .hf_presets import build_preset_model
@@ -44,7 +45,19 @@ MODE_COMPILE_KWARGS: dict[str, dict | None] = {
 }
 
 
-def generate_compile_kwargs(mode: str) -> dict | None:
+def compile_kwargs(label: str, kernel_variants: dict[str, dict] | None = None) -> dict | None:
+    """The ``torch.compile`` arguments of a row label: its mode's, with a kernel variant's
+    (``tscompile-split@NAME``, ``bench/variants.py``) KernelPolicy fields laid over its options."""
+    base, name = variants.split(label)
+    kwargs = MODE_COMPILE_KWARGS[base]
+    if name is None:
+        return kwargs
+    kwargs = copy.deepcopy(kwargs)
+    kwargs["options"] = variants.compile_options(kwargs.get("options"), (kernel_variants or {})[name])
+    return kwargs
+
+
+def generate_compile_kwargs(mode: str, kernel_variants: dict[str, dict] | None = None) -> dict | None:
     """The mode's ``torch.compile`` arguments for the static-cache ``generate``, compiled afresh (no
     graph of the forward part is reused): the forward's own, ``dynamic=True`` included.
 
@@ -54,7 +67,7 @@ def generate_compile_kwargs(mode: str) -> dict | None:
     without ``dynamic=True`` the process crashed with a segmentation fault after Inductor skipped the
     prompt's graph for its mutated inputs (the cache's ``cumulative_length.add_``), taking every
     later mode with it. So the arguments stay the forward's, whose failure is an error row."""
-    return MODE_COMPILE_KWARGS[mode]
+    return compile_kwargs(mode, kernel_variants)
 
 
 # modes whose outputs live in the memory of Inductor's CUDA-graph trees: a later replay overwrites
@@ -139,7 +152,7 @@ class HFBench:
         self.eager_tokens: list[int] | None = None
 
     def _forward(self, call, ids: torch.Tensor, mode: str) -> torch.Tensor:
-        if mode in GRAPH_TREE_MODES:
+        if variants.split(mode)[0] in GRAPH_TREE_MODES:
             # stock reduce-overhead (and tscompile's unsplit graph under the same trees): the previous
             # call's outputs are dead, so the trees may replay into their memory
             torch.compiler.cudagraph_mark_step_begin()
@@ -273,15 +286,17 @@ class HFBench:
         bar.update(1)
 
     def run_mode(self, mode: str, bar) -> dict:
-        row: dict = {"mode": mode, "error": None, "compile_kwargs": MODE_COMPILE_KWARGS[mode],
-                     "generate_compile_kwargs": generate_compile_kwargs(mode)}
+        given = variants.parse(getattr(self.args, "kernel_variants", None))
+        forward_kwargs = compile_kwargs(mode, given)
+        row: dict = {"mode": mode, "error": None, "compile_kwargs": forward_kwargs,
+                     "generate_compile_kwargs": generate_compile_kwargs(mode, given)}
         self.rows.append(row)
         torch._dynamo.reset()
         errors = []
         try:
-            parts = {"forward": (self.forward_rows, len(self.args.hf_lens), MODE_COMPILE_KWARGS[mode]),
-                     "generate": (self.generate_row, 1, generate_compile_kwargs(mode)),
-                     "stream": (self.stream_row, 1, MODE_COMPILE_KWARGS[mode])}
+            parts = {"forward": (self.forward_rows, len(self.args.hf_lens), forward_kwargs),
+                     "generate": (self.generate_row, 1, row["generate_compile_kwargs"]),
+                     "stream": (self.stream_row, 1, forward_kwargs)}
             for part in self.args.hf_parts:
                 fn, steps, kwargs = parts[part]
                 done = bar.n
@@ -383,12 +398,13 @@ def _environment(device: torch.device) -> dict:
 def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, tqdm) -> int:
     import tscompile  # noqa: F401  (registers backend="tscompile" in this process, entry point or not)
 
+    # each tscompile-split row again per kernel variant (refused before the model loads where none runs)
+    modes = variants.labelled(args.hf_modes, variants.parse(getattr(args, "kernel_variants", None)))
     env = _environment(device)
     t0 = time.perf_counter()
     model = load_hf_model(args.hf_model, dtype, device, args.seed)
     load_s = time.perf_counter() - t0
     bench = HFBench(args, device, dtype, model)
-    modes = args.hf_modes
 
     def save(complete: bool) -> tuple[dict, str]:
         result = {"date": report.now_iso(), "kind": "hf-model", "hf_model": args.hf_model,

@@ -1,6 +1,7 @@
 """``tscompile bench --kernel-variants NAME=JSON ...``: the compiled engine modes measured once more
 per kernel-policy variant, in the same process, each variant's rows right after the mode's own
-(with ``--speculative``: every plain and speculative row again per variant, ``spec_workload.py``).
+(with ``--speculative``: every plain and speculative row again per variant, ``spec_workload.py``;
+with ``--hf-model``: ``tscompile-split`` again per variant, its ``options["kernels"]`` laid over).
 
 A variant is a name and a dict of ``KernelPolicy`` fields (``'fused={"fused_gated_delta": true}'``)
 laid over the run's kernels (its ``--tscompile-options`` ``kernels``, else the defaults). Its rows
@@ -50,16 +51,17 @@ def from_args(args) -> dict[str, dict]:
     """``--kernel-variants`` parsed, refused beside a bench part that runs no engine rows."""
     kernel_variants = parse(getattr(args, "kernel_variants", None))
     other = [flag for flag, on in (("--gemv-sweep", args.gemv_sweep), ("--merge", args.merge),
-                                   ("--compare", args.compare), ("--prefix-workload", args.prefix_workload),
-                                   ("--hf-model", args.hf_model)) if on]
+                                   ("--compare", args.compare), ("--prefix-workload", args.prefix_workload)) if on]
     if kernel_variants and other:
-        raise ValueError(f"tscompile: --kernel-variants measures the engine's rows (decode and prefill, or "
-                         f"--speculative's) once per variant; {other[0]} runs none of them: leave one of the two out")
+        raise ValueError(f"tscompile: --kernel-variants measures the engine's rows (decode and prefill, "
+                         f"--speculative's or --hf-model's) once per variant; {other[0]} runs none of them: leave "
+                         "one of the two out")
     return kernel_variants
 
 
 def is_variant_mode(mode: str) -> bool:
-    """The modes a variant applies to: the compiled engine's (an eager engine compiles nothing)."""
+    """The modes a variant applies to: the compiled engine's (an eager engine compiles nothing), and
+    ``--hf-model``'s split graph (``tscompile-split``)."""
     return mode.startswith("tscompile-")
 
 
@@ -68,7 +70,8 @@ def labelled(labels: list[str], variants: dict[str, dict]) -> list[str]:
     none of them is a compiled engine mode)."""
     if variants and not any(is_variant_mode(m) for m in labels):
         raise ValueError(f"tscompile: --kernel-variants runs the compiled tscompile modes once per variant, and "
-                         f"this run measures none of them (modes {labels}); add one to --modes")
+                         f"this run measures none of them (modes {labels}); add one to --modes (--hf-modes: "
+                         "tscompile-split)")
     out: list[str] = []
     for label in labels:
         out.append(label)

@@ -85,6 +85,24 @@ def test_tiny_preset_eager_and_split_through_the_cli(tmp_path, capsys, eager_pie
     assert split_line.split(" | ")[4:5] == ["0"] and "| same |" in split_line
 
 
+def test_a_kernel_variant_runs_the_split_graph_again_with_its_policy(tmp_path, eager_pieces):
+    """``--kernel-variants`` with ``--hf-model``: ``tscompile-split`` once more per variant, in the same
+    process, its options' kernels laid over (here the eager tail), labelled ``tscompile-split@NAME``."""
+    variant = {"user_graph_eager_tail": True}
+    rc, result, md = run_cli(tmp_path, extra=["--hf-parts", "forward", "--kernel-variants",
+                                              f"tail={json.dumps(variant)}"])
+    assert rc == 0
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert list(rows) == ["eager", "tscompile-split", "tscompile-split@tail"]
+    base, tail = rows["tscompile-split"], rows["tscompile-split@tail"]
+    assert tail["error"] is None, tail["error"]
+    assert "kernels" not in base["compile_kwargs"]["options"]
+    assert tail["compile_kwargs"]["options"] == {**base["compile_kwargs"]["options"], "kernels": variant}
+    for n in LENS:
+        assert tail["lengths"][str(n)]["max_abs_diff_vs_eager"] < 1e-4, n
+    assert any(line.startswith("| tscompile-split@tail |") for line in md.splitlines())
+
+
 def test_kernel_table_lists_each_modes_forward_ops_per_length(tmp_path, eager_pieces):
     """``--kernel-table`` with ``--hf-model``: per mode and length, the profiled forwards' ops (on the
     CPU, aten ops by self time), in the JSON and under "### Kernels" in the markdown."""
@@ -211,6 +229,8 @@ def test_stream_part_runs_distinct_lengths_twice_with_no_recompile(tmp_path, eag
     (["--hf-model", "narrow-tiny"], "neither a checkpoint directory nor a preset"),
     (["--hf-model", "llama-tiny", "--modes", "eager"], "with --hf-model use --hf-modes"),
     (["--hf-lens", "16"], "--hf-lens need --hf-model"),
+    (["--hf-model", "llama-tiny", "--hf-modes", "compile-default", "--kernel-variants", 't={"state_pdl": true}'],
+     "this run measures none of them"),
 ])
 def test_argument_refusals(extra, needle, capsys):
     assert tscompile_main(["bench", "--device", "cpu", "--no-progress", *extra]) == 2

@@ -111,7 +111,7 @@ def test_unknown_kernels_keys_are_refused_with_the_known_ones():
                                          r"options: \['decode_gemv', 'batch_gemv', 'decode_pdl', 'prefill_pdl', "
                                          r"'fuse_projections', 'fused_verify_attention', 'chunked_gated_delta', "
                                          r"'state_pdl', 'fused_gated_delta', 'split_gated_delta_heads', "
-                                         r"'graphed_refresh'\]"):
+                                         r"'user_graph_eager_tail', 'graphed_refresh'\]"):
         TscompileConfig.from_options({"kernels": {"gemv_fuse": True}})
 
 

@@ -287,6 +287,7 @@ def test_a_bench_run_records_the_kernel_choices_and_launch_tables_it_ran_with(mo
     off = KernelPolicy(decode_gemv=False, batch_gemv=False)
     assert environment.kernel_paths(off) == {"fuse_projections": False, "chunked_gated_delta": False,
                                              "fused_gated_delta": True, "split_gated_delta_heads": False,
+                                             "user_graph_eager_tail": False,
                                              "decode_gemv": False, "batch_gemv": False,
                                              "decode_pdl": False, "prefill_pdl": False, "state_pdl": False}
     monkeypatch.setattr(tg, "DECODE_GEMV_CONFIGS", TINY_TABLE)

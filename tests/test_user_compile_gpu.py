@@ -24,9 +24,9 @@ def tiny_llama(dtype, layers=2):
     return transformers.LlamaForCausalLM(cfg).eval().to("cuda", dtype)
 
 
-def split_graphs(model):
+def split_graphs(model, kernels=None):
     return torch.compile(model.forward, backend="tscompile", dynamic=True,
-                         options={"split_sdpa": True, "cudagraphs": True, "token_ladder": LADDER})
+                         options={"split_sdpa": True, "cudagraphs": True, "token_ladder": LADDER, "kernels": kernels})
 
 
 def graph_counters():
@@ -61,7 +61,8 @@ def test_whole_graphs_replay_bitwise_equal_to_the_padded_graph_and_close_to_eage
 
 
 def test_large_logits_leave_the_graph_and_need_no_copy(monkeypatch):
-    """Outputs over ``EAGER_TAIL_MIN_BYTES`` (here every bucket's): each bucket's graph stops before its
+    """``KernelPolicy.user_graph_eager_tail`` with outputs over ``EAGER_TAIL_MIN_BYTES`` (here every
+    bucket's): each bucket's graph stops before its
     last piece, which runs after the replay at the live rows. The logits handed back are the tail's
     own output (no copy), equal to the padded graph's bit for bit, and a later call at the same
     bucket with other ids leaves them as they were."""
@@ -79,7 +80,7 @@ def test_large_logits_leave_the_graph_and_need_no_copy(monkeypatch):
     monkeypatch.setattr(user_graph_tail.GraphTail, "finish", spy)
     torch.compiler.reset()
     model = tiny_llama(torch.bfloat16)
-    fwd = split_graphs(model)
+    fwd = split_graphs(model, kernels={"user_graph_eager_tail": True})
     gen = torch.Generator("cuda").manual_seed(2)
     tails = counters["user_eager_tails"]
     with torch.no_grad():

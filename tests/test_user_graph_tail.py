@@ -14,6 +14,8 @@ from tscompile.counters import counters
 
 from test_user_compile import run_lengths, tiny_llama
 
+TAIL_ON = {"kernels": {"user_graph_eager_tail": True}}
+
 
 class _Twice(torch.nn.Module):
     def forward(self, x):
@@ -93,13 +95,26 @@ def test_large_logits_run_the_last_piece_at_the_live_rows_and_equal_eager(monkey
 
     monkeypatch.setattr(user_graph_tail.GraphTail, "finish", spy)
     fwd = torch.compile(model.forward, backend="tscompile", dynamic=True,
-                        options={"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 128)})
+                        options={"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 128), **TAIL_ON})
     tails, wholes = counters["user_eager_tails"], counters["user_whole_graphs"]
     with user_graphs.pad_without_graphs():
         run_lengths(fwd, model, (17, 100, 120))
     assert counters["user_whole_graphs"] - wholes == 1
     assert counters["user_eager_tails"] - tails == 2
     assert rows_seen == [(100, torch.Size([1, 100, 96])), (120, torch.Size([1, 120, 96]))]
+
+
+def test_the_tail_stays_in_the_graph_unless_the_policy_asks(monkeypatch):
+    """``KernelPolicy.user_graph_eager_tail`` is off by default: outputs of any size are copied."""
+    torch.compiler.reset()
+    monkeypatch.setattr(user_graph_tail, "EAGER_TAIL_MIN_BYTES", 0)
+    model = tiny_llama(layers=1)
+    fwd = torch.compile(model.forward, backend="tscompile", dynamic=True,
+                        options={"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 128)})
+    tails, wholes = counters["user_eager_tails"], counters["user_whole_graphs"]
+    with user_graphs.pad_without_graphs():
+        run_lengths(fwd, model, (17, 100))
+    assert counters["user_whole_graphs"] - wholes == 1 and counters["user_eager_tails"] == tails
 
 
 def test_a_batch_of_prompts_hands_the_tail_dense_rows(monkeypatch):
@@ -111,7 +126,7 @@ def test_a_batch_of_prompts_hands_the_tail_dense_rows(monkeypatch):
     model = tiny_llama(layers=2)
     # the token dim dynamic, the batch of two static (a graph with another dynamic size runs unpadded)
     fwd = torch.compile(model.forward, backend="tscompile",
-                        options={"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 128)})
+                        options={"split_sdpa": True, "cudagraphs": True, "token_ladder": (32, 128), **TAIL_ON})
     tails = counters["user_eager_tails"]
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad(), user_graphs.pad_without_graphs():

@@ -66,7 +66,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, config: Tscomp
         from tscompile.user_graphs import wrap_split
 
         ladder = tuple(b for b in config.token_ladder if b <= config.prefill_graph_max_tokens)
-        return wrap_split(split, plan, example_inputs, ladder)
+        return wrap_split(split, plan, example_inputs, ladder, eager_tail=config.kernels.user_graph_eager_tail)
     return split.forward
 
 

@@ -66,6 +66,11 @@ class KernelPolicy:
         columns over 4 programs (``custom_ops/triton_gated_delta_fused.py``: the head's last program to
         finish norms its rows), so a small batch's linear-attention layer runs on about as many SMs
         as it has heads times 4 instead of one per head. Off by default: not yet timed on a GPU.
+    user_graph_eager_tail: a torch.compile user's split graph, captured whole per token bucket, leaves
+        its last piece out where that piece's outputs pass 64 MiB at the bucket (the logits of long
+        prompts) and runs it after the replay at the live rows, so the logits are not copied out of
+        graph memory (``tscompile/user_graph_tail.py``). Off by default: not yet timed on a GPU
+        (``tscompile bench --hf-model ... --kernel-variants tail='{"user_graph_eager_tail": true}'``).
     graphed_refresh: the decode and verify graphs hold the decode metadata refresh
         (``tscompile::refresh_decode_metadata``, one launch over the staged tables), so a replay
         launches nothing before the graph: the staging pads its tables and lengths to the graph's
@@ -85,6 +90,7 @@ class KernelPolicy:
     state_pdl: bool = False
     fused_gated_delta: bool = True
     split_gated_delta_heads: bool = False
+    user_graph_eager_tail: bool = False
     graphed_refresh: bool = False
 
     def __post_init__(self):

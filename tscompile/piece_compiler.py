@@ -170,6 +170,7 @@ def applied_kernel_policy(policy: KernelPolicy, device_name: str) -> dict[str, b
     return {"fuse_projections": policy.fuse_projections, "chunked_gated_delta": policy.chunked_gated_delta,
             "fused_gated_delta": policy.fused_gated_delta,
             "split_gated_delta_heads": policy.fused_gated_delta and policy.split_gated_delta_heads,
+            "user_graph_eager_tail": policy.user_graph_eager_tail,
             "decode_gemv": policy.decode_gemv and tables, "batch_gemv": policy.batch_gemv and tables,
             "decode_pdl": graph_pdl_on(policy, False, False), "prefill_pdl": graph_pdl_on(policy, False, True),
             "state_pdl": policy.state_pdl and graph_pdl_on(policy, False, False)}

@@ -1,4 +1,5 @@
-"""A torch.compile user's whole graph with its last piece run after the graph instead of inside it.
+"""A torch.compile user's whole graph with its last piece run after the graph instead of inside it
+(``KernelPolicy.user_graph_eager_tail``).
 
 A replayed graph writes its outputs to the same memory at every call, so ``user_graphs`` hands the
 caller copies of them. A decoder's forward outputs its logits: at 2048 tokens of a 128k-word

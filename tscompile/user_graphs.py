@@ -20,9 +20,10 @@ and its slicing between each two.
 
 Why outputs are copied: a replayed piece writes the same memory at every call; the caller's
 tensors must survive the next call, so the graph's outputs are cloned out of graph memory. That is
-what lets a user call the compiled model in a loop with nothing to do per step. A whole graph whose
-outputs are large at a bucket leaves its last piece out instead (``user_graph_tail.py``), so those
-outputs are made outside graph memory and need no copy.
+what lets a user call the compiled model in a loop with nothing to do per step. With
+``KernelPolicy.user_graph_eager_tail``, a whole graph whose last piece's outputs are large at a bucket
+leaves that piece out instead (``user_graph_tail.py``), so those outputs are made outside graph memory
+and need no copy.
 
 Why these graphs do not go through the engine's ``GraphRunner``: a ``torch.compile`` user has no
 engine, no step plan and no persistent input buffers, so there is no step key to select a graph
@@ -320,11 +321,12 @@ class LiveBreak:
 
 
 def wrap_split(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: list,
-               ladder: tuple[int, ...]) -> Callable:
+               ladder: tuple[int, ...], eager_tail: bool = False) -> Callable:
     """The forward of ``split`` (its pieces already compiled, ``compile_split_module``) run padded to
-    the ladder's buckets with per-bucket graphs; ``split.forward`` itself where padding is unsound."""
+    the ladder's buckets with per-bucket graphs; ``split.forward`` itself where padding is unsound.
+    ``eager_tail``: a whole graph leaves a last piece with large outputs out (``user_graph_tail``)."""
     try:
-        return _wrap(split, plan, example_inputs, ladder)
+        return _wrap(split, plan, example_inputs, ladder, eager_tail)
     except Unsupported as e:
         counters["user_graphs_refused"] += 1
         # the user asked for graphs: say why there are none where they will see it
@@ -332,7 +334,7 @@ def wrap_split(split: torch.fx.GraphModule, plan: SplitPlan, example_inputs: lis
         return split.forward
 
 
-def _wrap(split, plan, example_inputs, ladder) -> Callable:
+def _wrap(split, plan, example_inputs, ladder, eager_tail) -> Callable:
     if not ladder:
         raise Unsupported("the token ladder is empty (prefill_graph_max_tokens=0)")
     fake_args, _fake_outputs, fake_result = split.meta["tscompile_fake"]
@@ -375,7 +377,8 @@ def _wrap(split, plan, example_inputs, ladder) -> Callable:
     if whole:
         for piece in plan.of_kind("break"):
             _mask_padded_keys(split._modules[piece.name])
-        tail = split_off_tail(split, padded_fns, fake_args, pytree.tree_leaves(fake_result), sym)
+        tail = split_off_tail(split, padded_fns, fake_args, pytree.tree_leaves(fake_result), sym) if eager_tail \
+            else None
         whole_graph = WholeGraph(forward, entry, runtime, tail)
         counters["user_whole_graphs"] += 1
 
