@@ -28,11 +28,10 @@ from tscompile.custom_ops.triton_gemv import arrival_counters
 
 
 @triton.jit
-def _gated_norm(o, z_ptr, norm_w_ptr, offs_v, mask_v, sum_squares, eps, DV: tl.constexpr, dtype: tl.constexpr):
+def _gated_norm(o, z_ptr, norm_w, offs_v, mask_v, sum_squares, eps, DV: tl.constexpr, dtype: tl.constexpr):
     """The gated RMSNorm of a row's output columns ``o`` (float32, already rounded to the model
-    dtype) given the whole row's sum of squares: normed in float32, rounded, weighted, rounded,
-    gated by SiLU(z) of the same columns."""
-    norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    dtype) given the whole row's sum of squares: normed in float32, rounded, weighted by ``norm_w``
+    (the same columns' norm weights, float32), rounded, gated by SiLU(z) of the same columns."""
     normed = (o * tl.math.rsqrt(sum_squares / DV + eps)).to(dtype).to(tl.float32)
     weighted = (norm_w * normed).to(dtype).to(tl.float32)
     z = tl.load(z_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
@@ -56,6 +55,8 @@ def _gated_delta_fused_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_b
     decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
     blocks = tl.num_programs(2)
+    if not SPLIT:  # the norm's weight per column, once for every row this program norms
+        norm_w = tl.load(norm_w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     ckpt_row0 = ckpt_ptr + tl.program_id(0).to(tl.int64) * stride_cr + hv * stride_sh + offs_k[:, None] * stride_sk \
         + offs_v[None, :]
     for t in range(lo, hi):
@@ -82,7 +83,7 @@ def _gated_delta_fused_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_b
             tl.store(row_out + offs_v, o.to(dtype), mask=mask_v)
             tl.store(squares_ptr + (t * tl.num_programs(1) + hv) * blocks + tl.program_id(2), sum_squares)
         else:
-            gated = _gated_norm(o, z_ptr + t * stride_zt + hv * stride_zh, norm_w_ptr, offs_v, mask_v, sum_squares,
+            gated = _gated_norm(o, z_ptr + t * stride_zt + hv * stride_zh, norm_w, offs_v, mask_v, sum_squares,
                                 eps, DV, dtype)
             tl.store(row_out + offs_v, gated.to(dtype), mask=mask_v)
         if CHECKPOINT:
@@ -102,12 +103,13 @@ def _gated_delta_fused_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_b
             cols = tl.arange(0, BLOCK_DV)
             live = cols < DV
             shares = tl.arange(0, BLOCK_DV)
+            head_norm_w = tl.load(norm_w_ptr + cols, mask=live, other=0.0).to(tl.float32)
             for t in range(lo, hi):
                 row_out = out_ptr + t * stride_ot + hv * stride_oh
                 o = tl.load(row_out + cols, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
                 squares = tl.load(squares_ptr + (t * tl.num_programs(1) + hv) * blocks + shares,
                                   mask=shares < blocks, other=0.0, cache_modifier=".cg")
-                gated = _gated_norm(o, z_ptr + t * stride_zt + hv * stride_zh, norm_w_ptr, cols, live,
+                gated = _gated_norm(o, z_ptr + t * stride_zt + hv * stride_zh, head_norm_w, cols, live,
                                     tl.sum(squares, axis=0), eps, DV, dtype)
                 tl.store(row_out + cols, gated.to(dtype), mask=live)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

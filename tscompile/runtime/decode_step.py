@@ -14,6 +14,7 @@ first sampled (not all-greedy) step, or at start-up for the greedy variant of ev
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -146,17 +147,22 @@ set: ``ModelRunner``). ``graphs`` is None without decode graphs."""
             t[:bs].fill_(value)
 
     def capture(self, key: GraphKey) -> None:
-        """Record the step of ``key``'s size on idle inputs: two warm-up runs (the first size's
-        compiles, lazy allocations), then the capture, into the decode pool."""
+        """Record the step of ``key``'s size on idle inputs into the decode pool."""
         bs, greedy = key.batch_size, key.greedy
+        self.capture_step(key, lambda: self.run_compiled(bs, greedy), prepare=lambda: self.idle_inputs(bs))
+
+    def capture_step(self, key: GraphKey, run: Callable[[], None], prepare: Callable[[], None]) -> None:
+        """Capture ``run`` (a decode or verify step of ``key``'s size and width) after ``prepare`` (its
+        idle inputs): two warm-up runs (the first size's compiles, lazy allocations), then the
+        capture; with ``graphed_refresh`` the graph holds the refresh over the padded staged rows."""
+        bs, width = key.batch_size, key.width
 
         def step() -> None:
             if self.graphed_refresh:
-                self.refresh_padded(bs)
-            self.run_compiled(bs, greedy)
+                self.refresh_padded(bs, width)
+            run()
 
-        self.graphs.capture(key, step, prepare=lambda: self.idle_inputs(bs), warmup=2, tidy=True,
-                            guard_roots=self.guard_roots)
+        self.graphs.capture(key, step, prepare=prepare, warmup=2, tidy=True, guard_roots=self.guard_roots)
 
     def capture_ladder(self) -> None:
         """Capture the greedy variant of every ladder size, largest first (the sizes share one pool);

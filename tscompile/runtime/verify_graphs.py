@@ -119,14 +119,8 @@ class VerifyGraphs:
 
     def capture(self, key: GraphKey) -> None:
         bs, width, greedy = key.batch_size, key.width, key.greedy
-
-        def step() -> None:
-            if self.decode.graphed_refresh:
-                self.decode.refresh_padded(bs, width)
-            self.run_compiled(bs, width, greedy)
-
-        self.decode.graphs.capture(key, step, prepare=lambda: self.idle_inputs(bs, width), warmup=2, tidy=True,
-                                   guard_roots=self.decode.guard_roots)
+        self.decode.capture_step(key, lambda: self.run_compiled(bs, width, greedy),
+                                 prepare=lambda: self.idle_inputs(bs, width))
 
     def capture_ladder(self, width: int) -> None:
         """Capture the greedy verify graph of every ladder size at ``width``, largest first."""
